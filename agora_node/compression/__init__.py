@@ -1,0 +1,42 @@
+"""Codecs: Hadamard-rotated blockwise int8/int4 quantization with error feedback, strict
+zstd-framed wire format, and the stage-boundary activation codec. Pure functions on tensors
+and bytes; imports only torch, numpy, zstandard and the standard library.
+"""
+
+from agora_node.compression.activations import ActivationCodec, ActivationMode, bytes_per_token
+from agora_node.compression.errors import CodecError
+from agora_node.compression.framing import (
+    decode_dict,
+    decode_frame,
+    decode_tensor,
+    encode_dict,
+    encode_frame,
+)
+from agora_node.compression.quant import (
+    Codec,
+    ErrorFeedback,
+    QuantizedTensor,
+    dequantize,
+    quantize,
+    quantize_with_fallback,
+    relative_error,
+)
+
+__all__ = [
+    "ActivationCodec",
+    "ActivationMode",
+    "Codec",
+    "CodecError",
+    "ErrorFeedback",
+    "QuantizedTensor",
+    "bytes_per_token",
+    "decode_dict",
+    "decode_frame",
+    "decode_tensor",
+    "dequantize",
+    "encode_dict",
+    "encode_frame",
+    "quantize",
+    "quantize_with_fallback",
+    "relative_error",
+]

@@ -1,0 +1,118 @@
+"""Checkpoints: atomic, checksummed, the last few kept.
+
+A checkpoint is two files in a directory: `ckpt-<step>.pt` (torch.save of the
+state) and `ckpt-<step>.json` (run id, stage, step, sha256 of the .pt). The .pt
+is written to a temporary name, fsynced and renamed; the .json, written the
+same way after it, is the commit marker. A crash at any moment leaves either the
+previous checkpoint or the new one, never a torn file that loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+_NAME = re.compile(r"ckpt-(\d{9})\.json$")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    run_id: str
+    stage: int
+    step: int
+    sha256: str
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    run_id: str,
+    stage: int,
+    step: int,
+    state: dict[str, Any],
+    keep: int = 3,
+) -> CheckpointInfo:
+    """Write `state` as the checkpoint of `step`; keep the newest `keep` checkpoints."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getvalue()
+    digest = hashlib.sha256(payload).hexdigest()
+    pt = directory / f"ckpt-{step:09d}.pt"
+    _atomic_write(pt, payload)
+    meta = {"run_id": run_id, "stage": stage, "step": step, "sha256": digest}
+    _atomic_write(pt.with_suffix(".json"), json.dumps(meta).encode())
+    for old in list_checkpoints(directory)[keep:]:
+        for p in (old.path, old.path.with_suffix(".json")):
+            p.unlink(missing_ok=True)
+    return CheckpointInfo(pt, run_id, stage, step, digest)
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
+    """Committed checkpoints in `directory`, newest first (content not verified yet)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for meta_path in directory.glob("ckpt-*.json"):
+        if not _NAME.search(meta_path.name):
+            continue
+        try:
+            meta = json.loads(meta_path.read_text())
+            found.append(
+                CheckpointInfo(
+                    meta_path.with_suffix(".pt"),
+                    str(meta["run_id"]),
+                    int(meta["stage"]),
+                    int(meta["step"]),
+                    str(meta["sha256"]),
+                )
+            )
+        except (ValueError, KeyError, OSError) as exc:
+            log.warning("ignoring unreadable checkpoint marker %s: %s", meta_path, exc)
+    return sorted(found, key=lambda c: c.step, reverse=True)
+
+
+def load_latest_checkpoint(
+    directory: str | os.PathLike, *, run_id: str, stage: int
+) -> tuple[CheckpointInfo, dict[str, Any]] | None:
+    """The newest checkpoint of this run and stage whose checksum verifies, or None."""
+    for info in list_checkpoints(directory):
+        if info.run_id != run_id or info.stage != stage:
+            continue
+        try:
+            payload = info.path.read_bytes()
+        except OSError as exc:
+            log.warning("skipping checkpoint %s: %s", info.path, exc)
+            continue
+        if hashlib.sha256(payload).hexdigest() != info.sha256:
+            log.warning("skipping checkpoint %s: checksum mismatch (corrupt file)", info.path)
+            continue
+        return info, torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    return None

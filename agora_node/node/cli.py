@@ -1,0 +1,137 @@
+"""The `agora-node` command line: one subcommand per operator action.
+
+`main(argv) -> int` never lets a known failure escape as a traceback: bad input
+is one line on stderr and exit code 2; a failure at run time is one line and
+exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from agora_node import __version__
+from agora_node.protocol.manifest import ManifestError, load_manifest
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Bad input from the operator: reported as one line, exit code 2."""
+
+
+def _add_manifest_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--manifest",
+        default="tiny",
+        help="builtin manifest name (tiny, bench, gpu-1b) or path to a TOML file (default: tiny)",
+    )
+
+
+def cmd_train_local(args: argparse.Namespace) -> int:
+    import torch
+
+    from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
+
+    manifest = load_manifest(args.manifest)
+    manifest.check_data_available()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = LocalTrainConfig(
+        steps=args.steps,
+        eval_every=args.eval_every,
+        checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+        checkpoint_every=args.checkpoint_every,
+    )
+    print(
+        f"run {manifest.run_id} ({manifest.run.name}): training all {manifest.num_stages} stages locally"
+    )
+    result = LocalTrainer(manifest, config).run()
+    first, last = result.val_losses[0][1], result.val_losses[-1][1]
+    print(
+        f"done: {result.steps} steps, {result.tokens_per_s:.0f} tok/s, val_loss {first:.4f} -> {last:.4f}"
+    )
+    return EXIT_OK
+
+
+def cmd_manifest(args: argparse.Namespace) -> int:
+    manifest = load_manifest(args.manifest)
+    if args.check_data:
+        manifest.check_data_available()
+    if args.action == "show":
+        print(f"# run id {manifest.run_id}")
+        print(manifest.to_toml(), end="")
+    else:
+        print(f"ok: run id {manifest.run_id}, {manifest.num_stages} stages")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agora-node",
+        description="Train one pipeline stage of a language model together with strangers.",
+    )
+    parser.add_argument("--version", action="version", version=f"agora-node {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train-local", help="train the whole model in one process (the reference)")
+    _add_manifest_arg(p)
+    p.add_argument("--steps", type=int, default=200, help="inner steps (default 200)")
+    p.add_argument("--eval-every", type=int, default=50, help="steps between validation losses")
+    p.add_argument("--checkpoint-dir", help="save checkpoints here and resume from the newest")
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.set_defaults(func=cmd_train_local)
+
+    p = sub.add_parser("manifest", help="validate or print a run manifest and its run id")
+    p.add_argument("action", choices=("check", "show"))
+    _add_manifest_arg(p)
+    p.add_argument(
+        "--check-data", action="store_true", help="also check the data source is readable"
+    )
+    p.set_defaults(func=cmd_manifest)
+
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return parser
+
+
+# Subcommands defined in other modules (daemon, demo) register themselves here.
+_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def _positive_int_args(args: argparse.Namespace) -> None:
+    for name in ("steps", "eval_every", "checkpoint_every"):
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed its one-line usage error
+        return EXIT_OK if exc.code == 0 else EXIT_USAGE
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        _positive_int_args(args)
+        return args.func(args)
+    except (ManifestError, UsageError) as exc:
+        print(f"agora-node: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("agora-node: interrupted", file=sys.stderr)
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""The single-process reference trainer: every stage chained in one process.
+
+This is the baseline every swarm benchmark divides by, and the quality bar the
+swarm must match. It uses the same stage modules, data windows, micro-batching
+and inner optimizer as the daemons; only the network is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from agora_node.node.checkpoint import load_latest_checkpoint, save_checkpoint
+from agora_node.protocol.manifest import Manifest
+from agora_node.stages.data import TokenWindows
+from agora_node.stages.model import Stage, build_stages, lm_loss
+from agora_node.stages.optim import InnerOptimizer
+
+log = logging.getLogger(__name__)
+REFERENCE_STAGE = -1  # checkpoints of the whole chained model
+
+
+@dataclass(kw_only=True)
+class LocalTrainConfig:
+    steps: int = 200
+    """Inner optimizer steps to run (in total, counting resumed steps)."""
+    eval_every: int = 50
+    eval_samples: int = 32
+    """Validation windows per evaluation (a fixed, evenly spaced subset)."""
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 100
+    max_seconds: float | None = None
+    """Stop early after this much wall time (benchmarks)."""
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    tokens: int
+    seconds: float
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    train_losses: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def chain_forward(stages: list[Stage], tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of the whole model by running the stages in order."""
+    h = None
+    for stage in stages:
+        h = stage(h, tokens)
+    return h
+
+
+@torch.no_grad()
+def evaluate(
+    stages: list[Stage], windows: TokenWindows, sample_ids: list[int], micro_batch: int
+) -> float:
+    total, count = 0.0, 0
+    for i in range(0, len(sample_ids), micro_batch):
+        batch = windows.batch(sample_ids[i : i + micro_batch])
+        loss = lm_loss(chain_forward(stages, batch[:, :-1]), batch[:, 1:])
+        total += float(loss) * len(batch)
+        count += len(batch)
+    return total / count
+
+
+class LocalTrainer:
+    """Owns the chained model, its optimizer and the data order."""
+
+    def __init__(self, manifest: Manifest, config: LocalTrainConfig) -> None:
+        self.manifest, self.config = manifest, config
+        torch.manual_seed(manifest.run.seed)
+        self.stages = build_stages(manifest)
+        self.model = nn.ModuleList(self.stages)
+        self.optimizer = InnerOptimizer(self.model, manifest.inner)
+        self.train = TokenWindows(manifest, "train")
+        self.val = TokenWindows(manifest, "val")
+        self.val_ids = self.val.fixed_subset(config.eval_samples)
+        self.cursor = 0  # samples consumed, across epochs
+
+    def next_batch_ids(self, count: int) -> list[int]:
+        ids = []
+        while len(ids) < count:
+            epoch, offset = divmod(self.cursor, len(self.train))
+            ids.append(int(self.train.epoch_order(epoch)[offset]))
+            self.cursor += 1
+        return ids
+
+    def train_step(self) -> float:
+        spec = self.manifest.inner
+        ids = self.next_batch_ids(spec.local_batch)
+        n_micro = spec.local_batch // spec.micro_batch
+        total = 0.0
+        for i in range(n_micro):
+            batch = self.train.batch(ids[i * spec.micro_batch : (i + 1) * spec.micro_batch])
+            loss = lm_loss(chain_forward(self.stages, batch[:, :-1]), batch[:, 1:])
+            (loss / n_micro).backward()
+            total += loss.item() / n_micro
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return total
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "cursor": self.cursor,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.cursor = int(state["cursor"])
+
+    def save(self) -> None:
+        if self.config.checkpoint_dir is not None:
+            info = save_checkpoint(
+                self.config.checkpoint_dir,
+                run_id=self.manifest.run_id,
+                stage=REFERENCE_STAGE,
+                step=self.optimizer.steps,
+                state=self.state_dict(),
+            )
+            log.info("checkpoint saved: %s", info.path)
+
+    def resume(self) -> int:
+        if self.config.checkpoint_dir is None:
+            return 0
+        found = load_latest_checkpoint(
+            self.config.checkpoint_dir, run_id=self.manifest.run_id, stage=REFERENCE_STAGE
+        )
+        if found is None:
+            return 0
+        info, state = found
+        self.load_state_dict(state)
+        log.info("resumed from %s (step %d)", info.path, info.step)
+        return info.step
+
+    def evaluate(self) -> float:
+        self.model.eval()
+        try:
+            return evaluate(self.stages, self.val, self.val_ids, self.manifest.inner.micro_batch)
+        finally:
+            self.model.train()
+
+    def run(self, report: Callable[[str], None] = print) -> TrainResult:
+        cfg = self.config
+        tokens_per_step = self.manifest.inner.local_batch * self.manifest.model.seq_len
+        start_step = self.resume()
+        result = TrainResult(steps=0, tokens=0, seconds=0.0)
+        val = self.evaluate()
+        result.val_losses.append((start_step, val))
+        report(f"step {start_step:5d} | val_loss {val:.4f}")
+        started = time.perf_counter()
+        for step in range(start_step + 1, cfg.steps + 1):
+            loss = self.train_step()
+            elapsed = time.perf_counter() - started
+            result.steps += 1
+            result.tokens += tokens_per_step
+            result.train_losses.append(loss)
+            report(
+                f"step {step:5d} | loss {loss:.4f} | {result.tokens / elapsed:8.0f} tok/s "
+                f"| lr {self.optimizer.lr_scale() * self.manifest.inner.lr:.2e} | {elapsed:6.1f}s"
+            )
+            out_of_time = cfg.max_seconds is not None and elapsed >= cfg.max_seconds
+            if step % cfg.eval_every == 0 or step == cfg.steps or out_of_time:
+                val = self.evaluate()
+                result.val_losses.append((step, val))
+                report(f"step {step:5d} | val_loss {val:.4f}")
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time:
+                self.save()
+            if out_of_time:
+                break
+        result.seconds = time.perf_counter() - started
+        return result

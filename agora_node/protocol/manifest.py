@@ -1,0 +1,362 @@
+"""The run manifest: what every peer of a run must agree on.
+
+A manifest is TOML with five tables (`run`, `model`, `stages`, `data`, `inner`,
+`outer`). Its canonical form (sorted-key compact JSON of the resolved values)
+is hashed into the run id, which prefixes every DHT key, so peers of different
+runs or versions never mix. Validation errors name the field, the value and what
+would be valid, as one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+MANIFEST_VERSION = 1
+BUILTIN_MANIFESTS = ("tiny", "bench", "gpu-1b")
+BUILTIN_DATA_PREFIX = "builtin:"
+BUILTIN_CORPORA = ("tinyshakespeare",)
+OPTIMIZERS = ("adamw", "muon")
+TOKENIZERS = ("bytes",)  # or a path ending in .json (HF tokenizers)
+DATA_FORMATS = ("text", "jsonl")
+CODECS = ("fp32", "bf16", "int8", "int4")
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot define a run. The message is one line."""
+
+
+def _fail(name: str, value: Any, expected: str) -> None:
+    raise ManifestError(f"manifest field {name} = {value!r} is invalid: {expected}")
+
+
+def _positive(obj: Any, table: str, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            _fail(f"{table}.{name}", value, "must be a positive number")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunSpec:
+    name: str = "unnamed"
+    """Human-readable name; part of the hash, so two runs never share keys by accident."""
+    seed: int = 0
+    """Seeds the basis U, the fixed embedding table and every layer's initialization."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelSpec:
+    d_model: int = 256
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 704
+    vocab_size: int = 256
+    seq_len: int = 128
+    subspace_rank: int = 32
+    """k: stage-boundary activations live in a k-dim subspace; 0 means dense."""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        _positive(self, "model", "d_model", "n_layers", "n_heads", "n_kv_heads")
+        _positive(self, "model", "ffn_dim", "vocab_size", "seq_len", "rope_theta", "norm_eps")
+        if self.d_model % self.n_heads:
+            _fail("model.n_heads", self.n_heads, f"must divide d_model={self.d_model}")
+        if self.n_heads % self.n_kv_heads:
+            _fail("model.n_kv_heads", self.n_kv_heads, f"must divide n_heads={self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            _fail("model.n_heads", self.n_heads, "head dim d_model/n_heads must be even (RoPE)")
+        if not isinstance(self.subspace_rank, int) or not 0 <= self.subspace_rank <= self.d_model:
+            _fail("model.subspace_rank", self.subspace_rank, f"must be 0 (dense) .. {self.d_model}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass(kw_only=True, frozen=True)
+class StageSpec:
+    count: int = 4
+    """S: number of pipeline stages."""
+    layers: tuple[int, ...] = ()
+    """Layers per stage; empty means n_layers split evenly."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataSpec:
+    source: str = "builtin:tinyshakespeare"
+    """A path to a text/JSONL file, or builtin:<name> for a corpus shipped in the package."""
+    format: str = "text"
+    tokenizer: str = "bytes"
+    """`bytes` (UTF-8 bytes, vocab 256) or a path to a local HF `tokenizer.json`."""
+    val_fraction: float = 0.05
+    jsonl_field: str = "text"
+
+    def __post_init__(self) -> None:
+        if self.format not in DATA_FORMATS:
+            _fail("data.format", self.format, f"must be one of {', '.join(DATA_FORMATS)}")
+        if self.tokenizer not in TOKENIZERS and not self.tokenizer.endswith(".json"):
+            _fail("data.tokenizer", self.tokenizer, "must be 'bytes' or a path to tokenizer.json")
+        if not 0 < self.val_fraction < 0.5:
+            _fail("data.val_fraction", self.val_fraction, "must be in (0, 0.5)")
+        if self.source.startswith(BUILTIN_DATA_PREFIX):
+            name = self.source[len(BUILTIN_DATA_PREFIX) :]
+            if name not in BUILTIN_CORPORA:
+                _fail("data.source", self.source, f"builtin corpora are {BUILTIN_CORPORA}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class InnerSpec:
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    micro_batch: int = 8
+    """Sequences per micro-batch (the unit that travels between stages)."""
+    local_batch: int = 16
+    """Sequences accumulated before an inner optimizer step; a multiple of micro_batch."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            _fail("inner.optimizer", self.optimizer, f"must be one of {', '.join(OPTIMIZERS)}")
+        _positive(self, "inner", "lr", "grad_clip", "micro_batch", "local_batch")
+        if self.local_batch % self.micro_batch:
+            _fail(
+                "inner.local_batch",
+                self.local_batch,
+                f"must be a multiple of micro_batch={self.micro_batch}",
+            )
+        if self.weight_decay < 0 or self.warmup_steps < 0:
+            _fail(
+                "inner.weight_decay/warmup_steps",
+                (self.weight_decay, self.warmup_steps),
+                "must be >= 0",
+            )
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                _fail(f"inner.{name}", getattr(self, name), "must be in [0, 1)")
+
+
+@dataclass(kw_only=True, frozen=True)
+class OuterSpec:
+    inner_steps: int = 50
+    """H: inner steps between outer steps."""
+    lr: float = 0.7
+    momentum: float = 0.9
+    group_size: int = 4
+    """Replicas mixed per round; 0 means everyone (plain DiLoCo)."""
+    codec: str = "int8"
+    """Pseudo-gradient encoding on the wire."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "outer", "inner_steps", "lr")
+        if not 0 <= self.momentum < 1:
+            _fail("outer.momentum", self.momentum, "must be in [0, 1)")
+        if self.group_size < 0:
+            _fail("outer.group_size", self.group_size, "must be >= 0 (0 = everyone)")
+        if self.codec not in CODECS:
+            _fail("outer.codec", self.codec, f"must be one of {', '.join(CODECS)}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Manifest:
+    run: RunSpec = field(default_factory=RunSpec)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    stages: StageSpec = field(default_factory=StageSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    inner: InnerSpec = field(default_factory=InnerSpec)
+    outer: OuterSpec = field(default_factory=OuterSpec)
+    version: int = MANIFEST_VERSION
+
+    def __post_init__(self) -> None:
+        if self.version != MANIFEST_VERSION:
+            _fail(
+                "version",
+                self.version,
+                f"this agora-node speaks manifest version {MANIFEST_VERSION}",
+            )
+        count, n_layers = self.stages.count, self.model.n_layers
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            _fail("stages.count", count, "must be a positive integer")
+        if count > n_layers:
+            _fail("stages.count", count, f"must be <= model.n_layers={n_layers}")
+        if self.stages.layers:
+            layers = self.stages.layers
+            if len(layers) != count or any(n <= 0 for n in layers) or sum(layers) != n_layers:
+                _fail(
+                    "stages.layers",
+                    list(layers),
+                    f"need {count} positive counts summing to {n_layers}",
+                )
+        elif n_layers % count:
+            _fail(
+                "stages.count",
+                count,
+                f"must divide model.n_layers={n_layers} (or give stages.layers)",
+            )
+
+    # ---- derived -----------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return self.stages.count
+
+    @property
+    def dense(self) -> bool:
+        return self.model.subspace_rank == 0
+
+    def stage_layers(self, stage: int) -> range:
+        """Global indices of the transformer blocks that `stage` holds."""
+        if not 0 <= stage < self.num_stages:
+            raise ManifestError(
+                f"stage {stage} does not exist: valid stages are 0..{self.num_stages - 1}"
+            )
+        counts = self.stages.layers or (self.model.n_layers // self.num_stages,) * self.num_stages
+        start = sum(counts[:stage])
+        return range(start, start + counts[stage])
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["stages"]["layers"] = list(self.stages.layers)
+        return out
+
+    def canonical_bytes(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def run_id(self) -> str:
+        """Content hash of the canonical form; prefixes every DHT key of this run."""
+        return hashlib.sha256(self.canonical_bytes()).hexdigest()[:16]
+
+    def to_toml(self) -> str:
+        return dumps_toml(self.to_dict())
+
+    def check_data_available(self) -> None:
+        """Raise ManifestError if this node cannot read the data source (heads need it)."""
+        if (
+            not self.data.source.startswith(BUILTIN_DATA_PREFIX)
+            and not Path(self.data.source).is_file()
+        ):
+            _fail("data.source", self.data.source, "file not found")
+        if self.data.tokenizer.endswith(".json") and not Path(self.data.tokenizer).is_file():
+            _fail("data.tokenizer", self.data.tokenizer, "file not found")
+
+
+_TABLES = {
+    "run": RunSpec,
+    "model": ModelSpec,
+    "stages": StageSpec,
+    "data": DataSpec,
+    "inner": InnerSpec,
+    "outer": OuterSpec,
+}
+
+
+def manifest_from_dict(raw: dict[str, Any]) -> Manifest:
+    """Build and validate a Manifest; unknown tables or fields are errors (typos must not pass)."""
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "version":
+            kwargs["version"] = value
+            continue
+        spec = _TABLES.get(key)
+        if spec is None:
+            _fail(key, "...", f"unknown table; valid tables are {', '.join(_TABLES)}")
+        if not isinstance(value, dict):
+            _fail(key, value, "must be a table")
+        known = {f.name: f for f in dataclasses.fields(spec)}
+        for name, item in value.items():
+            if name not in known:
+                _fail(f"{key}.{name}", item, f"unknown field; valid fields are {', '.join(known)}")
+            _check_type(f"{key}.{name}", item, known[name].type)
+        if key == "stages" and "layers" in value:
+            value = {**value, "layers": tuple(value["layers"])}
+        try:
+            kwargs[key] = spec(**value)
+        except TypeError as exc:  # defensive: dataclass signature mismatch
+            raise ManifestError(f"manifest table [{key}] is invalid: {exc}") from None
+    return Manifest(**kwargs)
+
+
+def _check_type(name: str, value: Any, annotation: str) -> None:
+    expect = {"int": int, "float": (int, float), "str": str, "tuple[int, ...]": list}.get(
+        annotation
+    )
+    if expect is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, expect):
+        _fail(name, value, f"must be of type {annotation}")
+    if annotation == "tuple[int, ...]" and not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        _fail(name, value, "must be a list of integers")
+
+
+def parse_manifest(text: str, origin: str = "<string>") -> Manifest:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ManifestError(f"{origin}: malformed TOML: {exc}") from None
+    return manifest_from_dict(raw)
+
+
+def load_manifest(name_or_path: str) -> Manifest:
+    """Load a builtin manifest by name (`tiny`, `bench`, `gpu-1b`) or a TOML file by path."""
+    if name_or_path in BUILTIN_MANIFESTS:
+        text = (
+            resources.files("agora_node.stages")
+            .joinpath(f"manifests/{name_or_path}.toml")
+            .read_text()
+        )
+        return parse_manifest(text, origin=name_or_path)
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ManifestError(
+            f"manifest {name_or_path!r} not found: give a path to a TOML file "
+            f"or one of {', '.join(BUILTIN_MANIFESTS)}"
+        )
+    return parse_manifest(path.read_text(), origin=str(path))
+
+
+def manifest_from_canonical(data: bytes) -> Manifest:
+    """Inverse of canonical_bytes (used when a manifest is fetched from the swarm)."""
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"manifest from the swarm is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ManifestError("manifest from the swarm is not a table")
+    return manifest_from_dict(raw)
+
+
+def dumps_toml(data: dict[str, Any]) -> str:
+    """Minimal TOML writer for manifest dicts (scalars and lists inside one level of tables)."""
+    lines = [f"version = {_toml_value(data['version'])}"] if "version" in data else []
+    for table, values in data.items():
+        if table == "version":
+            continue
+        lines += ["", f"[{table}]"]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON string escapes are valid TOML basic strings
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")

@@ -1,0 +1,168 @@
+"""`agora-node status` and `agora-node leave`: operator commands that talk to a running daemon.
+
+`status` reads the status endpoint (stdlib urllib, no event loop) and prints
+this node and the swarm by stage as a table, or the raw JSON with `--json`.
+`leave` asks the daemon, over the control socket, to drain, checkpoint and exit.
+
+`register(subparsers)` adds both to the `agora-node` parser; each handler
+returns an exit code: 0 ok, 1 when the daemon cannot be reached or refuses
+(one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from agora_node.node.control import ControlError, control_call_sync, default_control_socket
+from agora_node.node.status_server import DEFAULT_HOST, DEFAULT_PORT
+
+EXIT_OK, EXIT_UNREACHABLE = 0, 1
+DEFAULT_URL = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+
+
+class StatusUnavailable(Exception):
+    """The status endpoint did not answer usefully; the message is one line."""
+
+
+def _fail(message: str) -> int:
+    print(f"agora-node: error: {message}", file=sys.stderr)
+    return EXIT_UNREACHABLE
+
+
+# -- fetching ----------------------------------------------------------------
+
+
+def fetch_json(url: str, timeout: float) -> Any:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as exc:
+        raise StatusUnavailable(f"{url} answered HTTP {exc.code}") from None
+    except urllib.error.URLError as exc:
+        reason = getattr(exc.reason, "strerror", None) or exc.reason
+        raise StatusUnavailable(f"no agora-node status endpoint at {url} ({reason})") from None
+    except TimeoutError:
+        raise StatusUnavailable(f"{url} did not answer within {timeout:g} s") from None
+    except (ValueError, OSError) as exc:  # not JSON, or the connection broke mid-body
+        raise StatusUnavailable(f"{url} did not return agora-node status ({exc})") from None
+
+
+def fetch_status(base_url: str, timeout: float = 5.0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(status, peers) from the daemon whose status endpoint is `base_url`."""
+    base = base_url.rstrip("/")
+    return fetch_json(f"{base}/api/v1/status", timeout), fetch_json(f"{base}/api/v1/peers", timeout)
+
+
+# -- rendering -----------------------------------------------------------------
+
+
+def _short(peer_id: str | None) -> str:
+    peer_id = peer_id or "?"
+    return f"{peer_id[:10]}...{peer_id[-6:]}" if len(peer_id) > 19 else peer_id
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _duration(seconds: float | None) -> str:
+    s = int(seconds or 0)
+    h, m = divmod(s // 60, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s" if m else f"{s}s"
+
+
+def format_node(s: dict[str, Any]) -> str:
+    stage = "choosing" if s.get("stage") is None else f"{s['stage']}/{s.get('num_stages', '?')}"
+    losses = s.get("last_losses") or []
+    mb = s.get("microbatches") or {}
+    first = (
+        f"this node  {_short(s.get('peer_id'))}  run {str(s.get('run_id', ''))[:12]}  "
+        f"stage {stage}  {s.get('state', '?')}  up {_duration(s.get('uptime_s'))}"
+    )
+    second = (
+        f"           inner {s.get('inner_step', 0)}  outer {s.get('outer_step', 0)}  "
+        f"{_num(s.get('throughput'))} tok/s  queue {s.get('queue', 0)}  "
+        f"in flight {s.get('in_flight', 0)}  dropped {mb.get('dropped', 0)}  "
+        f"rejected {mb.get('rejected', 0)}  "
+        f"loss {_num(losses[-1] if losses else None, 4)}  val {_num(s.get('val_loss'), 4)}"
+    )
+    return f"{first}\n{second}"
+
+
+def format_stage(entry: dict[str, Any]) -> list[str]:
+    peers = entry.get("peers", [])
+    lines = [f"stage {entry['stage']}  ({len(peers)} peer{'' if len(peers) == 1 else 's'})"]
+    if not peers:
+        return [*lines, "    (no peer serves this stage)"]
+    lines.append(f"    {'PEER':<21} {'STATE':<8} {'TOK/S':>9} {'QUEUE':>5} {'OUTER':>5} {'AGE':>6}")
+    for p in peers:
+        mark = "*" if p.get("is_self") else " "
+        lines.append(
+            f"  {mark} {_short(p.get('peer_id')):<21} {str(p.get('state', '?')):<8} "
+            f"{_num(p.get('throughput')):>9} {p.get('queue', 0):>5} "
+            f"{p.get('outer_step', 0):>5} {_duration(p.get('age_s')):>6}"
+        )
+    return lines
+
+
+def format_table(status: dict[str, Any], peers: dict[str, Any]) -> str:
+    """The human-readable `agora-node status` output (`*` marks this node)."""
+    lines = [format_node(status), ""]
+    for entry in peers.get("stages", []):
+        lines.extend(format_stage(entry))
+    return "\n".join(lines)
+
+
+# -- commands ------------------------------------------------------------------
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        status, peers = fetch_status(args.url, args.timeout)
+    except StatusUnavailable as exc:
+        return _fail(f"{exc}: is the daemon running? pass --url")
+    if args.json:
+        print(json.dumps({"status": status, "peers": peers}, indent=2))
+    else:
+        print(format_table(status, peers))
+    return EXIT_OK
+
+
+def cmd_leave(args: argparse.Namespace) -> int:
+    path = Path(args.control_socket) if args.control_socket else default_control_socket()
+    print(f"asking the daemon on {path} to leave (drain, checkpoint, exit)...", flush=True)
+    try:
+        result = control_call_sync(path, "Leave", timeout=args.timeout)
+    except ControlError as exc:
+        return _fail(str(exc))
+    details = ", ".join(f"{k} {v}" for k, v in result.items())
+    print(f"the daemon left{': ' + details if details else ''}")
+    return EXIT_OK
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `status` and `leave` to the `agora-node` subcommands."""
+    p = subparsers.add_parser("status", help="show a running daemon's view of the swarm")
+    p.add_argument(
+        "--url", default=DEFAULT_URL, help=f"the daemon's status endpoint (default {DEFAULT_URL})"
+    )
+    p.add_argument("--json", action="store_true", help="print the raw JSON of status and peers")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+    p.set_defaults(func=cmd_status)
+
+    p = subparsers.add_parser("leave", help="ask a running daemon to drain, checkpoint and exit")
+    p.add_argument(
+        "--control-socket",
+        help="the daemon's control socket (default $XDG_RUNTIME_DIR/agora-node/control.sock, "
+        "else ~/.agora-node/control.sock)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds to wait for the drain (default 120)"
+    )
+    p.set_defaults(func=cmd_leave)

@@ -1,0 +1,273 @@
+"""The status web endpoint: a read-only view of one daemon, served from a snapshot.
+
+`StatusServer` runs an aiohttp app inside the daemon's own asyncio loop. Every
+handler reads `snapshot_provider.snapshot()`, a dict the daemon has already
+computed in a background task, so a request never waits on the network (the
+DHT, peers). Mutating actions are not here: they go through the control API
+(`control.py`) on a Unix socket that only the owner can open.
+
+Routes: `/` (dashboard), `/api/v1/status`, `/api/v1/peers`, `/api/v1/config`,
+`/healthz`, `/readyz`, `/metrics`.
+
+Snapshot schema (what `snapshot()` returns; see the TypedDicts below):
+
+    {
+      "snapshot_at": float,            # unix time the daemon built this snapshot
+      "node": NodeStatus,              # this node
+      "stages": [StageView, ...],      # one per stage 0..num_stages-1, even if empty
+      "config": {...},                 # resolved config, JSON-safe, no secrets
+      "history": {"loss": [[t, v], ...], "val_loss": [...], "throughput": [...]},
+    }
+
+`History` below keeps those bounded lists for the daemon.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import secrets
+import time
+from collections import deque
+from importlib import resources
+from typing import Any, Protocol, TypedDict
+
+from aiohttp import web
+
+from agora_node.node.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8421
+HISTORY_SERIES = ("loss", "val_loss", "throughput")
+
+
+class PeerView(TypedDict):
+    """One directory entry as this node sees it."""
+
+    peer_id: str
+    state: str  # joining | warming | active | leaving
+    throughput: float  # announced tokens/s
+    queue: int  # micro-batches waiting or in flight there
+    outer_step: int
+    version: str
+    updated_at: float  # unix time (this node's clock) the entry was last refreshed
+    is_self: bool
+
+
+class StageView(TypedDict):
+    stage: int
+    peers: list[PeerView]
+
+
+class NodeStatus(TypedDict):
+    """This node. `stage` is None until one is chosen."""
+
+    peer_id: str
+    run_id: str
+    version: str
+    stage: int | None
+    num_stages: int
+    state: str  # joining | warming | active | leaving
+    started_at: float  # unix time the daemon started; the server derives uptime_s
+    inner_step: int
+    outer_step: int
+    tokens_seen: int
+    throughput: float  # tokens/s, EMA
+    queue: int  # micro-batches waiting at this node
+    in_flight: int  # micro-batches this node has sent and not yet got back
+    microbatches: dict[str, int]  # {"ok", "dropped", "rejected"} totals
+    bytes_sent: dict[str, int]  # per peer id (bounded; "other" beyond the cap)
+    bytes_received: dict[str, int]
+    last_losses: list[float]  # most recent last, a few at most
+    val_loss: float | None
+
+
+class Snapshot(TypedDict):
+    snapshot_at: float
+    node: NodeStatus
+    stages: list[StageView]
+    config: dict[str, Any]
+    history: dict[str, list[list[float]]]  # series name -> [[unix time, value], ...]
+
+
+class SnapshotProvider(Protocol):
+    def snapshot(self) -> Snapshot | dict[str, Any]:
+        """Return the latest precomputed snapshot; must not block or do I/O."""
+        ...
+
+
+class History:
+    """Bounded time series for the dashboard plots (the snapshot's `history`)."""
+
+    def __init__(self, maxlen: int = 720) -> None:  # 720 points = 24 min at one per 2 s
+        self._series = {name: deque(maxlen=maxlen) for name in HISTORY_SERIES}
+
+    def add(self, name: str, value: float, at: float | None = None) -> None:
+        self._series[name].append([time.time() if at is None else at, value])
+
+    def as_dict(self) -> dict[str, list[list[float]]]:
+        return {name: list(points) for name, points in self._series.items()}
+
+
+class StatusServerError(Exception):
+    """The status endpoint could not start; the message is one line for the operator."""
+
+
+class PortInUseError(StatusServerError):
+    pass
+
+
+def _dashboard_html() -> str:
+    return resources.files("agora_node.node").joinpath("static/dashboard.html").read_text()
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status, dumps=lambda d: json.dumps(d, allow_nan=False))
+
+
+def _finite(value: Any) -> Any:
+    """NaN/inf become None: JSON has no NaN, and a diverged loss must not break the page."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+class StatusServer:
+    """Serves the daemon's snapshot over HTTP on `host:port` (port 0: any free port)."""
+
+    def __init__(
+        self,
+        snapshot_provider: SnapshotProvider,
+        metrics: Metrics,
+        host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT,
+    ) -> None:
+        self._provider = snapshot_provider
+        self._metrics = metrics
+        self._host = host
+        self._requested_port = port
+        self._runner: web.AppRunner | None = None
+        self._html = _dashboard_html()
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when constructed with port 0)."""
+        if self._runner is None or not self._runner.addresses:
+            raise RuntimeError("status server is not started")
+        return self._runner.addresses[0][1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.add_routes(
+            [
+                web.get("/", self._index),
+                web.get("/api/v1/status", self._status),
+                web.get("/api/v1/peers", self._peers),
+                web.get("/api/v1/config", self._config),
+                web.get("/healthz", self._healthz),
+                web.get("/readyz", self._readyz),
+                web.get("/metrics", self._metrics_text),
+            ]
+        )
+        runner = web.AppRunner(app, access_log=None)  # a 2 s poller would flood the log
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self._host, self._requested_port).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise self._bind_error(exc) from exc
+        self._runner = runner
+        log.info("status endpoint on %s", self.url)
+
+    def _bind_error(self, exc: OSError) -> StatusServerError:
+        where = f"{self._host}:{self._requested_port}"
+        if exc.errno == errno.EADDRINUSE:
+            return PortInUseError(
+                f"status port {self._requested_port} is in use ({where}): pass --status-port"
+            )
+        return StatusServerError(f"cannot serve status on {where}: {exc.strerror or exc}")
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- handlers: each reads the snapshot and nothing else -----------------
+
+    async def _index(self, request: web.Request) -> web.Response:
+        # A per-response nonce lets only our inline script run; peer-supplied
+        # strings are escaped by the page, the CSP is the second line of defence.
+        nonce = secrets.token_urlsafe(16)
+        csp = (
+            "default-src 'none'; connect-src 'self'; style-src 'unsafe-inline'; "
+            f"script-src 'nonce-{nonce}'; base-uri 'none'; form-action 'none'"
+        )
+        body = self._html.replace("{{nonce}}", nonce)
+        return web.Response(
+            text=body,
+            content_type="text/html",
+            headers={"Content-Security-Policy": csp, "Cache-Control": "no-store"},
+        )
+
+    async def _status(self, request: web.Request) -> web.Response:
+        snap = self._provider.snapshot()
+        node = dict(snap["node"])
+        now = time.time()
+        node["uptime_s"] = max(0.0, now - node.get("started_at", now))
+        node["snapshot_age_s"] = max(0.0, now - snap.get("snapshot_at", now))
+        node["history"] = snap.get("history", {})
+        return _json(_finite(node))
+
+    async def _peers(self, request: web.Request) -> web.Response:
+        snap = self._provider.snapshot()
+        now = time.time()
+        stages = [
+            {
+                "stage": entry["stage"],
+                "peers": [
+                    {**p, "age_s": max(0.0, now - p.get("updated_at", now))}
+                    for p in entry.get("peers", [])
+                ],
+            }
+            for entry in snap.get("stages", [])
+        ]
+        node = snap["node"]
+        body = {
+            "run_id": node.get("run_id"),
+            "num_stages": node.get("num_stages", len(stages)),
+            "self": node.get("peer_id"),
+            "snapshot_age_s": max(0.0, now - snap.get("snapshot_at", now)),
+            "stages": stages,
+        }
+        return _json(_finite(body))
+
+    async def _config(self, request: web.Request) -> web.Response:
+        return _json(_finite(self._provider.snapshot().get("config", {})))
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        # Answering at all proves the daemon's event loop is not blocked.
+        return _json({"ok": True})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        state = self._provider.snapshot()["node"].get("state", "unknown")
+        ready = state == "active"
+        return _json({"ready": ready, "state": state}, status=200 if ready else 503)
+
+    async def _metrics_text(self, request: web.Request) -> web.Response:
+        self._metrics.update_from_snapshot(self._provider.snapshot())
+        return web.Response(
+            body=self._metrics.render(), headers={"Content-Type": self._metrics.content_type}
+        )

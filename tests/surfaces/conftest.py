@@ -1,0 +1,92 @@
+"""Fixtures for the operator-surface tests: a fake daemon snapshot and a live status server."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import pytest
+
+from agora_node.node.metrics import Metrics
+from agora_node.node.status_server import History, StatusServer
+
+SELF_ID = "12D3KooWSelfPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+OTHER_ID = "12D3KooWOtherPeerBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"
+
+
+def make_snapshot(state: str = "active") -> dict[str, Any]:
+    """A snapshot shaped exactly as the daemon produces it (see status_server's docstring)."""
+    now = time.time()
+    history = History(maxlen=4)
+    for i in range(6):  # more than maxlen: the ring must keep only the newest
+        history.add("loss", 4.0 - 0.1 * i, at=now - 6 + i)
+    history.add("throughput", 1200.0, at=now)
+
+    def peer(peer_id: str, is_self: bool, peer_state: str = "active") -> dict[str, Any]:
+        return {
+            "peer_id": peer_id,
+            "state": peer_state,
+            "throughput": 1234.5,
+            "queue": 2,
+            "outer_step": 3,
+            "version": "0.1.0",
+            "updated_at": now - 4,
+            "is_self": is_self,
+        }
+
+    return {
+        "snapshot_at": now,
+        "node": {
+            "peer_id": SELF_ID,
+            "run_id": "3f2a1b0c9d8e7f6a",
+            "version": "0.1.0",
+            "stage": 1,
+            "num_stages": 3,
+            "state": state,
+            "started_at": now - 312,
+            "inner_step": 120,
+            "outer_step": 3,
+            "tokens_seen": 65536,
+            "throughput": 1234.5,
+            "queue": 2,
+            "in_flight": 1,
+            "microbatches": {"ok": 40, "dropped": 1, "rejected": 0},
+            "bytes_sent": {OTHER_ID: 1000},
+            "bytes_received": {OTHER_ID: 2000},
+            "last_losses": [3.9, 3.812],
+            "val_loss": 3.901,
+        },
+        "stages": [
+            {"stage": 0, "peers": [peer(OTHER_ID, False)]},
+            {"stage": 1, "peers": [peer(SELF_ID, True), peer("12D3KooWLeaver", False, "leaving")]},
+            {"stage": 2, "peers": []},
+        ],
+        "config": {"stage": "auto", "status_port": 0, "manifest": "tiny"},
+        "history": history.as_dict(),
+    }
+
+
+class FakeDaemon:
+    """Stands in for the daemon: holds a precomputed snapshot, as the real one does."""
+
+    def __init__(self, state: str = "active") -> None:
+        self.current = make_snapshot(state)
+
+    def snapshot(self) -> dict[str, Any]:
+        return copy.deepcopy(self.current)
+
+
+@pytest.fixture
+def daemon() -> FakeDaemon:
+    return FakeDaemon()
+
+
+@pytest.fixture
+async def status_server(daemon: FakeDaemon):
+    server = StatusServer(daemon, Metrics(), port=0)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()

@@ -1,0 +1,79 @@
+"""Metrics: private registries, agora_ names, bounded labels, levels from the snapshot."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agora_node.node.metrics import MAX_PEERS, MAX_REASONS, OTHER, Metrics
+
+from .conftest import OTHER_ID, make_snapshot
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+    text = metrics.render().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_two_instances_do_not_share_a_registry():
+    a, b = Metrics(), Metrics()  # the global registry would raise "Duplicated timeseries"
+    a.count_rejected_record("bad_signature")
+    assert samples(a)[("agora_records_rejected_total", (("reason", "bad_signature"),))] == 1
+    assert ("agora_records_rejected_total", (("reason", "bad_signature"),)) not in samples(b)
+
+
+def test_every_metric_is_prefixed():
+    m = Metrics()
+    m.update_from_snapshot(make_snapshot())
+    names = {name for name, _ in samples(m)}
+    assert names and all(name.startswith("agora_") for name in names)
+
+
+def test_events_are_counted():
+    m = Metrics()
+    m.count_microbatch("ok", latency_s=0.2)
+    m.count_microbatch("dropped")
+    m.add_bytes(OTHER_ID, sent=100, received=50)
+    m.add_bytes(OTHER_ID, sent=1)
+    s = samples(m)
+    assert s[("agora_microbatches_total", (("result", "ok"),))] == 1
+    assert s[("agora_microbatches_total", (("result", "rejected"),))] == 0
+    assert s[("agora_microbatch_latency_seconds_count", ())] == 1
+    assert s[("agora_bytes_sent_total", ())] == 101
+    assert m.microbatch_counts() == {"ok": 1, "dropped": 1, "rejected": 0}
+    assert m.bytes_by_peer() == ({OTHER_ID: 101}, {OTHER_ID: 50})
+
+
+def test_unknown_microbatch_result_is_refused():
+    with pytest.raises(ValueError, match="result"):
+        Metrics().count_microbatch("weird")
+
+
+def test_label_values_stay_bounded():
+    m = Metrics()
+    for i in range(MAX_REASONS + 5):
+        m.count_rejected_record(f"reason-{i}")
+    for i in range(MAX_PEERS + 5):
+        m.add_bytes(f"peer-{i}", sent=1)
+    reasons = {dict(k[1])["reason"] for k in samples(m) if k[0] == "agora_records_rejected_total"}
+    assert len(reasons) == MAX_REASONS + 1 and OTHER in reasons
+    sent, _ = m.bytes_by_peer()
+    assert len(sent) == MAX_PEERS + 1 and sent[OTHER] == 5
+
+
+def test_levels_come_from_the_snapshot():
+    m = Metrics()
+    m.update_from_snapshot(make_snapshot(state="warming"))
+    s = samples(m)
+    assert s[("agora_stage", ())] == 1
+    assert s[("agora_state", (("agora_state", "warming"),))] == 1
+    assert s[("agora_state", (("agora_state", "active"),))] == 0
+    assert s[("agora_loss", ())] == pytest.approx(3.812)
+    assert s[("agora_peers_alive", (("stage", "1"),))] == 1  # the leaving peer does not count
+    assert s[("agora_peers_alive", (("stage", "2"),))] == 0

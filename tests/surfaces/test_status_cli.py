@@ -1,0 +1,82 @@
+"""`agora-node status` and `agora-node leave` against live servers, and with nothing listening."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from agora_node.node.control import ControlServer
+from agora_node.node.status_cli import register
+
+from .test_control import FakeHandlers
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="agora-node")
+    register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+async def run(argv: list[str]) -> int:
+    # The commands block (urllib, asyncio.run); a thread keeps this loop serving them.
+    args = parse(argv)
+    return await asyncio.to_thread(args.func, args)
+
+
+async def test_status_table(status_server, capsys):
+    assert await run(["status", "--url", status_server.url]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith(
+        "this node  12D3KooWSe...AAAAAA  run 3f2a1b0c9d8e  stage 1/3  active"
+    )
+    assert "1234.5 tok/s" in lines[1] and "dropped 1" in lines[1] and "loss 3.8120" in lines[1]
+    assert "stage 1  (2 peers)" in out and "stage 2  (0 peers)" in out
+    assert "(no peer serves this stage)" in out
+    self_row = next(line for line in lines if line.startswith("  * "))
+    assert self_row.split()[2:6] == ["active", "1234.5", "2", "3"]
+    assert any("leaving" in line for line in lines)
+
+
+async def test_status_json(status_server, capsys):
+    assert await run(["status", "--url", status_server.url + "/", "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["status"]["stage"] == 1 and len(body["peers"]["stages"]) == 3
+
+
+async def test_status_unreachable(status_server, capsys):
+    url = status_server.url
+    await status_server.stop()  # the port is now closed
+    assert await run(["status", "--url", url, "--timeout", "2"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith(f"agora-node: error: no agora-node status endpoint at {url}")
+    assert "Traceback" not in captured.err
+
+
+async def test_leave(tmp_path: Path, capsys):
+    sock = tmp_path / "control.sock"
+    handlers = FakeHandlers()
+    server = ControlServer(sock, handlers)
+    await server.start()
+    try:
+        assert await run(["leave", "--control-socket", str(sock)]) == 0
+    finally:
+        await server.stop()
+    assert handlers.calls == [("leave", None)]
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "the daemon left: state leaving, checkpoint /ckpt/step-120.pt"
+
+
+async def test_leave_without_daemon(tmp_path: Path, capsys):
+    sock = tmp_path / "control.sock"
+    assert await run(["leave", "--control-socket", str(sock)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"agora-node: error: no agora-node daemon listening on {sock}\n"

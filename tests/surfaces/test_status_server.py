@@ -1,0 +1,97 @@
+"""Status endpoint: every route's shape and status, served from a fake daemon snapshot."""
+
+from __future__ import annotations
+
+import re
+
+import aiohttp
+import pytest
+
+from agora_node.node.metrics import Metrics
+from agora_node.node.status_server import PortInUseError, StatusServer
+
+from .conftest import SELF_ID, FakeDaemon
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def get(server: StatusServer, path: str) -> tuple[int, dict, str]:
+    async with aiohttp.ClientSession() as session, session.get(server.url + path) as r:
+        return r.status, dict(r.headers), await r.text()
+
+
+async def get_json(server: StatusServer, path: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session, session.get(server.url + path) as r:
+        return r.status, await r.json()
+
+
+async def test_status_route(status_server):
+    code, body = await get_json(status_server, "/api/v1/status")
+    assert code == 200
+    assert body["peer_id"] == SELF_ID and body["stage"] == 1 and body["state"] == "active"
+    assert 300 < body["uptime_s"] < 400
+    assert body["microbatches"]["dropped"] == 1
+    assert body["bytes_sent"] and body["last_losses"][-1] == 3.812
+    assert len(body["history"]["loss"]) == 4  # the ring kept the newest 4 of 6
+    assert body["history"]["loss"][-1][1] == pytest.approx(3.5)
+
+
+async def test_peers_route(status_server):
+    code, body = await get_json(status_server, "/api/v1/peers")
+    assert code == 200
+    assert body["num_stages"] == 3 and body["self"] == SELF_ID
+    assert [s["stage"] for s in body["stages"]] == [0, 1, 2]
+    peer = body["stages"][1]["peers"][0]
+    assert peer["is_self"] and peer["age_s"] >= 4
+    assert body["stages"][2]["peers"] == []
+
+
+async def test_config_and_healthz(status_server):
+    assert await get_json(status_server, "/api/v1/config") == (
+        200,
+        {"stage": "auto", "status_port": 0, "manifest": "tiny"},
+    )
+    assert await get_json(status_server, "/healthz") == (200, {"ok": True})
+
+
+@pytest.mark.parametrize("state", ["joining", "warming", "leaving"])
+async def test_readyz_is_503_until_active(status_server, daemon: FakeDaemon, state: str):
+    assert await get_json(status_server, "/readyz") == (200, {"ready": True, "state": "active"})
+    daemon.current["node"]["state"] = state
+    assert await get_json(status_server, "/readyz") == (503, {"ready": False, "state": state})
+
+
+async def test_metrics_route(status_server):
+    code, headers, text = await get(status_server, "/metrics")
+    assert code == 200 and headers["Content-Type"].startswith("text/plain")
+    for name in ("agora_stage 1.0", "agora_inner_step", "agora_microbatches_total", "agora_state"):
+        assert name in text
+
+
+async def test_nan_loss_becomes_null(status_server, daemon: FakeDaemon):
+    daemon.current["node"]["val_loss"] = float("nan")
+    code, body = await get_json(status_server, "/api/v1/status")
+    assert code == 200 and body["val_loss"] is None
+
+
+async def test_dashboard_is_self_contained(status_server):
+    code, headers, html = await get(status_server, "/")
+    assert code == 200 and headers["Content-Type"].startswith("text/html")
+    assert "api/v1/status" in html and "api/v1/peers" in html
+    # Nothing but the serving daemon may be contacted: no absolute URL at all.
+    assert "http://" not in html and "https://" not in html and "//cdn" not in html
+    assert not re.search(r"""(src|href)\s*=\s*["']//""", html)
+    nonce = re.search(r'<script nonce="([^"]+)">', html).group(1)
+    assert "{{" not in html and f"'nonce-{nonce}'" in headers["Content-Security-Policy"]
+
+
+async def test_bound_port_is_reported(status_server):
+    assert status_server.port > 0
+    assert status_server.url == f"http://127.0.0.1:{status_server.port}"
+
+
+async def test_port_in_use(status_server, daemon: FakeDaemon):
+    second = StatusServer(daemon, Metrics(), port=status_server.port)
+    with pytest.raises(PortInUseError, match=rf"status port {status_server.port} is in use"):
+        await second.start()
+    await second.stop()  # a failed start leaves nothing to clean, stop is still safe

@@ -1,0 +1,163 @@
+"""The libp2p host and DHT of one node, with the failure modes of hivemind handled.
+
+One libp2p daemon per node: the P2P instance is created in the node's own event
+loop (so RPC handlers run there), and the hivemind DHT process replicates it.
+hivemind forks the DHT into a child process and the libp2p daemon is a child
+too; both outlive a SIGKILLed parent (HIVEMIND_NOTES.md), so a small reaper
+process kills them when this process dies (see reaper.py).
+
+DHT calls go through `store`/`get` here: always in the background
+(`return_future=True`), awaited with a timeout, so a dead DHT process never hangs
+the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import hivemind
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
+
+from agora_node.comms.reaper import Reaper
+
+log = logging.getLogger(__name__)
+
+DHT_TIMEOUT_S = 10.0
+
+
+class HostError(RuntimeError):
+    """The node's network host could not start (message is one line for the operator)."""
+
+
+@dataclass(kw_only=True)
+class HostConfig:
+    identity_path: str
+    initial_peers: Sequence[str] = ()
+    host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: Sequence[str] = ()
+    nat: bool = False
+    """Let libp2p use UPnP/NAT-PMP and AutoNAT (off: contact nothing but the given peers)."""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:300] or type(exc).__name__
+
+
+class Host:
+    """A started libp2p daemon + hivemind DHT; use `await Host.start(config)`."""
+
+    def __init__(self, p2p: P2P, dht: hivemind.DHT, reaper: Reaper) -> None:
+        self.p2p, self.dht, self._reaper = p2p, dht, reaper
+        self.peer_id: str = p2p.peer_id.to_base58()
+
+    @classmethod
+    async def start(cls, config: HostConfig) -> Host:
+        for maddr in (
+            list(config.initial_peers) + list(config.host_maddrs) + list(config.announce_maddrs)
+        ):
+            _check_maddr(maddr)
+        reaper = Reaper.start()
+        try:
+            p2p = await P2P.create(
+                initial_peers=list(config.initial_peers) or None,
+                host_maddrs=list(config.host_maddrs),
+                announce_maddrs=list(config.announce_maddrs) or None,
+                identity_path=config.identity_path,
+                # hivemind's identity check parses RSA keys only; ours are Ed25519
+                # (HIVEMIND_NOTES.md). The node checks for a duplicate itself.
+                check_if_identity_free=False,
+                nat_port_map=config.nat,
+                auto_nat=config.nat,
+                use_auto_relay=False,
+            )
+        except Exception as exc:  # hivemind raises bare P2PDaemonError / RuntimeError
+            reaper.stop()
+            raise _explain_start_failure(exc, config) from None
+        reaper.watch(p2p._child.pid)  # noqa: SLF001 - no public accessor for the daemon's pid
+        try:
+            dht = hivemind.DHT(
+                initial_peers=list(config.initial_peers) or None,
+                p2p=p2p,
+                start=True,
+                num_workers=4,
+            )
+        except Exception as exc:
+            await p2p.shutdown()
+            reaper.stop()
+            raise HostError(f"DHT failed to start: {_one_line(exc)}") from None
+        reaper.watch(dht.pid)
+        return cls(p2p, dht, reaper)
+
+    async def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in await self.p2p.get_visible_maddrs()]
+
+    async def store(self, key: str, value: Any, ttl: float, subkey: str | None = None) -> bool:
+        future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
+        try:
+            return bool(await asyncio.wait_for(_awaited(future), DHT_TIMEOUT_S))
+        except TimeoutError:
+            log.warning("DHT store of %s timed out after %.0fs", key, DHT_TIMEOUT_S)
+            return False
+
+    async def get(self, key: str, latest: bool = True) -> Any:
+        """The value under `key` (for subkeyed keys: {subkey: value}), or None."""
+        future = self.dht.get(key, latest=latest, return_future=True)
+        try:
+            found = await asyncio.wait_for(_awaited(future), DHT_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("DHT get of %s timed out after %.0fs", key, DHT_TIMEOUT_S)
+            return None
+        if found is None:
+            return None
+        value = found.value
+        if isinstance(value, dict):  # subkeys -> ValueWithExpiration
+            return {k: getattr(v, "value", v) for k, v in value.items()}
+        return value
+
+    def is_alive(self) -> bool:
+        return self.dht.is_alive() and self.p2p.is_alive
+
+    async def shutdown(self) -> None:
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(self.dht.shutdown)
+        finally:
+            await self.p2p.shutdown()
+            self._reaper.stop()
+        log.debug("host shut down in %.1fs", time.monotonic() - started)
+
+
+async def _awaited(future: Any) -> Any:
+    """hivemind's MPFuture is awaitable when created inside a running loop."""
+    return await future
+
+
+def _check_maddr(maddr: str) -> None:
+    try:
+        Multiaddr(maddr)
+    except Exception as exc:
+        raise HostError(f"invalid multiaddr {maddr!r}: {_one_line(exc)}") from None
+
+
+def _explain_start_failure(exc: BaseException, config: HostConfig) -> HostError:
+    text = _one_line(exc)
+    if "bootstrap" in text.lower() or "connect" in text.lower():
+        peers = ", ".join(config.initial_peers)
+        return HostError(
+            f"could not reach any initial peer ({peers}): check the address and that it runs"
+        )
+    if "address already in use" in text.lower():
+        return HostError(f"a listen address is already in use ({', '.join(config.host_maddrs)})")
+    return HostError(f"libp2p daemon failed to start: {text}")
+
+
+def peer_id_from_str(peer_id: str) -> PeerID:
+    return PeerID.from_base58(peer_id)

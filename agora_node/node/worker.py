@@ -1,0 +1,263 @@
+"""The stage worker: the one place where this node's torch compute happens.
+
+All compute runs on a single dedicated thread, so the event loop that serves
+RPCs never blocks on a matrix multiply, and no two torch calls race on weights.
+
+Weight versions (PipeDream-2BW style). Micro-batches interleave: an inner
+optimizer step can land between a micro-batch's forward and its backward.
+Forwards therefore run on a *version copy* of the weights (functional_call),
+never on the master parameters the optimizer updates in place. A step sums the
+gradients that finished on every live version into the master, steps, and
+publishes a fresh copy; a micro-batch still in flight keeps the copy its
+forward used (its graph references it) and its gradient lands in the next
+step, one step late. Nothing is recomputed with mixed weights and no graph sees
+an in-place update.
+
+What backward needs: the autograd graph of each in-flight micro-batch while at
+most `max_graphs` are open; beyond that only the stage input is kept and the
+forward is recomputed on the same version copy at backward time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.func import functional_call
+
+from agora_node.protocol.manifest import Manifest
+from agora_node.stages.model import Stage, lm_loss
+from agora_node.stages.optim import InnerOptimizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    version: int
+    params: dict[str, Tensor]
+    tokens: Tensor
+    x_in: Tensor | None
+    """Leaf input (requires grad) for stages > 0; None at stage 0."""
+    out: Tensor | None
+    """Boundary output with its graph, or None when only the input was kept."""
+    samples: int
+    created: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class WorkerStats:
+    tokens: int = 0
+    microbatches: int = 0
+    compute_s: float = 0.0
+    recomputed: int = 0
+    expired: int = 0
+    steps: int = 0
+    stale_grads: int = 0
+    """Micro-batches whose gradient was computed on an older weight version than the step used."""
+    throughput: float = 0.0
+    """Tokens/s of compute (EMA), what the node announces."""
+
+
+class StageWorker:
+    def __init__(
+        self, manifest: Manifest, index: int, *, max_graphs: int = 16, pending_ttl_s: float = 120.0
+    ) -> None:
+        self.manifest, self.index = manifest, index
+        self.stage = Stage(manifest, index)
+        self.optimizer = InnerOptimizer(self.stage, manifest.inner)
+        self.micro_per_step = manifest.inner.local_batch // manifest.inner.micro_batch
+        self.max_graphs, self.pending_ttl_s = max_graphs, pending_ttl_s
+        self.stats = WorkerStats()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{index}")
+        self._pending: dict[str, _Pending] = {}
+        self._finished_since_step = 0
+        self._versions_with_grads: dict[int, dict[str, Tensor]] = {}
+        self._lock = threading.Lock()  # guards state snapshots taken from the worker thread
+        self._publish_version(0)
+
+    # ---- plumbing ------------------------------------------------------------------
+    async def call(self, fn, *args: Any) -> Any:  # noqa: ANN001
+        """Run fn(*args) on the worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def _publish_version(self, version: int) -> None:
+        self._version = version
+        self._params = {
+            name: p.detach().clone().requires_grad_(True)
+            for name, p in self.stage.named_parameters()
+        }
+
+    def _forward(self, params: dict[str, Tensor], x: Tensor | None, tokens: Tensor) -> Tensor:
+        return functional_call(self.stage, params, (x, tokens))
+
+    def _account(self, started: float, tokens: int) -> None:
+        spent = time.perf_counter() - started
+        s = self.stats
+        s.compute_s += spent
+        s.tokens += tokens
+        s.microbatches += 1
+        rate = tokens / max(spent, 1e-6)
+        s.throughput = rate if s.throughput == 0 else 0.9 * s.throughput + 0.1 * rate
+
+    # ---- compute (worker thread only) ------------------------------------------------
+    def forward(self, mb_id: str, c_in: Tensor | None, tokens: Tensor) -> Tensor:
+        """Forward of a micro-batch that will come back with a gradient; returns boundary coefficients."""
+        started = time.perf_counter()
+        self._expire()
+        params, inputs = self._params, tokens[:, :-1]
+        x_in = (
+            None
+            if c_in is None
+            else self.stage.decode_boundary(c_in, inputs).detach().requires_grad_(True)
+        )
+        keep_graph = len(self._pending) < self.max_graphs
+        with torch.set_grad_enabled(keep_graph):
+            out = self._forward(params, x_in, inputs)
+            c_out = self.stage.encode_boundary(out, inputs)
+        self._pending[mb_id] = _Pending(
+            self._version, params, tokens, x_in, c_out if keep_graph else None, samples=len(tokens)
+        )
+        self._account(started, tokens[:, :-1].numel())
+        return c_out.detach()
+
+    def backward(self, mb_id: str, grad_c_out: Tensor) -> Tensor | None:
+        """Backward of a forwarded micro-batch; returns the gradient w.r.t. its input coefficients."""
+        started = time.perf_counter()
+        p = self._pending.pop(mb_id)
+        out = p.out
+        if out is None:  # graph was not kept: recompute on the same weight version
+            self.stats.recomputed += 1
+            out = self.stage.encode_boundary(
+                self._forward(p.params, p.x_in, p.tokens[:, :-1]), p.tokens[:, :-1]
+            )
+        out.backward(grad_c_out)
+        grad_in = self._input_grad(p.x_in)
+        self._finish(p.version, p.params)
+        self._account(started, p.tokens[:, :-1].numel())
+        return grad_in
+
+    def forward_backward_last(
+        self, c_in: Tensor | None, tokens: Tensor, loss_scale: float
+    ) -> tuple[float, Tensor | None]:
+        """The last stage: loss and gradient in one go (nothing kept)."""
+        started = time.perf_counter()
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        params = self._params
+        x_in = (
+            None
+            if c_in is None
+            else self.stage.decode_boundary(c_in, inputs).detach().requires_grad_(True)
+        )
+        loss = lm_loss(self._forward(params, x_in, inputs), targets)
+        (loss * loss_scale).backward()
+        grad_in = self._input_grad(x_in)
+        self._finish(self._version, params)
+        self._account(started, inputs.numel())
+        return float(loss.detach()), grad_in
+
+    def _input_grad(self, x_in: Tensor | None) -> Tensor | None:
+        """dL/dc for the upstream stage: the k-dim projection dL/dx U (or dL/dx when dense)."""
+        if x_in is None:
+            return None
+        return x_in.grad @ self.stage.basis if self.stage.subspace else x_in.grad
+
+    @torch.no_grad()
+    def forward_eval(self, c_in: Tensor | None, tokens: Tensor) -> Tensor | float:
+        """Forward only (validation): boundary coefficients, or the loss at the last stage."""
+        inputs = tokens[:, :-1]
+        x_in = None if c_in is None else self.stage.decode_boundary(c_in, inputs)
+        out = self._forward(self._params, x_in, inputs)
+        if self.stage.is_last:
+            return float(lm_loss(out, tokens[:, 1:]))
+        return self.stage.encode_boundary(out, inputs)
+
+    def discard(self, mb_id: str) -> None:
+        self._pending.pop(mb_id, None)
+
+    def _expire(self) -> None:
+        deadline = time.monotonic() - self.pending_ttl_s
+        for mb_id in [k for k, p in self._pending.items() if p.created < deadline]:
+            del self._pending[mb_id]
+            self.stats.expired += 1
+
+    def _finish(self, version: int, params: dict[str, Tensor]) -> None:
+        self._versions_with_grads[version] = params
+        if version != self._version:
+            self.stats.stale_grads += 1
+        self._finished_since_step += 1
+        if self._finished_since_step >= self.micro_per_step:
+            self._step()
+
+    def _step(self) -> None:
+        """Sum finished gradients of every live version into the master weights and step."""
+        masters = dict(self.stage.named_parameters())
+        for params in self._versions_with_grads.values():
+            for name, p in params.items():
+                if p.grad is None:
+                    continue
+                master = masters[name]
+                master.grad = p.grad.clone() if master.grad is None else master.grad.add_(p.grad)
+                p.grad = None
+        self._versions_with_grads.clear()
+        with self._lock:
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self._publish_version(self._version + 1)
+        self._finished_since_step = 0
+        self.stats.steps += 1
+
+    # ---- state: call these through `call` so they serialize with compute -------------
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "model": {k: v.clone() for k, v in self.stage.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(),
+                "version": self._version,
+                "tokens": self.stats.tokens,
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self.stage.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self._pending.clear()
+            self._versions_with_grads.clear()
+            self._publish_version(int(state.get("version", 0)))
+
+    def state_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save(self.state_dict(), buf)
+        return buf.getvalue()
+
+    def load_state_bytes(self, blob: bytes) -> None:
+        self.load_state_dict(torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True))
+
+    def parameter_checksum(self) -> str:
+        """sha256 over the weights (names and bytes): equal iff two replicas hold the same weights."""
+        digest = hashlib.sha256()
+        with self._lock:
+            for name, tensor in sorted(self.stage.state_dict().items()):
+                digest.update(name.encode())
+                digest.update(tensor.detach().contiguous().numpy().tobytes())
+        return digest.hexdigest()

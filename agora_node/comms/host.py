@@ -99,12 +99,19 @@ class Host:
     async def visible_maddrs(self) -> list[str]:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]
 
-    async def store(self, key: str, value: Any, ttl: float, subkey: str | None = None) -> bool:
+    async def store(
+        self,
+        key: str,
+        value: Any,
+        ttl: float,
+        subkey: str | None = None,
+        timeout: float = DHT_TIMEOUT_S,
+    ) -> bool:
         future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
         try:
-            return bool(await asyncio.wait_for(_awaited(future), DHT_TIMEOUT_S))
+            return bool(await asyncio.wait_for(_awaited(future), timeout))
         except TimeoutError:
-            log.warning("DHT store of %s timed out after %.0fs", key, DHT_TIMEOUT_S)
+            log.warning("DHT store of %s timed out after %.0fs", key, timeout)
             return False
 
     async def get(self, key: str, latest: bool = True) -> Any:

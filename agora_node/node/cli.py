@@ -95,13 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_manifest)
 
-    for register in _EXTRA_COMMANDS:
+    for register in _extra_commands():
         register(sub)
     return parser
 
 
-# Subcommands defined in other modules (daemon, demo) register themselves here.
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
+    """Subcommands defined next to the code they drive (imported lazily: torch-free parsing)."""
+    from agora_node.node import commands, demo, status_cli
+
+    return [commands.register, status_cli.register, demo.register]
 
 
 def _positive_int_args(args: argparse.Namespace) -> None:

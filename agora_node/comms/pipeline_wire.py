@@ -1,0 +1,176 @@
+"""Wire format of the pipeline data plane: one request and one response per hop.
+
+A forward request carries a micro-batch to the next stage: its id, the token ids
+(every stage needs them: positions for the fixed embedding table, targets at the
+last stage) and the boundary activation (k subspace coefficients per token,
+framed by the activation codec). The response comes back on the same stream
+once everything downstream is done: the loss and the gradient w.r.t. the
+activation that was sent, k values per token as well.
+
+Layout: 4-byte header length | JSON header | 4-byte tokens length | tokens
+(int16 or int32, little endian) | codec frame. Parsing is strict: anything
+inconsistent raises WireError with a code the sender can act on.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+
+import numpy as np
+import torch
+
+WIRE_VERSION = 1
+MAX_HEADER = 4096
+
+
+class Status(StrEnum):
+    OK = "ok"
+    BUSY = "busy"
+    """Try another replica now; this one is full or leaving."""
+    REJECTED = "rejected"
+    """The request is malformed; retrying it anywhere is pointless."""
+    FAILED = "failed"
+    """This hop or one below it failed; another replica may succeed."""
+
+
+class Code(StrEnum):
+    NONE = ""
+    UNKNOWN_RUN = "unknown_run"
+    WRONG_STAGE = "wrong_stage"
+    BAD_SHAPE = "bad_shape"
+    BAD_TOKENS = "bad_tokens"
+    BAD_PAYLOAD = "bad_payload"
+    NON_FINITE = "non_finite"
+    BAD_HEADER = "bad_header"
+    OVERLOADED = "overloaded"
+    LEAVING = "leaving"
+    NOT_READY = "not_ready"
+    DOWNSTREAM = "downstream"
+    INTERNAL = "internal"
+
+
+class WireError(ValueError):
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(kw_only=True)
+class ForwardHeader:
+    run_id: str
+    mb_id: str
+    stage: int
+    """The stage this request is addressed to."""
+    batch: int
+    seq: int
+    width: int
+    loss_scale: float = 1.0
+    """Multiplies the loss before backward (1 / micro-batches per inner step)."""
+    train: bool = True
+    """False: forward only (validation), no gradient comes back."""
+    origin: str = ""
+    version: int = WIRE_VERSION
+
+
+@dataclass(kw_only=True)
+class ResponseHeader:
+    status: str
+    code: str = ""
+    message: str = ""
+    loss: float | None = None
+    stats: dict = field(default_factory=dict)
+
+
+def _pack(header: dict, tokens: bytes, payload: bytes) -> bytes:
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return b"".join(
+        (struct.pack("<I", len(head)), head, struct.pack("<I", len(tokens)), tokens, payload)
+    )
+
+
+def _unpack(data: bytes) -> tuple[dict, bytes, memoryview]:
+    view = memoryview(data)
+    if len(view) < 8:
+        raise WireError(Code.BAD_HEADER, "message too short")
+    (head_len,) = struct.unpack_from("<I", view, 0)
+    if head_len > MAX_HEADER or 4 + head_len + 4 > len(view):
+        raise WireError(Code.BAD_HEADER, f"header length {head_len} is invalid")
+    try:
+        header = json.loads(bytes(view[4 : 4 + head_len]))
+    except (ValueError, UnicodeDecodeError):
+        raise WireError(Code.BAD_HEADER, "header is not JSON") from None
+    if not isinstance(header, dict):
+        raise WireError(Code.BAD_HEADER, "header is not an object")
+    offset = 4 + head_len
+    (tok_len,) = struct.unpack_from("<I", view, offset)
+    offset += 4
+    if offset + tok_len > len(view):
+        raise WireError(Code.BAD_TOKENS, "token section overruns the message")
+    return header, bytes(view[offset : offset + tok_len]), view[offset + tok_len :]
+
+
+def encode_tokens(tokens: torch.Tensor) -> bytes:
+    dtype = np.int16 if int(tokens.max()) < 2**15 else np.int32
+    return bytes([2 if dtype is np.int16 else 4]) + tokens.numpy().astype(dtype).tobytes()
+
+
+def decode_tokens(data: bytes, batch: int, seq: int, vocab: int) -> torch.Tensor:
+    if not data or data[0] not in (2, 4):
+        raise WireError(Code.BAD_TOKENS, "unknown token width")
+    dtype = np.int16 if data[0] == 2 else np.int32
+    expected = batch * (seq + 1) * data[0]
+    if len(data) - 1 != expected:
+        raise WireError(
+            Code.BAD_TOKENS, f"token section has {len(data) - 1} bytes, expected {expected}"
+        )
+    ids = np.frombuffer(data, dtype=dtype, offset=1).astype(np.int64).reshape(batch, seq + 1)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise WireError(Code.BAD_TOKENS, f"token ids outside the vocabulary 0..{vocab - 1}")
+    return torch.from_numpy(ids.copy())
+
+
+def encode_forward(header: ForwardHeader, tokens: torch.Tensor, activation: bytes) -> bytes:
+    return _pack(asdict(header), encode_tokens(tokens), activation)
+
+
+def decode_forward(data: bytes) -> tuple[ForwardHeader, bytes, memoryview]:
+    """Header, raw token section and activation frame; checks types, not run semantics."""
+    raw, tokens, payload = _unpack(data)
+    try:
+        header = ForwardHeader(
+            **{k: raw[k] for k in ForwardHeader.__dataclass_fields__ if k in raw}
+        )
+    except TypeError as exc:
+        raise WireError(Code.BAD_HEADER, f"forward header: {exc}") from None
+    for name in ("stage", "batch", "seq", "width"):
+        value = getattr(header, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise WireError(Code.BAD_HEADER, f"forward header field {name} = {value!r}")
+    if not isinstance(header.loss_scale, int | float) or not 0 < header.loss_scale <= 1:
+        raise WireError(Code.BAD_HEADER, f"loss_scale = {header.loss_scale!r}")
+    return header, tokens, payload
+
+
+def encode_response(header: ResponseHeader, gradient: bytes = b"") -> bytes:
+    return _pack(asdict(header), b"", gradient)
+
+
+def decode_response(data: bytes) -> tuple[ResponseHeader, memoryview]:
+    raw, _, payload = _unpack(data)
+    try:
+        header = ResponseHeader(
+            **{k: raw[k] for k in ResponseHeader.__dataclass_fields__ if k in raw}
+        )
+        Status(header.status)
+    except (TypeError, ValueError) as exc:
+        raise WireError(Code.BAD_HEADER, f"response header: {exc}") from None
+    return header, payload
+
+
+def error_response(status: Status, code: Code, message: str) -> bytes:
+    return encode_response(
+        ResponseHeader(status=status.value, code=code.value, message=message[:300])
+    )

@@ -1,0 +1,190 @@
+"""Routing: which next-stage replica gets a micro-batch (SWARM-like), as pure state.
+
+A sender keeps a `Router` per next stage. It picks the candidate with the least
+expected completion time, (in flight from us + queue it announced + 1) x the time
+one micro-batch takes there: measured (EMA of observed latencies) when we have
+measurements, else derived from the throughput it announced. A peer we know
+nothing about gets an optimistic time so that it is probed, the way SWARM puts
+new peers at the top of its heap.
+
+Failures ban a peer for a while: `busy` for a short fixed back-off (it is alive,
+only full), `timeout`, `error` and `rejected` for a ban that doubles with each
+consecutive failure up to a cap; one success clears it.
+
+The clock is passed in (`now`, seconds, any monotonic origin) and ties are
+broken by an injected `random.Random`, so the policy is tested without a
+network or sleeps. This module must not import hivemind.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+
+from agora_node.protocol.records import NodeRecord, NodeState
+
+PeerId = str
+
+_TIE = 1e-9  # relative tolerance under which two expected times count as equal
+
+
+class FailureKind(StrEnum):
+    BUSY = "busy"
+    """The peer answered that it is full; it is alive, try it again soon."""
+    TIMEOUT = "timeout"
+    ERROR = "error"
+    REJECTED = "rejected"
+    """The peer refused the micro-batch (e.g. it no longer serves this stage or run)."""
+
+
+@dataclass(kw_only=True)
+class PeerStats:
+    announced_throughput: float = 0.0
+    """Tokens/s from the peer's record (0: unknown)."""
+    announced_queue: int = 0
+    state: str = NodeState.ACTIVE.value
+    latency_ema: float | None = None
+    """Seconds per micro-batch we observed, smoothed; None until the first success."""
+    in_flight: int = 0
+    """Micro-batches we sent that have neither succeeded nor failed."""
+    consecutive_failures: int = 0
+    banned_until: float = 0.0
+    successes: int = 0
+    failures: int = 0
+    last_failure: str | None = None
+
+
+@dataclass(kw_only=True, frozen=True)
+class RouterConfig:
+    tokens_per_item: int
+    """Tokens in one micro-batch (micro_batch x seq_len): turns announced tokens/s into s/item."""
+    ema_alpha: float = 0.3
+    """Weight of a new latency sample."""
+    busy_backoff_s: float = 0.5
+    ban_s: float = 2.0
+    """Ban after the first timeout/error/rejection; doubles per consecutive failure."""
+    max_ban_s: float = 60.0
+    probe_factor: float = 0.5
+    """A peer with no data and nothing in flight is estimated at this fraction of the
+    best known time, so that it is probed."""
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_item <= 0:
+            raise ValueError(f"tokens_per_item must be positive, got {self.tokens_per_item}")
+        if not 0 < self.ema_alpha <= 1:
+            raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+        if not 0 < self.probe_factor <= 1:
+            raise ValueError(f"probe_factor must be in (0, 1], got {self.probe_factor}")
+
+
+class Router:
+    """Per-peer statistics and the choice of the next-stage peer for one sender."""
+
+    def __init__(self, config: RouterConfig, rng: random.Random | None = None) -> None:
+        self.config = config
+        self._rng = rng or random.Random()
+        self._peers: dict[PeerId, PeerStats] = {}
+
+    def _stats(self, peer: PeerId) -> PeerStats:
+        return self._peers.setdefault(peer, PeerStats())
+
+    # ---- inputs --------------------------------------------------------------------
+    def update_announced(self, records: Iterable[NodeRecord]) -> None:
+        """Take throughput, queue and state from the peers' latest directory records."""
+        for record in records:
+            stats = self._stats(record.peer_id)
+            stats.announced_throughput = max(0.0, record.throughput)
+            stats.announced_queue = max(0, record.queue)
+            stats.state = record.state
+
+    def on_sent(self, peer: PeerId, now: float) -> None:
+        self._stats(peer).in_flight += 1
+
+    def on_success(self, peer: PeerId, latency_s: float, now: float) -> None:
+        stats = self._stats(peer)
+        stats.in_flight = max(0, stats.in_flight - 1)
+        a = self.config.ema_alpha
+        latency_s = max(0.0, latency_s)
+        stats.latency_ema = (
+            latency_s if stats.latency_ema is None else a * latency_s + (1 - a) * stats.latency_ema
+        )
+        stats.successes += 1
+        stats.consecutive_failures = 0
+        stats.banned_until = 0.0
+
+    def on_failure(self, peer: PeerId, now: float, kind: FailureKind | str) -> None:
+        kind = FailureKind(kind)
+        stats = self._stats(peer)
+        stats.in_flight = max(0, stats.in_flight - 1)
+        stats.failures += 1
+        stats.last_failure = kind.value
+        if kind is FailureKind.BUSY:
+            # Alive but full: a short pause, and not a step towards a long ban.
+            ban = self.config.busy_backoff_s
+        else:
+            stats.consecutive_failures += 1
+            doubling = min(stats.consecutive_failures - 1, 30)  # 2**30 s is past any cap
+            ban = min(self.config.ban_s * 2**doubling, self.config.max_ban_s)
+        stats.banned_until = max(stats.banned_until, now + ban)
+
+    # ---- the choice ------------------------------------------------------------------
+    def item_time(self, peer: PeerId) -> float | None:
+        """Seconds one micro-batch takes at `peer`: measured, else announced, else None."""
+        stats = self._peers.get(peer)
+        if stats is not None and stats.latency_ema is not None:
+            return stats.latency_ema
+        if stats is not None and stats.announced_throughput > 0:
+            return self.config.tokens_per_item / stats.announced_throughput
+        return None
+
+    def expected_time(self, peer: PeerId, *, default: float = 1.0) -> float:
+        """Expected completion time of one more micro-batch sent to `peer` now.
+
+        `default` is the per-item time assumed for a peer we know nothing about
+        (choose() passes the best known one).
+        """
+        stats = self._peers.get(peer) or PeerStats()
+        per_item = self.item_time(peer)
+        if per_item is None:
+            # Optimistic until one probe is out: it gets tried soon, but not flooded
+            # before we learn whether it answers at all.
+            per_item = default * (self.config.probe_factor if stats.in_flight == 0 else 1.0)
+        return (stats.in_flight + stats.announced_queue + 1) * per_item
+
+    def usable(self, peer: PeerId, now: float) -> bool:
+        stats = self._peers.get(peer)
+        if stats is None:
+            return True
+        # Joining nodes have no weights yet; leaving nodes take no new work.
+        return stats.banned_until <= now and stats.state not in (
+            NodeState.JOINING,
+            NodeState.LEAVING,
+        )
+
+    def choose(
+        self, candidates: Iterable[PeerId], now: float, exclude: Iterable[PeerId] = ()
+    ) -> PeerId | None:
+        """The usable candidate with the least expected completion time; None if none is usable."""
+        skip = set(exclude)
+        usable = [p for p in dict.fromkeys(candidates) if p not in skip and self.usable(p, now)]
+        if not usable:
+            return None
+        known = [t for p in usable if (t := self.item_time(p)) is not None]
+        default = min(known, default=1.0)  # with nothing known, all peers look alike
+        times = {p: self.expected_time(p, default=default) for p in usable}
+        best = min(times.values())
+        tied = [p for p, t in times.items() if t <= best * (1 + _TIE)]
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+
+    # ---- status ------------------------------------------------------------------------
+    def snapshot(self, now: float | None = None) -> dict[PeerId, dict]:
+        """Per-peer statistics for the status page (plain JSON-able values)."""
+        out = {}
+        for peer, stats in self._peers.items():
+            row = asdict(stats)
+            if now is not None:
+                row["banned_for_s"] = max(0.0, stats.banned_until - now)
+            out[peer] = row
+        return out

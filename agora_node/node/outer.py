@@ -1,0 +1,440 @@
+"""Outer steps of one stage replica: gossip-mixed DiLoCo (factored in two mixes).
+
+Round t of a replica, as the daemon drives it:
+
+    await outer.begin_round()          # publish, find this round's groups, start the
+                                       # anchor mix in the background
+    ... H inner steps on the module ...
+    report = await outer.end_round(tokens=n)   # blocking pseudo-gradient mix, then
+                                               # the Nesterov step; module := new anchor
+
+- `OuterState` holds the anchor (weights at the last outer step), the outer
+  momentum and the round counter, as flat float32 vectors.
+- The anchor mix averages the anchors of a random group as they were at round
+  start (inputs frozen: the anchor does not change during a round), overlapped
+  with the inner steps. A group whose anchors already agree (same digest) skips
+  it, so with one group of everyone nothing is sent.
+- The pseudo-gradient mix averages delta = anchor - weights over another random
+  group, compressed with error feedback.
+- Then anchor := mixed anchor - lr * (mixed delta + momentum * m), m := momentum *
+  m + mixed delta (torch SGD's Nesterov form), and the weights := anchor. With one
+  group of everyone and no compression this is exactly DiLoCo.
+
+A newcomer (`warming`, e.g. after a state transfer) contributes weight 0 to both
+mixes until it has completed one round. Contribution weight is the tokens processed
+in the round, capped (by every reducer) at what H inner steps can process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from agora_node.comms.collective import (
+    AggregationSpec,
+    AllReduce,
+    Deadlines,
+    GroupPlan,
+    Matchmaker,
+    MatchmakingConfig,
+    Outcome,
+    PartEncoder,
+    RoundBook,
+    RoundView,
+    WireFormat,
+)
+from agora_node.comms.collective.payload import max_frame_bytes
+from agora_node.compression import Codec
+from agora_node.protocol.identity import Identity
+from agora_node.protocol.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+_CODECS = {"fp32": Codec.FP32, "bf16": Codec.BF16, "int8": Codec.INT8, "int4": Codec.INT4}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterConfig:
+    lr: float = 0.7
+    momentum: float = 0.9
+    group_size: int = 4
+    """Replicas per group (at least; 0 = everyone, plain DiLoCo)."""
+    codec: str = "int8"
+    """Pseudo-gradient parts on the wire (error feedback on for quantized codecs)."""
+    result_codec: str | None = None
+    """Mixed spans on the wire; default int8 after int8/int4, else the same as `codec`."""
+    anchor_codec: str | None = None
+    """Anchors on the wire; default fp32 with fp32 deltas, else bf16 (weights quantize badly)."""
+    block: int = 256
+    rotation_seed: int | None = 0
+    aggregation: AggregationSpec = field(default_factory=AggregationSpec)
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("codec", "result_codec", "anchor_codec"):
+            value = getattr(self, name)
+            if value is not None and value not in _CODECS:
+                raise ValueError(f"outer {name} must be one of {', '.join(_CODECS)}, not {value!r}")
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest, **overrides: Any) -> OuterConfig:
+        o = manifest.outer
+        cap = float(o.inner_steps * manifest.inner.local_batch * manifest.model.seq_len)
+        aggregation = overrides.pop("aggregation", AggregationSpec())
+        return cls(
+            lr=o.lr,
+            momentum=o.momentum,
+            group_size=o.group_size,
+            codec=o.codec,
+            aggregation=replace(aggregation, max_weight=min(cap, aggregation.max_weight)),
+            **overrides,
+        )
+
+    def delta_format(self) -> WireFormat:
+        part = _CODECS[self.codec]
+        default = Codec.INT8 if part.is_quantized else part
+        result = _CODECS[self.result_codec] if self.result_codec else default
+        return WireFormat(
+            part=part,
+            result=result,
+            block=self.block,
+            seed=self.rotation_seed,
+            error_feedback=part.is_quantized,
+        )
+
+    def anchor_format(self) -> WireFormat:
+        default = Codec.FP32 if self.codec == "fp32" else Codec.BF16
+        codec = _CODECS[self.anchor_codec] if self.anchor_codec else default
+        return WireFormat(part=codec, result=codec, block=self.block, seed=self.rotation_seed)
+
+
+class OuterState:
+    """Anchor, outer momentum and round counter of one replica's parameters."""
+
+    def __init__(self, module: nn.Module, *, lr: float, momentum: float) -> None:
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.lr, self.mu = lr, momentum
+        self.anchor = self.weights()
+        self.momentum = torch.zeros_like(self.anchor)
+        self.round = 0
+        self.warming = False
+
+    @property
+    def numel(self) -> int:
+        return self.anchor.numel()
+
+    def weights(self) -> Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+
+    def pseudo_gradient(self) -> Tensor:
+        """delta = anchor - weights: how far the inner steps moved (a descent direction)."""
+        return self.anchor - self.weights()
+
+    @torch.no_grad()
+    def apply(self, mixed_delta: Tensor, mixed_anchor: Tensor | None = None) -> None:
+        """Nesterov outer step from the (mixed) anchor; the weights become the new anchor."""
+        base = self.anchor if mixed_anchor is None else mixed_anchor.float()
+        self.momentum.mul_(self.mu).add_(mixed_delta)
+        self.anchor = base - self.lr * (mixed_delta + self.mu * self.momentum)
+        self.load_weights(self.anchor)
+        self.round += 1
+        self.warming = False
+
+    @torch.no_grad()
+    def load_weights(self, flat: Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p))
+            offset += n
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.anchor.numpy().tobytes()).hexdigest()[:32]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "anchor": self.anchor.clone(),
+            "momentum": self.momentum.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], *, warming: bool = True) -> None:
+        """Adopt a peer's outer state (the module's weights are loaded by the caller)."""
+        anchor, momentum = state["anchor"].float(), state["momentum"].float()
+        if anchor.shape != self.anchor.shape or momentum.shape != self.anchor.shape:
+            raise ValueError(f"outer state has {anchor.numel()} values, this stage {self.numel}")
+        self.anchor, self.momentum = anchor.clone(), momentum.clone()
+        self.round = int(state["round"])
+        self.warming = warming
+
+
+@dataclass
+class RoundReport:
+    round: int
+    participants: int
+    anchor_group: tuple[str, ...]
+    delta_group: tuple[str, ...]
+    anchor_mixed: bool
+    consistent: bool
+    failed_peers: list[str]
+    rejected: dict[str, int]
+    bytes_sent: int
+    bytes_received: int
+    seconds_blocked: float
+    """end_round's wall time: what the inner loop waited for."""
+    seconds_waiting_prep: float
+    """Part of it spent waiting for matchmaking / the anchor mix to finish."""
+    deadline: float
+    """Worst-case duration of the blocking mix under failures."""
+    delta_norm: float
+    mixed_norm: float
+    clip_radius: float | None
+
+
+@dataclass
+class _Prep:
+    view: RoundView
+    delta_plan: GroupPlan | None
+    anchor: Outcome | None
+
+
+class OuterLoop:
+    """The outer step machinery the daemon calls; see the module docstring for the cycle."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        identity: Identity,
+        *,
+        run_id: str,
+        stage: int,
+        config: OuterConfig,
+        book: RoundBook,
+        transport: Any,
+        board: Any,
+    ) -> None:
+        self.state = OuterState(module, lr=config.lr, momentum=config.momentum)
+        self.identity, self.me = identity, identity.peer_id
+        self.run_id, self.stage, self.config = run_id, stage, config
+        self.book, self.transport = book, transport
+        self.namespace = f"agora/{run_id}/outer/{stage}"
+        self.matchmaker = Matchmaker(
+            board, identity, run_id=run_id, stage=stage, config=config.matchmaking
+        )
+        self.delta_encoder = PartEncoder(config.delta_format())
+        self.anchor_encoder = PartEncoder(config.anchor_format())
+        self.last_report: RoundReport | None = None
+        self.totals = {"rounds": 0, "bytes_sent": 0, "bytes_received": 0, "seconds_blocked": 0.0}
+        self._prep: asyncio.Task[_Prep] | None = None
+        self._closers: list[Any] = []
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    async def create(
+        cls,
+        dht: Any,
+        module: nn.Module,
+        identity: Identity,
+        manifest: Manifest,
+        *,
+        stage: int | None = None,
+        config: OuterConfig | None = None,
+    ) -> OuterLoop:
+        """Serve the collective on the DHT's libp2p daemon, in the caller's event loop."""
+        from agora_node.comms.collective.groups import DHTBoard
+        from agora_node.comms.collective.handlers import Responder
+        from agora_node.comms.collective.p2p import CollectiveServicer, P2PTransport
+
+        stage = getattr(module, "index", 0) if stage is None else stage
+        peer_id = (await asyncio.to_thread(lambda: dht.peer_id)).to_base58()
+        if peer_id != identity.peer_id:
+            raise ValueError("the DHT's libp2p identity must be the node's Ed25519 identity")
+        p2p = await dht.replicate_p2p()
+        config = config or OuterConfig.from_manifest(manifest)
+        limit = max_frame_bytes(sum(p.numel() for p in module.parameters()))
+        book = RoundBook(peer_id)
+        namespace = f"agora/{manifest.run_id}/outer/{stage}"
+        servicer = CollectiveServicer(Responder(book), limit)
+        await servicer.add_p2p_handlers(p2p, namespace=namespace)
+        transport = P2PTransport(p2p, namespace=namespace, max_frame_bytes=limit)
+        loop = cls(
+            module,
+            identity,
+            run_id=manifest.run_id,
+            stage=stage,
+            config=config,
+            book=book,
+            transport=transport,
+            board=DHTBoard(dht),
+        )
+        loop._closers.append(lambda: servicer.remove_p2p_handlers(p2p, namespace=namespace))
+        return loop
+
+    async def close(self) -> None:
+        if self._prep is not None:
+            self._prep.cancel()
+        for closer in self._closers:
+            await closer()
+
+    # ---- the round --------------------------------------------------------------------------
+    async def begin_round(self, *, expect: int | None = None) -> None:
+        """Join round `state.round`; matchmaking and the anchor mix continue in the background.
+
+        expect: how many replicas of this stage the caller knows of (itself included);
+        when all of them have joined, the round closes without waiting for the window.
+        """
+        if self._prep is not None:
+            raise RuntimeError(f"round {self.state.round} already begun")
+        self._prep = asyncio.create_task(self._prepare(self.state.round, expect))
+
+    async def end_round(self, *, tokens: int) -> RoundReport:
+        """Mix pseudo-gradients, take the outer step, load the new anchor into the module."""
+        started = time.monotonic()
+        if self._prep is None:
+            await self.begin_round()
+        delta = await asyncio.to_thread(self.state.pseudo_gradient)
+        prep_task, self._prep = self._prep, None
+        prep = await prep_task
+        waited = time.monotonic() - started
+        outcome = None
+        if prep.delta_plan is not None:
+            weight = 0.0 if self.state.warming else float(tokens)
+            outcome = await self._mix(prep.delta_plan, delta, weight, self.delta_encoder)
+        mixed = delta if outcome is None else outcome.value
+        anchor = None if prep.anchor is None else prep.anchor.value
+        round_no = self.state.round
+        await asyncio.to_thread(self.state.apply, mixed, anchor)
+        report = self._report(round_no, prep, outcome, delta, mixed, started, waited)
+        self._account(report)
+        return report
+
+    async def _prepare(self, round_no: int, expect: int | None) -> _Prep:
+        digest = await asyncio.to_thread(self.state.digest)
+        view = await self.matchmaker.gather(
+            round_no, digest=digest, warming=self.state.warming, expect=expect
+        )
+        g = self.config.group_size
+        delta_group, anchor_group = view.group("delta", g), view.group("anchor", g)
+        delta_plan = self._plan(round_no, "delta", delta_group)
+        if delta_plan is not None:
+            self.book.register(delta_plan)  # accept parts from members that finish first
+        digests = {(view.entry(p).digest if view.entry(p) else p) for p in anchor_group}
+        anchor_plan = self._plan(round_no, "anchor", anchor_group) if len(digests) > 1 else None
+        anchor = None
+        if anchor_plan is not None:
+            weight = 0.0 if self.state.warming else 1.0
+            anchor = await self._mix(anchor_plan, self.state.anchor, weight, self.anchor_encoder)
+        return _Prep(view, delta_plan, anchor)
+
+    def _plan(self, round_no: int, phase: str, group: tuple[str, ...]) -> GroupPlan | None:
+        if len(group) < 2:
+            return None
+        return GroupPlan(
+            round=round_no,
+            phase=phase,
+            members=group,
+            numel=self.state.numel,
+            block=self.config.block,
+            namespace=self.namespace,
+        )
+
+    async def _mix(
+        self, plan: GroupPlan, flat: Tensor, weight: float, encoder: PartEncoder
+    ) -> Outcome:
+        fmt = encoder.fmt
+        run = AllReduce(
+            self.book.register(plan),
+            self.transport,
+            fmt=fmt,
+            encoder=encoder,
+            aggregation=self.config.aggregation,
+            deadlines=self.config.deadlines,
+        )
+        return await run.run(flat, weight)
+
+    # ---- state transfer and status ----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], *, warming: bool = True) -> None:
+        if self._prep is not None:
+            raise RuntimeError("cannot load outer state in the middle of a round")
+        self.state.load_state_dict(state, warming=warming)
+        self.delta_encoder.reset()  # the residual belonged to the old trajectory
+
+    def status(self) -> dict[str, Any]:
+        last = self.last_report
+        return {
+            "outer_round": self.state.round,
+            "warming": self.state.warming,
+            "in_round": self._prep is not None,
+            "group": list(last.delta_group) if last else [],
+            "last_round": None
+            if last is None
+            else last.__dict__ | {"rejected": dict(last.rejected)},
+            **self.totals,
+        }
+
+    def _report(
+        self,
+        round_no: int,
+        prep: _Prep,
+        outcome: Outcome | None,
+        delta: Tensor,
+        mixed: Tensor,
+        started: float,
+        waited: float,
+    ) -> RoundReport:
+        outcomes = [o for o in (prep.anchor, outcome) if o is not None]
+        radii = outcome.stats.clip_radii if outcome is not None else []
+        failed = sorted({p for o in outcomes for p in o.stats.failed_peers})
+        rejected: dict[str, int] = {}
+        for o in outcomes:
+            for reason, count in o.stats.rejected.items():
+                rejected[reason] = rejected.get(reason, 0) + count
+        fmt = self.config.delta_format()
+        n = len(prep.delta_plan.members) if prep.delta_plan else 1
+        return RoundReport(
+            round=round_no,
+            participants=len(prep.view.entries),
+            anchor_group=prep.view.group("anchor", self.config.group_size),
+            delta_group=prep.view.group("delta", self.config.group_size),
+            anchor_mixed=prep.anchor is not None,
+            consistent=all(o.consistent for o in outcomes),
+            failed_peers=failed,
+            rejected=rejected,
+            bytes_sent=sum(o.stats.bytes_sent for o in outcomes),
+            bytes_received=sum(o.stats.bytes_received for o in outcomes),
+            seconds_blocked=time.monotonic() - started,
+            seconds_waiting_prep=waited,
+            deadline=self.config.deadlines.worst_case(self.state.numel, n, fmt),
+            delta_norm=float(delta.norm()),
+            mixed_norm=float(mixed.norm()),
+            clip_radius=math.sqrt(sum(r * r for r in radii)) if radii else None,
+        )
+
+    def _account(self, report: RoundReport) -> None:
+        self.last_report = report
+        self.totals["rounds"] += 1
+        self.totals["bytes_sent"] += report.bytes_sent
+        self.totals["bytes_received"] += report.bytes_received
+        self.totals["seconds_blocked"] += report.seconds_blocked
+        log.info(
+            "outer round %d | group %d/%d | anchor %s | sent %.1f MB | blocked %.2fs%s",
+            report.round,
+            len(report.delta_group),
+            report.participants,
+            "mixed" if report.anchor_mixed else "in sync",
+            report.bytes_sent / 1e6,
+            report.seconds_blocked,
+            "" if report.consistent else " | INCONSISTENT",
+        )

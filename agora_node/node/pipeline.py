@@ -1,0 +1,441 @@
+"""The data plane of one node: serve micro-batches for its stage, inject them at stage 0.
+
+A micro-batch is one nested round trip: stage 0 sends it to a stage-1 replica,
+which forwards it, sends it on, waits for the answer, runs backward and answers
+with the gradient w.r.t. what it received; the last stage computes the loss and
+answers at once. Each hop keeps its autograd graph (or input) until its
+downstream answers, so a downstream replica that vanishes costs a retry on
+another replica, not the micro-batch. A micro-batch that cannot complete within
+its deadline is dropped and counted, never stuck.
+
+Compute (codec, forward, backward) runs in the stage worker's thread; the
+handlers here only validate headers, route and wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from agora_node.comms import streams
+from agora_node.comms.pipeline_wire import (
+    Code,
+    ForwardHeader,
+    ResponseHeader,
+    Status,
+    WireError,
+    decode_forward,
+    decode_response,
+    decode_tokens,
+    encode_forward,
+    encode_response,
+    error_response,
+)
+from agora_node.comms.routing import FailureKind, Router, RouterConfig
+from agora_node.compression import ActivationCodec, CodecError
+from agora_node.node.worker import StageWorker
+from agora_node.protocol.manifest import Manifest
+from agora_node.stages.data import TokenWindows
+
+log = logging.getLogger(__name__)
+
+
+def protocol_name(run_id: str) -> str:
+    return f"/agora/{run_id}/forward/1"
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    max_in_flight: int = 4
+    """Micro-batches a head keeps in the pipeline."""
+    max_queue: int = 16
+    """Micro-batches a non-head node holds at once before answering busy."""
+    hop_timeout_s: float = 60.0
+    """How long one request may wait for its answer (the whole rest of the pipeline)."""
+    deadline_s: float = 120.0
+    """A micro-batch that has not completed by then is dropped."""
+    activation_codec: str = "bf16"
+
+
+class PipelineStats:
+    def __init__(self) -> None:
+        self.results: Counter[str] = Counter()  # ok / dropped / rejected
+        self.rejected_codes: Counter[str] = Counter()
+        self.bytes_sent: Counter[str] = Counter()
+        self.bytes_received: Counter[str] = Counter()
+        self.losses: deque[float] = deque(maxlen=50)
+        self.val_loss: float | None = None
+        self.latency_s: deque[float] = deque(maxlen=50)
+
+
+class Pipeline:
+    """Serves `worker`'s stage over `p2p`; `peers_of(stage)` names live replicas of a stage."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        worker: StageWorker,
+        p2p,  # noqa: ANN001 - hivemind P2P
+        peer_id: str,
+        peers_of: Callable[[int], list[str]],
+        config: PipelineConfig,
+        on_bytes: Callable[[str, int, int], None] | None = None,
+    ) -> None:
+        self.manifest, self.worker, self.p2p, self.peer_id = manifest, worker, p2p, peer_id
+        self.peers_of, self.config = peers_of, config
+        self.codec = ActivationCodec(mode=config.activation_codec)
+        self.stats = PipelineStats()
+        self.accepting = True
+        self.active_requests = 0
+        self.injected_tokens = 0
+        self._on_bytes = on_bytes
+        m = manifest
+        self._router = Router(RouterConfig(tokens_per_item=m.inner.micro_batch * m.model.seq_len))
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def stage(self) -> int:
+        return self.worker.index
+
+    @property
+    def is_head(self) -> bool:
+        return self.worker.stage.is_first
+
+    async def register(self) -> None:
+        await streams.serve(
+            self.p2p,
+            protocol_name(self.manifest.run_id),
+            self._handle,
+            max_request=self._max_request(),
+        )
+
+    def _max_request(self) -> int:
+        m = self.manifest.model
+        return 4096 + m.seq_len * self.manifest.inner.micro_batch * (4 * (m.d_model + 1))
+
+    # ---- serving ------------------------------------------------------------------------
+    async def _handle(self, remote: str, data: bytes):  # noqa: ANN202 - async generator
+        self._count_bytes(remote, received=len(data))
+        self.active_requests += 1
+        self._idle.clear()
+        try:
+            answer = await self._answer(remote, data)
+        finally:
+            self.active_requests -= 1
+            if self.active_requests == 0:
+                self._idle.set()
+        self._count_bytes(remote, sent=len(answer))
+        yield answer
+
+    async def _answer(self, remote: str, data: bytes) -> bytes:
+        try:
+            header, tokens, c_in = await self._admit(data)
+        except WireError as exc:
+            busy = exc.code in (Code.OVERLOADED, Code.LEAVING, Code.NOT_READY, Code.WRONG_STAGE)
+            if not busy:
+                self.stats.results["rejected"] += 1
+                self.stats.rejected_codes[exc.code.value] += 1
+                log.info("rejected micro-batch from %s: %s (%s)", remote[-8:], exc.code.value, exc)
+            return error_response(Status.BUSY if busy else Status.REJECTED, exc.code, str(exc))
+        if not header.train:
+            return await self._answer_eval(header, tokens, c_in)
+        if self.worker.stage.is_last:
+            loss, grad = await self.worker.call(
+                self.worker.forward_backward_last, c_in, tokens, header.loss_scale
+            )
+            self.stats.results["ok"] += 1
+            return await self._ok(loss, grad)
+        mb_id = f"{remote}/{header.mb_id}"
+        c_out = await self.worker.call(self.worker.forward, mb_id, c_in, tokens)
+        downstream = ForwardHeader(**{**header.__dict__, "stage": self.stage + 1})
+        reply = await self.send(downstream, tokens, c_out)
+        if reply is None:
+            await self.worker.call(self.worker.discard, mb_id)
+            return error_response(
+                Status.FAILED, Code.DOWNSTREAM, f"no stage {self.stage + 1} replica answered"
+            )
+        loss, grad_out = reply
+        grad_in = await self.worker.call(self.worker.backward, mb_id, grad_out)
+        self.stats.results["ok"] += 1
+        return await self._ok(loss, grad_in)
+
+    async def _admit(self, data: bytes) -> tuple[ForwardHeader, torch.Tensor, torch.Tensor]:
+        header, raw_tokens, payload = decode_forward(data)
+        m = self.manifest
+        if header.run_id != m.run_id:
+            raise WireError(
+                Code.UNKNOWN_RUN, f"this node serves run {m.run_id}, not {header.run_id!r}"
+            )
+        if header.stage != self.stage:
+            raise WireError(
+                Code.WRONG_STAGE, f"this node serves stage {self.stage}, not {header.stage}"
+            )
+        if not self.accepting:
+            raise WireError(Code.LEAVING, "this node is leaving")
+        if self.worker.in_flight + self.active_requests > self.config.max_queue:
+            raise WireError(Code.OVERLOADED, "queue is full")
+        width = self.worker.stage.boundary_width
+        if not (
+            0 < header.batch <= m.inner.micro_batch
+            and header.seq == m.model.seq_len
+            and header.width == width
+        ):
+            raise WireError(
+                Code.BAD_SHAPE,
+                f"shape [{header.batch}, {header.seq}, {header.width}] is not "
+                f"[1..{m.inner.micro_batch}, {m.model.seq_len}, {width}]",
+            )
+        tokens = decode_tokens(raw_tokens, header.batch, header.seq, m.model.vocab_size)
+        shape = (header.batch, header.seq, width)
+        try:
+            c_in = await self.worker.call(self.codec.decode, payload, shape)
+        except CodecError as exc:
+            code = Code.NON_FINITE if "finite" in str(exc) else Code.BAD_PAYLOAD
+            raise WireError(code, str(exc)) from None
+        return header, tokens, c_in
+
+    async def _answer_eval(
+        self, header: ForwardHeader, tokens: torch.Tensor, c_in: torch.Tensor
+    ) -> bytes:
+        out = await self.worker.call(self.worker.forward_eval, c_in, tokens)
+        if self.worker.stage.is_last:
+            return encode_response(ResponseHeader(status=Status.OK.value, loss=out))
+        reply = await self.send(
+            ForwardHeader(**{**header.__dict__, "stage": self.stage + 1}), tokens, out
+        )
+        if reply is None:
+            return error_response(
+                Status.FAILED, Code.DOWNSTREAM, "validation forward failed downstream"
+            )
+        return encode_response(ResponseHeader(status=Status.OK.value, loss=reply[0]))
+
+    async def _ok(self, loss: float, grad: torch.Tensor | None) -> bytes:
+        self.stats.losses.append(loss)
+        payload = b"" if grad is None else await self.worker.call(self.codec.encode, grad)
+        return encode_response(ResponseHeader(status=Status.OK.value, loss=loss), payload)
+
+    def update_view(self, records: list) -> None:
+        """Announced throughput, queue and state of peers, for routing."""
+        self._router.update_announced(records)
+
+    # ---- sending ------------------------------------------------------------------------
+    async def send(
+        self, header: ForwardHeader, tokens: torch.Tensor, c: torch.Tensor
+    ) -> tuple[float, torch.Tensor | None] | None:
+        """Deliver to a replica of `header.stage`, retrying others; (loss, grad) or None if it can't."""
+        payload = encode_forward(header, tokens, await self.worker.call(self.codec.encode, c))
+        deadline = time.monotonic() + self.config.deadline_s
+        tried: set[str] = set()
+        while time.monotonic() < deadline:
+            candidates = [p for p in self.peers_of(header.stage) if p != self.peer_id]
+            peer = self._router.choose(candidates, time.monotonic(), exclude=tried)
+            if peer is None:
+                if not self.accepting:  # leaving: finish what can finish, don't wait for new peers
+                    return None
+                tried.clear()  # everyone failed once or nobody is there: wait for the swarm to change
+                await asyncio.sleep(0.25)
+                continue
+            result = await self._try_peer(peer, header, payload)
+            if result == "rejected":
+                return None
+            if isinstance(result, tuple):
+                return result
+            tried.add(peer)
+        return None
+
+    async def _try_peer(self, peer: str, header: ForwardHeader, payload: bytes):  # noqa: ANN202
+        now = time.monotonic()
+        self._router.on_sent(peer, now)
+        self._count_bytes(peer, sent=len(payload))
+        try:
+            data = await streams.request(
+                self.p2p,
+                peer,
+                protocol_name(self.manifest.run_id),
+                payload,
+                timeout=self.config.hop_timeout_s,
+            )
+            self._count_bytes(peer, received=len(data))
+            reply, grad_payload = decode_response(data)
+        except (streams.StreamError, WireError) as exc:
+            kind = FailureKind.TIMEOUT if "sent nothing" in str(exc) else FailureKind.ERROR
+            self._router.on_failure(peer, time.monotonic(), kind)
+            log.info("stage %d replica %s failed: %s", header.stage, peer[-8:], exc)
+            return None
+        if reply.status == Status.OK.value:
+            latency = time.monotonic() - now
+            self._router.on_success(peer, latency, time.monotonic())
+            self.stats.latency_s.append(latency)
+            grad = None
+            if header.train:
+                grad = await self._decode_grad(peer, grad_payload, header)
+                if grad is None:
+                    return None
+            return (float(reply.loss) if reply.loss is not None else float("nan"), grad)
+        if reply.status == Status.REJECTED.value:
+            self._router.on_failure(peer, time.monotonic(), FailureKind.REJECTED)
+            log.warning(
+                "stage %d replica %s rejected our micro-batch: %s",
+                header.stage,
+                peer[-8:],
+                reply.message,
+            )
+            return "rejected"
+        kind = FailureKind.BUSY if reply.status == Status.BUSY.value else FailureKind.ERROR
+        self._router.on_failure(peer, time.monotonic(), kind)
+        return None
+
+    async def _decode_grad(
+        self, peer: str, payload: memoryview, header: ForwardHeader
+    ) -> torch.Tensor | None:
+        shape = (header.batch, header.seq, header.width)
+        try:
+            return await self.worker.call(self.codec.decode, payload, shape)
+        except CodecError as exc:
+            self._router.on_failure(peer, time.monotonic(), FailureKind.ERROR)
+            log.warning("bad gradient from %s: %s", peer[-8:], exc)
+            return None
+
+    def _count_bytes(self, peer: str, *, sent: int = 0, received: int = 0) -> None:
+        self.stats.bytes_sent[peer] += sent
+        self.stats.bytes_received[peer] += received
+        if self._on_bytes is not None:
+            self._on_bytes(peer, sent, received)
+
+    # ---- stage 0: data and injection ----------------------------------------------------
+    async def run_head(self, sampler: Sampler, stop: asyncio.Event) -> None:
+        """Keep up to max_in_flight micro-batches in the pipeline until `stop` is set."""
+        slots = asyncio.Semaphore(self.config.max_in_flight)
+        tasks: set[asyncio.Task] = set()
+        while not stop.is_set():
+            await slots.acquire()
+            if stop.is_set():
+                break
+            task = asyncio.create_task(
+                self._run_microbatch(sampler.claim(self.manifest.inner.micro_batch))
+            )
+            tasks.add(task)
+            task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_microbatch(self, batch: torch.Tensor) -> None:
+        spec = self.manifest.inner
+        scale = spec.micro_batch / spec.local_batch
+        started = time.monotonic()
+        try:
+            if self.worker.stage.is_last:  # a one-stage run: everything is local
+                loss, _ = await self.worker.call(
+                    self.worker.forward_backward_last, None, batch, scale
+                )
+            else:
+                loss = await self._pipeline_microbatch(batch, scale)
+        except Exception:
+            log.exception("micro-batch failed")
+            loss = None
+        if loss is None:
+            self.stats.results["dropped"] += 1
+            return
+        self.stats.results["ok"] += 1
+        self.stats.losses.append(loss)
+        self.stats.latency_s.append(time.monotonic() - started)
+
+    async def _pipeline_microbatch(self, batch: torch.Tensor, scale: float) -> float | None:
+        mb_id = uuid.uuid4().hex[:16]
+        c = await self.worker.call(self.worker.forward, mb_id, None, batch)
+        header = self._header(mb_id, batch, scale, train=True)
+        reply = await self.send(header, batch, c)
+        if reply is None:
+            await self.worker.call(self.worker.discard, mb_id)
+            return None
+        loss, grad = reply
+        await self.worker.call(self.worker.backward, mb_id, grad)
+        return loss
+
+    def _header(
+        self, mb_id: str, batch: torch.Tensor, scale: float, *, train: bool
+    ) -> ForwardHeader:
+        return ForwardHeader(
+            run_id=self.manifest.run_id,
+            mb_id=mb_id,
+            stage=self.stage + 1,
+            batch=len(batch),
+            seq=self.manifest.model.seq_len,
+            width=self.worker.stage.boundary_width,
+            loss_scale=scale,
+            train=train,
+            origin=self.peer_id,
+        )
+
+    async def evaluate(self, windows: TokenWindows, sample_ids: list[int]) -> float | None:
+        """Validation loss of the whole pipeline on fixed windows (forward only)."""
+        total, count = 0.0, 0
+        step = self.manifest.inner.micro_batch
+        for i in range(0, len(sample_ids), step):
+            batch = windows.batch(sample_ids[i : i + step])
+            out = await self.worker.call(self.worker.forward_eval, None, batch)
+            if self.worker.stage.is_last:
+                loss = out
+            else:
+                reply = await self.send(
+                    self._header(f"eval-{i}", batch, 1.0, train=False), batch, out
+                )
+                if reply is None:
+                    return None
+                loss = reply[0]
+            total += loss * len(batch)
+            count += len(batch)
+        self.stats.val_loss = total / count
+        return self.stats.val_loss
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop accepting new micro-batches and wait for the ones being served."""
+        self.accepting = False
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+
+class Sampler:
+    """Which training windows this head owns: rendezvous hashing over the live heads.
+
+    Sample s belongs to the head h maximizing hash(epoch, s, h), so two live
+    heads never train the same sample in an epoch, and when a head leaves only
+    its samples move. Every head walks the same epoch order and skips the rest.
+    """
+
+    def __init__(self, windows: TokenWindows, peer_id: str, heads: Callable[[], list[str]]) -> None:
+        self.windows, self.peer_id, self.heads = windows, peer_id, heads
+        self.position = 0  # across epochs
+        self._epoch, self._order = -1, None
+
+    def _owner(self, epoch: int, sample: int, heads: list[str]) -> str:
+        def score(h: str) -> bytes:
+            return hashlib.blake2b(f"{epoch}/{sample}/{h}".encode(), digest_size=8).digest()
+
+        return max(heads, key=score)
+
+    def claim(self, count: int) -> torch.Tensor:
+        heads = sorted(set(self.heads()) | {self.peer_id})
+        n = len(self.windows)
+        ids: list[int] = []
+        while len(ids) < count:
+            epoch, offset = divmod(self.position, n)
+            if epoch != self._epoch:
+                self._order, self._epoch = self.windows.epoch_order(epoch), epoch
+            sample = int(self._order[offset])
+            self.position += 1
+            if len(heads) == 1 or self._owner(epoch, sample, heads) == self.peer_id:
+                ids.append(sample)
+        return self.windows.batch(ids)

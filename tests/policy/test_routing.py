@@ -1,0 +1,212 @@
+"""Router: least expected completion time, load spread, bans with back-off, probing."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agora_node.comms.routing import FailureKind, Router, RouterConfig
+from agora_node.protocol.records import NodeState
+
+from .helpers import record
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKENS = 1024
+
+
+def router(seed: int = 0, **config) -> Router:
+    return Router(RouterConfig(tokens_per_item=TOKENS, **config), random.Random(seed))
+
+
+def announce(r: Router, **throughputs: float) -> None:
+    r.update_announced(record(p, 1, throughput=t) for p, t in throughputs.items())
+
+
+def test_prefers_the_faster_peer_by_announced_throughput() -> None:
+    r = router()
+    announce(r, slow=1000.0, fast=4000.0)
+    assert r.choose(["slow", "fast"], now=0.0) == "fast"
+    assert r.expected_time("fast") == pytest.approx(TOKENS / 4000.0)
+
+
+def test_observed_latency_overrides_announced_throughput() -> None:
+    r = router()
+    announce(r, a=4000.0, b=1000.0)  # a announces fast but is slow for us (far away)
+    for peer, latency in [("a", 3.0), ("b", 0.5)]:
+        r.on_sent(peer, 0.0)
+        r.on_success(peer, latency, 1.0)
+    assert r.choose(["a", "b"], now=2.0) == "b"
+
+
+def test_latency_is_an_ema() -> None:
+    r = router(ema_alpha=0.5)
+    for latency in (1.0, 3.0):
+        r.on_sent("a", 0.0)
+        r.on_success("a", latency, 0.0)
+    assert r.item_time("a") == pytest.approx(2.0)
+
+
+def test_spreads_load_by_in_flight_counts() -> None:
+    r = router()
+    announce(r, a=2000.0, b=2000.0, c=1000.0)
+    sent = Counter()
+    for _ in range(10):
+        peer = r.choose(["a", "b", "c"], now=0.0)
+        r.on_sent(peer, 0.0)
+        sent[peer] += 1
+    # Expected time (n + 1) * T: a and b twice as fast as c, so about 4:4:2.
+    assert sent["a"] == pytest.approx(4, abs=1) and sent["b"] == pytest.approx(4, abs=1)
+    assert 1 <= sent["c"] <= 3
+
+
+def test_announced_queue_counts() -> None:
+    r = router()
+    r.update_announced(
+        [record("a", 1, throughput=2000.0, queue=5), record("b", 1, throughput=1000.0)]
+    )
+    assert r.choose(["a", "b"], now=0.0) == "b"  # 6 x 0.5 s vs 1 x 1 s
+
+
+def test_skips_banned_peers_until_the_ban_ends() -> None:
+    r = router(ban_s=2.0)
+    announce(r, a=4000.0, b=1000.0)
+    r.on_sent("a", 0.0)
+    r.on_failure("a", 0.0, FailureKind.ERROR)
+    assert r.choose(["a", "b"], now=1.0) == "b"
+    assert r.choose(["a"], now=1.9) is None
+    assert r.choose(["a", "b"], now=2.0) == "a"
+
+
+def test_back_off_grows_on_repeated_failures_and_resets_on_success() -> None:
+    r = router(ban_s=1.0, max_ban_s=6.0)
+    bans = []
+    now = 0.0
+    for _ in range(5):
+        r.on_sent("a", now)
+        r.on_failure("a", now, "timeout")
+        bans.append(r.snapshot(now)["a"]["banned_for_s"])
+        now = r.snapshot()["a"]["banned_until"]
+    assert bans == [1.0, 2.0, 4.0, 6.0, 6.0]
+    r.on_sent("a", now)
+    r.on_success("a", 0.1, now)
+    assert r.snapshot(now)["a"]["banned_for_s"] == 0.0
+    r.on_sent("a", now)
+    r.on_failure("a", now, FailureKind.REJECTED)
+    assert r.snapshot(now)["a"]["banned_for_s"] == 1.0
+
+
+def test_busy_is_a_short_pause_not_a_step_to_a_long_ban() -> None:
+    r = router(busy_backoff_s=0.25, ban_s=2.0)
+    for t in (0.0, 1.0, 2.0):
+        r.on_sent("a", t)
+        r.on_failure("a", t, FailureKind.BUSY)
+        assert r.snapshot(t)["a"]["banned_for_s"] == 0.25
+    assert r.snapshot()["a"]["consecutive_failures"] == 0
+    r.on_failure("a", 3.0, FailureKind.ERROR)
+    assert r.snapshot(3.0)["a"]["banned_for_s"] == 2.0
+
+
+def test_new_peers_get_probed() -> None:
+    r = router()
+    for _ in range(3):
+        r.on_sent("old", 0.0)
+        r.on_success("old", 0.2, 0.0)
+    assert r.choose(["old", "new"], now=1.0) == "new"
+    r.on_sent("new", 1.0)
+    # Once a probe is out, it is estimated like the best known peer, not better.
+    picks = Counter()
+    for _ in range(4):
+        peer = r.choose(["old", "new"], now=1.0)
+        r.on_sent(peer, 1.0)
+        picks[peer] += 1
+    assert picks["old"] >= 2
+
+
+def test_with_no_data_at_all_every_peer_is_equal_and_ties_are_random() -> None:
+    chosen = {router(seed).choose(["a", "b", "c"], now=0.0) for seed in range(30)}
+    assert chosen == {"a", "b", "c"}
+
+
+def test_exclude_and_unusable_states() -> None:
+    r = router()
+    r.update_announced(
+        [
+            record("joining", 1, NodeState.JOINING, throughput=9000.0),
+            record("leaving", 1, NodeState.LEAVING, throughput=9000.0),
+            record("warming", 1, NodeState.WARMING, throughput=100.0),
+            record("active", 1, NodeState.ACTIVE, throughput=200.0),
+        ]
+    )
+    everyone = ["joining", "leaving", "warming", "active"]
+    assert r.choose(everyone, now=0.0) == "active"
+    assert r.choose(everyone, now=0.0, exclude=["active"]) == "warming"
+    assert r.choose(everyone, now=0.0, exclude=["active", "warming"]) is None
+    assert r.choose([], now=0.0) is None
+
+
+def test_snapshot_is_json() -> None:
+    r = router()
+    announce(r, a=100.0)
+    r.on_sent("a", 0.0)
+    r.on_failure("a", 0.0, "busy")
+    snap = r.snapshot(0.1)
+    json.dumps(snap)
+    assert snap["a"]["in_flight"] == 0 and snap["a"]["last_failure"] == "busy"
+
+
+def test_bad_config_and_kinds_are_refused() -> None:
+    with pytest.raises(ValueError):
+        RouterConfig(tokens_per_item=0)
+    with pytest.raises(ValueError):
+        router().on_failure("a", 0.0, "exploded")
+
+
+_events = st.lists(
+    st.tuples(
+        st.sampled_from(["sent", "ok", "busy", "timeout", "error", "rejected"]),
+        st.sampled_from("abcd"),
+        st.floats(0.0, 5.0),
+    ),
+    max_size=40,
+)
+
+
+@given(_events, st.floats(0.0, 100.0), st.sets(st.sampled_from("abcd")))
+@settings(max_examples=100, deadline=None)
+def test_choice_is_usable_and_has_the_least_expected_time(events, now, exclude) -> None:
+    r = router()
+    announce(r, a=1000.0, b=2000.0)
+    t = 0.0
+    for kind, peer, dt in events:
+        t += dt
+        if kind == "sent":
+            r.on_sent(peer, t)
+        elif kind == "ok":
+            r.on_success(peer, dt, t)
+        else:
+            r.on_failure(peer, t, kind)
+    candidates = list("abcd")
+    chosen = r.choose(candidates, now=t + now, exclude=exclude)
+    usable = [p for p in candidates if p not in exclude and r.usable(p, t + now)]
+    if not usable:
+        assert chosen is None
+        return
+    assert chosen in usable
+    default = min((x for p in usable if (x := r.item_time(p)) is not None), default=1.0)
+    best = min(r.expected_time(p, default=default) for p in usable)
+    assert r.expected_time(chosen, default=default) <= best * (1 + 1e-9)
+    assert all(v["in_flight"] >= 0 for v in r.snapshot().values())
+
+
+def test_routing_does_not_import_hivemind() -> None:
+    code = "import sys, agora_node.comms.routing; print('hivemind' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,149 @@
+"""stage_costs and stage_memory_bytes against what torch actually does on real stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from agora_node.protocol.manifest import InnerSpec, Manifest, ModelSpec, StageSpec, load_manifest
+from agora_node.stages.model import Stage, count_parameters, lm_loss
+from agora_node.stages.optim import InnerOptimizer
+from agora_node.stages.placement import (
+    stage_costs,
+    stage_flops_per_token,
+    stage_memory_bytes,
+    stage_param_count,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+TINY = load_manifest("tiny")
+DENSE_UNEVEN = Manifest(
+    model=ModelSpec(
+        d_model=64, n_layers=5, n_heads=4, n_kv_heads=2, ffn_dim=96, seq_len=16, subspace_rank=0
+    ),
+    stages=StageSpec(count=3, layers=(2, 1, 2)),
+    inner=InnerSpec(micro_batch=2, local_batch=2),
+)
+SUBSPACE_UNEVEN = Manifest(
+    model=ModelSpec(
+        d_model=64, n_layers=5, n_heads=4, n_kv_heads=2, ffn_dim=96, seq_len=16, subspace_rank=8
+    ),
+    stages=StageSpec(count=3, layers=(1, 3, 1)),
+    inner=InnerSpec(micro_batch=2, local_batch=2),
+)
+MANIFESTS = [TINY, DENSE_UNEVEN, SUBSPACE_UNEVEN]
+
+
+def stages_of(manifest: Manifest):
+    return [(manifest, s) for s in range(manifest.num_stages)]
+
+
+ALL_STAGES = [pair for m in MANIFESTS for pair in stages_of(m)]
+
+
+def _input(manifest: Manifest, stage: int):
+    m = manifest.model
+    tokens = torch.randint(0, m.vocab_size, (manifest.inner.micro_batch, m.seq_len))
+    x = None if stage == 0 else torch.randn(*tokens.shape, m.d_model, requires_grad=True)
+    return x, tokens
+
+
+@pytest.mark.parametrize(("manifest", "stage"), ALL_STAGES)
+def test_param_count_matches_the_real_stage(manifest: Manifest, stage: int) -> None:
+    assert stage_param_count(manifest, stage) == count_parameters(Stage(manifest, stage))
+
+
+@pytest.mark.parametrize(("manifest", "stage"), ALL_STAGES)
+def test_matmul_flops_match_torchs_count(manifest: Manifest, stage: int) -> None:
+    """Our FLOPs minus the attention term we add = what torch counts for the matmuls."""
+    m = manifest.model
+    x, tokens = _input(manifest, stage)
+    module = Stage(manifest, stage)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        module(x, tokens)
+    counted = counter.get_flop_counts()["Global"]
+    matmuls = sum(v for k, v in counted.items() if "mm" in str(k))
+    attention = 2 * m.d_model * m.seq_len * len(manifest.stage_layers(stage))
+    per_token = stage_flops_per_token(manifest, stage) - attention
+    assert matmuls / tokens.numel() == pytest.approx(per_token, rel=1e-6)
+
+
+def test_costs_are_normalized_and_follow_the_cut() -> None:
+    costs = stage_costs(TINY)
+    assert sum(costs) / len(costs) == pytest.approx(1.0)
+    assert costs[1] == pytest.approx(costs[2])  # identical middle stages
+    assert costs[3] > costs[1]  # full-rank last blocks and the head
+    uneven = stage_costs(SUBSPACE_UNEVEN)
+    assert uneven[1] > 2.5 * uneven[0]
+
+
+@pytest.mark.parametrize(("manifest", "stage"), ALL_STAGES)
+def test_activation_estimate_matches_saved_tensors(manifest: Manifest, stage: int) -> None:
+    module = Stage(manifest, stage)
+    x, tokens = _input(manifest, stage)
+    owned = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in owned:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x, tokens)
+        if module.is_last:
+            lm_loss(out, tokens)
+    estimate = stage_memory_bytes(manifest, stage)["activation_bytes"]
+    assert estimate == pytest.approx(sum(saved.values()), rel=0.05)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_optimizer_state_matches_the_inner_optimizer(optimizer: str) -> None:
+    manifest = Manifest(
+        model=TINY.model,
+        stages=TINY.stages,
+        inner=InnerSpec(optimizer=optimizer, micro_batch=1, local_batch=1),
+    )
+    module = Stage(manifest, 0)
+    opt = InnerOptimizer(module, manifest.inner)
+    x, tokens = _input(manifest, 0)
+    module(x, tokens).square().mean().backward()
+    opt.step()
+    state_bytes = sum(
+        t.nbytes
+        for o in opt.optimizers
+        for s in o.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.ndim > 0
+    )
+    memory = stage_memory_bytes(manifest, 0, optimizer=optimizer)
+    assert memory["optimizer_bytes"] == state_bytes
+
+
+def test_memory_parts_add_up_and_scale() -> None:
+    memory = stage_memory_bytes(TINY, 3)
+    params = count_parameters(Stage(TINY, 3))
+    assert memory["params"] == params
+    assert memory["param_bytes"] == memory["grad_bytes"] == 4 * params
+    assert memory["outer_bytes"] == 8 * params  # anchor + outer momentum
+    assert memory["total_bytes"] == sum(
+        v for k, v in memory.items() if k.endswith("_bytes") and k != "total_bytes"
+    )
+    buffers = sum(b.nbytes for b in Stage(TINY, 3).buffers())
+    assert memory["buffer_bytes"] == buffers
+    half = stage_memory_bytes(TINY, 3, dtype_bytes=2)
+    assert half["param_bytes"] == 2 * params
+    two = stage_memory_bytes(TINY, 3, in_flight=2)
+    assert two["activation_bytes"] == 2 * memory["activation_bytes"]
+    with pytest.raises(ValueError):
+        stage_memory_bytes(TINY, 0, optimizer="sgd")
+
+
+def test_gpu_manifest_is_sized_without_building_it() -> None:
+    manifest = load_manifest("gpu-1b")
+    total = sum(stage_param_count(manifest, s) for s in range(manifest.num_stages))
+    assert 0.7e9 < total < 1.3e9
+    assert stage_memory_bytes(manifest, 0)["total_bytes"] > 16 * stage_param_count(manifest, 0)

@@ -58,8 +58,9 @@ class NodeConfig:
     threads: int = 0
     record_ttl_s: float = 15.0
     refresh_s: float = 3.0
-    settle_s: float = 3.0
-    """How long a joiner watches the directory before it commits to a stage."""
+    settle_s: float = 1.5
+    """Interval between a joiner's directory reads before it commits to a stage."""
+    settle_rounds: int = 8
     checkpoint_every_s: float = 300.0
     eval_every_s: float = 60.0
     eval_samples: int = 16
@@ -151,13 +152,24 @@ class Node:
             self.stage_choice_reason = "fixed by --stage"
             await self._announce_joining(stage)
             return stage
-        # Announce a first choice, watch the directory settle, then re-choose:
-        # nodes starting together see each other's joining records and spread.
+        # Announce a choice, watch the directory, re-choose until two reads in a
+        # row show the same joiners and give the same answer: nodes starting
+        # together then agree on one greedy assignment (placement.choose_stage)
+        # instead of committing on views that still miss each other.
         choice = placement.choose_stage(await self.directory.fetch(), m, self.peer_id)
         await self._announce_joining(choice.stage)
-        await asyncio.sleep(self.config.settle_s)
-        choice = placement.choose_stage(await self.directory.fetch(), m, self.peer_id)
-        await self._announce_joining(choice.stage)
+        previous = None
+        for _ in range(self.config.settle_rounds):
+            await asyncio.sleep(self.config.settle_s)
+            view = await self.directory.fetch()
+            choice = placement.choose_stage(view, m, self.peer_id)
+            joiners = frozenset(
+                r.peer_id for rs in view.values() for r in rs if r.state == NodeState.JOINING
+            )
+            if (choice.stage, joiners) == previous:
+                break
+            previous = (choice.stage, joiners)
+            await self._announce_joining(choice.stage)
         self.stage_choice_reason = choice.reason
         log.info("chose stage %d: %s", choice.stage, choice.reason)
         return choice.stage
@@ -220,6 +232,7 @@ class Node:
                 record.peer_id[-8:],
                 header.get("inner_step"),
             )
+            await self._note_origin("replica", record.peer_id, header.get("param_checksum"))
             return
         if replicas:
             log.warning(

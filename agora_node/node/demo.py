@@ -56,9 +56,11 @@ class Swarm:
         return child
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM every child (clean leave), then SIGKILL whatever is left, by process group."""
+        """SIGTERM every child's main process (a clean leave: it stops its own helpers),
+        then SIGKILL whatever is left of each process group."""
         for child in self.children:
-            _signal_group(child.proc, signal.SIGTERM)
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for child in self.children:
             with contextlib.suppress(subprocess.TimeoutExpired):

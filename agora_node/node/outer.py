@@ -87,17 +87,14 @@ class OuterConfig:
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, **overrides: Any) -> OuterConfig:
+        """The manifest's outer settings; `overrides` replace any field (tests, benches)."""
         o = manifest.outer
         cap = float(o.inner_steps * manifest.inner.local_batch * manifest.model.seq_len)
-        aggregation = overrides.pop("aggregation", AggregationSpec())
-        return cls(
-            lr=o.lr,
-            momentum=o.momentum,
-            group_size=o.group_size,
-            codec=o.codec,
-            aggregation=replace(aggregation, max_weight=min(cap, aggregation.max_weight)),
-            **overrides,
-        )
+        fields = {"lr": o.lr, "momentum": o.momentum, "group_size": o.group_size, "codec": o.codec}
+        fields.update(overrides)
+        aggregation = fields.get("aggregation", AggregationSpec())
+        fields["aggregation"] = replace(aggregation, max_weight=min(cap, aggregation.max_weight))
+        return cls(**fields)
 
     def delta_format(self) -> WireFormat:
         part = _CODECS[self.codec]
@@ -198,6 +195,9 @@ class RoundReport:
     delta_norm: float
     mixed_norm: float
     clip_radius: float | None
+    """Root of the sum of squared CenteredClip radii of the spans this replica reduced."""
+    repaired_spans: int
+    """Spans whose owner failed and that this replica re-reduced as a backup."""
 
 
 @dataclass
@@ -420,6 +420,7 @@ class OuterLoop:
             delta_norm=float(delta.norm()),
             mixed_norm=float(mixed.norm()),
             clip_radius=math.sqrt(sum(r * r for r in radii)) if radii else None,
+            repaired_spans=sum(o.stats.repaired_spans for o in outcomes),
         )
 
     def _account(self, report: RoundReport) -> None:

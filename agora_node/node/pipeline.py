@@ -312,17 +312,19 @@ class Pipeline:
             self._on_bytes(peer, sent, received)
 
     # ---- stage 0: data and injection ----------------------------------------------------
-    async def run_head(self, sampler: Sampler, stop: asyncio.Event) -> None:
-        """Keep up to max_in_flight micro-batches in the pipeline until `stop` is set."""
+    async def run_head(self, sampler: Sampler, stop: asyncio.Event, max_tokens: int = 0) -> None:
+        """Keep up to max_in_flight micro-batches in the pipeline until `stop` is set
+        (or, with max_tokens, until that many tokens have been injected)."""
         slots = asyncio.Semaphore(self.config.max_in_flight)
         tasks: set[asyncio.Task] = set()
-        while not stop.is_set():
+        tokens_per_mb = self.manifest.inner.micro_batch * self.manifest.model.seq_len
+        while not stop.is_set() and not (max_tokens and self.injected_tokens >= max_tokens):
             await slots.acquire()
             if stop.is_set():
                 break
-            task = asyncio.create_task(
-                self._run_microbatch(sampler.claim(self.manifest.inner.micro_batch))
-            )
+            self.injected_tokens += tokens_per_mb
+            batch = sampler.claim(self.manifest.inner.micro_batch)
+            task = asyncio.create_task(self._run_microbatch(batch))
             tasks.add(task)
             task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
         if tasks:

@@ -1,0 +1,126 @@
+"""Real daemons on 127.0.0.1 for integration tests: start, watch, kill by pid.
+
+Each daemon is `python -m agora_node ...` in its own session, so killing its
+process group also kills hivemind's DHT child and the libp2p daemon. Nothing
+here sleeps to hope: every wait polls a condition under a deadline.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from agora_node.node.demo import Child, Swarm, fetch_status, wait_for_line
+
+T = TypeVar("T")
+
+FAST = [
+    "--record-ttl",
+    "6",
+    "--refresh",
+    "1",
+    "--eval-every",
+    "10000",
+    "--checkpoint-every",
+    "10000",
+    "--threads",
+    "1",
+]
+_PORT = re.compile(r"status page http://127\.0\.0\.1:(\d+)/")
+
+
+def poll(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:
+    """Return condition()'s first truthy value; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last: T = None  # type: ignore[assignment]
+    while time.monotonic() < deadline:
+        last = condition()
+        if last:
+            return last
+        time.sleep(interval)  # polling interval of a deadline-bounded wait, not a hope-sleep
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+class TestSwarm(Swarm):
+    __test__ = False  # not a pytest class
+
+    def bootstrap(self, manifest: str = "tiny") -> Child:
+        boot = self.spawn(
+            "bootstrap",
+            ["bootstrap", "--manifest", manifest, "--data-dir", str(self.workdir / "bootstrap")],
+        )
+        line = wait_for_line(boot, "agora-node join --initial-peers", 60)
+        self.initial_peers = line.split("--initial-peers", 1)[1].split()
+        return boot
+
+    def join(
+        self,
+        name: str,
+        *extra: str,
+        initial_peers: list[str] | None = None,
+        data_dir: Path | None = None,
+    ) -> Child:
+        peers = initial_peers or self.initial_peers
+        argv = [
+            "join",
+            "--initial-peers",
+            *peers,
+            "--data-dir",
+            str(data_dir or self.workdir / name),
+        ]
+        argv += ["--status-port", "0", *FAST, *extra]
+        return self.spawn(name, argv)
+
+    def serving(self, child: Child, timeout: float = 90) -> int:
+        """Wait until the daemon serves; its status port."""
+        line = wait_for_line(child, "status page http://", timeout)
+        child.status_port = int(_PORT.search(line).group(1))
+        return child.status_port
+
+    def status(self, child: Child) -> dict | None:
+        return fetch_status(child.status_port) if child.status_port else None
+
+    def peers(self, child: Child) -> list[dict] | None:
+        import json
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{child.status_port}/api/v1/peers", timeout=2
+            ) as r:
+                return [p for stage in json.loads(r.read())["stages"] for p in stage["peers"]]
+        except OSError:
+            return None
+
+    def kill(self, child: Child, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Signal the daemon's main process only (what a crash or an operator does)."""
+        child.proc.send_signal(sig)
+
+    def log(self, child: Child) -> str:
+        return child.log_path.read_text(errors="replace")
+
+
+def tokens_at_last_stage(swarm: TestSwarm, children: list[Child], num_stages: int) -> int:
+    total = 0
+    for child in children:
+        s = swarm.status(child)
+        if s and s.get("stage") == num_stages - 1:
+            total += s.get("tokens_seen", 0)
+    return total
+
+
+def small_manifest(path: Path, *, stages: int, layers: int) -> str:
+    """tiny with another stage cut (written to `path`)."""
+    from agora_node.protocol.manifest import load_manifest, parse_manifest
+
+    text = load_manifest("tiny").to_toml()
+    text = text.replace("n_layers = 8", f"n_layers = {layers}").replace(
+        "count = 4", f"count = {stages}"
+    )
+    parse_manifest(text)  # validate before a daemon sees it
+    path.write_text(text)
+    return str(path)

@@ -1,0 +1,236 @@
+"""The daemon with real peers on 127.0.0.1: placement, state transfer, leaving, crashes, trust."""
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.integration.harness import TestSwarm, poll, small_manifest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def _active(swarm: TestSwarm, children) -> list[dict]:
+    statuses = [swarm.status(c) for c in children]
+    return statuses if all(s and s["state"] == "active" for s in statuses) else []
+
+
+def test_auto_placement_spreads_then_bootstrap_dies_and_newcomer_copies_state(swarm, tmp_path):
+    manifest = small_manifest(tmp_path / "three.toml", stages=3, layers=6)
+    swarm.bootstrap(manifest)
+    nodes = [swarm.join(f"node-{i}") for i in range(6)]  # all at once
+    for node in nodes:
+        swarm.serving(node)
+    statuses = poll(lambda: _active(swarm, nodes), 120, "6 active nodes")
+    counts = sorted(sum(1 for s in statuses if s["stage"] == k) for k in range(3))
+    assert counts == [2, 2, 2], [s["stage"] for s in statuses]
+
+    # The bootstrap peer dies: the others keep seeing each other...
+    swarm.kill(swarm.children[0])
+    swarm.children[0].proc.wait(timeout=30)
+    time.monotonic()
+    ids = {s["peer_id"] for s in statuses}
+    for node in nodes:  # records are re-read every second and live 6 s: wait past one expiry
+        poll(
+            lambda n=node: {p["peer_id"] for p in swarm.peers(n) or []} >= ids,
+            30,
+            "full view after bootstrap death",
+        )
+
+    # ...and a newcomer joins through any survivor, copying a live replica's state.
+    survivor = statuses[3]
+    newcomer = swarm.join("newcomer", initial_peers=survivor["addrs"][:1])
+    swarm.serving(newcomer)
+    mine = poll(
+        lambda: (s := swarm.status(newcomer)) and s["state"] == "active" and s,
+        120,
+        "newcomer active",
+    )
+    origin = mine["state_origin"]
+    assert origin["kind"] == "replica"
+    assert origin["param_checksum"] == origin["source_param_checksum"]
+    source = next(n for n in nodes if swarm.status(n)["peer_id"] == origin["source"])
+    served = [x["param_checksum"] for x in swarm.status(source)["states_served"]]
+    assert origin["param_checksum"] in served  # byte-exact copy of what the source held
+
+
+def test_sigkill_drops_record_sigterm_leaves_cleanly_and_restart_resumes(swarm, tmp_path):
+    swarm.bootstrap("tiny")
+    nodes = [swarm.join(f"node-{i}") for i in range(4)]
+    for node in nodes:
+        swarm.serving(node)
+    statuses = poll(lambda: _active(swarm, nodes), 120, "4 active nodes")
+    ids = [s["peer_id"] for s in statuses]
+
+    # SIGKILL: the record expires from every other node's view (ttl 6 s + refresh 1 s).
+    victim, others = nodes[1], [nodes[0], nodes[2], nodes[3]]
+    swarm.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    for node in others:
+        poll(
+            lambda n=node: (
+                ids[1] not in {p["peer_id"] for p in swarm.peers(n) or [{"peer_id": ids[1]}]}
+            ),
+            30,
+            "dead record gone",
+        )
+    dropped_after = time.monotonic() - killed_at
+    assert dropped_after < 6 + 1 + 5, dropped_after  # expiry + refresh + one DHT round trip
+
+    # SIGTERM: exit 0, checkpoint written, record withdrawn at once (well before expiry).
+    leaver = nodes[2]
+    step_before = swarm.status(leaver)["inner_step"]
+    swarm.kill(leaver, signal.SIGTERM)
+    assert leaver.proc.wait(timeout=60) == 0
+    log = swarm.log(leaver)
+    assert "checkpoint saved" in log
+    poll(
+        lambda: (
+            ids[2] not in {p["peer_id"] for p in swarm.peers(nodes[0]) or [{"peer_id": ids[2]}]}
+        ),
+        5,
+        "withdrawn record",
+    )
+
+    # Restart with the same identity and data dir: same peer id, the checkpoint's weights.
+    from agora_node.node.checkpoint import load_latest_checkpoint
+
+    ckpt_dir = next((tmp_path / "node-2" / "checkpoints").glob("*/stage-*"))
+    info, state = load_latest_checkpoint(
+        ckpt_dir, run_id=statuses[2]["run_id"], stage=statuses[2]["stage"]
+    )
+    assert info.step >= step_before
+    restarted = swarm.join("node-2", "--stage", str(statuses[2]["stage"]))
+    swarm.serving(restarted)
+    again = poll(
+        lambda: (s := swarm.status(restarted)) and s["state"] == "active" and s,
+        120,
+        "restarted node active",
+    )
+    assert again["peer_id"] == ids[2]
+    assert again["state_origin"]["kind"] == "checkpoint"
+    assert again["state_origin"]["param_checksum"] == _checksum(state["model"])
+
+
+def _checksum(model_state: dict) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model_state.items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_forged_records_are_ignored_by_every_node(swarm):
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    from agora_node.protocol.identity import Identity
+    from agora_node.protocol.records import NodeRecord, stage_key
+
+    swarm.bootstrap("tiny")
+    nodes = [swarm.join(f"node-{i}", "--stage", str(i)) for i in range(2)]
+    for node in nodes:
+        swarm.serving(node)
+    statuses = poll(lambda: _active(swarm, nodes), 120, "2 active nodes")
+    run_id = statuses[0]["run_id"]
+
+    victim, forger, stranger = statuses[0]["peer_id"], Identity.generate(), Identity.generate()
+    # (a) a record claiming the victim's peer id, signed with another key;
+    fake = NodeRecord(
+        run_id=run_id, peer_id=forger.peer_id, stage=0, state="active", throughput=1e9
+    )
+    forged = {
+        "r": fake.canonical_bytes().replace(forger.peer_id.encode(), victim.encode()),
+        "s": fake.sign(forger)["s"],
+    }
+    # (b) a valid record altered after signing;
+    honest = NodeRecord(
+        run_id=run_id, peer_id=stranger.peer_id, stage=1, state="active", throughput=10.0
+    )
+    signed = honest.sign(stranger)
+    altered = {
+        "r": signed["r"].replace(b'"throughput":10.0', b'"throughput":9e9'),
+        "s": signed["s"],
+    }
+    # (c) a correctly signed record for another run.
+    other_run = NodeRecord(run_id="0" * 16, peer_id=forger.peer_id, stage=1, state="active").sign(
+        forger
+    )
+
+    dht = hivemind.DHT(initial_peers=swarm.initial_peers, start=True)
+    try:
+        exp = get_dht_time() + 60
+        assert dht.store(stage_key(run_id, 0), forged, exp, subkey=victim + "x")
+        assert dht.store(stage_key(run_id, 1), altered, exp, subkey=stranger.peer_id)
+        assert dht.store(stage_key(run_id, 1), other_run, exp, subkey=forger.peer_id)
+
+        def rejected_everywhere():
+            return all(
+                sum((swarm.status(n) or {}).get("records_rejected", {}).values()) >= 3
+                for n in nodes
+            )
+
+        poll(rejected_everywhere, 30, "every node counting the three forged records")
+        for node in nodes:
+            seen = {p["peer_id"] for p in swarm.peers(node)}
+            assert seen == {s["peer_id"] for s in statuses}, seen
+    finally:
+        dht.shutdown()
+
+
+def _cli(*argv: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "agora_node", *argv], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _one_clear_line(result: subprocess.CompletedProcess, needle: str) -> None:
+    assert result.returncode != 0
+    errors = [
+        line for line in (result.stdout + result.stderr).splitlines() if "error" in line.lower()
+    ]
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr[-2000:]
+    assert len(errors) == 1 and needle in errors[0], result.stdout[-1000:] + result.stderr[-1000:]
+
+
+def test_bad_cli_input_is_one_clear_line(swarm, tmp_path):
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJTjvve5CHTecvRiyBZSEgRN7cHWUDhThRpcBxcUEb3xX"
+    _one_clear_line(
+        _cli(
+            "join", "--initial-peers", dead, "--data-dir", str(tmp_path / "a"), "--status-port", "0"
+        ),
+        "could not reach",
+    )
+    swarm.bootstrap("tiny")
+    peers = swarm.initial_peers
+    base = ["join", "--initial-peers", *peers, "--status-port", "0"]
+    _one_clear_line(
+        _cli(*base, "--data-dir", str(tmp_path / "b"), "--stage", "9"), "--stage 9 does not exist"
+    )
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        argv = [
+            "join",
+            "--initial-peers",
+            *peers,
+            "--data-dir",
+            str(tmp_path / "c"),
+            "--status-port",
+            port,
+        ]
+        _one_clear_line(_cli(*argv), "in use")
+    other = small_manifest(tmp_path / "other.toml", stages=2, layers=8)
+    _one_clear_line(
+        _cli(*base, "--data-dir", str(tmp_path / "d"), "--manifest", other),
+        "does not serve your manifest",
+    )
+    _one_clear_line(
+        _cli(*base, "--data-dir", str(tmp_path / "e"), "--stage", "two"), "--stage must be"
+    )

@@ -46,7 +46,11 @@ JOIN_OPTIONS: dict[str, tuple[Any, type, str]] = {
     "status_port": (8421, int, "status page port (0: any free port)"),
     "control_socket": (None, str, "control API Unix socket (default DATA_DIR/control.sock)"),
     "threads": (0, int, "torch threads (0: torch's default)"),
-    "max_in_flight": (4, int, "micro-batches a stage-0 node keeps in the pipeline"),
+    "max_in_flight": (
+        0,
+        int,
+        "micro-batches a stage-0 node keeps in flight (0: one inner step's worth)",
+    ),
     "checkpoint_every": (300.0, float, "seconds between checkpoints"),
     "eval_every": (60.0, float, "seconds between validation losses (stage 0)"),
     "activation_codec": ("bf16", str, "boundary activations on the wire: fp32, bf16, int8, int4"),

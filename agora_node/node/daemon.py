@@ -349,23 +349,30 @@ class Node:
             await asyncio.wait_for(self.stop_event.wait(), seconds)
 
     async def _head_loop(self) -> None:
+        """Inject micro-batches; validate every eval_every_s (one head does), and once
+        more when the token budget (max_tokens) is spent."""
         m = self.manifest
         train, val = TokenWindows(m, "train"), TokenWindows(m, "val")
         sampler = Sampler(train, self.peer_id, lambda: self._peers_of(0))
         inject = asyncio.create_task(
             self.pipeline.run_head(sampler, self.stop_event, self.config.max_tokens)
         )
+        stopped = asyncio.create_task(self.stop_event.wait())
         val_ids = val.fixed_subset(self.config.eval_samples)
         try:
             while not self.stop_event.is_set():
-                if inject.done():  # token budget reached: one last validation, then idle
+                await asyncio.wait(
+                    {inject, stopped},
+                    timeout=self.config.eval_every_s,
+                    return_when="FIRST_COMPLETED",
+                )
+                if self.stop_event.is_set():
+                    break
+                if inject.done():
                     await inject
                     self.final_val_loss = await self.pipeline.evaluate(val, val_ids)
                     log.info("token budget reached; final validation loss %s", self.final_val_loss)
                     await self.stop_event.wait()
-                    break
-                await self._wait_stop(self.config.eval_every_s)
-                if self.stop_event.is_set():
                     break
                 if min(self._peers_of(0) + [self.peer_id]) == self.peer_id:  # one head evaluates
                     loss = await self.pipeline.evaluate(val, val_ids)
@@ -373,6 +380,7 @@ class Node:
                         self.history.add("val_loss", loss)
                         log.info("validation loss %.4f", loss)
         finally:
+            stopped.cancel()
             await inject
 
     async def _checkpoint_loop(self) -> None:

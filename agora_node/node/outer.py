@@ -48,6 +48,7 @@ from agora_node.comms.collective import (
     Outcome,
     PartEncoder,
     RoundBook,
+    RoundEntry,
     RoundView,
     WireFormat,
 )
@@ -246,22 +247,24 @@ class OuterLoop:
         identity: Identity,
         manifest: Manifest,
         *,
+        p2p: Any = None,
         stage: int | None = None,
         config: OuterConfig | None = None,
     ) -> OuterLoop:
-        """Serve the collective on the DHT's libp2p daemon, in the caller's event loop."""
+        """Serve the collective in the caller's event loop, on `p2p` (e.g. the node's Host.p2p)
+        or else on a replica of the DHT's libp2p daemon."""
         from agora_node.comms.collective.groups import DHTBoard
         from agora_node.comms.collective.handlers import Responder
         from agora_node.comms.collective.p2p import CollectiveServicer, P2PTransport
 
         stage = getattr(module, "index", 0) if stage is None else stage
-        peer_id = (await asyncio.to_thread(lambda: dht.peer_id)).to_base58()
-        if peer_id != identity.peer_id:
-            raise ValueError("the DHT's libp2p identity must be the node's Ed25519 identity")
-        p2p = await dht.replicate_p2p()
+        if p2p is None:
+            p2p = await dht.replicate_p2p()
+        if p2p.peer_id.to_base58() != identity.peer_id:
+            raise ValueError("the libp2p identity must be the node's Ed25519 identity")
         config = config or OuterConfig.from_manifest(manifest)
         limit = max_frame_bytes(sum(p.numel() for p in module.parameters()))
-        book = RoundBook(peer_id)
+        book = RoundBook(identity.peer_id)
         namespace = f"agora/{manifest.run_id}/outer/{stage}"
         servicer = CollectiveServicer(Responder(book), limit)
         await servicer.add_p2p_handlers(p2p, namespace=namespace)
@@ -294,7 +297,7 @@ class OuterLoop:
         """
         if self._prep is not None:
             raise RuntimeError(f"round {self.state.round} already begun")
-        self._prep = asyncio.create_task(self._prepare(self.state.round, expect))
+        self._prep = asyncio.create_task(self._prepare_or_alone(self.state.round, expect))
 
     async def end_round(self, *, tokens: int) -> RoundReport:
         """Mix pseudo-gradients, take the outer step, load the new anchor into the module."""
@@ -308,7 +311,11 @@ class OuterLoop:
         outcome = None
         if prep.delta_plan is not None:
             weight = 0.0 if self.state.warming else float(tokens)
-            outcome = await self._mix(prep.delta_plan, delta, weight, self.delta_encoder)
+            try:
+                outcome = await self._mix(prep.delta_plan, delta, weight, self.delta_encoder)
+            except Exception:  # see _prepare_or_alone: apply the own delta, report it
+                log.exception("outer round %d: pseudo-gradient mix failed", self.state.round)
+                prep.delta_plan = None
         mixed = delta if outcome is None else outcome.value
         anchor = None if prep.anchor is None else prep.anchor.value
         round_no = self.state.round
@@ -334,6 +341,22 @@ class OuterLoop:
             weight = 0.0 if self.state.warming else 1.0
             anchor = await self._mix(anchor_plan, self.state.anchor, weight, self.anchor_encoder)
         return _Prep(view, delta_plan, anchor)
+
+    async def _prepare_or_alone(self, round_no: int, expect: int | None) -> _Prep:
+        try:
+            return await self._prepare(round_no, expect)
+        except Exception:  # a bug or a broken DHT must cost one round's mixing, not the node
+            log.exception(
+                "outer round %d: matchmaking or anchor mix failed, mixing alone", round_no
+            )
+            me = RoundEntry(
+                peer_id=self.me,
+                run_id=self.run_id,
+                stage=self.stage,
+                round=round_no,
+                joined_at=time.time(),
+            )
+            return _Prep(RoundView(self.run_id, self.stage, round_no, self.me, (me,)), None, None)
 
     def _plan(self, round_no: int, phase: str, group: tuple[str, ...]) -> GroupPlan | None:
         if len(group) < 2:
@@ -370,6 +393,14 @@ class OuterLoop:
             raise RuntimeError("cannot load outer state in the middle of a round")
         self.state.load_state_dict(state, warming=warming)
         self.delta_encoder.reset()  # the residual belonged to the old trajectory
+
+    def reset_to_weights(self) -> None:
+        """Anchor := the module's current weights, momentum := 0 (weights loaded without outer state)."""
+        if self._prep is not None:
+            raise RuntimeError("cannot reset outer state in the middle of a round")
+        self.state.anchor = self.state.weights()
+        self.state.momentum.zero_()
+        self.delta_encoder.reset()
 
     def status(self) -> dict[str, Any]:
         last = self.last_report

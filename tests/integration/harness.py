@@ -104,15 +104,6 @@ class TestSwarm(Swarm):
         return child.log_path.read_text(errors="replace")
 
 
-def tokens_at_last_stage(swarm: TestSwarm, children: list[Child], num_stages: int) -> int:
-    total = 0
-    for child in children:
-        s = swarm.status(child)
-        if s and s.get("stage") == num_stages - 1:
-            total += s.get("tokens_seen", 0)
-    return total
-
-
 def small_manifest(path: Path, *, stages: int, layers: int) -> str:
     """tiny with another stage cut (written to `path`)."""
     from agora_node.protocol.manifest import load_manifest, parse_manifest

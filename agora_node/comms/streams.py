@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 
+from agora_node.comms import linkemu
+
 log = logging.getLogger(__name__)
 
 KIND_DATA, KIND_END, KIND_ERROR = b"D", b"E", b"X"
@@ -29,6 +31,7 @@ class StreamError(ConnectionError):
 
 
 async def write_frame(writer: asyncio.StreamWriter, kind: bytes, payload: bytes = b"") -> None:
+    await linkemu.transmit(len(payload) + 1 + _LEN_BYTES)
     writer.write(kind + len(payload).to_bytes(_LEN_BYTES, "big"))
     view = memoryview(payload)
     for offset in range(0, len(view), CHUNK):

@@ -61,6 +61,7 @@ JOIN_OPTIONS: dict[str, tuple[Any, type, str]] = {
     ),
     "record_ttl": (15.0, float, "seconds a directory record lives unless refreshed"),
     "refresh": (3.0, float, "seconds between record refreshes and directory reads"),
+    "emulate_link": ("", str, "benchmarks: shape this node's uplink as 'MBIT_PER_S,LATENCY_MS'"),
 }
 
 
@@ -158,6 +159,13 @@ def cmd_join(args: argparse.Namespace) -> int:
     if not opts["initial_peers"]:
         raise UsageError("join needs --initial-peers (the line `agora-node bootstrap` printed)")
     config = _node_config(opts)
+    if opts["emulate_link"]:
+        from agora_node.comms import linkemu
+
+        try:
+            linkemu.configure(linkemu.LinkSpec.parse(opts["emulate_link"]))
+        except ValueError as exc:
+            raise UsageError(f"--emulate-link: {exc}") from None
     if args.dry_run:
         return asyncio.run(_dry_run(config))
     import torch

@@ -516,6 +516,7 @@ def build_snapshot(node: Node) -> dict:
             "outer_step": 0,
             "tokens_seen": w.stats.tokens if w else 0,
             "throughput": w.stats.throughput if w else 0.0,
+            "compute_s": w.stats.compute_s if w else 0.0,
             "queue": (p.active_requests if p else 0),
             "in_flight": w.in_flight if w else 0,
             "microbatches": dict(stats.results) if stats else {},

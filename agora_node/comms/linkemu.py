@@ -1,0 +1,60 @@
+"""Link emulation in the transport layer: bandwidth and latency for benchmarks and tests.
+
+This kernel has no netem, so a slow internet link is emulated where our bytes
+leave: every frame a node writes on a pipeline or state stream first waits for
+its turn on a shared uplink of `bandwidth_mbit` (serialization delay), then for
+`latency_ms` of one-way propagation. A request/response round trip therefore
+costs 2 x latency plus both transfer times. DHT traffic (hivemind's own
+streams) is not shaped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    bandwidth_mbit: float
+    latency_ms: float
+
+    @classmethod
+    def parse(cls, text: str) -> LinkSpec:
+        """'100,50' -> 100 Mbit/s, 50 ms one way."""
+        try:
+            bw, lat = (float(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(
+                f"link spec {text!r} must be 'MBIT_PER_S,LATENCY_MS', e.g. 100,50"
+            ) from None
+        if bw <= 0 or lat < 0:
+            raise ValueError(f"link spec {text!r}: bandwidth must be > 0 and latency >= 0")
+        return cls(bw, lat)
+
+
+class LinkEmulator:
+    def __init__(self, spec: LinkSpec) -> None:
+        self.spec = spec
+        self._uplink_free_at = 0.0
+
+    async def transmit(self, nbytes: int) -> None:
+        now = time.monotonic()
+        start = max(now, self._uplink_free_at)
+        self._uplink_free_at = start + nbytes * 8 / (self.spec.bandwidth_mbit * 1e6)
+        await asyncio.sleep(self._uplink_free_at - now + self.spec.latency_ms / 1000)
+
+
+_active: LinkEmulator | None = None
+
+
+def configure(spec: LinkSpec | None) -> None:
+    """Shape every frame this process writes from now on (None: no shaping)."""
+    global _active
+    _active = LinkEmulator(spec) if spec is not None else None
+
+
+async def transmit(nbytes: int) -> None:
+    if _active is not None:
+        await _active.transmit(nbytes)

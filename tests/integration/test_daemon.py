@@ -234,3 +234,29 @@ def test_bad_cli_input_is_one_clear_line(swarm, tmp_path):
     _one_clear_line(
         _cli(*base, "--data-dir", str(tmp_path / "e"), "--stage", "two"), "--stage must be"
     )
+
+
+def test_dry_run_status_table_and_leave_through_the_control_api(swarm, tmp_path):
+    swarm.bootstrap("tiny")
+    dry = _cli(
+        "join",
+        "--initial-peers",
+        *swarm.initial_peers,
+        "--data-dir",
+        str(tmp_path / "dry"),
+        "--dry-run",
+    )
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert "would serve stage" in dry.stdout and "total_bytes" in dry.stdout
+
+    node = swarm.join("node", "--stage", "2")
+    port = swarm.serving(node)
+    poll(lambda: (s := swarm.status(node)) and s["state"] == "active", 120, "active")
+    table = _cli("status", "--url", f"http://127.0.0.1:{port}")
+    assert table.returncode == 0 and "active" in table.stdout, table.stdout + table.stderr
+
+    sock = str(tmp_path / "node" / "control.sock")
+    left = _cli("leave", "--control-socket", sock)
+    assert left.returncode == 0, left.stdout + left.stderr
+    assert node.proc.wait(timeout=60) == 0
+    assert "checkpoint saved" in swarm.log(node)

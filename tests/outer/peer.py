@@ -1,0 +1,125 @@
+"""One stage replica as a real hivemind peer, driven by the integration tests.
+
+    python tests/outer/peer.py --rounds 2 [--initial-peer MADDR] [--scale 1000]
+                               [--stall-round 1] [--out DIR] ...
+
+Prints `ready` (with its multiaddrs), waits for `go` on stdin, then plays rounds:
+begin_round, a deterministic stand-in for H inner steps, end_round; prints one
+`round` event per round and saves its pre-mix delta and mixed delta to --out.
+With --stall-round r it freezes inside round r's blocking mix right after its
+first part is delivered and prints `pushed`: the test SIGKILLs it there. With
+--hold-round r it waits for `release` on stdin before round r's blocking mix. After the
+last round it keeps serving until stdin closes, so slower peers can still fetch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
+
+from agora_node.comms.collective import (  # noqa: E402
+    Aggregation,
+    AggregationSpec,
+    Deadlines,
+    MatchmakingConfig,
+)
+from agora_node.comms.collective.harness import (  # noqa: E402
+    FreezeAfterFirstPush,
+    die_with_parent,
+    emit,
+    start_local_host,
+)
+from agora_node.node.outer import OuterConfig, OuterLoop  # noqa: E402
+from agora_node.protocol.identity import Identity  # noqa: E402
+from agora_node.protocol.manifest import load_manifest  # noqa: E402
+from agora_node.stages.model import Stage  # noqa: E402
+
+
+def inner_steps(loop: OuterLoop, seed: int, scale: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in loop.state.params:
+            p.add_(scale * 1e-3 * torch.randn(p.shape, generator=g))
+
+
+async def main(args: argparse.Namespace) -> None:
+    die_with_parent()
+    identity = Identity.generate()
+    host = await start_local_host(identity, args.initial_peer)
+    manifest = load_manifest("tiny")
+    stage = Stage(manifest, 1)
+    config = OuterConfig.from_manifest(
+        manifest,
+        group_size=args.group_size,
+        codec=args.codec,
+        aggregation=AggregationSpec(method=Aggregation(args.aggregation)),
+        deadlines=Deadlines(base=args.base_timeout),
+        # all replicas are told to start together; `expect` closes the round early
+        matchmaking=MatchmakingConfig(window=10.0, settle=0.5, poll_interval=0.1),
+    )
+    loop = await OuterLoop.create(host.dht, stage, identity, manifest, p2p=host.p2p, config=config)
+    emit("ready", peer=identity.peer_id, maddrs=await host.visible_maddrs())
+    stdin = asyncio.StreamReader()
+    await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin
+    )
+    await stdin.readline()  # "go"
+    for r in range(args.rounds):
+        await loop.begin_round(expect=args.expect)
+        inner_steps(loop, seed=1000 * args.seed + r, scale=args.scale)
+        if r == args.stall_round:
+            loop.transport = FreezeAfterFirstPush(loop.transport)
+        if r == args.hold_round:
+            await stdin.readline()  # "release": lets a stalling peer enter the mix first
+        delta = loop.state.pseudo_gradient()
+        momentum = loop.state.momentum.clone()
+        report = await loop.end_round(tokens=1000)
+        mixed = loop.state.momentum - config.momentum * momentum  # m' = mu m + mixed delta
+        if args.out:
+            torch.save(
+                {"delta": delta, "mixed": mixed}, Path(args.out) / f"{identity.peer_id}-{r}.pt"
+            )
+        weights = loop.state.weights()
+        emit(
+            "round",
+            round=r,
+            digest=loop.state.digest(),
+            finite=bool(torch.isfinite(weights).all()),
+            consistent=report.consistent,
+            blocked=report.seconds_blocked,
+            deadline=report.deadline,
+            group=len(report.delta_group),
+            failed=len(report.failed_peers),
+            clip_radius=report.clip_radius,
+            rejected=report.rejected,
+            repaired=report.repaired_spans,
+        )
+    emit("done")
+    await stdin.read()  # serve until the test closes stdin or kills us
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--initial-peer", action="append", default=[])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--expect", type=int, default=3)
+    p.add_argument("--group-size", type=int, default=0)
+    p.add_argument("--codec", default="int8")
+    p.add_argument("--aggregation", default="mean")
+    p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stall-round", type=int, default=-1)
+    p.add_argument("--hold-round", type=int, default=-1)
+    p.add_argument("--base-timeout", type=float, default=2.0)
+    p.add_argument("--out", default="")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse(sys.argv[1:])))

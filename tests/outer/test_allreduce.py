@@ -1,0 +1,235 @@
+"""The collective in one process: exactness, codec error, failures, bad contributions."""
+
+import dataclasses
+import time
+from functools import partial
+
+import pytest
+import torch
+
+from agora_node.comms.collective import (
+    Aggregation,
+    AggregationSpec,
+    LocalNetwork,
+    LocalTransport,
+    PartEncoder,
+    WireFormat,
+)
+from agora_node.comms.collective.plan import span_bounds
+from agora_node.comms.collective.wire import Header, Reply
+from agora_node.compression import Codec, QuantizedTensor, encode_frame
+from tests.outer.helpers import LOCAL, all_equal, peers, random_values, run_group
+
+pytestmark = pytest.mark.timeout(60)
+NUMEL = 3000  # not a multiple of the block: the last span has a padded block
+
+
+async def test_fp32_mean_is_exact_and_identical_everywhere() -> None:
+    values = random_values(3, NUMEL)
+    weights = {"peer0": 1.0, "peer1": 2.0, "peer2": 5.0}
+    outs = await run_group(values, weights=weights)
+    expected = sum(weights[p] * values[p] for p in values) / sum(weights.values())
+    assert all_equal(outs)
+    torch.testing.assert_close(outs["peer0"].value, expected, rtol=0, atol=1e-6)
+    assert all(o.consistent and not o.stats.failed_peers for o in outs.values())
+
+
+@pytest.mark.parametrize("codec, bound", [(Codec.INT8, 0.02), (Codec.INT4, 0.12)])
+async def test_codec_results_are_identical_and_within_the_codec_error(codec, bound) -> None:
+    values = random_values(4, NUMEL)
+    fmt = WireFormat(part=codec, result=Codec.INT8, block=64, error_feedback=True)
+    outs = await run_group(values, fmt=fmt)
+    expected = sum(values.values()) / 4
+    assert all_equal(outs)
+    err = float((outs["peer0"].value - expected).norm() / expected.norm())
+    # parts: rel. error <= ~0.06 (int8) / ~0.5 (int4) each, averaged over 4; result: int8
+    assert err < bound
+
+
+async def test_error_feedback_makes_the_sum_of_mixes_track_the_true_sum() -> None:
+    values = random_values(3, NUMEL)
+    fmt = WireFormat(part=Codec.INT4, result=Codec.FP32, block=64, error_feedback=True)
+    plain = WireFormat(part=Codec.INT4, result=Codec.FP32, block=64)
+    expected = sum(values.values()) / 3
+    totals = {}
+    for name, f in (("ef", fmt), ("no_ef", plain)):
+        encoders = {p: PartEncoder(f) for p in values}
+        total = torch.zeros(NUMEL)
+        for t in range(8):  # the same delta every round: the worst case for a biased codec
+            outs = await run_group(values, fmt=f, encoders=encoders, round_no=t)
+            total += outs["peer0"].value
+        totals[name] = float((total - 8 * expected).norm() / (8 * expected).norm())
+    assert totals["ef"] < totals["no_ef"] / 4
+
+
+async def test_a_member_that_never_shows_up_is_renormalized_away() -> None:
+    values = random_values(3, NUMEL)
+    network = LocalNetwork()
+    network.join("peer2")
+    network.down.add("peer2")
+    started = time.monotonic()
+    outs = await run_group(values, network=network, skip={"peer2"})
+    assert all_equal(outs)
+    torch.testing.assert_close(outs["peer0"].value, (values["peer0"] + values["peer1"]) / 2)
+    assert time.monotonic() - started < 2.0  # connection errors short-cut the deadlines
+    assert "peer2" in outs["peer0"].stats.failed_peers
+
+
+async def test_a_silent_member_costs_at_most_the_deadlines() -> None:
+    values = random_values(3, NUMEL)
+    deadlines = dataclasses.replace(LOCAL, base=0.3)
+    started = time.monotonic()
+    outs = await run_group(values, skip={"peer1"}, deadlines=deadlines)
+    elapsed = time.monotonic() - started
+    assert all_equal(outs) and all(o.consistent for o in outs.values())
+    torch.testing.assert_close(outs["peer0"].value, (values["peer0"] + values["peer2"]) / 2)
+    assert elapsed < deadlines.worst_case(NUMEL, 3, WireFormat())
+
+
+class DeafNetwork(LocalNetwork):
+    """`deaf` members can send but nobody reaches them: as if they died right after pushing."""
+
+    def __init__(self, deaf: set[str]) -> None:
+        super().__init__()
+        self.deaf = deaf
+
+    def responder(self, sender: str, peer: str):
+        if peer in self.deaf:
+            raise ConnectionError(f"{peer} is gone")
+        return super().responder(sender, peer)
+
+
+async def test_dead_reducer_span_is_re_reduced_and_survivors_agree() -> None:
+    values = random_values(3, NUMEL)
+    network = DeafNetwork({"peer2"})
+
+    def state(me: str):
+        return network.responders[me].book.states[(0, "delta")]
+
+    async def after_peer2_pushed(me: str) -> None:
+        span = state(me).spans[state(me).my_index]
+        assert await state(me).changed.wait_for(lambda: "peer2" in span.parts, 5.0)
+
+    async def after_peer1_contributes() -> None:
+        # peer0 is the backup of peer2's span: let it ask once peer1 has something to give
+        await after_peer2_pushed("peer0")
+        assert await state("peer1").changed.wait_for(lambda: state("peer1").my_values, 5.0)
+
+    before = {"peer0": after_peer1_contributes, "peer1": partial(after_peer2_pushed, "peer1")}
+    outs = await run_group(values, network=network, before=before)
+    survivors = {p: outs[p] for p in ("peer0", "peer1")}
+    assert all_equal(survivors)
+    value = survivors["peer0"].value
+    full = sum(values.values()) / 3
+    pair = (values["peer0"] + values["peer1"]) / 2
+    spans = dict(zip(values, span_bounds(NUMEL, 3, 64), strict=True))
+    for p, (lo, hi) in spans.items():
+        # peer2's parts reached the others' spans; its own span was re-reduced without it
+        expected = pair if p == "peer2" else full
+        torch.testing.assert_close(value[lo:hi], expected[lo:hi], rtol=0, atol=1e-6)
+    assert sum(o.stats.repaired_spans for o in survivors.values()) == 1
+
+
+class CannotReach(LocalTransport):
+    def __init__(self, network: LocalNetwork, me: str, unreachable: str) -> None:
+        super().__init__(network, me)
+        self.unreachable = unreachable
+
+    async def fetch(self, peer: str, header: Header) -> Reply:
+        if peer == self.unreachable:
+            raise ConnectionError("link down")
+        return await super().fetch(peer, header)
+
+
+async def test_a_result_seen_by_some_is_adopted_not_recomputed() -> None:
+    """peer1 cannot fetch peer2's span; its backup finds the value at a member that has it."""
+    values = random_values(3, NUMEL)
+    network = LocalNetwork()
+    outs = await run_group(
+        values, network=network, transports={"peer1": CannotReach(network, "peer1", "peer2")}
+    )
+    assert all_equal(outs) and all(o.consistent for o in outs.values())
+    # span 2 was reduced by peer2 with every part; peer1 got it through the backup
+    lo = span_bounds(NUMEL, 3, 64)[2][0]
+    expected = (sum(values.values()) / 3)[lo:]
+    torch.testing.assert_close(outs["peer1"].value[lo:], expected, rtol=0, atol=1e-6)
+
+
+def forged(kind: str, header: Header, payload: bytes, numel: int) -> tuple[Header, bytes]:
+    def fp32(t: torch.Tensor, dtype=torch.float32) -> bytes:
+        return encode_frame(
+            QuantizedTensor(Codec.FP32, tuple(t.shape), dtype, t.reshape(-1).float())
+        )
+
+    if kind == "wrong shape":
+        return header, fp32(torch.ones(numel + 1))
+    if kind == "wrong dtype":
+        return header, fp32(torch.ones(numel), torch.float16)
+    if kind == "nan":
+        return header, fp32(torch.full((numel,), float("nan")))
+    if kind == "oversized":
+        return header, payload + bytes(4 * numel + 100)
+    if kind == "wrong round":
+        return dataclasses.replace(header, round=header.round + 7, wait=0.0), payload
+    if kind == "negative weight":
+        return dataclasses.replace(header, weight=-5.0), payload
+    raise ValueError(kind)
+
+
+class Forger(LocalTransport):
+    def __init__(self, network: LocalNetwork, me: str, kind: str, numel: int) -> None:
+        super().__init__(network, me)
+        self.kind, self.numel = kind, numel
+
+    async def push(self, peer: str, header: Header, payload: bytes) -> Reply:
+        header, payload = forged(self.kind, header, payload, self.numel)
+        return await super().push(peer, header, payload)
+
+
+@pytest.mark.parametrize(
+    "kind", ["wrong shape", "wrong dtype", "nan", "oversized", "wrong round", "negative weight"]
+)
+async def test_malformed_contributions_are_rejected_counted_and_do_not_stall(kind: str) -> None:
+    values = random_values(3, 3 * 1024)
+    network = LocalNetwork()
+    started = time.monotonic()
+    outs = await run_group(
+        values, network=network, transports={"peer2": Forger(network, "peer2", kind, 1024)}
+    )
+    elapsed = time.monotonic() - started
+    assert all_equal(outs)
+    value = outs["peer0"].value
+    honest = (values["peer0"] + values["peer1"]) / 2
+    full = sum(values.values()) / 3
+    torch.testing.assert_close(value[:2048], honest[:2048], rtol=0, atol=1e-6)
+    torch.testing.assert_close(value[2048:], full[2048:], rtol=0, atol=1e-6)  # its own span
+    if kind == "wrong round":
+        assert network.responders["peer0"].book.unknown_rejections["unknown round"] == 1
+    else:
+        counted = sum(sum(outs[p].stats.rejected.values()) for p in ("peer0", "peer1"))
+        assert counted >= 2
+        assert elapsed < 1.0  # a refused member is not waited for
+
+
+async def test_centered_clip_in_the_collective_bounds_a_scaled_member() -> None:
+    values = random_values(4, NUMEL, seed=3)
+    values["peer3"] = values["peer3"] * 1000
+    spec = AggregationSpec(method=Aggregation.CENTERED_CLIP)
+    outs = await run_group(values, aggregation=spec)
+    assert all_equal(outs)
+    honest = sum(values[p] for p in peers(3)) / 3
+    radii = [r for o in outs.values() for r in o.stats.clip_radii]
+    bound = sum(r * r for r in radii) ** 0.5
+    assert float((outs["peer0"].value - honest).norm()) <= bound
+    assert float(outs["peer0"].value.norm()) < 2 * float(honest.norm()) + bound
+
+
+async def test_late_member_adopts_the_groups_result() -> None:
+    """A member that starts after the others finished gets their values, not its own."""
+    values = random_values(3, NUMEL)
+    network = LocalNetwork()
+    quick = dataclasses.replace(LOCAL, base=0.3)
+    early = await run_group(values, network=network, skip={"peer2"}, deadlines=quick)
+    late = await run_group(values, network=network, skip={"peer0", "peer1"}, deadlines=quick)
+    assert torch.equal(late["peer2"].value, early["peer0"].value)
+    assert late["peer2"].consistent

@@ -1,0 +1,106 @@
+"""Real hivemind peers on 127.0.0.1, one process each (tests/outer/peer.py).
+
+- three replicas complete rounds and end with equal anchors;
+- one replica SIGKILLed inside the blocking mix: the other two finish that round
+  within its deadline, with equal and finite weights;
+- a replica whose delta is 1000x: CenteredClip keeps the mixed delta within the
+  clip radius of the honest mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from agora_node.comms.collective.harness import PeerProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+PEER = str(Path(__file__).with_name("peer.py"))
+START_TIMEOUT = 60.0  # three DHTs start on 2 shared cores
+ROUND_TIMEOUT = 45.0
+
+
+@contextlib.contextmanager
+def replicas(extra: list[list[str]]) -> Iterator[list[PeerProcess]]:
+    """Start one peer per argument list (the first is the others' entry point), then 'go'."""
+    peers: list[PeerProcess] = []
+    try:
+        first = PeerProcess([PEER, *extra[0]])
+        peers.append(first)
+        maddr = first.expect("ready", START_TIMEOUT)["maddrs"][0]
+        for args in extra[1:]:
+            peers.append(PeerProcess([PEER, "--initial-peer", maddr, *args]))
+        for p in peers[1:]:
+            p.expect("ready", START_TIMEOUT)
+        for p in peers:
+            p.send("go")
+        yield peers
+    finally:
+        for p in peers:
+            p.kill()
+
+
+def test_three_replicas_complete_rounds_with_equal_anchors() -> None:
+    rounds = 3
+    with replicas([["--rounds", str(rounds), "--seed", str(i)] for i in range(3)]) as peers:
+        for r in range(rounds):
+            events = [p.expect("round", ROUND_TIMEOUT, round=r) for p in peers]
+            assert all(e["consistent"] and e["finite"] and e["group"] == 3 for e in events)
+            assert len({e["digest"] for e in events}) == 1, f"anchors differ after round {r}"
+
+
+def test_survivors_finish_a_round_whose_member_was_killed_mid_mix() -> None:
+    args = [["--rounds", "2", "--seed", str(i)] for i in range(3)]
+    args[0] += ["--hold-round", "1"]
+    args[1] += ["--hold-round", "1"]
+    args[2] += ["--stall-round", "1"]  # enters round 1's mix first, delivers a part, freezes
+    with replicas(args) as peers:
+        for p in peers:
+            p.expect("round", ROUND_TIMEOUT, round=0)
+        victim = peers[2]
+        victim.expect("pushed", ROUND_TIMEOUT, round=1)
+        victim.kill()
+        for p in peers[:2]:
+            p.send("release")
+        events = [p.expect("round", ROUND_TIMEOUT, round=1) for p in peers[:2]]
+    assert len({e["digest"] for e in events}) == 1
+    for e in events:
+        assert e["finite"] and e["consistent"] and e["failed"] >= 1
+        assert e["blocked"] <= e["deadline"]
+    assert sum(e["repaired"] for e in events) == 1  # the dead member's span, re-reduced once
+
+
+def test_centered_clip_bounds_a_member_sending_1000x(tmp_path: Path) -> None:
+    args = [
+        [
+            "--rounds",
+            "1",
+            "--seed",
+            str(i),
+            "--aggregation",
+            "centered_clip",
+            "--codec",
+            "fp32",
+            "--out",
+            str(tmp_path),
+        ]
+        for i in range(3)
+    ]
+    args[2] += ["--scale", "1000"]
+    with replicas(args) as peers:
+        events = [p.expect("round", ROUND_TIMEOUT, round=0) for p in peers]
+        names = [p.expect("done", 5.0) and p for p in peers]
+    assert len(names) == 3 and len({e["digest"] for e in events}) == 1
+    saved = sorted(tmp_path.glob("*-0.pt"))
+    data = [torch.load(f) for f in saved]
+    by_norm = sorted(data, key=lambda d: float(d["delta"].norm()))
+    honest_mean = (by_norm[0]["delta"] + by_norm[1]["delta"]) / 2
+    mixed = by_norm[0]["mixed"]
+    radius = sum(e["clip_radius"] ** 2 for e in events) ** 0.5
+    plain_mean = sum(d["delta"] for d in data) / 3
+    assert float((plain_mean - honest_mean).norm()) > 50 * radius  # what an unclipped mean does
+    assert float((mixed - honest_mean).norm()) <= radius

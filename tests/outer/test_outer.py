@@ -1,0 +1,184 @@
+"""Outer steps: the Nesterov step, exact DiLoCo with one group of everyone, newcomers."""
+
+import asyncio
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from torch import nn
+
+from agora_node.comms.collective import LocalNetwork, MatchmakingConfig, MemoryBoard
+from agora_node.node.outer import OuterConfig, OuterLoop, OuterState, RoundReport
+from agora_node.protocol.identity import Identity
+from tests.outer.helpers import LOCAL
+
+pytestmark = pytest.mark.timeout(60)
+QUICK = MatchmakingConfig(window=0.5, settle=0.1, poll_interval=0.02)
+
+
+def model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(48, 40), nn.Tanh(), nn.Linear(40, 24))
+
+
+def config(**kw) -> OuterConfig:
+    base = dict(group_size=0, codec="fp32", block=64, deadlines=LOCAL, matchmaking=QUICK)
+    return OuterConfig(**{**base, **kw})
+
+
+def swarm(n: int, cfg: OuterConfig) -> list[OuterLoop]:
+    network, board = LocalNetwork(), MemoryBoard()
+    loops = []
+    for i in range(n):
+        # fixed keys: the random groups (a hash of peer ids) are the same on every run
+        ident = Identity(Ed25519PrivateKey.from_private_bytes(bytes([i + 1]) * 32))
+        loops.append(
+            OuterLoop(
+                model(), ident, run_id="run", stage=0, config=cfg,
+                book=network.join(ident.peer_id), transport=network.transport(ident.peer_id),
+                board=board,
+            )
+        )  # fmt: skip
+    return loops
+
+
+def inner_steps(params, seed: int) -> None:
+    """Stand-in for H inner steps: a deterministic move per replica and round."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+
+
+async def play_round(loops: list[OuterLoop], round_no: int, tokens: list[int]) -> list[RoundReport]:
+    for loop in loops:
+        await loop.begin_round(expect=len(loops))
+    for i, loop in enumerate(loops):
+        inner_steps(loop.state.params, 100 * round_no + i)
+    return list(
+        await asyncio.gather(*(lp.end_round(tokens=t) for lp, t in zip(loops, tokens, strict=True)))
+    )
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def test_outer_state_step_is_torch_nesterov_sgd() -> None:
+    ours, ref = model(), model()
+    state = OuterState(ours, lr=0.7, momentum=0.9)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    for t in range(3):
+        inner_steps(ours.parameters(), t)
+        delta = state.pseudo_gradient()
+        state.apply(delta)
+        offset = 0
+        for p in ref.parameters():
+            p.grad = delta[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        opt.step()
+        torch.testing.assert_close(flat(ours), flat(ref), rtol=0, atol=1e-6)
+    assert state.round == 3
+
+
+def diloco_reference(n: int, rounds: int, tokens: list[int]) -> torch.Tensor:
+    """DiLoCo computed directly: one anchor, the token-weighted mean of the replicas' deltas."""
+    anchor = model()
+    opt = torch.optim.SGD(anchor.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    w = torch.tensor(tokens, dtype=torch.float32) / sum(tokens)
+    for r in range(rounds):
+        deltas = []
+        for i in range(n):
+            replica = model()
+            replica.load_state_dict(anchor.state_dict())
+            inner_steps(replica.parameters(), 100 * r + i)
+            deltas.append(flat(anchor) - flat(replica))
+        mean = sum(wi * d for wi, d in zip(w, deltas, strict=True))
+        offset = 0
+        for p in anchor.parameters():
+            p.grad = mean[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        opt.step()
+    return flat(anchor)
+
+
+async def run_swarm(n: int, rounds: int, cfg: OuterConfig, tokens: list[int]):
+    loops = swarm(n, cfg)
+    reports = [await play_round(loops, r, tokens) for r in range(rounds)]
+    return loops, reports
+
+
+async def test_one_group_of_everyone_without_compression_is_exactly_diloco() -> None:
+    tokens = [1000, 3000, 2000]
+    loops, reports = await run_swarm(3, 2, config(), tokens)
+    expected = diloco_reference(3, 2, tokens)
+    finals = [lp.state.weights() for lp in loops]
+    assert all(torch.equal(finals[0], f) for f in finals)
+    torch.testing.assert_close(finals[0], expected, rtol=0, atol=1e-6)
+    for report in (r for rs in reports for r in rs):
+        assert report.consistent and not report.anchor_mixed  # anchors agree: nothing sent
+        assert len(report.delta_group) == 3 and report.bytes_sent > 0
+
+
+@pytest.mark.parametrize("codec, bound", [("int8", 0.03), ("int4", 0.2)])
+async def test_with_the_codec_the_update_stays_within_its_error(codec: str, bound: float) -> None:
+    tokens = [1000, 1000, 1000]
+    loops, _ = await run_swarm(3, 2, config(codec=codec), tokens)
+    expected = diloco_reference(3, 2, tokens)
+    start = flat(model())
+    got = loops[0].state.weights()
+    assert all(torch.equal(got, lp.state.weights()) for lp in loops)
+    assert float((got - expected).norm() / (expected - start).norm()) < bound
+
+
+async def test_a_warming_newcomer_has_zero_weight_for_one_round() -> None:
+    loops = swarm(3, config())
+    newcomer = loops[2]
+    newcomer.load_state_dict(loops[0].state_dict())  # a state transfer from replica 0
+    assert newcomer.state.warming
+    await play_round(loops, 0, [1000, 1000, 1000])
+    expected = diloco_reference(2, 1, [1000, 1000])  # replicas 0 and 1 only
+    torch.testing.assert_close(newcomer.state.weights(), expected, rtol=0, atol=1e-6)
+    assert not newcomer.state.warming
+
+
+async def test_a_group_of_one_applies_its_own_delta() -> None:
+    loops, reports = await run_swarm(1, 2, config(), [500])
+    torch.testing.assert_close(loops[0].state.weights(), diloco_reference(1, 2, [500]))
+    assert reports[0][0].bytes_sent == 0
+
+
+def spread(loops: list[OuterLoop]) -> float:
+    """Mean distance between two replicas' weights."""
+    ws = [lp.state.weights() for lp in loops]
+    pairs = [float((a - b).norm()) for i, a in enumerate(ws) for b in ws[i + 1 :]]
+    return sum(pairs) / len(pairs)
+
+
+async def test_gossip_groups_keep_replicas_close() -> None:
+    gossip, reports = await run_swarm(4, 3, config(group_size=2), [1000] * 4)
+    alone, _ = await run_swarm(4, 3, config(group_size=1), [1000] * 4)
+    assert all(r.consistent and len(r.delta_group) == 2 for rs in reports for r in rs)
+    # after the first round the two groups disagree, so later rounds mix anchors
+    assert any(r.anchor_mixed for rs in reports[1:] for r in rs)
+    assert spread(gossip) < 0.6 * spread(alone)  # 0.25-0.5 over random groupings
+
+
+def test_state_dict_round_trip_and_shape_check() -> None:
+    a, b = OuterState(model(0), lr=0.7, momentum=0.9), OuterState(model(1), lr=0.7, momentum=0.9)
+    a.apply(torch.ones(a.numel) * 0.1)
+    b.load_state_dict(a.state_dict(), warming=True)
+    assert torch.equal(a.anchor, b.anchor) and torch.equal(a.momentum, b.momentum)
+    assert b.round == 1 and b.warming
+    small = OuterState(nn.Linear(2, 2), lr=0.7, momentum=0.9)
+    with pytest.raises(ValueError):
+        small.load_state_dict(a.state_dict())
+
+
+def test_reset_to_weights_adopts_loaded_weights_as_the_anchor() -> None:
+    (loop,) = swarm(1, config())
+    loop.state.apply(torch.ones(loop.state.numel) * 0.01)
+    inner_steps(loop.state.params, 5)  # e.g. a checkpoint without outer state was loaded
+    loop.reset_to_weights()
+    assert torch.equal(loop.state.pseudo_gradient(), torch.zeros(loop.state.numel))
+    assert not loop.state.momentum.any()

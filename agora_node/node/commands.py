@@ -61,6 +61,11 @@ JOIN_OPTIONS: dict[str, tuple[Any, type, str]] = {
     ),
     "record_ttl": (15.0, float, "seconds a directory record lives unless refreshed"),
     "refresh": (3.0, float, "seconds between record refreshes and directory reads"),
+    "rebalance_every": (
+        60.0,
+        float,
+        "mean seconds between stage re-evaluations of a --stage auto node (0: never)",
+    ),
     "emulate_link": ("", str, "benchmarks: shape this node's uplink as 'MBIT_PER_S,LATENCY_MS'"),
 }
 
@@ -148,6 +153,7 @@ def _node_config(opts: dict[str, Any]):  # noqa: ANN202
         max_tokens=int(opts["max_tokens"]),
         record_ttl_s=float(opts["record_ttl"]),
         refresh_s=float(opts["refresh"]),
+        rebalance_every_s=float(opts["rebalance_every"]),
         pipeline=PipelineConfig(
             max_in_flight=int(opts["max_in_flight"]), activation_codec=opts["activation_codec"]
         ),

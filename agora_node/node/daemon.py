@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -61,6 +62,8 @@ class NodeConfig:
     settle_s: float = 1.5
     """Interval between a joiner's directory reads before it commits to a stage."""
     settle_rounds: int = 8
+    rebalance_every_s: float = 60.0
+    """Mean interval at which a `--stage auto` node re-evaluates its stage (0: never)."""
     checkpoint_every_s: float = 300.0
     eval_every_s: float = 60.0
     eval_samples: int = 16
@@ -98,6 +101,7 @@ class Node:
         self.last_checkpoint: str | None = None
         self._joining_stage: int | None = None
         self._head_task: asyncio.Task | None = None
+        self._head_stop = asyncio.Event()
         self.addrs: list[str] = []
         self.state_origin: dict = {}
         """Where this node's stage state came from: replica / checkpoint / init, with checksums."""
@@ -280,6 +284,8 @@ class Node:
         self._spawn(self._checkpoint_loop())
         if self.worker.stage.is_first:
             self._head_task = self._spawn(self._head_loop())
+        if cfg.stage == "auto" and cfg.rebalance_every_s > 0:
+            self._spawn(self._rebalance_loop())
         if cfg.control_socket:
             await self._start_control()
 
@@ -355,24 +361,24 @@ class Node:
         train, val = TokenWindows(m, "train"), TokenWindows(m, "val")
         sampler = Sampler(train, self.peer_id, lambda: self._peers_of(0))
         inject = asyncio.create_task(
-            self.pipeline.run_head(sampler, self.stop_event, self.config.max_tokens)
+            self.pipeline.run_head(sampler, self._head_stop, self.config.max_tokens)
         )
-        stopped = asyncio.create_task(self.stop_event.wait())
+        stopped = asyncio.create_task(self._head_stop.wait())
         val_ids = val.fixed_subset(self.config.eval_samples)
         try:
-            while not self.stop_event.is_set():
+            while not self._head_stop.is_set():
                 await asyncio.wait(
                     {inject, stopped},
                     timeout=self.config.eval_every_s,
                     return_when="FIRST_COMPLETED",
                 )
-                if self.stop_event.is_set():
+                if self._head_stop.is_set():
                     break
                 if inject.done():
                     await inject
                     self.final_val_loss = await self.pipeline.evaluate(val, val_ids)
                     log.info("token budget reached; final validation loss %s", self.final_val_loss)
-                    await self.stop_event.wait()
+                    await self._head_stop.wait()
                     break
                 if min(self._peers_of(0) + [self.peer_id]) == self.peer_id:  # one head evaluates
                     loss = await self.pipeline.evaluate(val, val_ids)
@@ -403,6 +409,59 @@ class Node:
         log.info("checkpoint saved: %s", info.path)
         return self.last_checkpoint
 
+    # ---- moving to another stage -------------------------------------------------------
+    async def _rebalance_loop(self) -> None:
+        """Re-evaluate the stage choice now and then; move only for a clear gain
+        (placement.should_switch), after a random delay so peers do not herd."""
+        rng = random.Random(self.peer_id)
+        every = self.config.rebalance_every_s
+        while not self.stop_event.is_set():
+            await self._wait_stop(every * (0.5 + rng.random()))
+            if self.stop_event.is_set() or self.state != NodeState.ACTIVE:
+                continue
+            decision = placement.should_switch(
+                self.view, self.manifest, self.peer_id, self.worker.index
+            )
+            if decision.stage is None:
+                continue
+            await self._wait_stop(placement.switch_delay(self.peer_id, rng, every / 2))
+            fresh = await self.directory.fetch()  # still true after the delay?
+            decision = placement.should_switch(
+                fresh, self.manifest, self.peer_id, self.worker.index
+            )
+            if decision.stage is not None and not self.stop_event.is_set():
+                await self.switch_stage(decision.stage, decision.reason)
+
+    async def switch_stage(self, stage: int, reason: str) -> None:
+        """Drain and checkpoint this stage, then load and serve `stage`."""
+        if not 0 <= stage < self.manifest.num_stages:
+            raise ValueError(
+                f"stage {stage} does not exist: this run has stages 0..{self.manifest.num_stages - 1}"
+            )
+        if stage == self.worker.index or self.state != NodeState.ACTIVE:
+            return
+        log.info("switching from stage %d to stage %d: %s", self.worker.index, stage, reason)
+        self.state = NodeState.WARMING  # routers skip us from the next directory read on
+        await self.directory.withdraw(self._record(), ttl=self.config.record_ttl_s)
+        self.pipeline.accepting = False  # in-flight work gives up once no replica answers
+        if self._head_task is not None:
+            self._head_stop.set()
+            await asyncio.wait({self._head_task}, timeout=self.config.drain_timeout_s)
+            self._head_task, self._head_stop = None, asyncio.Event()
+        await self.pipeline.drain(self.config.drain_timeout_s)
+        await self.checkpoint()
+        old = self.worker
+        self.worker = StageWorker(self.manifest, stage)
+        await self._load_state()
+        self.pipeline.worker, self.pipeline.accepting = self.worker, True
+        old.close()
+        self.stage_choice_reason = reason
+        if self.worker.stage.is_first:
+            self._head_task = self._spawn(self._head_loop())
+        self.state = NodeState.ACTIVE
+        await self._publish()
+        log.info("now serving stage %d", stage)
+
     # ---- leaving --------------------------------------------------------------------------
     async def leave(self) -> None:
         """Announce leaving, finish in-flight work, checkpoint; idempotent."""
@@ -411,6 +470,7 @@ class Node:
         log.info("leaving: finishing in-flight micro-batches")
         self.state = NodeState.LEAVING
         self.stop_event.set()
+        self._head_stop.set()
         for task in self._tasks:  # bookkeeping loops: nothing in them is worth waiting for
             if task is not self._head_task:
                 task.cancel()
@@ -421,14 +481,12 @@ class Node:
                 "in-flight micro-batches did not finish within %.0fs", self.config.drain_timeout_s
             )
         if self._head_task is not None:
-            try:
-                await asyncio.wait_for(self._head_task, self.config.drain_timeout_s)
-            except TimeoutError:
+            done, _ = await asyncio.wait({self._head_task}, timeout=self.config.drain_timeout_s)
+            if not done:
                 log.warning(
                     "stage-0 micro-batches did not finish within %.0fs", self.config.drain_timeout_s
                 )
-            except Exception:  # already logged by _task_done
-                log.debug("head loop ended with an error", exc_info=True)
+                self._head_task.cancel()
         if self.worker is not None:
             await self.checkpoint()
 
@@ -489,9 +547,8 @@ class _ControlHandlers:
         return await self.node.checkpoint()
 
     async def switch_stage(self, stage: int) -> dict:
-        raise ValueError(
-            "switching stage at run time is not supported yet: leave and join with --stage"
-        )
+        await self.node.switch_stage(int(stage), "requested through the control API")
+        return {"stage": self.node.worker.index, "state": self.node.state.value}
 
     async def status(self) -> dict:
         return self.node.snapshot()

@@ -260,3 +260,32 @@ def test_dry_run_status_table_and_leave_through_the_control_api(swarm, tmp_path)
     assert left.returncode == 0, left.stdout + left.stderr
     assert node.proc.wait(timeout=60) == 0
     assert "checkpoint saved" in swarm.log(node)
+
+
+def test_auto_node_moves_to_a_stage_that_lost_its_last_replica(swarm):
+    swarm.bootstrap("tiny")
+    fixed = [swarm.join(f"fixed-{s}", "--stage", str(s)) for s in (1, 2, 3)]
+    auto = [swarm.join(f"auto-{i}", "--rebalance-every", "4") for i in range(3)]
+    nodes = fixed + auto
+    for node in nodes:
+        swarm.serving(node)
+    # Nodes may rebalance meanwhile; kill a fixed node that is its stage's only replica now.
+    statuses = poll(lambda: _active(swarm, nodes), 120, "6 active nodes")
+    stages = [s["stage"] for s in statuses]
+    victim_index = next(i for i, s in enumerate(stages[:3]) if stages.count(s) == 1)
+    victim, lost = fixed[victim_index], stages[victim_index]
+    swarm.kill(victim)
+
+    def someone_serves_lost_stage():
+        return any(
+            (s := swarm.status(n)) and s["stage"] == lost and s["state"] == "active" for n in auto
+        )
+
+    poll(someone_serves_lost_stage, 90, f"an auto node to take over stage {lost}")
+    mover = next(n for n in auto if swarm.status(n)["stage"] == lost)
+    assert "switching from stage" in swarm.log(mover)
+    head = next(n for n in nodes if n is not victim and (swarm.status(n) or {}).get("stage") == 0)
+    ok = swarm.status(head)["microbatches"].get("ok", 0)
+    poll(
+        lambda: swarm.status(head)["microbatches"].get("ok", 0) >= ok + 5, 90, "training to resume"
+    )

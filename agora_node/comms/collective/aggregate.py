@@ -1,0 +1,119 @@
+"""How a reducer combines the contributions to its span: pure tensor functions.
+
+- weighted mean (default): sum w_i x_i / sum w_i over the contributions that
+  arrived, so a missing member's weight simply drops out (renormalization);
+- CenteredClip (Karimireddy et al. 2021): start at the coordinate-wise median and
+  repeatedly move towards every contribution, each pull clipped to radius tau. A
+  single contribution can then move the result by at most its weight share of
+  tau per iteration, however large it is. tau defaults to `clip_scale` times the
+  median distance of the contributions from the median, so it adapts to the
+  current size of pseudo-gradients without a tuned constant;
+- trimmed mean: per coordinate drop the k largest and k smallest values
+  (k = floor(trim_fraction * n)), weighted mean of the rest.
+
+Weights are capped at `max_weight` here, by the reducer, since a sender's claim
+cannot be trusted. Contributions with weight 0 (warming newcomers) are ignored unless every weight
+is 0, in which case all count equally (a group of newcomers still mixes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+from torch import Tensor
+
+
+class Aggregation(StrEnum):
+    MEAN = "mean"
+    CENTERED_CLIP = "centered_clip"
+    TRIMMED_MEAN = "trimmed_mean"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AggregationSpec:
+    method: Aggregation = Aggregation.MEAN
+    clip_scale: float = 2.0
+    """CenteredClip radius tau = clip_scale * median distance from the coordinate-wise median."""
+    clip_radius: float | None = None
+    """A fixed tau instead of the adaptive one."""
+    clip_iters: int = 5
+    trim_fraction: float = 0.2
+    max_weight: float = math.inf
+    """Cap on one contribution's weight (tokens a member could have processed in a round)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", Aggregation(self.method))
+        if self.clip_scale <= 0 or self.clip_iters < 1:
+            raise ValueError("clip_scale must be > 0 and clip_iters >= 1")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ValueError("trim_fraction must be in [0, 0.5)")
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    value: Tensor
+    clip_radius: float | None = None
+    """tau used by CenteredClip (None for the other methods)."""
+
+
+def aggregate(values: list[Tensor], weights: list[float], spec: AggregationSpec) -> Aggregate:
+    """Combine equally shaped float32 tensors; `values` must not be empty."""
+    if not values:
+        raise ValueError("nothing to aggregate")
+    if len(values) != len(weights):
+        raise ValueError("one weight per value")
+    capped = [min(float(w), spec.max_weight) for w in weights]
+    kept = [(v, w) for v, w in zip(values, capped, strict=True) if w > 0]
+    if not kept:  # all newcomers: count everyone equally rather than produce nothing
+        kept = [(v, 1.0) for v in values]
+    if len(kept) == 1:
+        return Aggregate(kept[0][0].float().clone(), 0.0 if _clips(spec) else None)
+    stacked = torch.stack([v.float() for v, _ in kept])
+    w = torch.tensor([float(w) for _, w in kept], dtype=torch.float64)
+    w = (w / w.sum()).to(torch.float32)
+    if spec.method is Aggregation.CENTERED_CLIP:
+        return centered_clip(stacked, w, spec)
+    if spec.method is Aggregation.TRIMMED_MEAN:
+        return Aggregate(trimmed_mean(stacked, w, spec.trim_fraction))
+    return Aggregate(weighted_mean(stacked, w))
+
+
+def _clips(spec: AggregationSpec) -> bool:
+    return spec.method is Aggregation.CENTERED_CLIP
+
+
+def weighted_mean(stacked: Tensor, w: Tensor) -> Tensor:
+    """sum_i w_i x_i with w already normalized; one row per contribution."""
+    return torch.tensordot(w, stacked, dims=1)
+
+
+def centered_clip(stacked: Tensor, w: Tensor, spec: AggregationSpec) -> Aggregate:
+    v = stacked.median(dim=0).values
+    tau = spec.clip_radius
+    if tau is None:
+        tau = spec.clip_scale * float(_distances(stacked, v).median())
+    for _ in range(spec.clip_iters):
+        diff = stacked - v
+        dist = _distances(stacked, v)
+        scale = torch.where(dist > tau, tau / dist.clamp_min(1e-30), torch.ones_like(dist))
+        v = v + torch.tensordot(w * scale, diff, dims=1)
+    return Aggregate(v, tau)
+
+
+def _distances(stacked: Tensor, center: Tensor) -> Tensor:
+    # float64 accumulation: squares of 10^7 values drift in float32
+    return torch.linalg.vector_norm(stacked - center, dim=1, dtype=torch.float64).float()
+
+
+def trimmed_mean(stacked: Tensor, w: Tensor, trim_fraction: float) -> Tensor:
+    n = stacked.shape[0]
+    k = int(trim_fraction * n)
+    if k == 0:
+        return weighted_mean(stacked, w)
+    values, order = stacked.sort(dim=0)
+    kept_values = values[k : n - k]
+    kept_w = w[order[k : n - k]]
+    return (kept_values * kept_w).sum(0) / kept_w.sum(0).clamp_min(1e-30)

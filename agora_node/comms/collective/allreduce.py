@@ -1,0 +1,345 @@
+"""A reduce-scatter / all-gather that survives members dying and ends equal everywhere.
+
+Protocol for one member of a group of n (plan.py gives the spans and owner chains):
+
+1. Encode the contribution once, cut it into n span frames, push frame j to the
+   owner of span j (attempt 0). Each push has its own deadline.
+2. Reduce the own span: wait until every member not known to have failed has
+   pushed, or the reduce deadline; aggregate what arrived (weights renormalize
+   over it); encode the result; that frame is the span's *final* at attempt 0.
+3. Gather: fetch every other span's final from its owner (a long-poll). If the owner
+   fails (error, timeout, or a result that does not decode), move to attempt 1: the
+   next member in the chain owns the span. A backup owner *re-reduces*: it promises
+   (state.py) and asks every member for the span; any member already holding a
+   final returns it and the backup re-issues that same value; otherwise members
+   return their own contribution and the backup aggregates those. Others fetch the
+   span from the backup. This repeats down the chain.
+4. If every owner of a span failed, the member keeps its own values for that span
+   and reports the round as inconsistent.
+
+Why survivors agree: a value for a span is only created by an owner that got no
+final from any member it asked, and every member it asked promised to refuse
+values of earlier attempts. So under crash failures, with live members answering
+within the deadlines, at most one value per span survives among live members, and
+all of them hold the same decoded frame bytes. A member that misses its own
+deadlines (frozen, partitioned) may end differently; the next round's anchor mix
+pulls it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from agora_node.comms.collective.aggregate import AggregationSpec, aggregate
+from agora_node.comms.collective.payload import (
+    PartEncoder,
+    WireFormat,
+    decode_span,
+    encode_result,
+)
+from agora_node.comms.collective.state import (
+    CollectiveStats,
+    Contribution,
+    Final,
+    RoundState,
+)
+from agora_node.comms.collective.wire import Code, Header, Reply, Transport
+from agora_node.compression import CodecError
+
+log = logging.getLogger(__name__)
+NETWORK_SLACK = 2.0  # a call may outlive the wait it asked for by this much before we give up
+
+
+@dataclass(frozen=True, kw_only=True)
+class Deadlines:
+    """Deadlines, in seconds from the member's own start, scaled by what must move."""
+
+    base: float = 5.0
+    """Fixed allowance per step: latency, scheduling, a peer a little behind."""
+    min_rate: float = 10e6
+    """Bytes per second a member's link and codec are assumed to sustain at worst."""
+
+    def reduce(self, numel: int, n: int, fmt: WireFormat) -> float:
+        part = numel / n * fmt.bits(fmt.part) / 8
+        return self.base + (4 * numel + (n - 1) * part) / self.min_rate
+
+    def gather(self, numel: int, n: int, fmt: WireFormat) -> float:
+        result = numel / n * fmt.bits(fmt.result) / 8
+        return self.reduce(numel, n, fmt) + self.base + (n - 1) * result / self.min_rate
+
+    def repair(self, numel: int, n: int, fmt: WireFormat) -> float:
+        span = numel / n * (fmt.bits(fmt.part) + fmt.bits(fmt.result)) / 8
+        return self.base + (n - 1) * span / self.min_rate
+
+    def attempt_end(self, attempt: int, numel: int, n: int, fmt: WireFormat) -> float:
+        return self.gather(numel, n, fmt) + attempt * self.repair(numel, n, fmt)
+
+    def worst_case(self, numel: int, n: int, fmt: WireFormat) -> float:
+        """When a member gives up on the last span: the round's hard deadline."""
+        return self.attempt_end(max(0, n - 1), numel, n, fmt)
+
+
+@dataclass
+class Outcome:
+    value: Tensor
+    """The mixed flat vector (identical on every member that completed consistently)."""
+    stats: CollectiveStats
+    seconds: float
+    consistent: bool
+    members: tuple[str, ...]
+
+
+class AllReduce:
+    """One member's run of one collective; create, then `await run(...)` once."""
+
+    def __init__(
+        self,
+        state: RoundState,
+        transport: Transport,
+        *,
+        fmt: WireFormat,
+        encoder: PartEncoder,
+        aggregation: AggregationSpec,
+        deadlines: Deadlines,
+    ) -> None:
+        self.state, self.transport = state, transport
+        self.plan, self.stats = state.plan, state.stats
+        self.fmt, self.encoder = fmt, encoder
+        self.aggregation, self.deadlines = aggregation, deadlines
+        self.t0 = time.monotonic()
+        self.fallback: dict[int, Tensor] = {}
+        self.flat = torch.zeros(0)
+
+    # ---- the whole run ----------------------------------------------------------------
+    async def run(self, flat: Tensor, weight: float) -> Outcome:
+        self.t0 = time.monotonic()
+        self.flat = flat.detach().reshape(-1).float()
+        frames, values = await asyncio.to_thread(self._encode, self.flat)
+        self.state.set_contribution(weight, frames, values)
+        for j, (lo, hi) in enumerate(self.plan.spans):
+            if hi == lo:  # nothing to move: every member knows the empty span
+                self.state.try_finalize(j, Final(b"", 0, torch.zeros(0)))
+        me = self.state.my_index
+        pushes = [
+            asyncio.create_task(self._push(j, frames[j]))
+            for j in range(self.plan.size)
+            if j != me and self.state.final(j) is None
+        ]
+        reduce_task = asyncio.create_task(self._reduce_own())
+        try:
+            await asyncio.gather(*(self._resolve(j, reduce_task) for j in range(self.plan.size)))
+        finally:
+            for task in (*pushes, reduce_task):
+                task.cancel()
+        value = torch.cat([self._span_value(j) for j in range(self.plan.size)])
+        return Outcome(
+            value=value,
+            stats=self.stats,
+            seconds=time.monotonic() - self.t0,
+            consistent=not self.fallback,
+            members=self.plan.members,
+        )
+
+    def _encode(self, flat: Tensor) -> tuple[list[bytes], list[Tensor]]:
+        frames = self.encoder.encode(flat, self.plan.spans)
+        values = [
+            decode_span(f, self.plan.span_numel(j)) if f else torch.zeros(0)
+            for j, f in enumerate(frames)
+        ]
+        return frames, values
+
+    def _span_value(self, j: int) -> Tensor:
+        final = self.state.final(j)
+        return final.value if final is not None else self.fallback[j]
+
+    def _left(self, deadline: float) -> float:
+        return deadline - (time.monotonic() - self.t0)
+
+    def _header(
+        self, span: int, attempt: int = 0, weight: float = 0.0, wait: float = 0.0
+    ) -> Header:
+        p = self.plan
+        return Header(p.round, p.phase, p.group_id, span, attempt, weight, max(0.0, wait))
+
+    async def _call(self, peer: str, coro, timeout: float) -> Reply | None:
+        """One request under a deadline; None on any failure (recorded for the peer)."""
+        try:
+            return await asyncio.wait_for(coro, max(0.01, timeout))
+        except TimeoutError:
+            self.stats.failed_peers.add(peer)
+        except Exception as exc:  # a transport error: the peer is gone or broken
+            log.debug("call to %s failed: %r", peer[-8:], exc)
+            self.stats.failed_peers.add(peer)
+        self.state.changed.fire()  # waiters on "all live members delivered" re-check
+        return None
+
+    # ---- 1. push -------------------------------------------------------------------
+    async def _push(self, span: int, frame: bytes) -> None:
+        owner = self.plan.owner(span, 0)
+        wait = self._left(self._reduce_deadline())
+        header = self._header(span, weight=self.state.my_weight or 0.0, wait=wait)
+        self.stats.bytes_sent += len(frame)
+        reply = await self._call(
+            owner, self.transport.push(owner, header, frame), wait + NETWORK_SLACK
+        )
+        if reply is not None and reply.code is Code.REJECTED:
+            self.stats.reject(f"ours refused: {reply.reason.split(':')[0]}")
+
+    # ---- 2. reduce own span -----------------------------------------------------------
+    def _reduce_deadline(self) -> float:
+        return self.deadlines.reduce(self.plan.numel, self.plan.size, self.fmt)
+
+    def _attempt_deadline(self, attempt: int) -> float:
+        return self.deadlines.attempt_end(attempt, self.plan.numel, self.plan.size, self.fmt)
+
+    async def _reduce_own(self) -> None:
+        me, span = self.state.my_index, self.state.spans[self.state.my_index]
+        if span.final is not None:
+            return
+        others = [m for m in self.plan.members if m != self.state.me]
+
+        def delivered() -> bool:
+            heard = span.parts.keys() | span.refused | self.stats.failed_peers
+            pending = [m for m in others if m not in heard]
+            return not pending or span.min_attempt > 0
+
+        await self.state.changed.wait_for(delivered, self._left(self._reduce_deadline()))
+        self.state.reducing_done = True
+        if span.min_attempt > 0:  # a backup took the span over: it is no longer ours
+            return
+        own = self.state.own_part(me)
+        contributions = (
+            [own, *span.parts.values()] if own is not None else list(span.parts.values())
+        )
+        final = await self._aggregate_final(contributions, attempt=0)
+        self.state.try_finalize(me, final)
+
+    async def _aggregate_final(self, contributions: list[Contribution], attempt: int) -> Final:
+        def work() -> Final:
+            agg = aggregate(
+                [c.value for c in contributions],
+                [c.weight for c in contributions],
+                self.aggregation,
+            )
+            frame = encode_result(agg.value, self.fmt)
+            if agg.clip_radius is not None:
+                self.stats.clip_radii.append(agg.clip_radius)
+            return Final(frame, attempt, decode_span(frame, agg.value.numel()))
+
+        return await asyncio.to_thread(work)
+
+    # ---- 3. gather, escalating down the owner chain ---------------------------------
+    async def _resolve(self, j: int, reduce_task: asyncio.Task) -> None:
+        span, attempt = self.state.spans[j], 0
+        while span.final is None:
+            attempt = max(attempt, span.min_attempt)
+            if attempt >= self.plan.size:
+                self._fall_back(j)
+                return
+            owner = self.plan.owner(j, attempt)
+            if owner == self.state.me and attempt == 0:
+                await asyncio.wait({reduce_task})  # its failure is logged below, not raised
+                if not reduce_task.cancelled() and reduce_task.exception() is not None:
+                    log.error("reducing own span failed", exc_info=reduce_task.exception())
+            elif owner == self.state.me:
+                await self._rereduce(j, attempt)
+            else:
+                await self._fetch(j, owner, attempt)
+            attempt += 1
+
+    async def _fetch(self, j: int, owner: str, attempt: int) -> None:
+        if owner in self.stats.failed_peers:
+            return
+        wait = self._left(self._attempt_deadline(attempt))
+        call = self._call(
+            owner,
+            self.transport.fetch(owner, self._header(j, attempt, wait=wait)),
+            wait + NETWORK_SLACK,
+        )
+        reply = await self._unless_superseded(j, attempt, call)
+        if reply is None or reply.code is not Code.FINAL:
+            return
+        self.stats.bytes_received += len(reply.payload)
+        final = await self._decode_final(reply, j)
+        if final is None or not self.state.try_finalize(j, final):
+            self.stats.reject("stale result")
+
+    async def _unless_superseded(self, j: int, attempt: int, call) -> Reply | None:
+        """Run a fetch, abandoning it if a later attempt is promised meanwhile."""
+        task = asyncio.ensure_future(call)
+        span = self.state.spans[j]
+        superseded = asyncio.ensure_future(
+            self.state.changed.wait_for(lambda: span.min_attempt > attempt, 1e9)
+        )
+        try:
+            await asyncio.wait({task, superseded}, return_when=asyncio.FIRST_COMPLETED)
+            return task.result() if task.done() else None
+        finally:
+            task.cancel()
+            superseded.cancel()
+
+    async def _decode_final(self, reply: Reply, j: int) -> Final | None:
+        try:
+            value = await asyncio.to_thread(decode_span, reply.payload, self.plan.span_numel(j))
+        except CodecError:
+            self.stats.reject("malformed result")
+            return None
+        return Final(reply.payload, reply.attempt, value)
+
+    async def _rereduce(self, j: int, attempt: int) -> None:
+        """Become the owner of span j at `attempt` (see the module docstring)."""
+        self.state.promise(j, attempt)
+        # leave half a base for aggregating and for the others to fetch, but never rush peers
+        base = self.deadlines.base
+        wait = max(base, self._left(self._attempt_deadline(attempt)) - base / 2)
+        others = [m for m in self.plan.members if m != self.state.me]
+        replies = await asyncio.gather(
+            *(
+                self._call(m, self.transport.query(m, self._header(j, attempt, wait=0.0)), wait)
+                for m in others
+            )
+        )
+        finals, contributions = [], []
+        own = self.state.own_part(j)
+        if own is not None:
+            contributions.append(own)
+        for reply in replies:
+            if reply is None or reply.code not in (Code.FINAL, Code.CONTRIBUTION):
+                continue
+            self.stats.bytes_received += len(reply.payload)
+            decoded = await self._decode_final(reply, j)
+            if decoded is None:
+                continue
+            if reply.code is Code.FINAL:
+                finals.append(decoded)
+            elif reply.weight >= 0:
+                contributions.append(Contribution(reply.weight, decoded.value, reply.payload))
+        if finals:  # someone already holds the span's value: re-issue exactly that
+            best = max(finals, key=lambda f: f.attempt)
+            final = Final(best.frame, attempt, best.value)
+        elif contributions:
+            final = await self._aggregate_final(contributions, attempt)
+        else:
+            return
+        if self.state.try_finalize(j, final):
+            self.stats.repaired_spans += 1
+
+    # ---- 4. last resort ----------------------------------------------------------------
+    def _fall_back(self, j: int) -> None:
+        lo, hi = self.plan.spans[j]
+        self.fallback[j] = self.flat[
+            lo:hi
+        ].clone()  # exact, not the decoded part: nothing was mixed
+        self.stats.fallback_spans += 1
+        log.warning(
+            "span %d of %s round %d: every owner failed, using own part",
+            j,
+            self.plan.phase,
+            self.plan.round,
+        )

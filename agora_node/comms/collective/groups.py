@@ -1,0 +1,278 @@
+"""Group formation without a coordinator: who takes part in an outer round.
+
+A replica of stage k that reaches round t stores a small signed entry under the DHT
+key `agora/<run>/outer/<k>/<t>` (subkey: its peer id) and polls that key. The
+round's participant list is closed by a rule every peer evaluates the same way:
+
+    t_close = (earliest joined_at among the entries) + window
+    participants = entries with joined_at <= t_close
+
+A peer reads the key until its clock passes t_close + settle (time for stores to
+propagate), or until it sees `expect` participants (everyone it knows of), then
+partitions the participants (plan.partition) into groups. Peers reading the same
+entries compute the same groups; a peer whose view differs ends up in a group the
+others do not recognize, is refused by them, and completes the round alone.
+A peer that arrives after t_close is alone for this round.
+
+Entries are signed with the Ed25519 key the peer id commits to and verified on
+read, so nobody can enter a round under another peer's id. They stay far below
+the 8 KiB limit of hivemind DHT values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from agora_node.comms.collective.plan import group_of, partition, round_seed
+from agora_node.protocol.identity import Identity, verify
+
+log = logging.getLogger(__name__)
+MAX_ENTRY_BYTES = 1024
+
+
+def outer_round_key(run_id: str, stage: int, round_no: int) -> str:
+    return f"agora/{run_id}/outer/{stage}/{round_no}"
+
+
+class EntryError(ValueError):
+    """A round entry that must be ignored."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundEntry:
+    peer_id: str
+    run_id: str
+    stage: int
+    round: int
+    joined_at: float
+    digest: str = ""
+    """Hash of the peer's anchor: a group whose anchors all agree skips the anchor mix."""
+    warming: bool = False
+
+    @classmethod
+    def _from_body(cls, body: Any) -> RoundEntry:
+        return cls(**_check_fields(body))
+
+    def canonical_bytes(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    def sign(self, identity: Identity) -> dict[str, bytes]:
+        data = self.canonical_bytes()
+        return {"r": data, "s": identity.sign(data)}
+
+    @classmethod
+    def verified(
+        cls, value: Any, *, peer_id: str, run_id: str, stage: int, round_no: int
+    ) -> RoundEntry:
+        if not isinstance(value, dict) or not isinstance(value.get("r"), bytes):
+            raise EntryError("not a signed entry")
+        data, sig = value["r"], value.get("s")
+        if len(data) > MAX_ENTRY_BYTES or not isinstance(sig, bytes):
+            raise EntryError("oversized or unsigned entry")
+        if not verify(peer_id, data, sig):
+            raise EntryError("signature does not verify")
+        try:
+            body = json.loads(data)
+        except ValueError as exc:
+            raise EntryError(f"malformed entry: {exc}") from None
+        entry = cls._from_body(body)
+        if (entry.peer_id, entry.run_id, entry.stage, entry.round) != (
+            peer_id,
+            run_id,
+            stage,
+            round_no,
+        ):
+            raise EntryError("entry for another peer, run, stage or round")
+        return entry
+
+
+_FIELD_TYPES = {
+    "peer_id": str,
+    "run_id": str,
+    "stage": int,
+    "round": int,
+    "joined_at": (int, float),
+    "digest": str,
+    "warming": bool,
+}
+
+
+def _check_fields(body: Any) -> dict[str, Any]:
+    """Known fields with the right types; unknown fields (newer peers) are ignored."""
+    if not isinstance(body, dict):
+        raise EntryError("entry is not an object")
+    known = {k: v for k, v in body.items() if k in _FIELD_TYPES}
+    for key, kind in _FIELD_TYPES.items():
+        value = known.get(key)
+        if key in ("digest", "warming") and value is None:
+            continue
+        bad_bool = isinstance(value, bool) and kind is not bool
+        if not isinstance(value, kind) or bad_bool:
+            raise EntryError(f"field {key} missing or of type {type(value).__name__}")
+    if not math.isfinite(known["joined_at"]):
+        raise EntryError("joined_at is not finite")
+    return known
+
+
+def close_view(
+    entries: list[RoundEntry], *, window: float, settle: float, now: float, expect: int | None
+) -> list[RoundEntry] | None:
+    """The closed participant list, or None while it may still grow."""
+    if not entries:
+        return None
+    t_close = min(e.joined_at for e in entries) + window
+    members = sorted((e for e in entries if e.joined_at <= t_close), key=lambda e: e.peer_id)
+    if expect is not None and len(members) >= expect:
+        return members
+    return members if now >= t_close + settle else None
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """The closed participants of one round, as this peer saw them."""
+
+    run_id: str
+    stage: int
+    round: int
+    me: str
+    entries: tuple[RoundEntry, ...]
+
+    @property
+    def peers(self) -> list[str]:
+        return [e.peer_id for e in self.entries]
+
+    def group(self, phase: str, group_size: int) -> tuple[str, ...]:
+        """My group for `phase`; each phase is partitioned with its own seed."""
+        if self.me not in self.peers:
+            return (self.me,)
+        seed = round_seed(self.run_id, self.stage, self.round, phase, self.peers)
+        return group_of(partition(self.peers, group_size, seed), self.me)
+
+    def entry(self, peer: str) -> RoundEntry | None:
+        return next((e for e in self.entries if e.peer_id == peer), None)
+
+
+class Board(Protocol):
+    """Where round entries are published and read (a DHT, or memory in simulations)."""
+
+    async def publish(self, key: str, subkey: str, value: Any, expiration: float) -> bool: ...
+
+    async def read(self, key: str) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatchmakingConfig:
+    window: float = 5.0
+    """Seconds after the first entry of a round during which others may still join it."""
+    settle: float = 1.0
+    poll_interval: float = 0.25
+    ttl: float = 900.0
+    """How long entries live in the DHT."""
+
+
+class Matchmaker:
+    def __init__(
+        self,
+        board: Board,
+        identity: Identity,
+        *,
+        run_id: str,
+        stage: int,
+        config: MatchmakingConfig,
+    ) -> None:
+        self.board, self.identity = board, identity
+        self.run_id, self.stage, self.config = run_id, stage, config
+        self.ignored = 0
+
+    async def gather(
+        self, round_no: int, *, digest: str = "", warming: bool = False, expect: int | None = None
+    ) -> RoundView:
+        me = RoundEntry(
+            peer_id=self.identity.peer_id,
+            run_id=self.run_id,
+            stage=self.stage,
+            round=round_no,
+            joined_at=time.time(),
+            digest=digest,
+            warming=warming,
+        )
+        key = outer_round_key(self.run_id, self.stage, round_no)
+        cfg = self.config
+        if not await self.board.publish(
+            key, me.peer_id, me.sign(self.identity), time.time() + cfg.ttl
+        ):
+            log.warning("could not publish round %d entry: mixing alone", round_no)
+            return RoundView(self.run_id, self.stage, round_no, me.peer_id, (me,))
+        while True:
+            entries = {e.peer_id: e for e in await self._read(key, round_no)}
+            entries[me.peer_id] = me
+            closed = close_view(
+                list(entries.values()),
+                window=cfg.window,
+                settle=cfg.settle,
+                now=time.time(),
+                expect=expect,
+            )
+            if closed is not None:
+                return RoundView(self.run_id, self.stage, round_no, me.peer_id, tuple(closed))
+            await asyncio.sleep(cfg.poll_interval)
+
+    async def _read(self, key: str, round_no: int) -> list[RoundEntry]:
+        out = []
+        for peer, value in (await self.board.read(key)).items():
+            try:
+                out.append(
+                    RoundEntry.verified(
+                        value, peer_id=peer, run_id=self.run_id, stage=self.stage, round_no=round_no
+                    )
+                )
+            except EntryError as exc:
+                self.ignored += 1
+                log.debug("ignored round entry under %s: %s", str(peer)[:16], exc)
+        return out
+
+
+class MemoryBoard:
+    """A Board in memory, shared by simulated replicas of one process."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, dict[str, Any]] = {}
+
+    async def publish(self, key: str, subkey: str, value: Any, expiration: float) -> bool:
+        self.data.setdefault(key, {})[subkey] = value
+        return True
+
+    async def read(self, key: str) -> dict[str, Any]:
+        return dict(self.data.get(key, {}))
+
+
+class DHTBoard:
+    """A Board over hivemind.DHT, every call bounded (a stuck DHT must not stall a round)."""
+
+    def __init__(self, dht: Any, *, timeout: float = 10.0) -> None:
+        self.dht, self.timeout = dht, timeout
+
+    async def publish(self, key: str, subkey: str, value: Any, expiration: float) -> bool:
+        future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True)
+        try:
+            return bool(await asyncio.wait_for(future, self.timeout))
+        except (TimeoutError, Exception) as exc:  # noqa: BLE001 - any DHT failure = not stored
+            log.warning("DHT store of %s failed: %r", key, exc)
+            return False
+
+    async def read(self, key: str) -> dict[str, Any]:
+        future = self.dht.get(key, latest=True, return_future=True)
+        try:
+            found = await asyncio.wait_for(future, self.timeout)
+        except (TimeoutError, Exception) as exc:  # noqa: BLE001
+            log.warning("DHT get of %s failed: %r", key, exc)
+            return {}
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        return {str(sub): item.value for sub, item in found.value.items()}

@@ -1,0 +1,109 @@
+"""The answering side of a collective, independent of the transport.
+
+Handlers only look things up, validate, and store; decoding a contribution (the one
+heavy step) runs in a worker thread so the event loop keeps serving. A contribution
+is validated once, on arrival: wrong group or round, a sender who is not a member,
+a non-finite or negative weight, or a frame that does not decode strictly to the
+span's float32 values is refused and counted in the collective's stats; the round
+goes on without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from agora_node.comms.collective.payload import decode_span
+from agora_node.comms.collective.state import Contribution, RoundBook, RoundState
+from agora_node.comms.collective.wire import Code, Header, Reply, rejected
+from agora_node.compression import CodecError
+
+MAX_WAIT = 120.0  # a request never holds a handler longer than this, whatever it asks
+
+
+class Responder:
+    def __init__(self, book: RoundBook) -> None:
+        self.book = book
+
+    async def _state(self, sender: str, header: Header) -> RoundState:
+        state = await self.book.lookup(
+            header.round, header.phase, header.group_id, min(header.wait, MAX_WAIT)
+        )
+        if sender not in state.plan.members or sender == state.me:
+            state.stats.reject("not a member")
+            raise LookupError("not a member")
+        if not 0 <= header.span < state.plan.size:
+            state.stats.reject("bad span")
+            raise LookupError("bad span")
+        return state
+
+    async def on_push(self, sender: str, header: Header, payload: bytes) -> Reply:
+        try:
+            state = await self._state(sender, header)
+        except LookupError as exc:
+            return rejected(str(exc))
+        stats = state.stats
+        stats.bytes_received += len(payload)
+        if header.span != state.my_index or header.attempt != 0:
+            stats.reject("not my span")
+            return rejected("not my span")
+        if not math.isfinite(header.weight) or header.weight < 0:
+            state.refuse(sender, "bad weight")
+            return rejected("bad weight")
+        span = state.spans[header.span]
+        if span.final is not None or span.min_attempt > 0 or state.reducing_done:
+            stats.reject("late")
+            return rejected("late")
+        try:
+            value = await asyncio.to_thread(
+                decode_span, payload, state.plan.span_numel(header.span)
+            )
+        except CodecError as exc:
+            state.refuse(sender, "malformed")
+            return rejected(f"malformed: {exc}")
+        reason = state.add_part(sender, Contribution(header.weight, value, payload))
+        if reason is not None:
+            stats.reject(reason)
+            return rejected(reason)
+        return Reply(Code.ACCEPTED)
+
+    async def on_fetch(self, sender: str, header: Header) -> Reply:
+        try:
+            state = await self._state(sender, header)
+        except LookupError as exc:
+            return rejected(str(exc))
+        span = header.span
+        ready = await state.changed.wait_for(
+            lambda: state.final(span) is not None, min(header.wait, MAX_WAIT)
+        )
+        final = state.final(span)
+        if not ready or final is None:
+            return Reply(Code.NOT_READY)
+        state.stats.bytes_sent += len(final.frame)
+        return Reply(Code.FINAL, final.frame, attempt=final.attempt)
+
+    async def on_query(self, sender: str, header: Header) -> Reply:
+        try:
+            state = await self._state(sender, header)
+        except LookupError as exc:
+            if str(exc) == "unknown round":
+                # answer as if registered: promise, so a late registration cannot reduce
+                self.book.promise_unregistered(
+                    header.round, header.phase, header.group_id, header.span, header.attempt
+                )
+                return Reply(Code.NOTHING)
+            return rejected(str(exc))
+        span = header.span
+        if header.attempt < 1 or sender != state.plan.owner(span, header.attempt):
+            state.stats.reject("not the backup")
+            return rejected("not the backup")
+        final = state.final(span)
+        if final is not None:
+            state.stats.bytes_sent += len(final.frame)
+            return Reply(Code.FINAL, final.frame, attempt=final.attempt)
+        state.promise(span, header.attempt)
+        own = state.own_part(span)
+        if own is None:
+            return Reply(Code.NOTHING)
+        state.stats.bytes_sent += len(own.frame)
+        return Reply(Code.CONTRIBUTION, own.frame, weight=own.weight)

@@ -1,0 +1,53 @@
+"""In-process transport: members of a collective as objects in one event loop.
+
+Used by unit tests (deterministic failure injection without processes) and by the
+one-process DiLoCo simulation in bench/diloco.py. Payloads are copied to bytes so a
+handler can never alias the sender's buffers, as over a real wire.
+"""
+
+from __future__ import annotations
+
+from agora_node.comms.collective.handlers import Responder
+from agora_node.comms.collective.state import RoundBook
+from agora_node.comms.collective.wire import Header, Reply
+
+
+class LocalNetwork:
+    """Routes requests between in-process members; `down` peers refuse every call."""
+
+    def __init__(self) -> None:
+        self.responders: dict[str, Responder] = {}
+        self.down: set[str] = set()
+        self.bytes_moved = 0
+
+    def join(self, peer: str) -> RoundBook:
+        book = RoundBook(peer)
+        self.responders[peer] = Responder(book)
+        return book
+
+    def transport(self, me: str) -> LocalTransport:
+        return LocalTransport(self, me)
+
+    def responder(self, sender: str, peer: str) -> Responder:
+        if sender in self.down or peer in self.down or peer not in self.responders:
+            raise ConnectionError(f"peer {peer} unreachable")
+        return self.responders[peer]
+
+
+class LocalTransport:
+    def __init__(self, network: LocalNetwork, me: str) -> None:
+        self.network, self.me = network, me
+
+    async def push(self, peer: str, header: Header, payload: bytes) -> Reply:
+        self.network.bytes_moved += len(payload)
+        return await self.network.responder(self.me, peer).on_push(self.me, header, bytes(payload))
+
+    async def fetch(self, peer: str, header: Header) -> Reply:
+        reply = await self.network.responder(self.me, peer).on_fetch(self.me, header)
+        self.network.bytes_moved += len(reply.payload)
+        return reply
+
+    async def query(self, peer: str, header: Header) -> Reply:
+        reply = await self.network.responder(self.me, peer).on_query(self.me, header)
+        self.network.bytes_moved += len(reply.payload)
+        return reply

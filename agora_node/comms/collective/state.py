@@ -1,0 +1,211 @@
+"""Per-collective state shared by a member's client side and its RPC handlers.
+
+One `RoundState` per (round, phase) this member takes part in, kept by a
+`RoundBook` for a few rounds after it ends so that slower members can still fetch
+results. For every span it records:
+
+- the contributions pushed to this member (only for the span it owns at attempt 0),
+  decoded and validated on arrival;
+- `final`: the agreed value of the span (its frame bytes and the attempt that
+  vouched for it), once known;
+- `min_attempt`: raised when the owner of a later attempt asks this member for its
+  contribution. From then on a result from an earlier attempt is refused, and this
+  member's own reduce of the span (if it was the owner) is abandoned. This promise
+  is what lets a backup re-reduce a span without two different values surviving.
+
+All mutations happen on the event loop thread, so check-and-set is atomic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from agora_node.comms.collective.plan import GroupPlan
+
+LINGER_ROUNDS = 2  # a state is dropped this many rounds after its own
+
+
+class Signal:
+    """Broadcast 'something changed' to coroutines waiting on a predicate."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """True once predicate() holds; False if `timeout` seconds pass first."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while not predicate():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._event.wait(), left)
+            except TimeoutError:
+                return predicate()
+        return True
+
+
+@dataclass
+class Contribution:
+    weight: float
+    value: Tensor
+    frame: bytes
+
+
+@dataclass
+class Final:
+    frame: bytes
+    attempt: int
+    value: Tensor
+
+
+@dataclass
+class SpanState:
+    parts: dict[str, Contribution] = field(default_factory=dict)
+    refused: set[str] = field(default_factory=set)
+    """Members whose contribution was invalid: nothing more is expected from them."""
+    final: Final | None = None
+    min_attempt: int = 0
+
+
+@dataclass
+class CollectiveStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    accepted: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    """Contributions or results refused, by reason (malformed, late, wrong group...)."""
+    failed_peers: set[str] = field(default_factory=set)
+    repaired_spans: int = 0
+    fallback_spans: int = 0
+    clip_radii: list[float] = field(default_factory=list)
+
+    def reject(self, reason: str) -> None:
+        self.rejected[reason] += 1
+
+
+class RoundState:
+    """What this member knows about one collective."""
+
+    def __init__(self, plan: GroupPlan, me: str) -> None:
+        self.plan, self.me = plan, me
+        self.my_index = plan.index(me)
+        self.spans = [SpanState() for _ in plan.spans]
+        self.stats = CollectiveStats()
+        self.changed = Signal()
+        self.my_weight: float | None = None
+        self.my_frames: list[bytes] | None = None
+        self.my_values: list[Tensor] | None = None
+        self.reducing_done = False
+
+    # ---- this member's own contribution -----------------------------------------
+    def set_contribution(self, weight: float, frames: list[bytes], values: list[Tensor]) -> None:
+        self.my_weight, self.my_frames, self.my_values = weight, frames, values
+        self.changed.fire()
+
+    def own_part(self, span: int) -> Contribution | None:
+        if self.my_frames is None or self.my_values is None or self.my_weight is None:
+            return None
+        return Contribution(self.my_weight, self.my_values[span], self.my_frames[span])
+
+    # ---- transitions ----------------------------------------------------------------
+    def add_part(self, sender: str, contribution: Contribution) -> str | None:
+        """Store a pushed contribution to my span; returns a rejection reason or None."""
+        span = self.spans[self.my_index]
+        if span.final is not None or span.min_attempt > 0 or self.reducing_done:
+            return "late"
+        if sender in span.parts:
+            return "duplicate"
+        span.parts[sender] = contribution
+        self.stats.accepted += 1
+        self.changed.fire()
+        return None
+
+    def refuse(self, sender: str, reason: str) -> None:
+        self.stats.reject(reason)
+        self.spans[self.my_index].refused.add(sender)
+        self.changed.fire()
+
+    def try_finalize(self, span: int, final: Final) -> bool:
+        """Adopt a value for `span` unless one is known or a later attempt was promised."""
+        state = self.spans[span]
+        if state.final is not None or final.attempt < state.min_attempt:
+            return False
+        state.final = final
+        self.changed.fire()
+        return True
+
+    def promise(self, span: int, attempt: int) -> None:
+        """Refuse results of attempts before `attempt` for this span from now on."""
+        state = self.spans[span]
+        if attempt > state.min_attempt:
+            state.min_attempt = attempt
+            self.changed.fire()
+
+    def final(self, span: int) -> Final | None:
+        return self.spans[span].final
+
+    def complete(self) -> bool:
+        return all(s.final is not None for s in self.spans)
+
+
+class RoundBook:
+    """The states of recent collectives of this member, looked up by RPC handlers."""
+
+    def __init__(self, me: str) -> None:
+        self.me = me
+        self.states: dict[tuple[int, str], RoundState] = {}
+        self.registered = Signal()
+        self.unknown_rejections = Counter()
+        # promises made before this member registered the group (it was a round late):
+        # (round, phase, group id) -> {span: attempt}, applied at registration
+        self.pending: dict[tuple[int, str, bytes], dict[int, int]] = {}
+
+    def register(self, plan: GroupPlan) -> RoundState:
+        key = (plan.round, plan.phase)
+        existing = self.states.get(key)
+        if existing is not None and existing.plan.group_id == plan.group_id:
+            return existing
+        state = RoundState(plan, self.me)
+        for span, attempt in self.pending.pop((*key, plan.group_id), {}).items():
+            state.promise(span, attempt)
+        self.states[key] = state
+        for old in [k for k in self.states if k[0] < plan.round - LINGER_ROUNDS]:
+            del self.states[old]
+        for old in [k for k in self.pending if k[0] < plan.round - LINGER_ROUNDS]:
+            del self.pending[old]
+        self.registered.fire()
+        return state
+
+    def promise_unregistered(
+        self, round_no: int, phase: str, group_id: bytes, span: int, attempt: int
+    ) -> None:
+        """Remember a promise for a collective this member has not registered yet."""
+        spans = self.pending.setdefault((round_no, phase, group_id), {})
+        spans[span] = max(attempt, spans.get(span, 0))
+
+    async def lookup(self, round_no: int, phase: str, group_id: bytes, wait: float) -> RoundState:
+        """The state a message is about, waiting up to `wait` s for it to be registered.
+
+        Raises LookupError with a short reason (the caller answers REJECTED).
+        """
+        key = (round_no, phase)
+        await self.registered.wait_for(lambda: key in self.states, wait)
+        state = self.states.get(key)
+        if state is None:
+            self.unknown_rejections["unknown round"] += 1
+            raise LookupError("unknown round")
+        if state.plan.group_id != group_id:
+            state.stats.reject("group mismatch")
+            raise LookupError("group mismatch")
+        return state

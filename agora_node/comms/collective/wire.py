@@ -1,0 +1,68 @@
+"""The conversation of a collective: three requests, their answers, and the transport seam.
+
+    push(PART)   member -> span owner      ACCEPTED | REJECTED(reason)
+    fetch(FETCH) member -> span owner      FINAL(frame, attempt) | NOT_READY | REJECTED
+    query(QUERY) backup owner -> member    FINAL(frame, attempt) | CONTRIBUTION(frame, weight)
+                                           | NOTHING | REJECTED
+
+`Transport` is the narrow interface the protocol driver talks through; `P2PTransport`
+(p2p.py) carries it over hivemind, `LocalTransport` (local.py) in-process for unit
+tests and the one-process simulation. Timeouts are the caller's business
+(asyncio.wait_for around each call), so every transport behaves the same under them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Protocol
+
+
+class Code(IntEnum):
+    PART = 1
+    ACCEPTED = 2
+    REJECTED = 3
+    FETCH = 4
+    FINAL = 5
+    NOT_READY = 6
+    QUERY = 7
+    CONTRIBUTION = 8
+    NOTHING = 9
+
+
+@dataclass(frozen=True)
+class Header:
+    """Names the collective and span a message is about."""
+
+    round: int
+    phase: str
+    group_id: bytes
+    span: int
+    attempt: int = 0
+    weight: float = 0.0
+    """The sender's contribution weight (PART only)."""
+    wait: float = 0.0
+    """How long the receiver may hold the request open (registration, long-poll)."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    code: Code
+    payload: bytes = b""
+    attempt: int = 0
+    weight: float = 0.0
+    reason: str = ""
+
+
+class Transport(Protocol):
+    """Sends the three requests to a peer; raises on a transport failure."""
+
+    async def push(self, peer: str, header: Header, payload: bytes) -> Reply: ...
+
+    async def fetch(self, peer: str, header: Header) -> Reply: ...
+
+    async def query(self, peer: str, header: Header) -> Reply: ...
+
+
+def rejected(reason: str) -> Reply:
+    return Reply(Code.REJECTED, reason=reason)

@@ -1,0 +1,91 @@
+"""Helpers shared by the training benchmarks: threads, memory, and a timed drive of LocalTrainer.
+
+`drive` calls the reference trainer's own `train_step` and `evaluate` (no second training loop)
+and times the steps alone, so evaluation never dilutes tokens/s; `LocalTrainer.run` counts
+evaluation and checkpoint time inside its tokens/s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from agora_node.node.train_local import LocalTrainer
+
+
+def set_threads(threads: int) -> None:
+    """Pin torch to `threads` intra-op threads and one inter-op thread (comparable across hosts)."""
+    torch.set_num_threads(threads)
+    # Fails once inter-op work has started in this process; the first setting then stands.
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def log_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class DriveResult:
+    steps: int = 0
+    tokens: int = 0
+    train_seconds: float = 0.0
+    """Wall time inside train_step only."""
+    val_curve: list[tuple[int, float]] = field(default_factory=list)
+    """(tokens trained, validation loss), starting at 0 tokens."""
+    train_losses: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.train_seconds if self.train_seconds else 0.0
+
+
+def drive(
+    trainer: LocalTrainer,
+    *,
+    max_steps: int | None = None,
+    max_seconds: float | None = None,
+    eval_every: int = 0,
+    report: Callable[[str], None] = log_stderr,
+) -> DriveResult:
+    """Step `trainer` until max_steps steps or max_seconds of step time; validate at the ends.
+
+    eval_every > 0 also validates every that many steps. Only train_step is timed.
+    """
+    if max_steps is None and max_seconds is None:
+        raise ValueError("give max_steps or max_seconds")
+    tokens_per_step = trainer.manifest.inner.local_batch * trainer.manifest.model.seq_len
+    out = DriveResult()
+    out.val_curve.append((0, trainer.evaluate()))
+    report(f"tokens {0:9d} | val_loss {out.val_curve[-1][1]:.4f}")
+    while (max_steps is None or out.steps < max_steps) and (
+        max_seconds is None or out.train_seconds < max_seconds
+    ):
+        started = time.perf_counter()
+        loss = trainer.train_step()
+        out.train_seconds += time.perf_counter() - started
+        out.steps += 1
+        out.tokens += tokens_per_step
+        out.train_losses.append(loss)
+        report(
+            f"step {out.steps:5d} | loss {loss:.4f} | {out.tokens_per_s:7.0f} tok/s "
+            f"| {out.train_seconds:6.1f}s in steps"
+        )
+        if eval_every and out.steps % eval_every == 0:
+            out.val_curve.append((out.tokens, trainer.evaluate()))
+            report(f"tokens {out.tokens:9d} | val_loss {out.val_curve[-1][1]:.4f}")
+    if out.val_curve[-1][0] != out.tokens:
+        out.val_curve.append((out.tokens, trainer.evaluate()))
+        report(f"tokens {out.tokens:9d} | val_loss {out.val_curve[-1][1]:.4f}")
+    return out

@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--max-in-flight", type=int, default=0, help="head's micro-batches in flight (0: auto)"
     )
+    p.add_argument(
+        "--threads", type=int, default=2, help="reference trainer's torch threads (default 2)"
+    )
     p.add_argument("--skip-reference", action="store_true", help="only the swarm side")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.bandwidth_mbit:
         result["link"] = {"bandwidth_mbit": args.bandwidth_mbit, "latency_ms": args.latency_ms}
     if not args.skip_reference:
-        ref = run_reference(args.manifest, args.seconds, 2)
+        ref = run_reference(args.manifest, args.seconds, args.threads)
         result["reference_tokens_per_s"] = ref["tokens_per_s"]
     with tempfile.TemporaryDirectory(prefix="agora-bench-") as tmp:
         result.update(run_swarm(args, Path(tmp)))

@@ -44,6 +44,7 @@ class TrainResult:
     steps: int
     tokens: int
     seconds: float
+    """Time spent in training steps only (not evaluation or checkpoints)."""
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     train_losses: list[float] = field(default_factory=list)
 
@@ -162,16 +163,18 @@ class LocalTrainer:
         report(f"step {start_step:5d} | val_loss {val:.4f}")
         started = time.perf_counter()
         for step in range(start_step + 1, cfg.steps + 1):
+            step_started = time.perf_counter()
             loss = self.train_step()
+            result.seconds += time.perf_counter() - step_started
             elapsed = time.perf_counter() - started
             result.steps += 1
             result.tokens += tokens_per_step
             result.train_losses.append(loss)
             report(
-                f"step {step:5d} | loss {loss:.4f} | {result.tokens / elapsed:8.0f} tok/s "
+                f"step {step:5d} | loss {loss:.4f} | {result.tokens_per_s:8.0f} tok/s "
                 f"| lr {self.optimizer.lr_scale() * self.manifest.inner.lr:.2e} | {elapsed:6.1f}s"
             )
-            out_of_time = cfg.max_seconds is not None and elapsed >= cfg.max_seconds
+            out_of_time = cfg.max_seconds is not None and result.seconds >= cfg.max_seconds
             if step % cfg.eval_every == 0 or step == cfg.steps or out_of_time:
                 val = self.evaluate()
                 result.val_losses.append((step, val))
@@ -180,5 +183,4 @@ class LocalTrainer:
                 self.save()
             if out_of_time:
                 break
-        result.seconds = time.perf_counter() - started
         return result

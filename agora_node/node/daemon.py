@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import random
 import signal
@@ -25,12 +26,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from agora_node import __version__
 from agora_node.comms import state_transfer
 from agora_node.comms.directory import Directory, Snapshot, fetch_manifest, publish_manifest
 from agora_node.comms.host import Host, HostConfig
 from agora_node.node.checkpoint import load_latest_checkpoint, save_checkpoint
 from agora_node.node.metrics import Metrics
+from agora_node.node.outer import OuterLoop
 from agora_node.node.pipeline import Pipeline, PipelineConfig, Sampler
 from agora_node.node.status_server import History, StatusServer
 from agora_node.node.worker import StageWorker
@@ -102,6 +106,11 @@ class Node:
         self._joining_stage: int | None = None
         self._head_task: asyncio.Task | None = None
         self._head_stop = asyncio.Event()
+        self.outer: OuterLoop | None = None
+        self._outer_lock = asyncio.Lock()
+        self._outer_task: asyncio.Task | None = None
+        self._anchor_digest: tuple[int, str] = (-1, "")
+        self._loaded_outer: tuple[dict | None, bool] = (None, False)
         self.addrs: list[str] = []
         self.state_origin: dict = {}
         """Where this node's stage state came from: replica / checkpoint / init, with checksums."""
@@ -130,6 +139,7 @@ class Node:
         stage = await self._choose_stage()
         self.worker = StageWorker(m, stage)
         await self._load_state()
+        await self._start_outer()
         await self._serve()
         self.state = NodeState.ACTIVE
         await self._publish()
@@ -196,6 +206,7 @@ class Node:
             queue=(w.in_flight if w else 0),
             version=__version__,
             inner_step=w.optimizer.steps if w else 0,
+            outer_step=self.outer.state.round if self.outer else 0,
             tokens_seen=w.stats.tokens if w else 0,
             addrs=self.addrs,
         )
@@ -203,6 +214,7 @@ class Node:
     async def _load_state(self) -> None:
         """State from a live replica if any; else the newest checkpoint; else deterministic init."""
         self.state = NodeState.WARMING
+        self._loaded_outer = (None, False)
         stage, m = self.worker.index, self.manifest
         replicas = [
             r
@@ -216,6 +228,7 @@ class Node:
         if found is not None and (not replicas or found[0].step >= replicas[0].inner_step):
             info, state = found
             await self.worker.call(self.worker.load_state_dict, state)
+            self._loaded_outer = (state.get("outer"), False)
             log.info("resumed stage %d from checkpoint %s (step %d)", stage, info.path, info.step)
             await self._note_origin("checkpoint", str(info.path))
             return
@@ -229,7 +242,10 @@ class Node:
                     "state from %s failed (%s); trying another replica", record.peer_id[-8:], exc
                 )
                 continue
-            await self.worker.call(self.worker.load_state_bytes, blob)
+            state = await self.worker.call(_load_blob, blob)
+            await self.worker.call(self.worker.load_state_dict, state)
+            # A newcomer carries zero weight in averaging until its first outer round.
+            self._loaded_outer = (state.get("outer"), True)
             log.info(
                 "loaded stage %d state from %s (step %s)",
                 stage,
@@ -286,13 +302,16 @@ class Node:
             self._head_task = self._spawn(self._head_loop())
         if cfg.stage == "auto" and cfg.rebalance_every_s > 0:
             self._spawn(self._rebalance_loop())
+        self._outer_task = self._spawn(self._outer_loop())
         if cfg.control_socket:
             await self._start_control()
 
     async def _state_snapshot(self, stage: int) -> tuple[dict, bytes]:
         if self.worker is None or stage != self.worker.index or self.state != NodeState.ACTIVE:
             raise state_transfer.StateTransferError(f"this node does not serve stage {stage} now")
-        blob, checksum = await self.worker.call(self._serialize_state)
+        async with self._outer_lock:  # weights and anchor from the same moment
+            outer = self.outer.state_dict() if self.outer is not None else None
+            blob, checksum = await self.worker.call(self._serialize_state, outer)
         self.states_served.append({"stage": stage, "param_checksum": checksum, "at": time.time()})
         del self.states_served[:-20]
         return {
@@ -301,9 +320,14 @@ class Node:
             "param_checksum": checksum,
         }, blob
 
-    def _serialize_state(self) -> tuple[bytes, str]:
+    def _serialize_state(self, outer: dict | None) -> tuple[bytes, str]:
         """On the worker thread: bytes and weight checksum of one consistent state."""
-        return self.worker.state_bytes(), self.worker.parameter_checksum()
+        state = self.worker.state_dict()
+        if outer is not None:
+            state["outer"] = outer
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        return buf.getvalue(), self.worker.parameter_checksum()
 
     def _peers_of(self, stage: int) -> list[str]:
         return [r.peer_id for r in self.view.get(stage, []) if r.state == NodeState.ACTIVE]
@@ -396,7 +420,10 @@ class Node:
                 await self.checkpoint()
 
     async def checkpoint(self) -> str:
-        state = await self.worker.call(self.worker.state_dict)
+        async with self._outer_lock:
+            state = await self.worker.call(self.worker.state_dict)
+            if self.outer is not None:
+                state["outer"] = self.outer.state_dict()
         info = await asyncio.to_thread(
             save_checkpoint,
             self._checkpoint_dir(),
@@ -409,7 +436,44 @@ class Node:
         log.info("checkpoint saved: %s", info.path)
         return self.last_checkpoint
 
-    # ---- moving to another stage -------------------------------------------------------
+    # ---- outer steps (DiLoCo) --------------------------------------------------------
+    async def _start_outer(self) -> None:
+        self.outer = await OuterLoop.create(
+            self.host.dht,
+            self.worker.stage,
+            self.identity,
+            self.manifest,
+            p2p=self.host.p2p,
+            stage=self.worker.index,
+        )
+        outer_state, warming = self._loaded_outer
+        if outer_state is not None:
+            self.outer.load_state_dict(outer_state, warming=warming)
+        else:
+            self.outer.reset_to_weights()
+
+    async def _outer_loop(self) -> None:
+        """Every H inner steps: mix with this stage's replicas, Nesterov outer step.
+
+        Inner steps pause (gradients keep accumulating, forwards go on) only while
+        the outer step reads the weights and writes the new anchor into them."""
+        every = self.manifest.outer.inner_steps
+        while not self.stop_event.is_set():
+            start_step, start_tokens = self.worker.optimizer.steps, self.worker.stats.trained_tokens
+            await self.outer.begin_round(expect=len(self._peers_of(self.worker.index)) or 1)
+            while self.worker.optimizer.steps < start_step + every and not self.stop_event.is_set():
+                await self._wait_stop(0.2)
+            if self.stop_event.is_set():
+                return
+            async with self._outer_lock:
+                await self.worker.call(self.worker.hold)
+                try:
+                    await self.outer.end_round(
+                        tokens=self.worker.stats.trained_tokens - start_tokens
+                    )
+                finally:
+                    await self.worker.call(self.worker.release, True)
+
     async def _rebalance_loop(self) -> None:
         """Re-evaluate the stage choice now and then; move only for a clear gain
         (placement.should_switch), after a random delay so peers do not herd."""
@@ -451,8 +515,15 @@ class Node:
         await self.pipeline.drain(self.config.drain_timeout_s)
         await self.checkpoint()
         old = self.worker
+        if self._outer_task is not None:
+            self._outer_task.cancel()
+            await asyncio.gather(self._outer_task, return_exceptions=True)
+        if self.outer is not None:
+            await self.outer.close()
         self.worker = StageWorker(self.manifest, stage)
         await self._load_state()
+        await self._start_outer()
+        self._outer_task = self._spawn(self._outer_loop())
         self.pipeline.worker, self.pipeline.accepting = self.worker, True
         old.close()
         self.stage_choice_reason = reason
@@ -491,6 +562,8 @@ class Node:
             await self.checkpoint()
 
     async def close(self) -> None:
+        if self.outer is not None:
+            await self.outer.close()
         if self._control is not None:
             await self._control.stop()
         if self._status is not None:
@@ -570,7 +643,8 @@ def build_snapshot(node: Node) -> dict:
             "state": node.state.value,
             "started_at": node.started_at,
             "inner_step": w.optimizer.steps if w else 0,
-            "outer_step": 0,
+            "outer_step": node.outer.state.round if node.outer else 0,
+            "outer": _outer_status(node),
             "tokens_seen": w.stats.tokens if w else 0,
             "throughput": w.stats.throughput if w else 0.0,
             "compute_s": w.stats.compute_s if w else 0.0,
@@ -613,6 +687,21 @@ def build_snapshot(node: Node) -> dict:
         "config": _config_dict(node.config),
         "history": node.history.as_dict(),
     }
+
+
+def _outer_status(node: Node) -> dict:
+    if node.outer is None:
+        return {}
+    status = node.outer.status()
+    round_no = node.outer.state.round
+    if node._anchor_digest[0] != round_no:  # hashing the anchor costs a pass over the weights
+        node._anchor_digest = (round_no, node.outer.state.digest())
+    status["anchor_digest"] = node._anchor_digest[1]
+    return status
+
+
+def _load_blob(blob: bytes) -> dict:
+    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
 
 
 def _config_dict(config: NodeConfig) -> dict:

@@ -66,6 +66,8 @@ class WorkerStats:
     """Micro-batches whose gradient was computed on an older weight version than the step used."""
     throughput: float = 0.0
     """Tokens/s of compute (EMA), what the node announces."""
+    trained_tokens: int = 0
+    """Tokens of micro-batches whose gradient this stage accumulated (the outer-step weight)."""
 
 
 class StageWorker:
@@ -81,6 +83,8 @@ class StageWorker:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{index}")
         self._pending: dict[str, _Pending] = {}
         self._finished_since_step = 0
+        self.hold_steps = False
+        """While an outer step reads and rewrites the weights, inner steps wait (gradients keep accumulating)."""
         self._versions_with_grads: dict[int, dict[str, Tensor]] = {}
         self._lock = threading.Lock()  # guards state snapshots taken from the worker thread
         self._publish_version(0)
@@ -153,7 +157,7 @@ class StageWorker:
             )
         out.backward(grad_c_out)
         grad_in = self._input_grad(p.x_in)
-        self._finish(p.version, p.params)
+        self._finish(p.version, p.params, p.tokens[:, :-1].numel())
         self._account(started, p.tokens[:, :-1].numel())
         return grad_in
 
@@ -172,7 +176,7 @@ class StageWorker:
         loss = lm_loss(self._forward(params, x_in, inputs), targets)
         (loss * loss_scale).backward()
         grad_in = self._input_grad(x_in)
-        self._finish(self._version, params)
+        self._finish(self._version, params, inputs.numel())
         self._account(started, inputs.numel())
         return float(loss.detach()), grad_in
 
@@ -201,11 +205,24 @@ class StageWorker:
             del self._pending[mb_id]
             self.stats.expired += 1
 
-    def _finish(self, version: int, params: dict[str, Tensor]) -> None:
+    def _finish(self, version: int, params: dict[str, Tensor], tokens: int) -> None:
         self._versions_with_grads[version] = params
         if version != self._version:
             self.stats.stale_grads += 1
         self._finished_since_step += 1
+        self.stats.trained_tokens += tokens
+        if self._finished_since_step >= self.micro_per_step and not self.hold_steps:
+            self._step()
+
+    def hold(self) -> None:
+        """Stop stepping (worker thread): the outer step is about to read and replace the weights."""
+        self.hold_steps = True
+
+    def release(self, weights_changed: bool) -> None:
+        """Resume stepping (worker thread); publish the outer step's weights to new forwards."""
+        self.hold_steps = False
+        if weights_changed:
+            self._publish_version(self._version + 1)
         if self._finished_since_step >= self.micro_per_step:
             self._step()
 

@@ -104,14 +104,14 @@ class TestSwarm(Swarm):
         return child.log_path.read_text(errors="replace")
 
 
-def small_manifest(path: Path, *, stages: int, layers: int) -> str:
-    """tiny with another stage cut (written to `path`)."""
+def small_manifest(path: Path, *, stages: int, layers: int, inner_steps: int = 50) -> str:
+    """tiny with another stage cut and outer cadence H (written to `path`)."""
     from agora_node.protocol.manifest import load_manifest, parse_manifest
 
     text = load_manifest("tiny").to_toml()
-    text = text.replace("n_layers = 8", f"n_layers = {layers}").replace(
-        "count = 4", f"count = {stages}"
-    )
+    text = text.replace("n_layers = 8", f"n_layers = {layers}")
+    text = text.replace("count = 4", f"count = {stages}")
+    text = text.replace("inner_steps = 50", f"inner_steps = {inner_steps}")
     parse_manifest(text)  # validate before a daemon sees it
     path.write_text(text)
     return str(path)

@@ -1,0 +1,36 @@
+"""Outer steps inside real daemons: replicas of a stage end each round with one anchor."""
+
+import pytest
+
+from tests.integration.harness import poll, small_manifest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def test_replicas_of_a_stage_agree_after_outer_rounds(swarm, tmp_path):
+    manifest = small_manifest(tmp_path / "two.toml", stages=2, layers=4, inner_steps=3)
+    swarm.bootstrap(manifest)
+    nodes = [swarm.join(f"node-{i}", "--stage", str(s)) for i, s in enumerate([0, 0, 1, 1])]
+    for node in nodes:
+        swarm.serving(node)
+
+    def outer(node):
+        return (swarm.status(node) or {}).get("outer", {})
+
+    poll(
+        lambda: all(outer(n).get("outer_round", 0) >= 2 for n in nodes),
+        240,
+        "two outer rounds everywhere",
+    )
+    for a, b in ((nodes[0], nodes[1]), (nodes[2], nodes[3])):
+        # Right after a round both replicas hold the mixed anchor: same round, same digest.
+        poll(
+            lambda a=a, b=b: (
+                (oa := outer(a)).get("outer_round") == (ob := outer(b)).get("outer_round")
+                and oa.get("anchor_digest") == ob.get("anchor_digest")
+            ),
+            60,
+            "equal anchors at the same round",
+        )
+        last = outer(a)["last_round"]
+        assert last["consistent"] and len(last["delta_group"]) == 2, last

@@ -32,6 +32,8 @@ from agora_node import __version__
 from agora_node.comms import state_transfer
 from agora_node.comms.directory import Directory, Snapshot, fetch_manifest, publish_manifest
 from agora_node.comms.host import Host, HostConfig
+from agora_node.comms.membership.messages import MemberMeta, Status
+from agora_node.comms.membership.p2p import MembershipService
 from agora_node.node.checkpoint import load_latest_checkpoint, save_checkpoint
 from agora_node.node.metrics import Metrics
 from agora_node.node.outer import OuterLoop
@@ -110,6 +112,8 @@ class Node:
         self._outer_lock = asyncio.Lock()
         self._outer_task: asyncio.Task | None = None
         self._anchor_digest: tuple[int, str] = (-1, "")
+        self.membership: MembershipService | None = None
+        self._introduced: set[str] = set()
         self._loaded_outer: tuple[dict | None, bool] = (None, False)
         self.addrs: list[str] = []
         self.state_origin: dict = {}
@@ -142,6 +146,7 @@ class Node:
         await self._start_outer()
         await self._serve()
         self.state = NodeState.ACTIVE
+        await self._start_membership()
         await self._publish()
         log.info("stage %d active after %.1fs", stage, time.time() - self.started_at)
 
@@ -330,7 +335,12 @@ class Node:
         return buf.getvalue(), self.worker.parameter_checksum()
 
     def _peers_of(self, stage: int) -> list[str]:
-        return [r.peer_id for r in self.view.get(stage, []) if r.state == NodeState.ACTIVE]
+        gone = self._gone()
+        return [
+            r.peer_id
+            for r in self.view.get(stage, [])
+            if r.state == NodeState.ACTIVE and r.peer_id not in gone
+        ]
 
     def _on_bytes(self, peer: str, sent: int, received: int) -> None:
         self.metrics.add_bytes(peer, sent=sent, received=received)
@@ -361,6 +371,7 @@ class Node:
             await publish_manifest(self.host, self.manifest)
             self.view = await self.directory.fetch()
             self.pipeline.update_view([r for records in self.view.values() for r in records])
+            self._introduce_new_peers()
             self._sync_rejections()
             if time.monotonic() - progress_at >= 10:
                 progress_at = time.monotonic()
@@ -436,6 +447,39 @@ class Node:
         log.info("checkpoint saved: %s", info.path)
         return self.last_checkpoint
 
+    # ---- membership (SWIM) ------------------------------------------------------------
+    async def _start_membership(self) -> None:
+        """Who is alive comes from SWIM gossip; the directory only introduces peers."""
+        self.membership = MembershipService(
+            self.host.p2p,
+            self.identity,
+            seeds=self._directory_peers(),
+            meta=MemberMeta(stage=self.worker.index, state=self.state.value),
+            namespace=f"agora/{self.manifest.run_id}/swim",
+        )
+        await self.membership.start()
+
+    def _directory_peers(self) -> list[str]:
+        return [r.peer_id for rs in self.view.values() for r in rs if r.peer_id != self.peer_id]
+
+    def _introduce_new_peers(self) -> None:
+        fresh = [p for p in self._directory_peers() if p not in self._introduced]
+        if fresh and self.membership is not None:
+            self.membership.join(fresh)
+            self._introduced.update(fresh)
+
+    def _gone(self) -> set[str]:
+        """Peers membership has declared dead or that left (faster than record expiry)."""
+        if self.membership is None:
+            return set()
+        return {
+            m.peer_id for m in self.membership.members() if m.status in (Status.DEAD, Status.LEFT)
+        }
+
+    def _announce_state(self) -> None:
+        if self.membership is not None:
+            self.membership.update_meta(stage=self.worker.index, state=self.state.value)
+
     # ---- outer steps (DiLoCo) --------------------------------------------------------
     async def _start_outer(self) -> None:
         self.outer = await OuterLoop.create(
@@ -506,6 +550,7 @@ class Node:
             return
         log.info("switching from stage %d to stage %d: %s", self.worker.index, stage, reason)
         self.state = NodeState.WARMING  # routers skip us from the next directory read on
+        self._announce_state()
         await self.directory.withdraw(self._record(), ttl=self.config.record_ttl_s)
         self.pipeline.accepting = False  # in-flight work gives up once no replica answers
         if self._head_task is not None:
@@ -530,6 +575,7 @@ class Node:
         if self.worker.stage.is_first:
             self._head_task = self._spawn(self._head_loop())
         self.state = NodeState.ACTIVE
+        self._announce_state()
         await self._publish()
         log.info("now serving stage %d", stage)
 
@@ -547,6 +593,7 @@ class Node:
                 task.cancel()
         if self.directory is not None and self.worker is not None:
             await self.directory.withdraw(self._record(), ttl=self.config.record_ttl_s)
+        self._announce_state()
         if self.pipeline is not None and not await self.pipeline.drain(self.config.drain_timeout_s):
             log.warning(
                 "in-flight micro-batches did not finish within %.0fs", self.config.drain_timeout_s
@@ -560,8 +607,12 @@ class Node:
                 self._head_task.cancel()
         if self.worker is not None:
             await self.checkpoint()
+        if self.membership is not None:  # tell the others it is a leave, not a failure
+            await self.membership.leave(linger_s=1.0)
 
     async def close(self) -> None:
+        if self.membership is not None:
+            await self.membership.stop()
         if self.outer is not None:
             await self.outer.close()
         if self._control is not None:
@@ -645,6 +696,7 @@ def build_snapshot(node: Node) -> dict:
             "inner_step": w.optimizer.steps if w else 0,
             "outer_step": node.outer.state.round if node.outer else 0,
             "outer": _outer_status(node),
+            "members": _members(node),
             "tokens_seen": w.stats.tokens if w else 0,
             "throughput": w.stats.throughput if w else 0.0,
             "compute_s": w.stats.compute_s if w else 0.0,
@@ -686,6 +738,23 @@ def build_snapshot(node: Node) -> dict:
         ],
         "config": _config_dict(node.config),
         "history": node.history.as_dict(),
+    }
+
+
+def _members(node: Node) -> dict:
+    if node.membership is None:
+        return {}
+    return {
+        "view": [
+            {
+                "peer_id": m.peer_id,
+                "status": m.status.name.lower(),
+                "stage": m.meta.stage,
+                "state": m.meta.state,
+            }
+            for m in node.membership.members()
+        ],
+        "counters": node.membership.counters,
     }
 
 

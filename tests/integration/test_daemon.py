@@ -69,6 +69,15 @@ def test_sigkill_drops_record_sigterm_leaves_cleanly_and_restart_resumes(swarm, 
     victim, others = nodes[1], [nodes[0], nodes[2], nodes[3]]
     swarm.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
+
+    def declared_dead(node) -> bool:  # SWIM gossip, well before the record expires
+        view = (swarm.status(node) or {}).get("members", {}).get("view", [])
+        return any(m["peer_id"] == ids[1] and m["status"] == "dead" for m in view)
+
+    for node in others:
+        poll(lambda n=node: declared_dead(n), 20, "membership to declare the killed node dead")
+    detected_after = time.monotonic() - killed_at
+    print(f"SIGKILL -> declared dead by all survivors after {detected_after:.1f}s")
     for node in others:
         poll(
             lambda n=node: (

@@ -10,14 +10,14 @@ Round t of a replica, as the daemon drives it:
 
 - `OuterState` holds the anchor (weights at the last outer step), the outer
   momentum and the round counter, as flat float32 vectors.
-- The anchor mix averages the anchors of a random group as they were at round
-  start (inputs frozen: the anchor does not change during a round), overlapped
-  with the inner steps. A group whose anchors already agree (same digest) skips
-  it, so with one group of everyone nothing is sent.
+- The anchor mix averages the anchors (optionally also the outer momenta) of a
+  random group as they were at round start (inputs frozen: neither changes during a round),
+  overlapped with the inner steps. A group whose states already agree (same
+  digest) skips it, so with one group of everyone nothing is sent.
 - The pseudo-gradient mix averages delta = anchor - weights over another random
   group, compressed with error feedback.
-- Then anchor := mixed anchor - lr * (mixed delta + momentum * m), m := momentum *
-  m + mixed delta (torch SGD's Nesterov form), and the weights := anchor. With one
+- Then m := momentum * (mixed m) + mixed delta, anchor := mixed anchor - lr *
+  (mixed delta + momentum * m) (torch SGD's Nesterov form), and the weights := anchor. With one
   group of everyone and no compression this is exactly DiLoCo.
 
 A newcomer (`warming`, e.g. after a state transfer) contributes weight 0 to both
@@ -74,6 +74,9 @@ class OuterConfig:
     """Mixed spans on the wire; default int8 after int8/int4, else the same as `codec`."""
     anchor_codec: str | None = None
     """Anchors on the wire; default fp32 with fp32 deltas, else bf16 (weights quantize badly)."""
+    mix_momentum: bool = False
+    """Also average the outer momentum in the anchor mix. It halves replica disagreement in
+    tests but did not lower validation loss in bench/diloco.py (docs/outer.md), so it is off."""
     block: int = 256
     rotation_seed: int | None = 0
     aggregation: AggregationSpec = field(default_factory=AggregationSpec)
@@ -138,9 +141,16 @@ class OuterState:
         return self.anchor - self.weights()
 
     @torch.no_grad()
-    def apply(self, mixed_delta: Tensor, mixed_anchor: Tensor | None = None) -> None:
+    def apply(
+        self,
+        mixed_delta: Tensor,
+        mixed_anchor: Tensor | None = None,
+        mixed_momentum: Tensor | None = None,
+    ) -> None:
         """Nesterov outer step from the (mixed) anchor; the weights become the new anchor."""
         base = self.anchor if mixed_anchor is None else mixed_anchor.float()
+        if mixed_momentum is not None:
+            self.momentum = mixed_momentum.float().clone()
         self.momentum.mul_(self.mu).add_(mixed_delta)
         self.anchor = base - self.lr * (mixed_delta + self.mu * self.momentum)
         self.load_weights(self.anchor)
@@ -155,8 +165,12 @@ class OuterState:
             p.copy_(flat[offset : offset + n].view_as(p))
             offset += n
 
-    def digest(self) -> str:
-        return hashlib.sha256(self.anchor.numpy().tobytes()).hexdigest()[:32]
+    def mixed_state(self, with_momentum: bool) -> Tensor:
+        """What the anchor mix averages: the anchor, and the momentum after it if asked."""
+        return torch.cat([self.anchor, self.momentum]) if with_momentum else self.anchor
+
+    def digest(self, with_momentum: bool = False) -> str:
+        return hashlib.sha256(self.mixed_state(with_momentum).numpy().tobytes()).hexdigest()[:32]
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -317,29 +331,36 @@ class OuterLoop:
                 log.exception("outer round %d: pseudo-gradient mix failed", self.state.round)
                 prep.delta_plan = None
         mixed = delta if outcome is None else outcome.value
-        anchor = None if prep.anchor is None else prep.anchor.value
+        anchor = momentum = None
+        if prep.anchor is not None:
+            anchor = prep.anchor.value[: self.state.numel]
+            if self.config.mix_momentum:
+                momentum = prep.anchor.value[self.state.numel :]
         round_no = self.state.round
-        await asyncio.to_thread(self.state.apply, mixed, anchor)
+        await asyncio.to_thread(self.state.apply, mixed, anchor, momentum)
         report = self._report(round_no, prep, outcome, delta, mixed, started, waited)
         self._account(report)
         return report
 
     async def _prepare(self, round_no: int, expect: int | None) -> _Prep:
-        digest = await asyncio.to_thread(self.state.digest)
+        digest = await asyncio.to_thread(self.state.digest, self.config.mix_momentum)
         view = await self.matchmaker.gather(
             round_no, digest=digest, warming=self.state.warming, expect=expect
         )
         g = self.config.group_size
         delta_group, anchor_group = view.group("delta", g), view.group("anchor", g)
-        delta_plan = self._plan(round_no, "delta", delta_group)
+        delta_plan = self._plan(round_no, "delta", delta_group, self.state.numel)
         if delta_plan is not None:
             self.book.register(delta_plan)  # accept parts from members that finish first
         digests = {(view.entry(p).digest if view.entry(p) else p) for p in anchor_group}
-        anchor_plan = self._plan(round_no, "anchor", anchor_group) if len(digests) > 1 else None
+        mixed = self.state.mixed_state(self.config.mix_momentum)
+        anchor_plan = None
+        if len(digests) > 1:  # a group that already agrees has nothing to mix
+            anchor_plan = self._plan(round_no, "anchor", anchor_group, mixed.numel())
         anchor = None
         if anchor_plan is not None:
             weight = 0.0 if self.state.warming else 1.0
-            anchor = await self._mix(anchor_plan, self.state.anchor, weight, self.anchor_encoder)
+            anchor = await self._mix(anchor_plan, mixed, weight, self.anchor_encoder)
         return _Prep(view, delta_plan, anchor)
 
     async def _prepare_or_alone(self, round_no: int, expect: int | None) -> _Prep:
@@ -358,14 +379,16 @@ class OuterLoop:
             )
             return _Prep(RoundView(self.run_id, self.stage, round_no, self.me, (me,)), None, None)
 
-    def _plan(self, round_no: int, phase: str, group: tuple[str, ...]) -> GroupPlan | None:
+    def _plan(
+        self, round_no: int, phase: str, group: tuple[str, ...], numel: int
+    ) -> GroupPlan | None:
         if len(group) < 2:
             return None
         return GroupPlan(
             round=round_no,
             phase=phase,
             members=group,
-            numel=self.state.numel,
+            numel=numel,
             block=self.config.block,
             namespace=self.namespace,
         )

@@ -108,9 +108,10 @@ async def run_swarm(n: int, rounds: int, cfg: OuterConfig, tokens: list[int]):
     return loops, reports
 
 
-async def test_one_group_of_everyone_without_compression_is_exactly_diloco() -> None:
+@pytest.mark.parametrize("mix_momentum", [False, True])
+async def test_one_group_of_everyone_without_compression_is_exactly_diloco(mix_momentum) -> None:
     tokens = [1000, 3000, 2000]
-    loops, reports = await run_swarm(3, 2, config(), tokens)
+    loops, reports = await run_swarm(3, 2, config(mix_momentum=mix_momentum), tokens)
     expected = diloco_reference(3, 2, tokens)
     finals = [lp.state.weights() for lp in loops]
     assert all(torch.equal(finals[0], f) for f in finals)
@@ -161,7 +162,7 @@ async def test_gossip_groups_keep_replicas_close() -> None:
     assert all(r.consistent and len(r.delta_group) == 2 for rs in reports for r in rs)
     # after the first round the two groups disagree, so later rounds mix anchors
     assert any(r.anchor_mixed for rs in reports[1:] for r in rs)
-    assert spread(gossip) < 0.6 * spread(alone)  # 0.25-0.5 over random groupings
+    assert spread(gossip) < 0.35 * spread(alone)  # 0.26 with these keys (0.19 mixing momenta)
 
 
 def test_state_dict_round_trip_and_shape_check() -> None:

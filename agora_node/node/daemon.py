@@ -111,7 +111,8 @@ class Node:
         self.outer: OuterLoop | None = None
         self._outer_lock = asyncio.Lock()
         self._outer_task: asyncio.Task | None = None
-        self._anchor_digest: tuple[int, str] = (-1, "")
+        self.anchor_digests: dict[int, str] = {}
+        """Digest of the anchor after each recent outer round: replicas compare equal."""
         self.membership: MembershipService | None = None
         self._introduced: set[str] = set()
         self._loaded_outer: tuple[dict | None, bool] = (None, False)
@@ -499,16 +500,20 @@ class Node:
     async def _outer_loop(self) -> None:
         """Every H inner steps: mix with this stage's replicas, Nesterov outer step.
 
+        Matchmaking starts when this replica has done its H steps, so the group is
+        the replicas that finish round t within the matchmaking window: starting it
+        at round begin (to overlap the anchor mix with inner steps) let replicas
+        that joined at different times fall out of step and each stay alone.
         Inner steps pause (gradients keep accumulating, forwards go on) only while
         the outer step reads the weights and writes the new anchor into them."""
         every = self.manifest.outer.inner_steps
         while not self.stop_event.is_set():
             start_step, start_tokens = self.worker.optimizer.steps, self.worker.stats.trained_tokens
-            await self.outer.begin_round(expect=len(self._peers_of(self.worker.index)) or 1)
             while self.worker.optimizer.steps < start_step + every and not self.stop_event.is_set():
                 await self._wait_stop(0.2)
             if self.stop_event.is_set():
                 return
+            await self.outer.begin_round(expect=len(self._peers_of(self.worker.index)) or 1)
             async with self._outer_lock:
                 await self.worker.call(self.worker.hold)
                 try:
@@ -517,6 +522,10 @@ class Node:
                     )
                 finally:
                     await self.worker.call(self.worker.release, True)
+                state = self.outer.state
+                self.anchor_digests[state.round] = await asyncio.to_thread(state.digest)
+                for old in sorted(self.anchor_digests)[:-10]:
+                    del self.anchor_digests[old]
 
     async def _rebalance_loop(self) -> None:
         """Re-evaluate the stage choice now and then; move only for a clear gain
@@ -762,10 +771,7 @@ def _outer_status(node: Node) -> dict:
     if node.outer is None:
         return {}
     status = node.outer.status()
-    round_no = node.outer.state.round
-    if node._anchor_digest[0] != round_no:  # hashing the anchor costs a pass over the weights
-        node._anchor_digest = (round_no, node.outer.state.digest())
-    status["anchor_digest"] = node._anchor_digest[1]
+    status["anchor_digests"] = {str(r): d for r, d in node.anchor_digests.items()}
     return status
 
 

@@ -70,17 +70,14 @@ def test_killing_a_middle_replica_mid_training_loses_only_in_flight_work(swarm):
     assert dropped <= 2, dropped  # at most what was in flight (one inner step's worth: 2)
 
 
-async def _send_raw(initial_peers, target: str, payloads: list[bytes]) -> list[bytes]:
-    import tempfile
-
+async def _send_raw(initial_peers, target: str, payloads: list[bytes], key_path) -> list[bytes]:
     from agora_node.comms import streams
     from agora_node.comms.host import Host, HostConfig
     from agora_node.node.pipeline import protocol_name
     from agora_node.protocol.identity import Identity
 
-    path = tempfile.mktemp(suffix=".key")
-    Identity.load_or_create(path)
-    host = await Host.start(HostConfig(identity_path=path, initial_peers=initial_peers))
+    Identity.load_or_create(key_path)
+    host = await Host.start(HostConfig(identity_path=str(key_path), initial_peers=initial_peers))
     try:
         run_id = load_manifest("tiny").run_id
         return [
@@ -127,7 +124,7 @@ def _malformed_payloads(run_id: str) -> dict[str, bytes]:
     }
 
 
-def test_malformed_microbatches_are_rejected_counted_and_harmless(swarm):
+def test_malformed_microbatches_are_rejected_counted_and_harmless(swarm, tmp_path):
     from agora_node.comms.pipeline_wire import Status, decode_response
 
     swarm.bootstrap("tiny")
@@ -137,7 +134,9 @@ def test_malformed_microbatches_are_rejected_counted_and_harmless(swarm):
     run_id, target = status["run_id"], status["peer_id"]
     checksum_before = status["state_origin"]["param_checksum"]
     payloads = _malformed_payloads(run_id)
-    replies = asyncio.run(_send_raw(swarm.initial_peers, target, list(payloads.values())))
+    replies = asyncio.run(
+        _send_raw(swarm.initial_peers, target, list(payloads.values()), tmp_path / "sender.key")
+    )
     codes = {}
     for name, data in zip(payloads, replies, strict=True):
         header, _ = decode_response(data)
@@ -165,11 +164,11 @@ def test_malformed_microbatches_are_rejected_counted_and_harmless(swarm):
     from agora_node.protocol.identity import Identity
 
     async def checksum_now() -> str:
-        import tempfile
-
-        path = tempfile.mktemp(suffix=".key")
+        path = tmp_path / "checker.key"
         Identity.load_or_create(path)
-        host = await Host.start(HostConfig(identity_path=path, initial_peers=swarm.initial_peers))
+        host = await Host.start(
+            HostConfig(identity_path=str(path), initial_peers=swarm.initial_peers)
+        )
         try:
             header, _ = await fetch_state(host.p2p, run_id, target, 1)
             return header["param_checksum"]

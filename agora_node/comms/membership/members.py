@@ -4,6 +4,7 @@ precedence rules for news about them, and the indexes the protocol needs
 
 from __future__ import annotations
 
+import bisect
 import random
 from dataclasses import dataclass
 
@@ -100,34 +101,36 @@ class MemberTable:
     def sample(
         self, count: int, *, exclude: str | None = None, dead_since: float | None = None
     ) -> list[str]:
-        """Up to `count` distinct random ALIVE members, in O(count) (sampled from
-        the probe list); with `dead_since`, members dead since then are candidates too."""
-        order, rng = self._order, self._rng
-        dead = self._dead_since(dead_since) if dead_since is not None else []
+        """Up to `count` distinct random ALIVE members, in O(count): sampled from
+        the probe list (stale entries skipped); with `dead_since`, one member dead
+        since then may be among them."""
+        order, rng, by_id = self._order, self._rng, self.by_id
+        dead = self._recent(dead_since) if dead_since is not None else []
         picked: list[str] = []
         for _ in range(4 * count):
             if len(picked) >= count or not (order or dead):
                 break
             if rng.random() * (len(order) + len(dead)) < len(dead):
-                peer = rng.choice(dead)
+                since, peer = rng.choice(dead)
+                dead = []  # one dead target per call: after mass deaths most are truly gone
+                member = by_id.get(peer)
+                if member is None or member.status != Status.DEAD or member.since != since:
+                    continue
             else:
                 peer = rng.choice(order)
-                member = self.by_id.get(peer)
+                member = by_id.get(peer)
                 if member is None or member.status != Status.ALIVE:
                     continue
             if peer != exclude and peer not in picked:
                 picked.append(peer)
         return picked
 
-    def _dead_since(self, horizon: float) -> list[str]:
-        recent, by_id = self._recent_dead, self.by_id
-        while recent and recent[0][0] < horizon:
-            recent.pop(0)
-        return [
-            p
-            for since, p in recent
-            if p in by_id and by_id[p].status == Status.DEAD and by_id[p].since == since
-        ]
+    def _recent(self, horizon: float) -> list[tuple[float, str]]:
+        """Deaths since `horizon` (oldest dropped; entries may be stale)."""
+        recent = self._recent_dead
+        if recent and recent[0][0] < horizon:
+            del recent[: bisect.bisect_left(recent, (horizon, ""))]
+        return recent
 
     def dead(self) -> list[str]:
         """Members declared dead (not left) and not yet forgotten."""

@@ -113,6 +113,10 @@ class Membership:
         self._seq = seq_start
         self._probe_seq = 0
         self._probes: dict[int, _Probe] = {}  # in flight; periods may overlap
+        # last-check probes before a death, one at a time so that a mass failure
+        # does not turn into a storm of probes
+        self._verifying: Suspicion | None = None
+        self._verify_queue: list[Suspicion] = []
         self._relays: dict[int, _Relay] = {}
         self._reconnect_pings: dict[int, str] = {}
         self._seeds: list[str] = []
@@ -170,15 +174,18 @@ class Membership:
                 self._apply_item(item, now, gossip=False, count_stale=False)
 
     def join(self, seeds: Iterable[str], now: float) -> None:
-        """Sync full state with each seed; seeds are also retried while we are alone."""
-        for seed in seeds:
-            if seed != self.peer_id and seed not in self._seeds:
-                self._seeds.append(seed)
-        for seed in self._seeds:
+        """Sync full state with each new seed. Seeds are remembered: while we are
+        alone we sync with a few of them again, and unknown ones are pinged to merge
+        healed partitions."""
+        fresh = [s for s in dict.fromkeys(seeds) if s != self.peer_id and s not in self._seeds]
+        self._seeds.extend(fresh)
+        for seed in fresh:
             self._send_push_pull(seed, reply=False)
 
     def update_meta(self, meta: MemberMeta, now: float) -> None:
-        """Announce new metadata (stage, state) under a new incarnation."""
+        """Announce new metadata (stage, state) under a new incarnation (no-op if unchanged)."""
+        if meta == self._meta:
+            return
         self._meta = meta
         self._set_incarnation(self._incarnation + 1)
 
@@ -188,7 +195,7 @@ class Membership:
             return
         self._leaving = True
         self._record = self._sign_item(Status.LEFT, self.peer_id, self._incarnation)
-        self._gossip.push(self.peer_id, self._record)
+        self._spread(self.peer_id, self._record, Status.LEFT)
         for peer in self._gossip_targets(max(3, self.settings.gossip_fanout), now):
             self._send(peer, MsgKind.GOSSIP, b"")
 
@@ -338,17 +345,19 @@ class Membership:
             if probe.verifying is not None:  # check again once we are on time
                 wait = self.awareness.scale(self.settings.probe_interval_s)
                 self._timers.add(now + wait, _SUSPICION, probe.verifying)
+                self._next_verification(now)
             return
         self.counters["probe_failures"] += 1
         missing = len(probe.relays) - probe.nacks if probe.relays else 1
         self.awareness.apply(max(0, missing))
         member = self._members.get(probe.target)
-        if member is None or member.status not in LIVE:
-            return
-        if probe.verifying is not None and member.suspicion is probe.verifying:
-            self._accuse(member, Status.DEAD, now)
-        else:
-            self._accuse(member, Status.SUSPECT, now)
+        if member is not None and member.status in LIVE:
+            if probe.verifying is not None and member.suspicion is probe.verifying:
+                self._accuse(member, Status.DEAD, now)
+            else:
+                self._accuse(member, Status.SUSPECT, now)
+        if probe.verifying is not None:
+            self._next_verification(now)
 
     def _on_ack(self, sender: str, seq: int, now: float) -> None:
         probe = self._probes.get(seq)
@@ -362,6 +371,7 @@ class Membership:
                     # alive after all: wait for its refutation, and check again if none comes
                     wait = self.awareness.scale(self.settings.probe_interval_s)
                     self._timers.add(now + wait, _SUSPICION, probe.verifying)
+                    self._next_verification(now)
             return
         relay = self._relays.get(seq)
         if relay is not None and sender == relay.target and not relay.acked:
@@ -418,7 +428,7 @@ class Membership:
             self.counters["declared_dead"] += 1
             self._set(member, Status.DEAD, item.incarnation, now)
             member.accusation = item
-        self._gossip.push(member.peer_id, raw)
+        self._spread(member.peer_id, raw, kind)
 
     def _start_suspicion(self, member: Member, item: Item, now: float) -> None:
         self.counters["suspicions"] += 1
@@ -442,9 +452,9 @@ class Membership:
         if member is None or member.suspicion is not suspicion:
             return
         if now + 1e-9 < suspicion.deadline:
-            # Halfway check: still unconfirmed after the shortest timeout. The death
-            # may have been declared and its gossip missed us; relaying our
-            # suspicion again makes members who know better correct us.
+            # Still unconfirmed after the shortest timeout: the death may have been
+            # declared and its gossip missed us; relaying our suspicion again makes
+            # members who know better correct us.
             if not suspicion.regossiped and member.accusation is not None:
                 suspicion.regossiped = True
                 self._gossip.push(member.peer_id, member.accusation.raw)
@@ -456,8 +466,25 @@ class Membership:
         # have refuted and the news missed us (gossip reaches everyone only with high
         # probability). Probe it once more, with the suspicion attached; only a
         # failed probe makes it dead.
-        if not any(p.verifying is suspicion for p in self._probes.values()):
-            self._start_probe(member.peer_id, now, verifying=suspicion)
+        self._request_verification(suspicion, now)
+
+    def _request_verification(self, suspicion: Suspicion, now: float) -> None:
+        if suspicion is self._verifying or suspicion in self._verify_queue:
+            return
+        if self._verifying is None:
+            self._verifying = suspicion
+            self._start_probe(suspicion.subject, now, verifying=suspicion)
+        else:
+            self._verify_queue.append(suspicion)
+
+    def _next_verification(self, now: float) -> None:
+        self._verifying = None
+        while self._verify_queue:
+            suspicion = self._verify_queue.pop(0)
+            member = self._members.get(suspicion.subject)
+            if member is not None and member.suspicion is suspicion:
+                self._request_verification(suspicion, now)
+                return
 
     def _set_incarnation(self, incarnation: int) -> None:
         self._incarnation = incarnation
@@ -512,7 +539,7 @@ class Membership:
         else:
             self._apply_record(member, item, now)
         if gossip:
-            self._gossip.push(item.subject, item.raw)
+            self._spread(item.subject, item.raw, item.kind)
 
     def _correct(self, sender: str, member: Member, item: Item) -> None:
         """The sender relays an accusation we know to be outdated (the member has
@@ -568,6 +595,14 @@ class Membership:
                 if peer is not None and peer != self.peer_id:
                     self._send_record(peer)
 
+    def _spread(self, subject: str, raw: bytes, kind: Status) -> None:
+        """Queue news for piggy-backing. Deaths and leaves are sent twice as often:
+        nothing else repairs a member that missed one (a live member's refutation
+        is repaired by the member itself, a suspicion by the prober's next probe)."""
+        terminal = kind == Status.DEAD or kind == Status.LEFT
+        extra = self.settings.retransmit_limit(self.cluster_size()) if terminal else 0
+        self._gossip.push(subject, raw, extra=extra)
+
     def _send_record(self, peer: str) -> None:
         self._send(peer, MsgKind.GOSSIP, b"", [self._record])
 
@@ -611,20 +646,23 @@ class Membership:
     def _verify_death(self, member: Member, item: Item, now: float) -> None:
         """A death we have no evidence of ourselves may be stale news, e.g. from
         across a partition that just healed. Suspect it (in the declarer's name if
-        we did not yet) and probe it now with the accusation attached (a live member
-        refutes); only a failed probe makes it dead here."""
+        we did not yet; more declarations do not confirm it) and probe it with the
+        accusation attached (a live member refutes); only a failed probe makes it
+        dead here."""
         suspicion = member.suspicion
         if suspicion is None:
             self._start_suspicion(member, item, now)
             suspicion = member.suspicion
-        elif suspicion.incarnation == item.incarnation:
-            self._confirm(suspicion, item)
-        if not any(p.verifying is suspicion for p in self._probes.values()):
-            self._start_probe(member.peer_id, now, verifying=suspicion)
+            assert suspicion is not None
+            # tell the subject at once, since our probe may wait for others
+            self._send(member.peer_id, MsgKind.GOSSIP, b"", [item.raw])
+        self._request_verification(suspicion, now)
 
     def _believes(self, member: Member) -> bool:
-        """Whether we take a death of this member on someone else's word: only if
-        we suspect it ourselves (our own probe failed) or others confirmed it."""
+        """Whether we take a death of this member on others' word: only if we
+        suspect it ourselves (our own probe failed) or others confirmed the
+        suspicion. Declarations alone do not count: after a partition heals, many
+        come from the other side at once."""
         suspicion = member.suspicion
         if member.status != Status.SUSPECT or suspicion is None:
             return False
@@ -677,7 +715,8 @@ class Membership:
         if self._leaving:
             return
         if alone and self._seeds:
-            self.join((), now)
+            for seed in self._rng.sample(self._seeds, min(3, len(self._seeds))):
+                self._send_push_pull(seed, reply=False)
             return
         members = self._members.by_id
         candidates = self._members.dead() + [p for p in self._seeds if p not in members]

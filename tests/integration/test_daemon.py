@@ -298,3 +298,32 @@ def test_auto_node_moves_to_a_stage_that_lost_its_last_replica(swarm):
     poll(
         lambda: swarm.status(head)["microbatches"].get("ok", 0) >= ok + 5, 90, "training to resume"
     )
+
+
+def test_joiner_retries_another_replica_when_its_source_dies_mid_transfer(swarm):
+    # `bench` stage 0 state is ~80 MB (weights + AdamW moments): long enough to
+    # kill the source while the joiner is still receiving it.
+    swarm.bootstrap("bench")
+    sources = [swarm.join(f"source-{i}", "--stage", "0") for i in range(2)]
+    for node in sources:
+        swarm.serving(node, timeout=180)
+    ids = [s["peer_id"] for s in poll(lambda: _active(swarm, sources), 180, "2 active sources")]
+    joiner = swarm.join("joiner", "--stage", "0")
+
+    def receiving_from() -> str | None:
+        for line in swarm.log(joiner).splitlines():
+            if "state of stage 0 from" in line:
+                return line.split("from ", 1)[1].split(":", 1)[0]
+        return None
+
+    first = poll(receiving_from, 180, "the joiner to start receiving state")
+    victim = next(n for n, pid in zip(sources, ids, strict=True) if pid.endswith(first))
+    swarm.kill(victim)
+    swarm.serving(joiner, timeout=180)
+    status = poll(
+        lambda: (s := swarm.status(joiner)) and s["state"] == "active" and s, 180, "joiner active"
+    )
+    origin = status["state_origin"]
+    assert origin["kind"] == "replica" and not origin["source"].endswith(first), origin
+    assert origin["param_checksum"] == origin["source_param_checksum"]
+    assert "trying another replica" in swarm.log(joiner)

@@ -30,6 +30,7 @@ import torch
 
 from agora_node import __version__
 from agora_node.comms import state_transfer
+from agora_node.comms.collective.groups import outer_round_key
 from agora_node.comms.directory import Directory, Snapshot, fetch_manifest, publish_manifest
 from agora_node.comms.host import Host, HostConfig
 from agora_node.comms.membership.messages import MemberMeta, Status
@@ -214,6 +215,7 @@ class Node:
             inner_step=w.optimizer.steps if w else 0,
             outer_step=self.outer.state.round if self.outer else 0,
             tokens_seen=w.stats.tokens if w else 0,
+            pinned=int(self.config.stage != "auto"),
             addrs=self.addrs,
         )
 
@@ -500,17 +502,24 @@ class Node:
     async def _outer_loop(self) -> None:
         """Every H inner steps: mix with this stage's replicas, Nesterov outer step.
 
-        Matchmaking starts when this replica has done its H steps, so the group is
-        the replicas that finish round t within the matchmaking window: starting it
-        at round begin (to overlap the anchor mix with inner steps) let replicas
-        that joined at different times fall out of step and each stay alone.
+        Replicas stay in step without a coordinator: a round ends for every
+        replica of the stage as soon as one of them has done its H inner steps
+        and opened the round's matchmaking (the others join with what they have;
+        contribution weights are their tokens), and a replica whose round number
+        fell behind its stage's (seen in the directory) jumps to it.
         Inner steps pause (gradients keep accumulating, forwards go on) only while
         the outer step reads the weights and writes the new anchor into them."""
         every = self.manifest.outer.inner_steps
         while not self.stop_event.is_set():
+            self._catch_up_round()
             start_step, start_tokens = self.worker.optimizer.steps, self.worker.stats.trained_tokens
+            key = outer_round_key(self.manifest.run_id, self.worker.index, self.outer.state.round)
             while self.worker.optimizer.steps < start_step + every and not self.stop_event.is_set():
-                await self._wait_stop(0.2)
+                await self._wait_stop(0.5)
+                if self.worker.optimizer.steps > start_step and await self._round_opened_elsewhere(
+                    key
+                ):
+                    break
             if self.stop_event.is_set():
                 return
             await self.outer.begin_round(expect=len(self._peers_of(self.worker.index)) or 1)
@@ -527,6 +536,24 @@ class Node:
                 for old in sorted(self.anchor_digests)[:-10]:
                     del self.anchor_digests[old]
 
+    def _catch_up_round(self) -> None:
+        rounds = [
+            r.outer_step
+            for r in self.view.get(self.worker.index, [])
+            if r.peer_id != self.peer_id and r.state == NodeState.ACTIVE
+        ]
+        if rounds and max(rounds) > self.outer.state.round:
+            log.info(
+                "outer round %d -> %d to meet this stage's replicas",
+                self.outer.state.round,
+                max(rounds),
+            )
+            self.outer.state.round = max(rounds)
+
+    async def _round_opened_elsewhere(self, key: str) -> bool:
+        entries = await self.host.get(key)
+        return isinstance(entries, dict) and any(str(k) != self.peer_id for k in entries)
+
     async def _rebalance_loop(self) -> None:
         """Re-evaluate the stage choice now and then; move only for a clear gain
         (placement.should_switch), after a random delay so peers do not herd."""
@@ -537,14 +564,18 @@ class Node:
             if self.stop_event.is_set() or self.state != NodeState.ACTIVE:
                 continue
             decision = placement.should_switch(
-                self.view, self.manifest, self.peer_id, self.worker.index
+                self.view,
+                self.manifest,
+                self.peer_id,
+                self.worker.index,
+                movable=_movable(self.view),
             )
             if decision.stage is None:
                 continue
             await self._wait_stop(placement.switch_delay(self.peer_id, rng, every / 2))
             fresh = await self.directory.fetch()  # still true after the delay?
             decision = placement.should_switch(
-                fresh, self.manifest, self.peer_id, self.worker.index
+                fresh, self.manifest, self.peer_id, self.worker.index, movable=_movable(fresh)
             )
             if decision.stage is not None and not self.stop_event.is_set():
                 await self.switch_stage(decision.stage, decision.reason)
@@ -765,6 +796,11 @@ def _members(node: Node) -> dict:
         ],
         "counters": node.membership.counters,
     }
+
+
+def _movable(view: Snapshot) -> set[str]:
+    """Peers that may change stage (not pinned by --stage N)."""
+    return {r.peer_id for rs in view.values() for r in rs if not r.pinned}
 
 
 def _outer_status(node: Node) -> dict:

@@ -59,6 +59,8 @@ class NodeRecord:
     inner_step: int = 0
     outer_step: int = 0
     tokens_seen: int = 0
+    pinned: int = 0
+    """1 when the operator fixed this node's stage (--stage N): it never moves."""
     addrs: list[str] = field(default_factory=list)
     issued_at: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import random
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from agora_node.protocol.manifest import Manifest, ModelSpec
@@ -297,6 +297,7 @@ def should_switch(
     current_stage: int,
     *,
     margin: float = 1.25,
+    movable: Collection[str] | None = None,
 ) -> SwitchDecision:
     """Whether the running node `peer_id` should leave `current_stage`, and for which stage.
 
@@ -333,10 +334,15 @@ def should_switch(
     move = _best_move(replicas[peer_id], active, caps, costs, fallback, margin)
     if move is None:
         return stay(f"no move raises the bottleneck ({now:.3g}) by x{margin:g}")
+    # Only nodes that may move take part in the election (pinned nodes never move).
     movers = [
         r.peer_id
         for r in everyone
-        if r.peer_id == peer_id or _best_move(r, active, caps, costs, fallback, margin)
+        if r.peer_id == peer_id
+        or (
+            (movable is None or r.peer_id in movable)
+            and _best_move(r, active, caps, costs, fallback, margin)
+        )
     ]
     elected = min(movers, key=lambda p: (peer_rank(p), p))
     if elected != peer_id:

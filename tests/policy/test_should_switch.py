@@ -161,3 +161,15 @@ def test_switch_delay_is_bounded_deterministic_and_per_peer() -> None:
     rng = random.Random(1)
     assert 0 <= switch_delay("p", rng, 5.0) < 5.0
     assert switch_delay("p", 1, 0.0) == 0.0
+
+
+def test_pinned_nodes_do_not_win_the_mover_election():
+    # Stage 2 is empty; stages 0 and 1 each have two replicas, so any of the four
+    # could move. Whoever the hash elects, a movable node must move when the
+    # others are pinned (--stage N): the election only counts movable nodes.
+    peers = [f"peer-{i}" for i in range(4)]
+    view = directory(*(record(p, i // 2, throughput=100.0) for i, p in enumerate(peers)))
+    costs = [1.0, 1.0, 1.0]
+    for movable in peers:
+        decision = should_switch(view, costs, movable, peers.index(movable) // 2, movable={movable})
+        assert decision.stage == 2, (movable, decision.reason)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import hivemind
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -164,7 +164,3 @@ def _explain_start_failure(exc: BaseException, config: HostConfig) -> HostError:
     if "address already in use" in text.lower():
         return HostError(f"a listen address is already in use ({', '.join(config.host_maddrs)})")
     return HostError(f"libp2p daemon failed to start: {text}")
-
-
-def peer_id_from_str(peer_id: str) -> PeerID:
-    return PeerID.from_base58(peer_id)

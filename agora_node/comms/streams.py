@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 from hivemind.p2p import P2P, PeerID
 
@@ -151,8 +151,3 @@ async def request(
     if len(frames) != 1:
         raise StreamError(f"expected one response frame from {peer_id[-8:]}, got {len(frames)}")
     return frames[0]
-
-
-async def single(value: Awaitable[bytes]) -> AsyncIterator[bytes]:
-    """Adapt a coroutine returning bytes into a one-frame handler response."""
-    yield await value

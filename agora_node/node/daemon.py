@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import random
 import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import torch
 
 from agora_node import __version__
 from agora_node.comms import state_transfer
@@ -250,7 +247,7 @@ class Node:
                     "state from %s failed (%s); trying another replica", record.peer_id[-8:], exc
                 )
                 continue
-            state = await self.worker.call(_load_blob, blob)
+            state = await self.worker.call(StageWorker.decode_state, blob)
             await self.worker.call(self.worker.load_state_dict, state)
             # A newcomer carries zero weight in averaging until its first outer round.
             self._loaded_outer = (state.get("outer"), True)
@@ -330,12 +327,8 @@ class Node:
 
     def _serialize_state(self, outer: dict | None) -> tuple[bytes, str]:
         """On the worker thread: bytes and weight checksum of one consistent state."""
-        state = self.worker.state_dict()
-        if outer is not None:
-            state["outer"] = outer
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        return buf.getvalue(), self.worker.parameter_checksum()
+        extra = {"outer": outer} if outer is not None else None
+        return self.worker.state_bytes(extra), self.worker.parameter_checksum()
 
     def _peers_of(self, stage: int) -> list[str]:
         gone = self._gone()
@@ -809,10 +802,6 @@ def _outer_status(node: Node) -> dict:
     status = node.outer.status()
     status["anchor_digests"] = {str(r): d for r, d in node.anchor_digests.items()}
     return status
-
-
-def _load_blob(blob: bytes) -> dict:
-    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
 
 
 def _config_dict(config: NodeConfig) -> dict:

@@ -262,13 +262,16 @@ class StageWorker:
             self._versions_with_grads.clear()
             self._publish_version(int(state.get("version", 0)))
 
-    def state_bytes(self) -> bytes:
+    def state_bytes(self, extra: dict[str, Any] | None = None) -> bytes:
+        """state_dict() (plus `extra` entries, e.g. the outer state) serialized for transfer."""
         buf = io.BytesIO()
-        torch.save(self.state_dict(), buf)
+        torch.save({**self.state_dict(), **(extra or {})}, buf)
         return buf.getvalue()
 
-    def load_state_bytes(self, blob: bytes) -> None:
-        self.load_state_dict(torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True))
+    @staticmethod
+    def decode_state(blob: bytes) -> dict[str, Any]:
+        """Inverse of state_bytes (tensors and plain containers only)."""
+        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
 
     def parameter_checksum(self) -> str:
         """sha256 over the weights (names and bytes): equal iff two replicas hold the same weights."""

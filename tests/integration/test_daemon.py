@@ -301,10 +301,13 @@ def test_auto_node_moves_to_a_stage_that_lost_its_last_replica(swarm):
 
 
 def test_joiner_retries_another_replica_when_its_source_dies_mid_transfer(swarm):
-    # `bench` stage 0 state is ~80 MB (weights + AdamW moments): long enough to
-    # kill the source while the joiner is still receiving it.
+    # `bench` stage 0 state is ~47 MiB (weights + AdamW moments).
     swarm.bootstrap("bench")
-    sources = [swarm.join(f"source-{i}", "--stage", "0") for i in range(2)]
+    # Sources send through an emulated 40 Mbit/s uplink: ~10 s per copy, so the
+    # kill lands mid-transfer however fast the machine is.
+    sources = [
+        swarm.join(f"source-{i}", "--stage", "0", "--emulate-link", "40,0") for i in range(2)
+    ]
     for node in sources:
         swarm.serving(node, timeout=180)
     ids = [s["peer_id"] for s in poll(lambda: _active(swarm, sources), 180, "2 active sources")]

@@ -14,13 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agora_node import __version__
+from agora_node.node.errors import EXIT_OK, EXIT_USAGE, UsageError
 from agora_node.protocol.manifest import ManifestError, load_manifest
-
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(Exception):
-    """Bad input from the operator: reported as one line, exit code 2."""
 
 
 def _add_manifest_arg(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from agora_node.node.cli import EXIT_FAILURE, EXIT_OK, UsageError
+from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, UsageError
 from agora_node.protocol.manifest import load_manifest
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def _convert(name: str, text: str, kind: type) -> Any:
 
 
 def _node_config(opts: dict[str, Any]):  # noqa: ANN202
-    from agora_node.node.daemon import NodeConfig
+    from agora_node.node.config import NodeConfig
     from agora_node.node.pipeline import PipelineConfig
 
     if opts["stage"] != "auto" and not str(opts["stage"]).isdigit():
@@ -187,7 +187,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 def _run_daemon(coro) -> int:  # noqa: ANN001
     from agora_node.comms.host import HostError
     from agora_node.node.control import ControlError
-    from agora_node.node.daemon import JoinError
+    from agora_node.node.errors import JoinError
     from agora_node.node.status_server import StatusServerError
 
     try:

@@ -22,7 +22,7 @@ import logging
 import random
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from agora_node import __version__
@@ -33,9 +33,11 @@ from agora_node.comms.host import Host, HostConfig
 from agora_node.comms.membership.messages import MemberMeta, Status
 from agora_node.comms.membership.p2p import MembershipService
 from agora_node.node.checkpoint import load_latest_checkpoint, save_checkpoint
+from agora_node.node.config import NodeConfig
+from agora_node.node.errors import JoinError
 from agora_node.node.metrics import Metrics
 from agora_node.node.outer import OuterLoop
-from agora_node.node.pipeline import Pipeline, PipelineConfig, Sampler
+from agora_node.node.pipeline import Pipeline, Sampler
 from agora_node.node.status_server import History, StatusServer
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.identity import Identity
@@ -45,40 +47,6 @@ from agora_node.stages import placement
 from agora_node.stages.data import TokenWindows
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class NodeConfig:
-    initial_peers: list[str]
-    identity_path: str
-    data_dir: str
-    stage: str = "auto"
-    manifest: Manifest | None = None
-    """A local manifest that must match the swarm's (None: take the swarm's)."""
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
-    announce_maddrs: list[str] = field(default_factory=list)
-    status_host: str = "127.0.0.1"
-    status_port: int = 8421
-    control_socket: str | None = None
-    threads: int = 0
-    record_ttl_s: float = 15.0
-    refresh_s: float = 3.0
-    settle_s: float = 1.5
-    """Interval between a joiner's directory reads before it commits to a stage."""
-    settle_rounds: int = 8
-    rebalance_every_s: float = 60.0
-    """Mean interval at which a `--stage auto` node re-evaluates its stage (0: never)."""
-    checkpoint_every_s: float = 300.0
-    eval_every_s: float = 60.0
-    eval_samples: int = 16
-    drain_timeout_s: float = 30.0
-    max_tokens: int = 0
-    """Stage 0 stops injecting after this many tokens, evaluates once and idles (0: never)."""
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-
-
-class JoinError(RuntimeError):
-    """The node cannot join (one line for the operator)."""
 
 
 class Node:

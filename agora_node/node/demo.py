@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agora_node.node.cli import EXIT_FAILURE, EXIT_OK, UsageError
+from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, UsageError
 from agora_node.protocol.manifest import load_manifest
 
 

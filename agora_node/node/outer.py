@@ -1,12 +1,17 @@
 """Outer steps of one stage replica: gossip-mixed DiLoCo (factored in two mixes).
 
-Round t of a replica, as the daemon drives it:
+How one round runs (when rounds happen is decided in rounds.py):
 
-    await outer.begin_round()          # publish, find this round's groups, start the
-                                       # anchor mix in the background
-    ... H inner steps on the module ...
-    report = await outer.end_round(tokens=n)   # blocking pseudo-gradient mix, then
-                                               # the Nesterov step; module := new anchor
+    await outer.begin_round()          # publish an entry, find this round's groups,
+                                       # start the anchor mix in the background
+    report = await outer.end_round(tokens=n, weights=w)
+                                       # blocking pseudo-gradient mix, the Nesterov
+                                       # step, weights := new anchor (written via `w`)
+
+The daemon calls begin_round right before end_round, once its replica's H inner
+steps are done or another replica opened the round (rounds.py explains why the
+anchor mix is not yet overlapped with inner steps); tests and benchmarks call
+begin_round, run H inner steps, then end_round, overlapping the anchor mix.
 
 - `OuterState` holds the anchor (weights at the last outer step), the outer
   momentum and the round counter, as flat float32 vectors.
@@ -33,7 +38,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -141,21 +146,31 @@ class OuterState:
         return self.anchor - self.weights()
 
     @torch.no_grad()
+    def step(
+        self,
+        mixed_delta: Tensor,
+        mixed_anchor: Tensor | None = None,
+        mixed_momentum: Tensor | None = None,
+    ) -> Tensor:
+        """Nesterov outer step from the (mixed) anchor; returns the new anchor, which the
+        caller writes into the weights. Touches no parameter."""
+        base = self.anchor if mixed_anchor is None else mixed_anchor.float()
+        if mixed_momentum is not None:
+            self.momentum = mixed_momentum.float().clone()
+        self.momentum.mul_(self.mu).add_(mixed_delta)
+        self.anchor = base - self.lr * (mixed_delta + self.mu * self.momentum)
+        self.round += 1
+        self.warming = False
+        return self.anchor
+
     def apply(
         self,
         mixed_delta: Tensor,
         mixed_anchor: Tensor | None = None,
         mixed_momentum: Tensor | None = None,
     ) -> None:
-        """Nesterov outer step from the (mixed) anchor; the weights become the new anchor."""
-        base = self.anchor if mixed_anchor is None else mixed_anchor.float()
-        if mixed_momentum is not None:
-            self.momentum = mixed_momentum.float().clone()
-        self.momentum.mul_(self.mu).add_(mixed_delta)
-        self.anchor = base - self.lr * (mixed_delta + self.mu * self.momentum)
-        self.load_weights(self.anchor)
-        self.round += 1
-        self.warming = False
+        """`step`, then the weights := the new anchor (a module outside any stage worker)."""
+        self.load_weights(self.step(mixed_delta, mixed_anchor, mixed_momentum))
 
     @torch.no_grad()
     def load_weights(self, flat: Tensor) -> None:
@@ -187,6 +202,30 @@ class OuterState:
         self.anchor, self.momentum = anchor.clone(), momentum.clone()
         self.round = int(state["round"])
         self.warming = warming
+
+
+class Weights(Protocol):
+    """Where the outer step reads and writes the replica's weights (flat float32).
+
+    The daemon passes its stage worker's (`StageWorker.frozen`), so the weights are
+    written on the worker thread only; tests and benchmarks use `ModuleWeights`."""
+
+    async def read(self) -> Tensor: ...
+
+    async def write(self, flat: Tensor) -> None: ...
+
+
+class ModuleWeights:
+    """A module that no stage worker owns: read and written from a helper thread."""
+
+    def __init__(self, state: OuterState) -> None:
+        self.state = state
+
+    async def read(self) -> Tensor:
+        return await asyncio.to_thread(self.state.weights)
+
+    async def write(self, flat: Tensor) -> None:
+        await asyncio.to_thread(self.state.load_weights, flat)
 
 
 @dataclass
@@ -313,12 +352,16 @@ class OuterLoop:
             raise RuntimeError(f"round {self.state.round} already begun")
         self._prep = asyncio.create_task(self._prepare_or_alone(self.state.round, expect))
 
-    async def end_round(self, *, tokens: int) -> RoundReport:
-        """Mix pseudo-gradients, take the outer step, load the new anchor into the module."""
+    async def end_round(self, *, tokens: int, weights: Weights | None = None) -> RoundReport:
+        """Mix pseudo-gradients, take the outer step, write the new anchor into the weights.
+
+        weights: where to read and write them (default: the module, directly); the
+        daemon passes its frozen stage worker's."""
+        weights = weights or ModuleWeights(self.state)
         started = time.monotonic()
         if self._prep is None:
             await self.begin_round()
-        delta = await asyncio.to_thread(self.state.pseudo_gradient)
+        delta = self.state.anchor - await weights.read()
         prep_task, self._prep = self._prep, None
         prep = await prep_task
         waited = time.monotonic() - started
@@ -337,10 +380,16 @@ class OuterLoop:
             if self.config.mix_momentum:
                 momentum = prep.anchor.value[self.state.numel :]
         round_no = self.state.round
-        await asyncio.to_thread(self.state.apply, mixed, anchor, momentum)
-        report = self._report(round_no, prep, outcome, delta, mixed, started, waited)
+        await weights.write(await asyncio.to_thread(self.state.step, mixed, anchor, momentum))
+        report = _round_report(
+            self.config, self.state.numel, round_no, prep, outcome, (delta, mixed), started, waited
+        )
         self._account(report)
         return report
+
+    async def opened_elsewhere(self) -> bool:
+        """Has another replica opened this round's matchmaking (a verified entry)?"""
+        return await self.matchmaker.opened_by_others(self.state.round)
 
     async def _prepare(self, round_no: int, expect: int | None) -> _Prep:
         digest = await asyncio.to_thread(self.state.digest, self.config.mix_momentum)
@@ -438,45 +487,6 @@ class OuterLoop:
             **self.totals,
         }
 
-    def _report(
-        self,
-        round_no: int,
-        prep: _Prep,
-        outcome: Outcome | None,
-        delta: Tensor,
-        mixed: Tensor,
-        started: float,
-        waited: float,
-    ) -> RoundReport:
-        outcomes = [o for o in (prep.anchor, outcome) if o is not None]
-        radii = outcome.stats.clip_radii if outcome is not None else []
-        failed = sorted({p for o in outcomes for p in o.stats.failed_peers})
-        rejected: dict[str, int] = {}
-        for o in outcomes:
-            for reason, count in o.stats.rejected.items():
-                rejected[reason] = rejected.get(reason, 0) + count
-        fmt = self.config.delta_format()
-        n = len(prep.delta_plan.members) if prep.delta_plan else 1
-        return RoundReport(
-            round=round_no,
-            participants=len(prep.view.entries),
-            anchor_group=prep.view.group("anchor", self.config.group_size),
-            delta_group=prep.view.group("delta", self.config.group_size),
-            anchor_mixed=prep.anchor is not None,
-            consistent=all(o.consistent for o in outcomes),
-            failed_peers=failed,
-            rejected=rejected,
-            bytes_sent=sum(o.stats.bytes_sent for o in outcomes),
-            bytes_received=sum(o.stats.bytes_received for o in outcomes),
-            seconds_blocked=time.monotonic() - started,
-            seconds_waiting_prep=waited,
-            deadline=self.config.deadlines.worst_case(self.state.numel, n, fmt),
-            delta_norm=float(delta.norm()),
-            mixed_norm=float(mixed.norm()),
-            clip_radius=math.sqrt(sum(r * r for r in radii)) if radii else None,
-            repaired_spans=sum(o.stats.repaired_spans for o in outcomes),
-        )
-
     def _account(self, report: RoundReport) -> None:
         self.last_report = report
         self.totals["rounds"] += 1
@@ -493,3 +503,43 @@ class OuterLoop:
             report.seconds_blocked,
             "" if report.consistent else " | INCONSISTENT",
         )
+
+
+def _round_report(
+    config: OuterConfig,
+    numel: int,
+    round_no: int,
+    prep: _Prep,
+    outcome: Outcome | None,
+    vectors: tuple[Tensor, Tensor],
+    started: float,
+    waited: float,
+) -> RoundReport:
+    """What one round did, from its two mixes' outcomes (`vectors`: own and mixed delta)."""
+    delta, mixed = vectors
+    outcomes = [o for o in (prep.anchor, outcome) if o is not None]
+    radii = outcome.stats.clip_radii if outcome is not None else []
+    rejected: dict[str, int] = {}
+    for o in outcomes:
+        for reason, count in o.stats.rejected.items():
+            rejected[reason] = rejected.get(reason, 0) + count
+    n = len(prep.delta_plan.members) if prep.delta_plan else 1
+    return RoundReport(
+        round=round_no,
+        participants=len(prep.view.entries),
+        anchor_group=prep.view.group("anchor", config.group_size),
+        delta_group=prep.view.group("delta", config.group_size),
+        anchor_mixed=prep.anchor is not None,
+        consistent=all(o.consistent for o in outcomes),
+        failed_peers=sorted({p for o in outcomes for p in o.stats.failed_peers}),
+        rejected=rejected,
+        bytes_sent=sum(o.stats.bytes_sent for o in outcomes),
+        bytes_received=sum(o.stats.bytes_received for o in outcomes),
+        seconds_blocked=time.monotonic() - started,
+        seconds_waiting_prep=waited,
+        deadline=config.deadlines.worst_case(numel, n, config.delta_format()),
+        delta_norm=float(delta.norm()),
+        mixed_norm=float(mixed.norm()),
+        clip_radius=math.sqrt(sum(r * r for r in radii)) if radii else None,
+        repaired_spans=sum(o.stats.repaired_spans for o in outcomes),
+    )

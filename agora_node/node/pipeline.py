@@ -52,6 +52,12 @@ def protocol_name(run_id: str) -> str:
     return f"/agora/{run_id}/forward/1"
 
 
+def max_request_bytes(manifest: Manifest) -> int:
+    """The largest forward request a node of this run accepts (checked before reading it)."""
+    m = manifest.model
+    return 4096 + m.seq_len * manifest.inner.micro_batch * (4 * (m.d_model + 1))
+
+
 @dataclass(kw_only=True)
 class PipelineConfig:
     max_in_flight: int = 0
@@ -79,7 +85,8 @@ class PipelineStats:
 
 
 class Pipeline:
-    """Serves `worker`'s stage over `p2p`; `peers_of(stage)` names live replicas of a stage."""
+    """Serves `worker`'s stage (the node routes its forward protocol to `handle`) and sends
+    over `p2p`; `peers_of(stage)` names live replicas of a stage."""
 
     def __init__(
         self,
@@ -90,11 +97,13 @@ class Pipeline:
         peers_of: Callable[[int], list[str]],
         config: PipelineConfig,
         on_bytes: Callable[[str, int, int], None] | None = None,
+        stats: PipelineStats | None = None,
     ) -> None:
         self.manifest, self.worker, self.p2p, self.peer_id = manifest, worker, p2p, peer_id
         self.peers_of, self.config = peers_of, config
         self.codec = ActivationCodec(mode=config.activation_codec)
-        self.stats = PipelineStats()
+        self.stats = stats or PipelineStats()
+        """Shared by the node's successive pipelines, so totals survive a stage switch."""
         self.accepting = True
         self.active_requests = 0
         self.injected_tokens = 0
@@ -112,20 +121,8 @@ class Pipeline:
     def is_head(self) -> bool:
         return self.worker.stage.is_first
 
-    async def register(self) -> None:
-        await streams.serve(
-            self.p2p,
-            protocol_name(self.manifest.run_id),
-            self._handle,
-            max_request=self._max_request(),
-        )
-
-    def _max_request(self) -> int:
-        m = self.manifest.model
-        return 4096 + m.seq_len * self.manifest.inner.micro_batch * (4 * (m.d_model + 1))
-
     # ---- serving ------------------------------------------------------------------------
-    async def _handle(self, remote: str, data: bytes):  # noqa: ANN202 - async generator
+    async def handle(self, remote: str, data: bytes):  # noqa: ANN202 - async generator
         self._count_bytes(remote, received=len(data))
         self.active_requests += 1
         self._idle.clear()

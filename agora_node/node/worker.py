@@ -21,11 +21,13 @@ forward is recomputed on the same version copy at backward time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,14 +86,18 @@ class StageWorker:
         self._pending: dict[str, _Pending] = {}
         self._finished_since_step = 0
         self.hold_steps = False
-        """While an outer step reads and rewrites the weights, inner steps wait (gradients keep accumulating)."""
+        """While an outer step reads and rewrites the weights (`frozen`), inner steps wait."""
         self._versions_with_grads: dict[int, dict[str, Tensor]] = {}
         self._lock = threading.Lock()  # guards state snapshots taken from the worker thread
+        self._thread: threading.Thread | None = None
+        self._threaded = False
+        self._executor.submit(self._remember_thread).result()
         self._publish_version(0)
 
     # ---- plumbing ------------------------------------------------------------------
     async def call(self, fn, *args: Any) -> Any:  # noqa: ANN001
         """Run fn(*args) on the worker thread."""
+        self._threaded = True
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def close(self) -> None:
@@ -214,17 +220,42 @@ class StageWorker:
         if self._finished_since_step >= self.micro_per_step and not self.hold_steps:
             self._step()
 
-    def hold(self) -> None:
-        """Stop stepping (worker thread): the outer step is about to read and replace the weights."""
+    # ---- the outer step's access to the weights --------------------------------------
+    @contextlib.asynccontextmanager
+    async def frozen(self) -> AsyncIterator[WorkerWeights]:
+        """Hold inner steps while an outer step reads and replaces the weights.
+
+        Forwards and backwards go on (gradients keep accumulating and land in the
+        first step after); the weights are read and written on the worker thread only.
+        """
+        await self.call(self._hold)
+        weights = WorkerWeights(self)
+        try:
+            yield weights
+        finally:
+            await self.call(self._release, weights.replaced)
+
+    def _hold(self) -> None:
         self.hold_steps = True
 
-    def release(self, weights_changed: bool) -> None:
-        """Resume stepping (worker thread); publish the outer step's weights to new forwards."""
+    def _release(self, weights_changed: bool) -> None:
+        """Resume stepping; publish the outer step's weights to new forwards."""
         self.hold_steps = False
         if weights_changed:
             self._publish_version(self._version + 1)
         if self._finished_since_step >= self.micro_per_step:
             self._step()
+
+    def _check_thread(self) -> None:
+        """Once the worker is driven through `call`, parameters are written on its thread only.
+
+        (Used synchronously, as unit tests and the local trainer do, the caller's
+        thread is the only one.)"""
+        if self._threaded and threading.current_thread() is not self._thread:
+            raise RuntimeError("stage parameters may be written on the worker thread only")
+
+    def _remember_thread(self) -> None:
+        self._thread = threading.current_thread()
 
     def _step(self) -> None:
         """Sum finished gradients of every live version into the master weights and step."""
@@ -237,6 +268,7 @@ class StageWorker:
                 master.grad = p.grad.clone() if master.grad is None else master.grad.add_(p.grad)
                 p.grad = None
         self._versions_with_grads.clear()
+        self._check_thread()
         with self._lock:
             self.optimizer.step()
             self.optimizer.zero_grad()
@@ -255,6 +287,7 @@ class StageWorker:
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_thread()
         with self._lock:
             self.stage.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -281,3 +314,31 @@ class StageWorker:
                 digest.update(name.encode())
                 digest.update(tensor.detach().contiguous().numpy().tobytes())
         return digest.hexdigest()
+
+
+class WorkerWeights:
+    """The trainable weights of a frozen worker as one flat float32 vector (outer.Weights),
+    read and written on the worker's thread."""
+
+    def __init__(self, worker: StageWorker) -> None:
+        self.worker, self.replaced = worker, False
+        self._params = [p for p in worker.stage.parameters() if p.requires_grad]
+
+    async def read(self) -> Tensor:
+        return await self.worker.call(self._flat)
+
+    async def write(self, flat: Tensor) -> None:
+        await self.worker.call(self._load, flat)
+        self.replaced = True
+
+    def _flat(self) -> Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self._params])
+
+    @torch.no_grad()
+    def _load(self, flat: Tensor) -> None:
+        self.worker._check_thread()
+        offset = 0
+        with self.worker._lock:
+            for p in self._params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()

@@ -223,6 +223,11 @@ class Matchmaker:
                 return RoundView(self.run_id, self.stage, round_no, me.peer_id, tuple(closed))
             await asyncio.sleep(cfg.poll_interval)
 
+    async def opened_by_others(self, round_no: int) -> bool:
+        """Has a peer other than this one entered round `round_no` (a verified entry)?"""
+        key = outer_round_key(self.run_id, self.stage, round_no)
+        return any(e.peer_id != self.identity.peer_id for e in await self._read(key, round_no))
+
     async def _read(self, key: str, round_no: int) -> list[RoundEntry]:
         out = []
         for peer, value in (await self.board.read(key)).items():

@@ -1,0 +1,279 @@
+"""Serving one stage: everything that exists only while a node serves stage k.
+
+A `StageService` is built and torn down as one unit (Petals' ModuleContainer
+idea): the stage worker (weights, optimizer, compute thread), its data plane
+(`Pipeline`), its outer rounds (`OuterRounds`) and, at stage 0, the head loop
+that injects micro-batches and validates. Switching stage is "close this
+service, open the next"; leaving is "drain, checkpoint, close".
+
+    service = await StageService.open(ctx, stage)   # load state, start loops
+    ...                                              # node routes requests to it
+    await service.drain(timeout)                     # stop taking work, finish it
+    await service.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agora_node.comms import state_transfer, streams
+from agora_node.comms.host import Host
+from agora_node.comms.pipeline_wire import Code, Status, error_response
+from agora_node.node import joining
+from agora_node.node.checkpoint import save_checkpoint
+from agora_node.node.config import NodeConfig
+from agora_node.node.outer import OuterLoop
+from agora_node.node.pipeline import (
+    Pipeline,
+    PipelineStats,
+    Sampler,
+    max_request_bytes,
+    protocol_name,
+)
+from agora_node.node.rounds import OuterRounds
+from agora_node.node.status_server import History
+from agora_node.node.worker import StageWorker
+from agora_node.protocol.identity import Identity
+from agora_node.protocol.manifest import Manifest
+from agora_node.protocol.records import NodeRecord, NodeState
+from agora_node.stages.data import TokenWindows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class ServiceContext:
+    """What a stage service borrows from its node (which outlives it)."""
+
+    manifest: Manifest
+    config: NodeConfig
+    host: Host
+    identity: Identity
+    peers_of: Callable[[int], list[str]]
+    """Live, active replicas of a stage (directory minus what SWIM declared gone)."""
+    records_of: Callable[[int], list[NodeRecord]]
+    """The directory's records of a stage, as last read."""
+    fetch_records: Callable[[], Any]
+    """Read the directory now (async): {stage: [NodeRecord]}."""
+    stats: PipelineStats
+    history: History
+    on_bytes: Callable[[str, int, int], None]
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    def checkpoint_dir(self, stage: int) -> Path:
+        return Path(self.config.data_dir) / "checkpoints" / self.manifest.run_id / f"stage-{stage}"
+
+
+class StageService:
+    def __init__(
+        self, ctx: ServiceContext, worker: StageWorker, rounds: OuterRounds, origin: dict
+    ) -> None:
+        self.ctx, self.worker, self.rounds = ctx, worker, rounds
+        self.origin = origin
+        """Where this stage's state came from: replica / checkpoint / init, with checksums."""
+        self.pipeline = Pipeline(
+            ctx.manifest,
+            worker,
+            ctx.host.p2p,
+            ctx.peer_id,
+            ctx.peers_of,
+            ctx.config.pipeline,
+            on_bytes=ctx.on_bytes,
+            stats=ctx.stats,
+        )
+        self.final_val_loss: float | None = None
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._head: asyncio.Task | None = None
+        self._rounds: asyncio.Task | None = None
+
+    @property
+    def index(self) -> int:
+        return self.worker.index
+
+    # ---- building and tearing down ------------------------------------------------------
+    @classmethod
+    async def open(
+        cls, ctx: ServiceContext, stage: int, on_failure: Callable[[BaseException], None]
+    ) -> StageService:
+        """Load the stage's state (replica, checkpoint or init) and start serving it."""
+        worker = StageWorker(ctx.manifest, stage)
+        try:
+            loaded = await joining.load_state(ctx, worker)
+            outer = await OuterLoop.create(
+                ctx.host.dht,
+                worker.stage,
+                ctx.identity,
+                ctx.manifest,
+                p2p=ctx.host.p2p,
+                stage=stage,
+            )
+            if loaded.outer is not None:
+                outer.load_state_dict(loaded.outer, warming=loaded.warming)
+            else:
+                outer.reset_to_weights()
+        except BaseException:
+            worker.close()
+            raise
+        rounds = OuterRounds(
+            outer,
+            worker,
+            inner_steps=ctx.manifest.outer.inner_steps,
+            replica_rounds=lambda: [
+                r.outer_step
+                for r in ctx.records_of(stage)
+                if r.peer_id != ctx.peer_id and r.state == NodeState.ACTIVE
+            ],
+            replica_count=lambda: len(ctx.peers_of(stage)) or 1,
+        )
+        service = cls(ctx, worker, rounds, loaded.origin)
+        service._rounds = service._spawn(rounds.run(service._stop), on_failure)
+        if worker.stage.is_first:
+            service._head = service._spawn(service._head_loop(), on_failure)
+        return service
+
+    def _spawn(self, coro, on_failure: Callable[[BaseException], None]) -> asyncio.Task:  # noqa: ANN001
+        task = asyncio.create_task(coro)
+
+        def done(t: asyncio.Task) -> None:
+            if not t.cancelled() and t.exception() is not None and not self._stop.is_set():
+                on_failure(t.exception())
+
+        task.add_done_callback(done)
+        self._tasks.append(task)
+        return task
+
+    async def drain(self, timeout: float) -> None:
+        """Stop taking micro-batches, let the head and the ones in flight finish.
+
+        An outer round in progress is abandoned: nothing in it is worth the wait."""
+        self._stop.set()
+        if self._rounds is not None:
+            self._rounds.cancel()
+            await asyncio.gather(self._rounds, return_exceptions=True)
+        self.pipeline.accepting = False
+        if not await self.pipeline.drain(timeout):
+            log.warning("in-flight micro-batches did not finish within %.0fs", timeout)
+        if self._head is not None:
+            done, _ = await asyncio.wait({self._head}, timeout=timeout)
+            if not done:
+                log.warning("stage-0 micro-batches did not finish within %.0fs", timeout)
+
+    async def close(self) -> None:
+        self._stop.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.rounds.close()
+        self.worker.close()
+
+    # ---- state ------------------------------------------------------------------------
+    async def checkpoint(self) -> str:
+        async with self.rounds.consistent():
+            state = await self.worker.call(self.worker.state_dict)
+            state["outer"] = self.rounds.state_dict()
+        info = await asyncio.to_thread(
+            save_checkpoint,
+            self.ctx.checkpoint_dir(self.index),
+            run_id=self.ctx.manifest.run_id,
+            stage=self.index,
+            step=self.worker.optimizer.steps,
+            state=state,
+        )
+        log.info("checkpoint saved: %s", info.path)
+        return str(info.path)
+
+    async def state_snapshot(self) -> tuple[dict, bytes]:
+        """This stage's state for a joiner: weights and anchor from the same moment."""
+        async with self.rounds.consistent():
+            blob, checksum = await self.worker.call(self._serialize, self.rounds.state_dict())
+        return {
+            "stage": self.index,
+            "inner_step": self.worker.optimizer.steps,
+            "param_checksum": checksum,
+        }, blob
+
+    def _serialize(self, outer: dict) -> tuple[bytes, str]:
+        """On the worker thread: bytes and weight checksum of one consistent state."""
+        return self.worker.state_bytes({"outer": outer}), self.worker.parameter_checksum()
+
+    # ---- stage 0 ------------------------------------------------------------------------
+    async def _head_loop(self) -> None:
+        """Inject micro-batches; validate every eval_every_s (one head does), and once
+        more when the token budget (max_tokens) is spent."""
+        ctx, cfg = self.ctx, self.ctx.config
+        train, val = TokenWindows(ctx.manifest, "train"), TokenWindows(ctx.manifest, "val")
+        sampler = Sampler(train, ctx.peer_id, lambda: ctx.peers_of(0))
+        inject = asyncio.create_task(self.pipeline.run_head(sampler, self._stop, cfg.max_tokens))
+        stopped = asyncio.create_task(self._stop.wait())
+        val_ids = val.fixed_subset(cfg.eval_samples)
+        try:
+            while not self._stop.is_set():
+                await asyncio.wait(
+                    {inject, stopped},
+                    timeout=cfg.eval_every_s,
+                    return_when="FIRST_COMPLETED",
+                )
+                if self._stop.is_set():
+                    break
+                if inject.done():
+                    await inject
+                    self.final_val_loss = await self.pipeline.evaluate(val, val_ids)
+                    log.info("token budget reached; final validation loss %s", self.final_val_loss)
+                    await self._stop.wait()
+                    break
+                if min(ctx.peers_of(0) + [ctx.peer_id]) == ctx.peer_id:  # one head evaluates
+                    loss = await self.pipeline.evaluate(val, val_ids)
+                    if loss is not None:
+                        ctx.history.add("val_loss", loss)
+                        log.info("validation loss %.4f", loss)
+        finally:
+            stopped.cancel()
+            await inject
+
+
+async def serve_endpoints(
+    host: Host,
+    manifest: Manifest,
+    *,
+    serving: Callable[[], StageService | None],
+    offering_state: Callable[[], StageService | None],
+    served: list[dict],
+) -> None:
+    """Register the run's protocols once per node; each request goes to the service of the
+    moment: `serving()` takes micro-batches, `offering_state()` sends its state to joiners
+    (None while joining, switching or leaving). `served` logs the states sent (last 20)."""
+
+    async def forward(remote: str, data: bytes):  # noqa: ANN202 - async generator
+        service = serving()
+        if service is None:
+            yield error_response(Status.BUSY, Code.NOT_READY, "switching stage")
+            return
+        async for chunk in service.pipeline.handle(remote, data):
+            yield chunk
+
+    async def state(stage: int) -> tuple[dict, bytes]:
+        service = offering_state()
+        if service is None or service.index != stage:
+            raise state_transfer.StateTransferError(f"this node does not serve stage {stage} now")
+        header, blob = await service.state_snapshot()
+        served.append(
+            {"stage": stage, "param_checksum": header["param_checksum"], "at": time.time()}
+        )
+        del served[:-20]
+        return header, blob
+
+    run_id = manifest.run_id
+    await streams.serve(
+        host.p2p, protocol_name(run_id), forward, max_request=max_request_bytes(manifest)
+    )
+    await state_transfer.serve_state(host.p2p, run_id, state)

@@ -1,0 +1,106 @@
+"""The outer-round schedule (node/rounds.py) and the one-writer rule for stage weights."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agora_node.comms.collective import LocalNetwork, MatchmakingConfig, MemoryBoard
+from agora_node.node.outer import OuterConfig, OuterLoop
+from agora_node.node.rounds import OuterRounds, round_should_end, target_round
+from agora_node.node.worker import StageWorker, WorkerWeights
+from agora_node.protocol.identity import Identity
+from agora_node.protocol.manifest import load_manifest
+from tests.outer.helpers import LOCAL
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_target_round_catches_up_and_never_goes_back():
+    assert target_round(3, [1, 5, 2]) == 5
+    assert target_round(3, []) == 3
+    assert target_round(3, [0, 1]) == 3
+
+
+@pytest.mark.parametrize(
+    ("done", "opened", "expected"),
+    [(0, False, False), (0, True, False), (1, False, False), (1, True, True), (4, False, True)],
+)
+def test_round_ends_after_h_steps_or_once_opened_elsewhere(done, opened, expected):
+    assert round_should_end(done, 4, opened) is expected
+
+
+async def test_weights_are_written_on_the_worker_thread_only():
+    worker = StageWorker(load_manifest("tiny"), 1)
+    try:
+        version = worker.version
+        async with worker.frozen() as weights:
+            flat = await weights.read()
+            await weights.write(flat + 1.0)
+        assert worker.version == version + 1  # new forwards see the outer step's weights
+        async with worker.frozen() as weights:
+            torch.testing.assert_close(await weights.read(), flat + 1.0)
+        with pytest.raises(RuntimeError, match="worker thread only"):
+            WorkerWeights(worker)._load(flat)  # from the event loop's thread: refused
+        assert threading.current_thread() is not worker._thread
+    finally:
+        worker.close()
+
+
+def _replica(i: int, network: LocalNetwork, board: MemoryBoard) -> tuple[StageWorker, OuterLoop]:
+    worker = StageWorker(load_manifest("tiny"), 1)
+    ident = Identity(Ed25519PrivateKey.from_private_bytes(bytes([i + 1]) * 32))
+    config = OuterConfig(
+        group_size=0,
+        codec="fp32",
+        block=64,
+        deadlines=LOCAL,
+        matchmaking=MatchmakingConfig(window=0.5, settle=0.1, poll_interval=0.02),
+    )
+    outer = OuterLoop(
+        worker.stage,
+        ident,
+        run_id="run",
+        stage=1,
+        config=config,
+        book=network.join(ident.peer_id),
+        transport=network.transport(ident.peer_id),
+        board=board,
+    )
+    return worker, outer
+
+
+async def test_a_replica_behind_joins_the_round_another_opened():
+    """Replica A has done its H inner steps, B only one: B ends its round with A's,
+    and both leave the round with the same anchor."""
+    network, board = LocalNetwork(), MemoryBoard()
+    replicas = [_replica(i, network, board) for i in range(2)]
+    stop = asyncio.Event()
+    rounds = [
+        OuterRounds(
+            outer, worker, inner_steps=4, replica_rounds=list, replica_count=lambda: 2, poll_s=0.02
+        )
+        for worker, outer in replicas
+    ]
+    tasks = [asyncio.create_task(r.run(stop)) for r in rounds]
+    try:
+        (wa, _), (wb, _) = replicas
+        await asyncio.sleep(0)  # both loops start their round (they read the step counters)
+        wb.optimizer.steps += 1  # stand-ins for inner steps: the schedule only counts them
+        wa.optimizer.steps += 4
+        deadline = time.monotonic() + 60
+        while not all(1 in r.anchor_digests for r in rounds):
+            assert time.monotonic() < deadline, [r.round for r in rounds]
+            assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+            await asyncio.sleep(0.02)
+        assert rounds[0].anchor_digests[1] == rounds[1].anchor_digests[1]
+        assert all(r.outer.last_report.participants == 2 for r in rounds)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for worker, outer in replicas:
+            await outer.close()
+            worker.close()

@@ -15,15 +15,8 @@ from collections import Counter
 from agora_node.comms.host import Host
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest, ManifestError, manifest_from_canonical
-from agora_node.protocol.records import (
-    NodeRecord,
-    NodeState,
-    RecordError,
-    manifest_key,
-    run_pointer_key,
-    stage_key,
-    verify_record,
-)
+from agora_node.protocol.names import manifest_key, run_pointer_key, stage_key
+from agora_node.protocol.records import NodeRecord, NodeState, RecordError, verify_record
 
 log = logging.getLogger(__name__)
 

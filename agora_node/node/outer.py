@@ -56,6 +56,7 @@ from agora_node.comms.collective.payload import max_frame_bytes
 from agora_node.compression import Codec
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
+from agora_node.protocol.names import outer_namespace
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +242,7 @@ class OuterLoop:
         self.identity, self.me = identity, identity.peer_id
         self.run_id, self.stage, self.config = run_id, stage, config
         self.book, self.transport = book, transport
-        self.namespace = f"agora/{run_id}/outer/{stage}"
+        self.namespace = outer_namespace(run_id, stage)
         self.matchmaker = Matchmaker(
             board, identity, run_id=run_id, stage=stage, config=config.matchmaking
         )
@@ -279,7 +280,7 @@ class OuterLoop:
         config = config or OuterConfig.from_manifest(manifest)
         limit = max_frame_bytes(sum(p.numel() for p in module.parameters()))
         book = RoundBook(identity.peer_id)
-        namespace = f"agora/{manifest.run_id}/outer/{stage}"
+        namespace = outer_namespace(manifest.run_id, stage)
         servicer = CollectiveServicer(Responder(book), limit)
         await servicer.add_p2p_handlers(p2p, namespace=namespace)
         transport = P2PTransport(p2p, namespace=namespace, max_frame_bytes=limit)

@@ -43,13 +43,10 @@ from agora_node.comms.routing import FailureKind, Router, RouterConfig
 from agora_node.compression import ActivationCodec, CodecError
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.manifest import Manifest
+from agora_node.protocol.names import forward_protocol
 from agora_node.stages.data import TokenWindows
 
 log = logging.getLogger(__name__)
-
-
-def protocol_name(run_id: str) -> str:
-    return f"/agora/{run_id}/forward/1"
 
 
 @dataclass(kw_only=True)
@@ -115,7 +112,7 @@ class Pipeline:
     async def register(self) -> None:
         await streams.serve(
             self.p2p,
-            protocol_name(self.manifest.run_id),
+            forward_protocol(self.manifest.run_id),
             self._handle,
             max_request=self._max_request(),
         )
@@ -262,7 +259,7 @@ class Pipeline:
             data = await streams.request(
                 self.p2p,
                 peer,
-                protocol_name(self.manifest.run_id),
+                forward_protocol(self.manifest.run_id),
                 payload,
                 timeout=self.config.hop_timeout_s,
             )

@@ -1,4 +1,4 @@
-"""Signed node records and the DHT key names of a run.
+"""Signed node records: what a node asserts about itself in the stage directory.
 
 A `NodeRecord` is what a node asserts about itself in the stage directory. It is
 signed over its canonical encoding (sorted-key compact JSON) with the key its
@@ -30,19 +30,6 @@ class NodeState(StrEnum):
 
 class RecordError(ValueError):
     """A record that must be ignored (bad signature, wrong run, malformed)."""
-
-
-def stage_key(run_id: str, stage: int) -> str:
-    return f"agora/{run_id}/stage/{stage}"
-
-
-def manifest_key(run_id: str) -> str:
-    return f"agora/{run_id}/manifest"
-
-
-def run_pointer_key() -> str:
-    """Where a bootstrap advertises which run it serves (lets a joiner skip --manifest)."""
-    return "agora/current-run"
 
 
 @dataclass(kw_only=True)

@@ -20,33 +20,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import IntEnum
 
 import torch
 
 from agora_node.compression.errors import CodecError
 from agora_node.compression.hadamard import is_power_of_two, rotate, unrotate
+from agora_node.protocol.codecs import Codec
 
 DEFAULT_BLOCK = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SCALE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-class Codec(IntEnum):
-    """How a tensor's values are stored; the integer is the wire id."""
-
-    FP32 = 1
-    BF16 = 2
-    INT8 = 3
-    INT4 = 4
-
-    @property
-    def qmax(self) -> int:
-        return {Codec.INT8: 127, Codec.INT4: 7}[self]
-
-    @property
-    def is_quantized(self) -> bool:
-        return self in (Codec.INT8, Codec.INT4)
 
 
 # Relative L2 error above which `quantize_with_fallback` re-encodes at higher precision. Typical

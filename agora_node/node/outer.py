@@ -53,14 +53,12 @@ from agora_node.comms.collective import (
     WireFormat,
 )
 from agora_node.comms.collective.payload import max_frame_bytes
-from agora_node.compression import Codec
+from agora_node.protocol.codecs import Codec, from_name
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import outer_namespace
 
 log = logging.getLogger(__name__)
-
-_CODECS = {"fp32": Codec.FP32, "bf16": Codec.BF16, "int8": Codec.INT8, "int4": Codec.INT4}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,8 +85,8 @@ class OuterConfig:
     def __post_init__(self) -> None:
         for name in ("codec", "result_codec", "anchor_codec"):
             value = getattr(self, name)
-            if value is not None and value not in _CODECS:
-                raise ValueError(f"outer {name} must be one of {', '.join(_CODECS)}, not {value!r}")
+            if value is not None:
+                from_name(value, what=f"outer {name}")
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, **overrides: Any) -> OuterConfig:
@@ -102,9 +100,9 @@ class OuterConfig:
         return cls(**fields)
 
     def delta_format(self) -> WireFormat:
-        part = _CODECS[self.codec]
+        part = from_name(self.codec)
         default = Codec.INT8 if part.is_quantized else part
-        result = _CODECS[self.result_codec] if self.result_codec else default
+        result = from_name(self.result_codec) if self.result_codec else default
         return WireFormat(
             part=part,
             result=result,
@@ -115,7 +113,7 @@ class OuterConfig:
 
     def anchor_format(self) -> WireFormat:
         default = Codec.FP32 if self.codec == "fp32" else Codec.BF16
-        codec = _CODECS[self.anchor_codec] if self.anchor_codec else default
+        codec = from_name(self.anchor_codec) if self.anchor_codec else default
         return WireFormat(part=codec, result=codec, block=self.block, seed=self.rotation_seed)
 
 

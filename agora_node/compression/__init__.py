@@ -5,7 +5,7 @@ and bytes; imports only torch, numpy, zstandard, the standard library and the co
 """
 
 from agora_node.compression.activations import ActivationCodec, ActivationMode, bytes_per_token
-from agora_node.compression.errors import CodecError
+from agora_node.compression.errors import CodecError, NonFiniteError
 from agora_node.compression.framing import (
     decode_dict,
     decode_frame,
@@ -29,6 +29,7 @@ __all__ = [
     "Codec",
     "CodecError",
     "ErrorFeedback",
+    "NonFiniteError",
     "QuantizedTensor",
     "bytes_per_token",
     "decode_dict",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agora_node.compression.errors import CodecError
+from agora_node.compression.errors import CodecError, NonFiniteError
 from agora_node.compression.framing import decode_frame, encode_frame
 from agora_node.compression.quant import dequantize, quantize
 from agora_node.protocol.codecs import CodecName, from_name
@@ -83,7 +83,7 @@ class ActivationCodec:
             raise CodecError(f"dtype {q.dtype} != expected {expected_dtype}")
         y = dequantize(q)
         if not bool(torch.isfinite(y).all()):
-            raise CodecError("decoded activation is not finite")
+            raise NonFiniteError("decoded activation is not finite")
         return y
 
 

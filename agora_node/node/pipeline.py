@@ -40,7 +40,7 @@ from agora_node.comms.pipeline_wire import (
     error_response,
 )
 from agora_node.comms.routing import FailureKind, Router, RouterConfig
-from agora_node.compression import ActivationCodec, CodecError
+from agora_node.compression import ActivationCodec, CodecError, NonFiniteError
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import forward_protocol
@@ -198,7 +198,7 @@ class Pipeline:
         try:
             c_in = await self.worker.call(self.codec.decode, payload, shape)
         except CodecError as exc:
-            code = Code.NON_FINITE if "finite" in str(exc) else Code.BAD_PAYLOAD
+            code = Code.NON_FINITE if isinstance(exc, NonFiniteError) else Code.BAD_PAYLOAD
             raise WireError(code, str(exc)) from None
         return header, tokens, c_in
 
@@ -266,7 +266,8 @@ class Pipeline:
             self._count_bytes(peer, received=len(data))
             reply, grad_payload = decode_response(data)
         except (streams.StreamError, WireError) as exc:
-            kind = FailureKind.TIMEOUT if "sent nothing" in str(exc) else FailureKind.ERROR
+            silent = isinstance(exc, streams.SilentPeerError)
+            kind = FailureKind.TIMEOUT if silent else FailureKind.ERROR
             self._router.on_failure(peer, time.monotonic(), kind)
             log.info("stage %d replica %s failed: %s", header.stage, peer[-8:], exc)
             return None

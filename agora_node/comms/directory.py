@@ -57,7 +57,7 @@ class Directory:
             try:
                 record = verify_record(value, run_id=self.run_id, peer_id=str(subkey))
             except RecordError as exc:
-                self.rejected[str(exc).split(" ")[0]] += 1
+                self.rejected[exc.reason] += 1
                 log.debug("ignoring record under %s: %s", str(subkey)[-8:], exc)
                 continue
             if record.stage != stage:

@@ -43,11 +43,11 @@ from agora_node.comms.collective.harness import (  # noqa: E402
 )
 from agora_node.comms.collective.payload import max_frame_bytes  # noqa: E402
 from agora_node.compression import Codec  # noqa: E402
+from agora_node.protocol.codecs import from_name  # noqa: E402
 from agora_node.protocol.identity import Identity  # noqa: E402
 
 SCENARIOS = (("fp32", "fp32", False), ("int8", "int8", False), ("int4", "int4", False))
 KILLED = ("int8_one_killed", "int8", True)
-CODECS = {"fp32": Codec.FP32, "int8": Codec.INT8, "int4": Codec.INT4}
 
 
 # ---- a peer process --------------------------------------------------------------------
@@ -71,7 +71,7 @@ async def serve(args: argparse.Namespace) -> None:
     )
     while line := await stdin.readline():
         cmd = json.loads(line)
-        codec = CODECS[cmd["codec"]]
+        codec = from_name(cmd["codec"])
         fmt = WireFormat(
             part=codec,
             result=Codec.INT8 if codec.is_quantized else codec,

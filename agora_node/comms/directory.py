@@ -15,15 +15,8 @@ from collections import Counter
 from agora_node.comms.host import Host
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest, ManifestError, manifest_from_canonical
-from agora_node.protocol.records import (
-    NodeRecord,
-    NodeState,
-    RecordError,
-    manifest_key,
-    run_pointer_key,
-    stage_key,
-    verify_record,
-)
+from agora_node.protocol.names import manifest_key, run_pointer_key, stage_key
+from agora_node.protocol.records import NodeRecord, NodeState, RecordError, verify_record
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +57,7 @@ class Directory:
             try:
                 record = verify_record(value, run_id=self.run_id, peer_id=str(subkey))
             except RecordError as exc:
-                self.rejected[str(exc).split(" ")[0]] += 1
+                self.rejected[exc.reason] += 1
                 log.debug("ignoring record under %s: %s", str(subkey)[-8:], exc)
                 continue
             if record.stage != stage:

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from hivemind.p2p import P2P
 
 from agora_node.comms import streams
+from agora_node.protocol.names import state_protocol
 
 log = logging.getLogger(__name__)
 
@@ -25,10 +26,6 @@ MAX_STATE_BYTES = 16 << 30
 
 class StateTransferError(RuntimeError):
     pass
-
-
-def protocol_name(run_id: str) -> str:
-    return f"/agora/{run_id}/state/1"
 
 
 # Returns (header fields, serialized state) for the requested stage, or raises.
@@ -49,7 +46,7 @@ async def serve_state(p2p: P2P, run_id: str, provider: SnapshotProvider) -> None
         for offset in range(0, len(view), streams.CHUNK):
             yield bytes(view[offset : offset + streams.CHUNK])
 
-    await streams.serve(p2p, protocol_name(run_id), handler, max_request=4096)
+    await streams.serve(p2p, state_protocol(run_id), handler, max_request=4096)
 
 
 async def fetch_state(
@@ -66,7 +63,7 @@ async def fetch_state(
     frames = streams.request_stream(
         p2p,
         peer_id,
-        protocol_name(run_id),
+        state_protocol(run_id),
         request,
         timeout=timeout,
         max_response=streams.CHUNK + 4096,

@@ -30,6 +30,10 @@ class StreamError(ConnectionError):
     """The remote side failed, answered with an error, or broke the framing."""
 
 
+class SilentPeerError(StreamError):
+    """The stream was open but the remote peer sent nothing within the per-frame deadline."""
+
+
 async def write_frame(writer: asyncio.StreamWriter, kind: bytes, payload: bytes = b"") -> None:
     await linkemu.transmit(len(payload) + 1 + _LEN_BYTES)
     writer.write(kind + len(payload).to_bytes(_LEN_BYTES, "big"))
@@ -122,7 +126,7 @@ async def request_stream(
             try:
                 kind, data = await asyncio.wait_for(read_frame(reader, max_response), timeout)
             except TimeoutError as exc:
-                raise StreamError(f"{peer_id[-8:]} sent nothing for {timeout:.0f}s") from exc
+                raise SilentPeerError(f"{peer_id[-8:]} sent nothing for {timeout:.0f}s") from exc
             if kind == KIND_END:
                 return
             if kind == KIND_ERROR:

@@ -1,10 +1,11 @@
 """Codecs: Hadamard-rotated blockwise int8/int4 quantization with error feedback, strict
 zstd-framed wire format, and the stage-boundary activation codec. Pure functions on tensors
-and bytes; imports only torch, numpy, zstandard and the standard library.
+and bytes; imports only torch, numpy, zstandard, the standard library and the codec registry
+(agora_node.protocol.codecs, which defines `Codec`).
 """
 
 from agora_node.compression.activations import ActivationCodec, ActivationMode, bytes_per_token
-from agora_node.compression.errors import CodecError
+from agora_node.compression.errors import CodecError, NonFiniteError
 from agora_node.compression.framing import (
     decode_dict,
     decode_frame,
@@ -13,7 +14,6 @@ from agora_node.compression.framing import (
     encode_frame,
 )
 from agora_node.compression.quant import (
-    Codec,
     ErrorFeedback,
     QuantizedTensor,
     dequantize,
@@ -21,6 +21,7 @@ from agora_node.compression.quant import (
     quantize_with_fallback,
     relative_error,
 )
+from agora_node.protocol.codecs import Codec
 
 __all__ = [
     "ActivationCodec",
@@ -28,6 +29,7 @@ __all__ = [
     "Codec",
     "CodecError",
     "ErrorFeedback",
+    "NonFiniteError",
     "QuantizedTensor",
     "bytes_per_token",
     "decode_dict",

@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from agora_node.compression.errors import CodecError
+from agora_node.compression.errors import CodecError, NonFiniteError
 from agora_node.compression.framing import decode_frame, encode_frame
-from agora_node.compression.quant import Codec, dequantize, quantize
+from agora_node.compression.quant import dequantize, quantize
+from agora_node.protocol.codecs import CodecName, from_name
 
-ActivationMode = Literal["fp32", "bf16", "int8", "int4"]
-MODES: tuple[ActivationMode, ...] = ("fp32", "bf16", "int8", "int4")
-_CODECS = {"fp32": Codec.FP32, "bf16": Codec.BF16, "int8": Codec.INT8, "int4": Codec.INT4}
+ActivationMode = CodecName  # every codec of the registry can carry activations
 _INT4_BLOCK = 32
 # Largest header (ndim 3) plus slack; used to derive a frame-size limit from the shape.
 _FRAME_OVERHEAD = 128
@@ -43,8 +41,7 @@ class ActivationCodec:
     """Values per scale for int modes; None: k for int8, 32 (or k) for int4."""
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"activation mode must be one of {MODES}, got {self.mode!r}")
+        from_name(self.mode, what="activation mode")
         if self.block is not None and self.block < 1:
             raise ValueError(f"block must be >= 1, got {self.block}")
 
@@ -60,7 +57,7 @@ class ActivationCodec:
         """Frame x ([batch, seq, k], finite) in this codec's mode."""
         if x.dim() != 3:
             raise ValueError(f"expected [batch, seq, k], got shape {tuple(x.shape)}")
-        codec = _CODECS[self.mode]
+        codec = from_name(self.mode)
         if codec.is_quantized:
             q = quantize(x, codec, block=self.block_for(x.shape[-1]), scale_dtype=torch.bfloat16)
         else:
@@ -86,7 +83,7 @@ class ActivationCodec:
             raise CodecError(f"dtype {q.dtype} != expected {expected_dtype}")
         y = dequantize(q)
         if not bool(torch.isfinite(y).all()):
-            raise CodecError("decoded activation is not finite")
+            raise NonFiniteError("decoded activation is not finite")
         return y
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import zstandard
 
-from agora_node.compression.errors import CodecError
+from agora_node.compression.errors import CodecError, NonFiniteError
 from agora_node.compression.quant import Codec, QuantizedTensor, dequantize
 
 VERSION = 1
@@ -294,7 +294,8 @@ def _build(
     else:
         scales = _array(raw, "<f4", nblocks, 0)
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
-        raise CodecError("scales must be finite and non-negative")
+        # One kind for both: peers have always answered a negative scale as non_finite too.
+        raise NonFiniteError("scales must be finite and non-negative")
     offset = nblocks * scale_width
     count = len(raw) - offset
     data = _array(raw, "<i1" if codec is Codec.INT8 else "<u1", count, offset)
@@ -356,5 +357,5 @@ def _check_len(n: int, max_bytes: int) -> None:
 def _finite(t: torch.Tensor, name: str | None = None) -> torch.Tensor:
     if not bool(torch.isfinite(t).all()):
         where = f" in {name!r}" if name else ""
-        raise CodecError(f"decoded values{where} are not all finite")
+        raise NonFiniteError(f"decoded values{where} are not all finite")
     return t

@@ -20,33 +20,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import IntEnum
 
 import torch
 
-from agora_node.compression.errors import CodecError
+from agora_node.compression.errors import CodecError, NonFiniteError
 from agora_node.compression.hadamard import is_power_of_two, rotate, unrotate
+from agora_node.protocol.codecs import Codec
 
 DEFAULT_BLOCK = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SCALE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-class Codec(IntEnum):
-    """How a tensor's values are stored; the integer is the wire id."""
-
-    FP32 = 1
-    BF16 = 2
-    INT8 = 3
-    INT4 = 4
-
-    @property
-    def qmax(self) -> int:
-        return {Codec.INT8: 127, Codec.INT4: 7}[self]
-
-    @property
-    def is_quantized(self) -> bool:
-        return self in (Codec.INT8, Codec.INT4)
 
 
 # Relative L2 error above which `quantize_with_fallback` re-encodes at higher precision. Typical
@@ -101,7 +84,7 @@ def quantize(
         blocks = rotate(blocks, seed)
     scales = _block_scales(blocks, codec.qmax, scale_dtype)
     if not bool(torch.isfinite(scales).all()):
-        raise CodecError("values too large for a finite scale after rotation")
+        raise NonFiniteError("values too large for a finite scale after rotation")
     # Divide (not multiply by 1/s): 1/s overflows for subnormal scales. All-zero blocks: s = 0.
     divisor = torch.where(scales > 0, scales.float(), torch.ones_like(scales, dtype=torch.float32))
     q = torch.round(blocks / divisor[:, None]).clamp_(-codec.qmax, codec.qmax).to(torch.int8)
@@ -230,7 +213,7 @@ def _check_input(x: torch.Tensor) -> None:
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"unsupported dtype {x.dtype}; expected one of {SUPPORTED_DTYPES}")
     if not bool(torch.isfinite(x).all()):
-        raise CodecError("cannot encode a tensor with NaN or infinite values")
+        raise NonFiniteError("cannot encode a tensor with NaN or infinite values")
 
 
 def _check_block(block: int, seed: int | None, scale_dtype: torch.dtype) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, UsageError
+from agora_node.protocol.codecs import CODEC_NAMES, UnknownCodecError
 from agora_node.protocol.manifest import load_manifest
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,11 @@ JOIN_OPTIONS: dict[str, tuple[Any, type, str]] = {
     ),
     "checkpoint_every": (300.0, float, "seconds between checkpoints"),
     "eval_every": (60.0, float, "seconds between validation losses (stage 0)"),
-    "activation_codec": ("bf16", str, "boundary activations on the wire: fp32, bf16, int8, int4"),
+    "activation_codec": (
+        "bf16",
+        str,
+        f"boundary activations on the wire: {', '.join(CODEC_NAMES)}",
+    ),
     "max_tokens": (
         0,
         int,
@@ -127,9 +132,9 @@ def _node_config(opts: dict[str, Any]):  # noqa: ANN202
 
     if opts["stage"] != "auto" and not str(opts["stage"]).isdigit():
         raise UsageError(f"--stage must be 'auto' or a stage number, not {opts['stage']!r}")
-    if opts["activation_codec"] not in ("fp32", "bf16", "int8", "int4"):
+    if opts["activation_codec"] not in CODEC_NAMES:
         raise UsageError(
-            f"--activation-codec must be fp32, bf16, int8 or int4, not {opts['activation_codec']!r}"
+            str(UnknownCodecError(opts["activation_codec"], what="--activation-codec"))
         )
     data_dir = Path(opts["data_dir"]).expanduser()
     return NodeConfig(

@@ -13,6 +13,7 @@ from agora_node.comms.host import Host
 from agora_node.comms.membership.messages import MemberMeta, Status
 from agora_node.comms.membership.p2p import MembershipService
 from agora_node.protocol.identity import Identity
+from agora_node.protocol.names import swim_namespace
 
 
 class Liveness:
@@ -24,7 +25,7 @@ class Liveness:
         self, host: Host, identity: Identity, run_id: str, seeds: list[str], meta: MemberMeta
     ) -> None:
         self.service = MembershipService(
-            host.p2p, identity, seeds=seeds, meta=meta, namespace=f"agora/{run_id}/swim"
+            host.p2p, identity, seeds=seeds, meta=meta, namespace=swim_namespace(run_id)
         )
         await self.service.start()
 

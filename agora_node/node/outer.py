@@ -58,13 +58,12 @@ from agora_node.comms.collective import (
     WireFormat,
 )
 from agora_node.comms.collective.payload import max_frame_bytes
-from agora_node.compression import Codec
+from agora_node.protocol.codecs import Codec, from_name
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
+from agora_node.protocol.names import outer_namespace
 
 log = logging.getLogger(__name__)
-
-_CODECS = {"fp32": Codec.FP32, "bf16": Codec.BF16, "int8": Codec.INT8, "int4": Codec.INT4}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,8 +90,8 @@ class OuterConfig:
     def __post_init__(self) -> None:
         for name in ("codec", "result_codec", "anchor_codec"):
             value = getattr(self, name)
-            if value is not None and value not in _CODECS:
-                raise ValueError(f"outer {name} must be one of {', '.join(_CODECS)}, not {value!r}")
+            if value is not None:
+                from_name(value, what=f"outer {name}")
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, **overrides: Any) -> OuterConfig:
@@ -106,9 +105,9 @@ class OuterConfig:
         return cls(**fields)
 
     def delta_format(self) -> WireFormat:
-        part = _CODECS[self.codec]
+        part = from_name(self.codec)
         default = Codec.INT8 if part.is_quantized else part
-        result = _CODECS[self.result_codec] if self.result_codec else default
+        result = from_name(self.result_codec) if self.result_codec else default
         return WireFormat(
             part=part,
             result=result,
@@ -119,7 +118,7 @@ class OuterConfig:
 
     def anchor_format(self) -> WireFormat:
         default = Codec.FP32 if self.codec == "fp32" else Codec.BF16
-        codec = _CODECS[self.anchor_codec] if self.anchor_codec else default
+        codec = from_name(self.anchor_codec) if self.anchor_codec else default
         return WireFormat(part=codec, result=codec, block=self.block, seed=self.rotation_seed)
 
 
@@ -280,7 +279,7 @@ class OuterLoop:
         self.identity, self.me = identity, identity.peer_id
         self.run_id, self.stage, self.config = run_id, stage, config
         self.book, self.transport = book, transport
-        self.namespace = f"agora/{run_id}/outer/{stage}"
+        self.namespace = outer_namespace(run_id, stage)
         self.matchmaker = Matchmaker(
             board, identity, run_id=run_id, stage=stage, config=config.matchmaking
         )
@@ -318,7 +317,7 @@ class OuterLoop:
         config = config or OuterConfig.from_manifest(manifest)
         limit = max_frame_bytes(sum(p.numel() for p in module.parameters()))
         book = RoundBook(identity.peer_id)
-        namespace = f"agora/{manifest.run_id}/outer/{stage}"
+        namespace = outer_namespace(manifest.run_id, stage)
         servicer = CollectiveServicer(Responder(book), limit)
         await servicer.add_p2p_handlers(p2p, namespace=namespace)
         transport = P2PTransport(p2p, namespace=namespace, max_frame_bytes=limit)

@@ -40,16 +40,13 @@ from agora_node.comms.pipeline_wire import (
     error_response,
 )
 from agora_node.comms.routing import FailureKind, Router, RouterConfig
-from agora_node.compression import ActivationCodec, CodecError
+from agora_node.compression import ActivationCodec, CodecError, NonFiniteError
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.manifest import Manifest
+from agora_node.protocol.names import forward_protocol
 from agora_node.stages.data import TokenWindows
 
 log = logging.getLogger(__name__)
-
-
-def protocol_name(run_id: str) -> str:
-    return f"/agora/{run_id}/forward/1"
 
 
 def max_request_bytes(manifest: Manifest) -> int:
@@ -198,7 +195,7 @@ class Pipeline:
         try:
             c_in = await self.worker.call(self.codec.decode, payload, shape)
         except CodecError as exc:
-            code = Code.NON_FINITE if "finite" in str(exc) else Code.BAD_PAYLOAD
+            code = Code.NON_FINITE if isinstance(exc, NonFiniteError) else Code.BAD_PAYLOAD
             raise WireError(code, str(exc)) from None
         return header, tokens, c_in
 
@@ -259,14 +256,15 @@ class Pipeline:
             data = await streams.request(
                 self.p2p,
                 peer,
-                protocol_name(self.manifest.run_id),
+                forward_protocol(self.manifest.run_id),
                 payload,
                 timeout=self.config.hop_timeout_s,
             )
             self._count_bytes(peer, received=len(data))
             reply, grad_payload = decode_response(data)
         except (streams.StreamError, WireError) as exc:
-            kind = FailureKind.TIMEOUT if "sent nothing" in str(exc) else FailureKind.ERROR
+            silent = isinstance(exc, streams.SilentPeerError)
+            kind = FailureKind.TIMEOUT if silent else FailureKind.ERROR
             self._router.on_failure(peer, time.monotonic(), kind)
             log.info("stage %d replica %s failed: %s", header.stage, peer[-8:], exc)
             return None

@@ -34,13 +34,13 @@ from agora_node.node.pipeline import (
     PipelineStats,
     Sampler,
     max_request_bytes,
-    protocol_name,
 )
 from agora_node.node.rounds import OuterRounds
 from agora_node.node.status_server import History
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
+from agora_node.protocol.names import forward_protocol
 from agora_node.protocol.records import NodeRecord, NodeState
 from agora_node.stages.data import TokenWindows
 
@@ -274,6 +274,6 @@ async def serve_endpoints(
 
     run_id = manifest.run_id
     await streams.serve(
-        host.p2p, protocol_name(run_id), forward, max_request=max_request_bytes(manifest)
+        host.p2p, forward_protocol(run_id), forward, max_request=max_request_bytes(manifest)
     )
     await state_transfer.serve_state(host.p2p, run_id, state)

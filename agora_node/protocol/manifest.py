@@ -18,6 +18,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from agora_node.protocol.codecs import CODEC_NAMES
+
 MANIFEST_VERSION = 1
 BUILTIN_MANIFESTS = ("tiny", "bench", "gpu-1b")
 BUILTIN_DATA_PREFIX = "builtin:"
@@ -25,7 +27,6 @@ BUILTIN_CORPORA = ("tinyshakespeare",)
 OPTIMIZERS = ("adamw", "muon")
 TOKENIZERS = ("bytes",)  # or a path ending in .json (HF tokenizers)
 DATA_FORMATS = ("text", "jsonl")
-CODECS = ("fp32", "bf16", "int8", "int4")
 
 
 class ManifestError(ValueError):
@@ -165,8 +166,8 @@ class OuterSpec:
             _fail("outer.momentum", self.momentum, "must be in [0, 1)")
         if self.group_size < 0:
             _fail("outer.group_size", self.group_size, "must be >= 0 (0 = everyone)")
-        if self.codec not in CODECS:
-            _fail("outer.codec", self.codec, f"must be one of {', '.join(CODECS)}")
+        if self.codec not in CODEC_NAMES:
+            _fail("outer.codec", self.codec, f"must be one of {', '.join(CODEC_NAMES)}")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -1,4 +1,4 @@
-"""Signed node records and the DHT key names of a run.
+"""Signed node records: what a node asserts about itself in the stage directory.
 
 A `NodeRecord` is what a node asserts about itself in the stage directory. It is
 signed over its canonical encoding (sorted-key compact JSON) with the key its
@@ -29,20 +29,16 @@ class NodeState(StrEnum):
 
 
 class RecordError(ValueError):
-    """A record that must be ignored (bad signature, wrong run, malformed)."""
+    """A record that must be ignored (bad signature, wrong run, malformed).
 
+    `reason` is its label in the status page and metrics (records_rejected). The labels
+    are the first word of each message, as they were when readers derived them from it;
+    kept so that dashboards and status consumers see the same keys.
+    """
 
-def stage_key(run_id: str, stage: int) -> str:
-    return f"agora/{run_id}/stage/{stage}"
-
-
-def manifest_key(run_id: str) -> str:
-    return f"agora/{run_id}/manifest"
-
-
-def run_pointer_key() -> str:
-    """Where a bootstrap advertises which run it serves (lets a joiner skip --manifest)."""
-    return "agora/current-run"
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(kw_only=True)
@@ -93,18 +89,18 @@ def _from_body(body: dict[str, Any]) -> NodeRecord:
             continue
         expected = _TYPES[_KNOWN[key].type]
         if isinstance(value, bool) or not isinstance(value, expected):
-            raise RecordError(f"field {key} has type {type(value).__name__}")
+            raise RecordError("field", f"field {key} has type {type(value).__name__}")
         known[key] = value
     for key in ("run_id", "peer_id", "stage"):
         if key not in known:
-            raise RecordError(f"missing field {key}")
+            raise RecordError("missing", f"missing field {key}")
     if (
         not all(isinstance(a, str) for a in known.get("addrs", []))
         or len(known.get("addrs", [])) > MAX_ADDRS
     ):
-        raise RecordError("bad addrs")
+        raise RecordError("bad", "bad addrs")
     if known.get("state", NodeState.JOINING.value) not in set(NodeState):
-        raise RecordError(f"unknown state {known['state']!r}")
+        raise RecordError("unknown", f"unknown state {known['state']!r}")
     return NodeRecord(**known, extra=extra)
 
 
@@ -115,21 +111,21 @@ def verify_record(value: Any, *, run_id: str, peer_id: str | None = None) -> Nod
         or not isinstance(value.get("r"), bytes)
         or not isinstance(value.get("s"), bytes)
     ):
-        raise RecordError("not a signed record")
+        raise RecordError("not", "not a signed record")
     data = value["r"]
     if len(data) > MAX_RECORD_BYTES:
-        raise RecordError("oversized record")
+        raise RecordError("oversized", "oversized record")
     try:
         body = json.loads(data)
     except (ValueError, UnicodeDecodeError):
-        raise RecordError("record is not JSON") from None
+        raise RecordError("record", "record is not JSON") from None
     if not isinstance(body, dict):
-        raise RecordError("record is not an object")
+        raise RecordError("record", "record is not an object")
     record = _from_body(body)
     if peer_id is not None and record.peer_id != peer_id:
-        raise RecordError("record stored under another peer's subkey")
+        raise RecordError("record", "record stored under another peer's subkey")
     if not verify(record.peer_id, data, value["s"]):
-        raise RecordError("signature does not verify")
+        raise RecordError("signature", "signature does not verify")
     if record.run_id != run_id:
-        raise RecordError(f"record is for run {record.run_id}, not {run_id}")
+        raise RecordError("record", f"record is for run {record.run_id}, not {run_id}")
     return record

@@ -9,8 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agora_node.compression import ActivationCodec, CodecError, bytes_per_token, relative_error
-from agora_node.compression.activations import MODES
+from agora_node.compression import (
+    ActivationCodec,
+    Codec,
+    CodecError,
+    NonFiniteError,
+    QuantizedTensor,
+    bytes_per_token,
+    encode_frame,
+    relative_error,
+)
+from agora_node.protocol.codecs import CODEC_NAMES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -86,8 +95,22 @@ def test_wrong_shape_garbage_and_oversize_are_rejected() -> None:
 def test_non_finite_input_is_refused_at_the_sender() -> None:
     x = activation()
     x[0, 0, 0] = float("nan")
-    with pytest.raises(CodecError):
+    with pytest.raises(NonFiniteError):
         ActivationCodec().encode(x)
+
+
+def test_non_finite_payload_has_its_own_kind() -> None:
+    # The stage answers NonFiniteError with the non_finite wire code, other CodecErrors
+    # with bad_payload (node/pipeline.py), so the kind must not depend on the message.
+    x = activation((1, 2, 4))
+    x[0, 1, 2] = float("inf")
+    flat = x.reshape(-1)
+    frame = encode_frame(QuantizedTensor(Codec.FP32, tuple(x.shape), torch.float32, flat))
+    with pytest.raises(NonFiniteError):
+        ActivationCodec().decode(frame, (1, 2, 4))
+    with pytest.raises(CodecError) as garbage:
+        ActivationCodec().decode(b"\0" * 100, (1, 2, 4))
+    assert not isinstance(garbage.value, NonFiniteError)
 
 
 def test_invalid_configuration() -> None:
@@ -99,7 +122,7 @@ def test_invalid_configuration() -> None:
 
 def test_bytes_per_token_is_measured_and_ordered() -> None:
     k = 32
-    sizes = {mode: bytes_per_token(mode, k) for mode in MODES}
+    sizes = {mode: bytes_per_token(mode, k) for mode in CODEC_NAMES}
     assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["int4"]
     # Values plus one bf16 scale per block, plus a header shared by 1024 tokens.
     for mode, expected in {"fp32": 4 * k, "bf16": 2 * k, "int8": k + 2, "int4": k / 2 + 2}.items():

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from agora_node.compression import (
     Codec,
     CodecError,
+    NonFiniteError,
     QuantizedTensor,
     decode_dict,
     decode_frame,
@@ -192,7 +193,8 @@ def forged(
     ids=["nan", "inf-bf16", "nan-scale", "negative-scale", "overflow", "overflow-fp16"],
 )
 def test_non_finite_payloads_are_rejected(frame: bytes) -> None:
-    with pytest.raises(CodecError, match="finite"):
+    # Its own kind: a peer answers it with the non_finite wire code, not bad_payload.
+    with pytest.raises(NonFiniteError, match="finite"):
         decode_tensor(frame)
 
 

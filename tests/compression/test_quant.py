@@ -12,6 +12,7 @@ import torch
 from agora_node.compression import (
     Codec,
     CodecError,
+    NonFiniteError,
     QuantizedTensor,
     dequantize,
     quantize,
@@ -140,9 +141,9 @@ def test_extreme_magnitudes(codec: Codec) -> None:
 def test_non_finite_input_is_refused(bad: float) -> None:
     x = gaussian(100)
     x[3] = bad
-    with pytest.raises(CodecError, match="NaN or infinite"):
+    with pytest.raises(NonFiniteError, match="NaN or infinite"):
         quantize(x, Codec.INT8)
-    with pytest.raises(CodecError, match="NaN or infinite"):
+    with pytest.raises(NonFiniteError, match="NaN or infinite"):
         quantize_with_fallback(x, Codec.INT4)
 
 

@@ -139,7 +139,8 @@ def test_forged_records_are_ignored_by_every_node(swarm):
     from hivemind.utils import get_dht_time
 
     from agora_node.protocol.identity import Identity
-    from agora_node.protocol.records import NodeRecord, stage_key
+    from agora_node.protocol.names import stage_key
+    from agora_node.protocol.records import NodeRecord
 
     swarm.bootstrap("tiny")
     nodes = [swarm.join(f"node-{i}", "--stage", str(i)) for i in range(2)]

@@ -73,15 +73,15 @@ def test_killing_a_middle_replica_mid_training_loses_only_in_flight_work(swarm):
 async def _send_raw(initial_peers, target: str, payloads: list[bytes], key_path) -> list[bytes]:
     from agora_node.comms import streams
     from agora_node.comms.host import Host, HostConfig
-    from agora_node.node.pipeline import protocol_name
     from agora_node.protocol.identity import Identity
+    from agora_node.protocol.names import forward_protocol
 
     Identity.load_or_create(key_path)
     host = await Host.start(HostConfig(identity_path=str(key_path), initial_peers=initial_peers))
     try:
         run_id = load_manifest("tiny").run_id
         return [
-            await streams.request(host.p2p, target, protocol_name(run_id), p, timeout=30)
+            await streams.request(host.p2p, target, forward_protocol(run_id), p, timeout=30)
             for p in payloads
         ]
     finally:

@@ -13,10 +13,13 @@ from agora_node.comms.collective import (
     LocalNetwork,
     LocalTransport,
     PartEncoder,
+    Responder,
+    RoundBook,
     WireFormat,
 )
 from agora_node.comms.collective.plan import span_bounds
-from agora_node.comms.collective.wire import Header, Reply
+from agora_node.comms.collective.state import UnknownRoundError
+from agora_node.comms.collective.wire import Code, Header, Reply
 from agora_node.compression import Codec, QuantizedTensor, encode_frame
 from tests.outer.helpers import LOCAL, all_equal, peers, random_values, run_group
 
@@ -241,3 +244,15 @@ async def test_late_member_adopts_the_groups_result() -> None:
     late = await run_group(values, network=network, skip={"peer0", "peer1"}, deadlines=quick)
     assert torch.equal(late["peer2"].value, early["peer0"].value)
     assert late["peer2"].consistent
+
+
+async def test_a_query_about_an_unregistered_round_is_answered_with_a_promise() -> None:
+    # The responder tells "unknown round" from other refusals by its type, not its text.
+    book = RoundBook("peer0")
+    with pytest.raises(UnknownRoundError):
+        await book.lookup(7, "delta", b"g", wait=0)
+    header = Header(round=7, phase="delta", group_id=b"g", span=1, attempt=2)
+    assert (await Responder(book).on_query("peer1", header)).code is Code.NOTHING
+    assert book.pending[(7, "delta", b"g")] == {1: 2}
+    pushed = await Responder(book).on_push("peer1", header, b"")
+    assert (pushed.code, pushed.reason) == (Code.REJECTED, "unknown round")

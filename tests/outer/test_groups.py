@@ -6,15 +6,10 @@ import json
 
 import pytest
 
-from agora_node.comms.collective import (
-    Matchmaker,
-    MatchmakingConfig,
-    MemoryBoard,
-    RoundEntry,
-    outer_round_key,
-)
+from agora_node.comms.collective import Matchmaker, MatchmakingConfig, MemoryBoard, RoundEntry
 from agora_node.comms.collective.groups import EntryError, close_view
 from agora_node.protocol.identity import Identity
+from agora_node.protocol.names import outer_round_key
 
 pytestmark = pytest.mark.timeout(60)
 QUICK = MatchmakingConfig(window=0.3, settle=0.1, poll_interval=0.02)

@@ -12,7 +12,6 @@ from agora_node.comms.collective.groups import (
     MemoryBoard,
     RoundEntry,
     RoundView,
-    outer_round_key,
 )
 from agora_node.comms.collective.handlers import Responder
 from agora_node.comms.collective.local import LocalNetwork, LocalTransport
@@ -42,7 +41,6 @@ __all__ = [
     "RoundView",
     "WireFormat",
     "aggregate",
-    "outer_round_key",
     "partition",
     "plain_format",
 ]

@@ -31,13 +31,10 @@ from typing import Any, Protocol
 
 from agora_node.comms.collective.plan import group_of, partition, round_seed
 from agora_node.protocol.identity import Identity, verify
+from agora_node.protocol.names import outer_round_key
 
 log = logging.getLogger(__name__)
 MAX_ENTRY_BYTES = 1024
-
-
-def outer_round_key(run_id: str, stage: int, round_no: int) -> str:
-    return f"agora/{run_id}/outer/{stage}/{round_no}"
 
 
 class EntryError(ValueError):

@@ -14,7 +14,12 @@ import asyncio
 import math
 
 from agora_node.comms.collective.payload import decode_span
-from agora_node.comms.collective.state import Contribution, RoundBook, RoundState
+from agora_node.comms.collective.state import (
+    Contribution,
+    RoundBook,
+    RoundState,
+    UnknownRoundError,
+)
 from agora_node.comms.collective.wire import Code, Header, Reply, rejected
 from agora_node.compression import CodecError
 
@@ -85,13 +90,13 @@ class Responder:
     async def on_query(self, sender: str, header: Header) -> Reply:
         try:
             state = await self._state(sender, header)
+        except UnknownRoundError:
+            # answer as if registered: promise, so a late registration cannot reduce
+            self.book.promise_unregistered(
+                header.round, header.phase, header.group_id, header.span, header.attempt
+            )
+            return Reply(Code.NOTHING)
         except LookupError as exc:
-            if str(exc) == "unknown round":
-                # answer as if registered: promise, so a late registration cannot reduce
-                self.book.promise_unregistered(
-                    header.round, header.phase, header.group_id, header.span, header.attempt
-                )
-                return Reply(Code.NOTHING)
             return rejected(str(exc))
         span = header.span
         if header.attempt < 1 or sender != state.plan.owner(span, header.attempt):

@@ -31,6 +31,10 @@ from agora_node.comms.collective.plan import GroupPlan
 LINGER_ROUNDS = 2  # a state is dropped this many rounds after its own
 
 
+class UnknownRoundError(LookupError):
+    """A message about a round and phase this member has not registered (yet)."""
+
+
 class Signal:
     """Broadcast 'something changed' to coroutines waiting on a predicate."""
 
@@ -197,14 +201,15 @@ class RoundBook:
     async def lookup(self, round_no: int, phase: str, group_id: bytes, wait: float) -> RoundState:
         """The state a message is about, waiting up to `wait` s for it to be registered.
 
-        Raises LookupError with a short reason (the caller answers REJECTED).
+        Raises LookupError with a short reason (the caller answers REJECTED), UnknownRoundError
+        when nothing is registered for the round and phase.
         """
         key = (round_no, phase)
         await self.registered.wait_for(lambda: key in self.states, wait)
         state = self.states.get(key)
         if state is None:
             self.unknown_rejections["unknown round"] += 1
-            raise LookupError("unknown round")
+            raise UnknownRoundError("unknown round")
         if state.plan.group_id != group_id:
             state.stats.reject("group mismatch")
             raise LookupError("group mismatch")

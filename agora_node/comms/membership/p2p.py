@@ -28,10 +28,9 @@ from agora_node.comms.membership.settings import MembershipSettings
 from agora_node.comms.membership.signing import Ed25519Verifier
 from agora_node.comms.membership.swim import Membership, MemberView
 from agora_node.protocol.identity import Identity
+from agora_node.protocol.names import STANDALONE_SWIM_NAMESPACE
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_NAMESPACE = "agora-membership"
 
 
 class MembershipServicer(ServicerBase):
@@ -67,7 +66,7 @@ class MembershipService:
         seeds: Iterable[str] = (),
         settings: MembershipSettings | None = None,
         meta: MemberMeta | None = None,
-        namespace: str = DEFAULT_NAMESPACE,
+        namespace: str = STANDALONE_SWIM_NAMESPACE,
         send_timeout_s: float | None = None,
         max_in_flight: int = 256,
         admit: Callable[[str], bool] | None = None,

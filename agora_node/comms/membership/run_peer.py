@@ -25,13 +25,13 @@ from hivemind.p2p import P2P, PeerID
 from agora_node.comms.membership import messages as wire
 from agora_node.comms.membership.messages import MemberMeta, MsgKind
 from agora_node.comms.membership.p2p import (
-    DEFAULT_NAMESPACE,
     MembershipService,
     MembershipServicer,
 )
 from agora_node.comms.membership.settings import MembershipSettings
 from agora_node.comms.membership.swim import MemberView
 from agora_node.protocol.identity import Identity
+from agora_node.protocol.names import STANDALONE_SWIM_NAMESPACE
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,7 +72,9 @@ async def send_forged(p2p: P2P, service: MembershipService, to: str) -> None:
     stranger = Identity.generate()
     unsigned = wire.encode_envelope(MsgKind.PING, 2**62, wire.probe_body(1), [])
     data = unsigned + stranger.sign(wire.envelope_signing_input(service.peer_id, to, unsigned))
-    stub = MembershipServicer.get_stub(p2p, PeerID.from_base58(to), namespace=DEFAULT_NAMESPACE)
+    stub = MembershipServicer.get_stub(
+        p2p, PeerID.from_base58(to), namespace=STANDALONE_SWIM_NAMESPACE
+    )
     await stub.rpc_gossip(BytesValue(value=data), timeout=5)
 
 

@@ -1,0 +1,59 @@
+"""Every DHT key and libp2p name of a run, in one place.
+
+These strings are the wire: a peer that spells one differently does not find, or
+is not found by, the others. So each is defined here once, every module imports it,
+and tests/foundation/test_names.py pins the exact spellings; changing one is a
+protocol change. The run id prefixes everything run-scoped, so peers of different
+runs or manifest versions never meet under the same key or protocol.
+"""
+
+from __future__ import annotations
+
+# ---- DHT keys --------------------------------------------------------------------------
+
+
+def stage_key(run_id: str, stage: int) -> str:
+    """Stage directory: one signed NodeRecord per replica of `stage` (subkey: its peer id)."""
+    return f"agora/{run_id}/stage/{stage}"
+
+
+def manifest_key(run_id: str) -> str:
+    """The run's manifest, canonical bytes."""
+    return f"agora/{run_id}/manifest"
+
+
+def run_pointer_key() -> str:
+    """Where a bootstrap advertises which run it serves (lets a joiner skip --manifest)."""
+    return "agora/current-run"
+
+
+def outer_round_key(run_id: str, stage: int, round_no: int) -> str:
+    """Entries of the replicas of `stage` that take part in outer round `round_no`."""
+    return f"agora/{run_id}/outer/{stage}/{round_no}"
+
+
+# ---- libp2p handler namespaces and stream protocols -------------------------------------
+
+
+def outer_namespace(run_id: str, stage: int) -> str:
+    """Namespace of the collective RPCs among the replicas of `stage`."""
+    return f"agora/{run_id}/outer/{stage}"
+
+
+def swim_namespace(run_id: str) -> str:
+    """Namespace of the SWIM membership RPCs of a run."""
+    return f"agora/{run_id}/swim"
+
+
+STANDALONE_SWIM_NAMESPACE = "agora-membership"
+"""SWIM namespace of a membership peer run outside any run (membership/run_peer.py)."""
+
+
+def forward_protocol(run_id: str) -> str:
+    """Stream protocol for micro-batches between pipeline stages."""
+    return f"/agora/{run_id}/forward/1"
+
+
+def state_protocol(run_id: str) -> str:
+    """Stream protocol for a stage's state, fetched from a live replica on join."""
+    return f"/agora/{run_id}/state/1"

@@ -1,0 +1,52 @@
+"""The codec registry: names, wire ids, lookup by name, and everyone using the same list."""
+
+import dataclasses
+
+import pytest
+
+from agora_node.protocol.codecs import CODEC_NAMES, Codec, UnknownCodecError, from_name
+from agora_node.protocol.manifest import ManifestError, OuterSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_names_and_wire_ids_are_pinned():
+    # Wire ids are in every frame; names are in manifests (hence run ids) and flags.
+    assert CODEC_NAMES == ("fp32", "bf16", "int8", "int4")
+    assert {c.label: int(c) for c in Codec} == {"fp32": 1, "bf16": 2, "int8": 3, "int4": 4}
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_from_name_round_trips(name: str):
+    assert from_name(name).label == name
+
+
+def test_every_codec_has_a_name():
+    assert {from_name(n) for n in CODEC_NAMES} == set(Codec)
+
+
+@pytest.mark.parametrize("bad", ["int2", "INT8", "", None, ["int8"]])
+def test_from_name_rejects_with_the_valid_list(bad):
+    with pytest.raises(UnknownCodecError) as info:
+        from_name(bad)
+    assert isinstance(info.value, ValueError)
+    assert info.value.name == bad
+    assert "fp32, bf16, int8, int4" in str(info.value)
+    with pytest.raises(UnknownCodecError, match=r"^--activation-codec must be one of"):
+        from_name(bad, what="--activation-codec")
+
+
+def test_every_consumer_takes_the_registry_names():
+    from agora_node.compression import ActivationCodec
+    from agora_node.node.outer import OuterConfig
+
+    for name in CODEC_NAMES:
+        assert ActivationCodec(mode=name).mode == name
+        assert OuterConfig(codec=name, anchor_codec=name).delta_format().part is from_name(name)
+        assert dataclasses.replace(OuterSpec(), codec=name).codec == name
+    with pytest.raises(ValueError, match="activation mode must be one of fp32"):
+        ActivationCodec(mode="int2")
+    with pytest.raises(ValueError, match="outer anchor_codec must be one of fp32"):
+        OuterConfig(anchor_codec="int2")
+    with pytest.raises(ManifestError, match="outer.codec.*must be one of fp32, bf16, int8, int4"):
+        OuterSpec(codec="int2")

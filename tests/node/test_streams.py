@@ -1,0 +1,70 @@
+"""Raw-stream request/response: how a failed call is classified (by type, never by text)."""
+
+import asyncio
+
+import pytest
+
+from agora_node.comms import streams
+from agora_node.protocol.identity import Identity
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Writer:
+    def write(self, data: bytes) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _P2P:
+    """Opens every stream onto `reader`, as if the remote peer wrote there."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.reader = reader
+
+    async def call_binary_stream_handler(self, peer_id, name):  # noqa: ANN001, ANN201
+        return None, self.reader, _Writer()
+
+
+def _frame(kind: bytes, payload: bytes = b"") -> bytes:
+    return kind + len(payload).to_bytes(8, "big") + payload
+
+
+async def _call(reader: asyncio.StreamReader) -> bytes:
+    peer = Identity.generate().peer_id
+    return await streams.request(_P2P(reader), peer, "/test/1", b"ping", timeout=0.05)
+
+
+async def test_a_peer_that_sends_nothing_is_silent() -> None:
+    with pytest.raises(streams.SilentPeerError, match="sent nothing"):
+        await _call(asyncio.StreamReader())
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        # the remote failed, even if its message happens to read like a timeout
+        _frame(streams.KIND_ERROR, b"RuntimeError: upstream sent nothing for 5s"),
+        b"",  # closed without a frame
+        _frame(b"?"),  # broken framing
+    ],
+    ids=["error-frame", "closed", "bad-kind"],
+)
+async def test_other_failures_are_not_silence(sent: bytes) -> None:
+    reader = asyncio.StreamReader()
+    reader.feed_data(sent)
+    reader.feed_eof()
+    with pytest.raises(streams.StreamError) as info:
+        await _call(reader)
+    assert not isinstance(info.value, streams.SilentPeerError)
+
+
+async def test_one_response_frame_is_returned() -> None:
+    reader = asyncio.StreamReader()
+    reader.feed_data(_frame(streams.KIND_DATA, b"pong") + _frame(streams.KIND_END))
+    assert await _call(reader) == b"pong"

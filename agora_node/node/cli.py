@@ -15,7 +15,8 @@ from pathlib import Path
 
 from agora_node import __version__
 from agora_node.node.errors import EXIT_OK, EXIT_USAGE, UsageError
-from agora_node.protocol.manifest import ManifestError, load_manifest
+from agora_node.protocol.manifest import ManifestError
+from agora_node.stages.manifest_files import check_data_available, load_manifest
 
 
 def _add_manifest_arg(p: argparse.ArgumentParser) -> None:
@@ -32,7 +33,7 @@ def cmd_train_local(args: argparse.Namespace) -> int:
     from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
 
     manifest = load_manifest(args.manifest)
-    manifest.check_data_available()
+    check_data_available(manifest)
     if args.threads:
         torch.set_num_threads(args.threads)
     config = LocalTrainConfig(
@@ -55,7 +56,7 @@ def cmd_train_local(args: argparse.Namespace) -> int:
 def cmd_manifest(args: argparse.Namespace) -> int:
     manifest = load_manifest(args.manifest)
     if args.check_data:
-        manifest.check_data_available()
+        check_data_available(manifest)
     if args.action == "show":
         print(f"# run id {manifest.run_id}")
         print(manifest.to_toml(), end="")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, UsageError
-from agora_node.protocol.manifest import load_manifest
+from agora_node.stages.manifest_files import load_manifest
 
 log = logging.getLogger(__name__)
 

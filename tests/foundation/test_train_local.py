@@ -6,7 +6,7 @@ import torch
 from agora_node.node.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
 from agora_node.node.cli import main
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
-from agora_node.protocol.manifest import load_manifest
+from agora_node.stages.manifest_files import load_manifest
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -37,7 +37,7 @@ from agora_node.comms.collective.harness import (  # noqa: E402
 )
 from agora_node.node.outer import OuterConfig, OuterLoop  # noqa: E402
 from agora_node.protocol.identity import Identity  # noqa: E402
-from agora_node.protocol.manifest import load_manifest  # noqa: E402
+from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 from agora_node.stages.model import Stage  # noqa: E402
 
 

@@ -32,6 +32,7 @@ def cmd_train_local(args: argparse.Namespace) -> int:
 
     from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
 
+    _positive_int_args(args)
     manifest = load_manifest(args.manifest)
     check_data_available(manifest)
     if args.threads:
@@ -104,7 +105,7 @@ def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
 
 
 def _positive_int_args(args: argparse.Namespace) -> None:
-    for name in ("steps", "eval_every", "checkpoint_every"):
+    for name in ("steps", "eval_every", "checkpoint_every"):  # train-local's own flags
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -122,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     try:
-        _positive_int_args(args)
         return args.func(args)
     except (ManifestError, UsageError) as exc:
         print(f"agora-node: error: {exc}", file=sys.stderr)

@@ -1,8 +1,8 @@
 """The `agora-node` command line: one subcommand per operator action.
 
 `main(argv) -> int` never lets a known failure escape as a traceback: bad input
-is one line on stderr and exit code 2; a failure at run time is one line and
-exit code 1.
+is one line on stderr and exit code 2; a failure at run time (another daemon
+holds the data dir, the swarm cannot be reached) is one line and exit code 1.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agora_node import __version__
-from agora_node.node.errors import EXIT_OK, EXIT_USAGE, UsageError
+from agora_node.node.datadir import DataDirInUse
+from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, UsageError
 from agora_node.protocol.manifest import ManifestError
 from agora_node.stages.manifest_files import check_data_available, load_manifest
 
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ManifestError, UsageError) as exc:
         print(f"agora-node: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except DataDirInUse as exc:
+        print(f"agora-node: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print("agora-node: interrupted", file=sys.stderr)
         return 130

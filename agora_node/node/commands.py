@@ -2,8 +2,8 @@
 
 Every daemon option resolves as: command line > `AGORA_<OPTION>` environment
 variable > `--config` TOML file > default; NodeConfig and BootstrapConfig
-(node/config.py) define them all. The resolved configuration is logged at start
-and printed by `--dry-run`.
+(node/config.py) define them all. A daemon first takes its data dir's lock (one
+daemon per data dir), then logs the resolved configuration; `--dry-run` prints it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from agora_node.node import options
+from agora_node.node import datadir, options
 from agora_node.node.config import BootstrapConfig, NodeConfig, config_dict
 from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, UsageError
 
@@ -45,21 +45,22 @@ def config_json(config: Any) -> str:
 
 def cmd_join(args: argparse.Namespace) -> int:
     config = resolve_config(args, NodeConfig)
-    if config.emulate_link:
-        from agora_node.comms import linkemu
+    with datadir.lock_data_dir(config.data_dir):
+        if config.emulate_link:
+            from agora_node.comms import linkemu
 
-        linkemu.configure(linkemu.LinkSpec.parse(config.emulate_link))
-    if args.dry_run:
-        print(f"config: {config_json(config)}", flush=True)
-        return asyncio.run(_dry_run(config))
-    import torch
+            linkemu.configure(linkemu.LinkSpec.parse(config.emulate_link))
+        if args.dry_run:
+            print(f"config: {config_json(config)}", flush=True)
+            return asyncio.run(_dry_run(config))
+        import torch
 
-    from agora_node.node.daemon import run_node
+        from agora_node.node.daemon import run_node
 
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    log.info("config: %s", config_json(config))
-    return _run_daemon(run_node(config))
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        log.info("config: %s", config_json(config))
+        return _run_daemon(run_node(config))
 
 
 def _run_daemon(coro) -> int:  # noqa: ANN001
@@ -131,16 +132,18 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         return EXIT_OK
     from agora_node.node.bootstrap import run_bootstrap
 
-    log.info("config: %s", config_json(config))
-    return _run_daemon(
-        run_bootstrap(
-            manifest,
-            config.identity_path,
-            config.host_maddrs,
-            config.announce_maddrs,
-            config.initial_peers,
+    # Its own lock name: a bootstrap and the default node may share ~/.agora-node.
+    with datadir.lock_data_dir(config.data_dir, "bootstrap.lock"):
+        log.info("config: %s", config_json(config))
+        return _run_daemon(
+            run_bootstrap(
+                manifest,
+                config.identity_path,
+                config.host_maddrs,
+                config.announce_maddrs,
+                config.initial_peers,
+            )
         )
-    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:

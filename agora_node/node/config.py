@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agora_node.comms.linkemu import LinkSpec
+from agora_node.node import datadir
 from agora_node.node.errors import UsageError
 from agora_node.node.options import flag_of, option
 from agora_node.protocol.manifest import Manifest
@@ -72,7 +73,9 @@ class NodeConfig:
     )
     data_dir: str = option(
         "",
-        help="checkpoints, identity and control socket live here (default ~/.agora-node)",
+        help="checkpoints, identity, control socket and lock live here; one daemon per data dir "
+        "(default ~/.agora-node, or ~/.agora-node/nodes/NAME when only --identity-path "
+        "NAME.key is given)",
     )
     host_maddrs: list[str] = option(factory=lambda: [LISTEN], help=_LISTEN_HELP)
     announce_maddrs: list[str] = option(
@@ -147,7 +150,8 @@ class BootstrapConfig:
     )
     data_dir: str = option(
         "",
-        help="where the identity lives (default ~/.agora-node)",
+        help="where the identity and the lock live (default ~/.agora-node, or "
+        "~/.agora-node/nodes/NAME when only --identity-path NAME.key is given)",
     )
     host_maddrs: list[str] = option(factory=lambda: [LISTEN], help=_LISTEN_HELP)
     announce_maddrs: list[str] = option(
@@ -177,7 +181,9 @@ def config_dict(config: Any) -> dict[str, Any]:
 
 
 def _data_dir(data_dir: str, identity_path: str, default_identity: str) -> Path:
-    return Path(data_dir or "~/.agora-node").expanduser()
+    if data_dir:
+        return Path(data_dir).expanduser()
+    return datadir.default_data_dir(identity_path, default_identity)
 
 
 def _path_or(path: str | None, default: Path) -> str:

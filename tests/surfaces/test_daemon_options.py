@@ -1,4 +1,4 @@
-"""Daemon options from their dataclasses: precedence, one-line errors, dry-run output.
+"""Daemon options from their dataclasses: precedence, one-line errors, default data dirs.
 
 Every case is generated from NodeConfig's fields: a new option is covered
 without editing this file (add a sample value below if its text is validated).
@@ -14,7 +14,7 @@ import pytest
 
 from agora_node.node import commands
 from agora_node.node.cli import build_parser, main
-from agora_node.node.config import NodeConfig, PipelineConfig
+from agora_node.node.config import BootstrapConfig, NodeConfig, PipelineConfig
 from agora_node.node.options import Option, options_of
 from agora_node.protocol.manifest import Manifest
 
@@ -173,6 +173,30 @@ def test_toml_type_and_unknown_key_errors_are_one_line(tmp_path, capsys):
 def test_join_without_initial_peers_is_one_line(capsys):
     assert main(["join"]) == 2
     assert "join needs --initial-peers" in capsys.readouterr().err
+
+
+def test_default_data_dirs_differ_per_identity(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    home = tmp_path / ".agora-node"
+    plain = NodeConfig(initial_peers=[PEER])
+    assert (plain.data_dir, plain.identity_path) == (str(home), str(home / "identity.key"))
+    assert plain.control_socket == str(home / "control.sock")
+    same = NodeConfig(initial_peers=[PEER], identity_path="~/.agora-node/identity.key")
+    assert same.data_dir == str(home)  # naming the default identity keeps the default dir
+
+    one = NodeConfig(initial_peers=[PEER], identity_path=str(tmp_path / "keys" / "one.key"))
+    two = NodeConfig(initial_peers=[PEER], identity_path=str(tmp_path / "keys" / "two.key"))
+    assert one.data_dir == str(home / "nodes" / "one")
+    assert two.data_dir == str(home / "nodes" / "two")
+    assert one.control_socket != two.control_socket
+    assert one.identity_path == str(tmp_path / "keys" / "one.key")
+
+    chosen = NodeConfig(initial_peers=[PEER], identity_path="/k/one.key", data_dir="/srv/x")
+    assert chosen.data_dir == "/srv/x"  # --data-dir always wins
+
+    boot = BootstrapConfig()
+    assert (boot.data_dir, boot.identity_path) == (str(home), str(home / "bootstrap.key"))
+    assert BootstrapConfig(identity_path="/k/entry.key").data_dir == str(home / "nodes" / "entry")
 
 
 def test_dry_run_prints_the_resolved_dataclass(tmp_path, capsys):

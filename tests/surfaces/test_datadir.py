@@ -27,11 +27,19 @@ PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJTjvve5CHTecvRiyBZSEgRN7cHWUDhThRpcBxcU
 HOLDER = r"""
 import multiprocessing, sys, time
 from agora_node.node.datadir import lock_data_dir
+
+def helper(running):
+    running.set()  # after-fork hooks have run by now
+    time.sleep(120)
+
 lock = lock_data_dir(sys.argv[1])
 child = None
 if sys.argv[2] == "fork":  # a forked helper without exec, as hivemind's DHT process is
-    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,))
+    ctx = multiprocessing.get_context("fork")
+    running = ctx.Event()
+    child = ctx.Process(target=helper, args=(running,))
     child.start()
+    assert running.wait(30)
 print(child.pid if child else 0, flush=True)
 sys.stdin.read()  # holds until the test closes stdin or kills it
 """

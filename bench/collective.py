@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # agora_node and tests/
 
 from agora_node.comms.collective import (  # noqa: E402
     AggregationSpec,
@@ -34,17 +34,17 @@ from agora_node.comms.collective import (  # noqa: E402
     RoundBook,
     WireFormat,
 )
-from agora_node.comms.collective.harness import (  # noqa: E402
+from agora_node.comms.collective.payload import max_frame_bytes  # noqa: E402
+from agora_node.compression import Codec  # noqa: E402
+from agora_node.protocol.codecs import from_name  # noqa: E402
+from agora_node.protocol.identity import Identity  # noqa: E402
+from tests.outer.harness import (  # noqa: E402
     FreezeAfterFirstPush,
     PeerProcess,
     die_with_parent,
     emit,
     start_local_host,
 )
-from agora_node.comms.collective.payload import max_frame_bytes  # noqa: E402
-from agora_node.compression import Codec  # noqa: E402
-from agora_node.protocol.codecs import from_name  # noqa: E402
-from agora_node.protocol.identity import Identity  # noqa: E402
 
 SCENARIOS = (("fp32", "fp32", False), ("int8", "int8", False), ("int4", "int4", False))
 KILLED = ("int8_one_killed", "int8", True)

@@ -35,7 +35,8 @@ from agora_node.comms.collective import Deadlines, LocalNetwork, MatchmakingConf
 from agora_node.node.outer import OuterConfig, OuterLoop  # noqa: E402
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer  # noqa: E402
 from agora_node.protocol.identity import Identity  # noqa: E402
-from agora_node.protocol.manifest import Manifest, load_manifest  # noqa: E402
+from agora_node.protocol.manifest import Manifest  # noqa: E402
+from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 
 METHODS = ("ddp", "diloco", "gossip", "gossip_int8", "gossip_int4")
 # In one process nothing fails and nobody is late: deadlines only need to be generous.

@@ -19,7 +19,8 @@ from typing import Any
 from common import drive, peak_rss_mb, set_threads
 
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
-from agora_node.protocol.manifest import ManifestError, load_manifest
+from agora_node.protocol.manifest import ManifestError
+from agora_node.stages.manifest_files import check_data_available, load_manifest
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -34,7 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(manifest_name: str, seconds: float, threads: int) -> dict[str, Any]:
     set_threads(threads)
     manifest = load_manifest(manifest_name)
-    manifest.check_data_available()
+    check_data_available(manifest)
     trainer = LocalTrainer(manifest, LocalTrainConfig(max_seconds=seconds))
     started = time.perf_counter()
     result = drive(trainer, max_seconds=seconds)

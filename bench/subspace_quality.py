@@ -28,7 +28,8 @@ from common import drive, peak_rss_mb, set_threads
 
 from agora_node.compression import ActivationCodec
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
-from agora_node.protocol.manifest import Manifest, ManifestError, load_manifest
+from agora_node.protocol.manifest import Manifest, ManifestError
+from agora_node.stages.manifest_files import check_data_available, load_manifest
 from agora_node.stages.model import lm_loss
 
 WIRE_MODES = ("bf16", "int8", "int4")
@@ -142,7 +143,7 @@ def run_variant(base: Manifest, rank: int, steps: int, eval_every: int) -> dict[
 def run(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
     base = load_manifest(args.manifest)
-    base.check_data_available()
+    check_data_available(base)
     ranks = parse_variants(args.variants, base.model.d_model)
     tokens_per_step = base.inner.local_batch * base.model.seq_len
     steps = math.ceil(args.tokens / tokens_per_step)

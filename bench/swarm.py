@@ -35,7 +35,7 @@ from reference import run as run_reference  # noqa: E402
 
 from agora_node.compression import bytes_per_token  # noqa: E402
 from agora_node.node.demo import Swarm, fetch_status, wait_for_line  # noqa: E402
-from agora_node.protocol.manifest import load_manifest  # noqa: E402
+from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

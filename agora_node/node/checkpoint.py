@@ -1,10 +1,12 @@
 """Checkpoints: atomic, checksummed, the last few kept.
 
 A checkpoint is two files in a directory: `ckpt-<step>.pt` (torch.save of the
-state) and `ckpt-<step>.json` (run id, stage, step, sha256 of the .pt). The .pt
+state) and `ckpt-<step>.json` (run id, stage, step, sha256 of the .pt, and the
+peer id of the node that wrote it). The .pt
 is written to a temporary name, fsynced and renamed; the .json, written the
 same way after it, is the commit marker. A crash at any moment leaves either the
-previous checkpoint or the new one, never a torn file that loads.
+previous checkpoint or the new one, never a torn file that loads. A node never
+resumes from a checkpoint that another identity wrote (a shared data dir).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class CheckpointInfo:
     stage: int
     step: int
     sha256: str
+    peer_id: str | None = None
+    """The identity that wrote it (None: written before checkpoints recorded it)."""
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -56,6 +60,7 @@ def save_checkpoint(
     step: int,
     state: dict[str, Any],
     keep: int = 3,
+    peer_id: str | None = None,
 ) -> CheckpointInfo:
     """Write `state` as the checkpoint of `step`; keep the newest `keep` checkpoints."""
     directory = Path(directory)
@@ -67,11 +72,13 @@ def save_checkpoint(
     pt = directory / f"ckpt-{step:09d}.pt"
     _atomic_write(pt, payload)
     meta = {"run_id": run_id, "stage": stage, "step": step, "sha256": digest}
+    if peer_id is not None:
+        meta["peer_id"] = peer_id
     _atomic_write(pt.with_suffix(".json"), json.dumps(meta).encode())
     for old in list_checkpoints(directory)[keep:]:
         for p in (old.path, old.path.with_suffix(".json")):
             p.unlink(missing_ok=True)
-    return CheckpointInfo(pt, run_id, stage, step, digest)
+    return CheckpointInfo(pt, run_id, stage, step, digest, peer_id)
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
@@ -92,6 +99,7 @@ def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
                     int(meta["stage"]),
                     int(meta["step"]),
                     str(meta["sha256"]),
+                    meta.get("peer_id"),
                 )
             )
         except (ValueError, KeyError, OSError) as exc:
@@ -100,11 +108,23 @@ def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
 
 
 def load_latest_checkpoint(
-    directory: str | os.PathLike, *, run_id: str, stage: int
+    directory: str | os.PathLike, *, run_id: str, stage: int, peer_id: str | None = None
 ) -> tuple[CheckpointInfo, dict[str, Any]] | None:
-    """The newest checkpoint of this run and stage whose checksum verifies, or None."""
+    """The newest checkpoint of this run and stage whose checksum verifies, or None.
+
+    With `peer_id`, a checkpoint that another identity wrote is skipped (one that
+    records no peer id predates the field and is accepted).
+    """
     for info in list_checkpoints(directory):
         if info.run_id != run_id or info.stage != stage:
+            continue
+        if peer_id is not None and info.peer_id not in (None, peer_id):
+            log.warning(
+                "skipping checkpoint %s: written by peer %s, not by this node's identity %s",
+                info.path,
+                info.peer_id,
+                peer_id,
+            )
             continue
         try:
             payload = info.path.read_bytes()

@@ -1,8 +1,8 @@
 """The `agora-node` command line: one subcommand per operator action.
 
 `main(argv) -> int` never lets a known failure escape as a traceback: bad input
-is one line on stderr and exit code 2; a failure at run time is one line and
-exit code 1.
+is one line on stderr and exit code 2; a failure at run time (another daemon
+holds the data dir, the swarm cannot be reached) is one line and exit code 1.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agora_node import __version__
-from agora_node.node.errors import EXIT_OK, EXIT_USAGE, UsageError
-from agora_node.protocol.manifest import ManifestError, load_manifest
+from agora_node.node.datadir import DataDirInUse
+from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, UsageError
+from agora_node.protocol.manifest import ManifestError
+from agora_node.stages.manifest_files import check_data_available, load_manifest
 
 
 def _add_manifest_arg(p: argparse.ArgumentParser) -> None:
@@ -31,8 +33,9 @@ def cmd_train_local(args: argparse.Namespace) -> int:
 
     from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
 
+    _positive_int_args(args)
     manifest = load_manifest(args.manifest)
-    manifest.check_data_available()
+    check_data_available(manifest)
     if args.threads:
         torch.set_num_threads(args.threads)
     config = LocalTrainConfig(
@@ -55,7 +58,7 @@ def cmd_train_local(args: argparse.Namespace) -> int:
 def cmd_manifest(args: argparse.Namespace) -> int:
     manifest = load_manifest(args.manifest)
     if args.check_data:
-        manifest.check_data_available()
+        check_data_available(manifest)
     if args.action == "show":
         print(f"# run id {manifest.run_id}")
         print(manifest.to_toml(), end="")
@@ -103,7 +106,7 @@ def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
 
 
 def _positive_int_args(args: argparse.Namespace) -> None:
-    for name in ("steps", "eval_every", "checkpoint_every"):
+    for name in ("steps", "eval_every", "checkpoint_every"):  # train-local's own flags
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -121,11 +124,13 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     try:
-        _positive_int_args(args)
         return args.func(args)
     except (ManifestError, UsageError) as exc:
         print(f"agora-node: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except DataDirInUse as exc:
+        print(f"agora-node: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print("agora-node: interrupted", file=sys.stderr)
         return 130

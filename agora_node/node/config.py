@@ -1,38 +1,205 @@
-"""Daemon options: what `agora-node join` resolves and a node runs with."""
+"""Daemon options: what `agora-node join` and `agora-node bootstrap` resolve and run with.
+
+Each field declared with `option(...)` is the one source of that option's flag,
+`AGORA_<OPTION>` variable, `--config` TOML key, default and help (node/options.py
+generates them); `__post_init__` validates, raising UsageError, and resolves the
+paths that default to places in the data dir. Fields without `option` are
+internal settings.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from agora_node.node.pipeline import PipelineConfig
+from agora_node.comms.linkemu import LinkSpec
+from agora_node.node import datadir
+from agora_node.node.errors import UsageError
+from agora_node.node.options import flag_of, option
+from agora_node.protocol.codecs import CODEC_NAMES, UnknownCodecError, from_name
 from agora_node.protocol.manifest import Manifest
+from agora_node.stages.manifest_files import load_manifest
+
+LISTEN = "/ip4/127.0.0.1/tcp/0"
+_LISTEN_HELP = "listen multiaddrs (use /ip4/0.0.0.0/tcp/PORT to be reachable)"
+
+
+def _check_codec(name: str) -> None:
+    try:
+        from_name(name, what="--activation-codec")
+    except UnknownCodecError as exc:
+        raise UsageError(str(exc)) from None
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    max_in_flight: int = option(
+        0, help="micro-batches a stage-0 node keeps in flight (0: one inner step's worth)"
+    )
+    """Micro-batches a head keeps in the pipeline; 0: the micro-batches of one inner
+    step. More hides more latency but makes gradients staler (measured in
+    docs/benchmarks.md: 4 in flight cost tiny 4.7% validation loss at 98k tokens)."""
+    max_queue: int = 16
+    """Micro-batches a non-head node holds at once before answering busy."""
+    hop_timeout_s: float = 60.0
+    """How long one request may wait for its answer (the whole rest of the pipeline)."""
+    deadline_s: float = 120.0
+    """A micro-batch that has not completed by then is dropped."""
+    activation_codec: str = option(
+        "bf16", help="boundary activations on the wire: " + ", ".join(CODEC_NAMES)
+    )
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "max_in_flight")
+        _check_codec(self.activation_codec)
 
 
 @dataclass(kw_only=True)
 class NodeConfig:
-    initial_peers: list[str]
-    identity_path: str
-    data_dir: str
-    stage: str = "auto"
-    manifest: Manifest | None = None
-    """A local manifest that must match the swarm's (None: take the swarm's)."""
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
-    announce_maddrs: list[str] = field(default_factory=list)
-    status_host: str = "127.0.0.1"
-    status_port: int = 8421
-    control_socket: str | None = None
-    threads: int = 0
-    record_ttl_s: float = 15.0
-    refresh_s: float = 3.0
+    initial_peers: list[str] = option(
+        factory=list, help="multiaddrs of peers already in the swarm (any live one works)"
+    )
+    stage: str = option("auto", help="'auto' (the stage the swarm needs most) or a stage number")
+    manifest: Manifest | None = option(
+        None,
+        parse=load_manifest,
+        help="a local manifest (builtin name or TOML path) that must match the swarm's "
+        "(default: take the swarm's)",
+    )
+    identity_path: str = option(
+        "",
+        help="libp2p identity key file, created 0600 if missing (default DATA_DIR/identity.key)",
+    )
+    data_dir: str = option(
+        "",
+        help="checkpoints, identity, control socket and lock live here; one daemon per data dir "
+        "(default ~/.agora-node, or ~/.agora-node/nodes/NAME when only --identity-path "
+        "NAME.key is given)",
+    )
+    host_maddrs: list[str] = option(factory=lambda: [LISTEN], help=_LISTEN_HELP)
+    announce_maddrs: list[str] = option(
+        factory=list, help="multiaddrs to announce to peers (public address and port)"
+    )
+    status_host: str = option("127.0.0.1", help="status page address")
+    status_port: int = option(8421, help="status page port (0: any free port)")
+    control_socket: str | None = option(
+        None, help="control API Unix socket (default DATA_DIR/control.sock)"
+    )
+    threads: int = option(0, help="torch threads (0: torch's default)")
+    record_ttl_s: float = option(
+        15.0, name="record_ttl", help="seconds a directory record lives unless refreshed"
+    )
+    refresh_s: float = option(
+        3.0, name="refresh", help="seconds between record refreshes and directory reads"
+    )
     settle_s: float = 1.5
     """Interval between a joiner's directory reads before it commits to a stage."""
     settle_rounds: int = 8
-    rebalance_every_s: float = 60.0
-    """Mean interval at which a `--stage auto` node re-evaluates its stage (0: never)."""
-    checkpoint_every_s: float = 300.0
-    eval_every_s: float = 60.0
+    rebalance_every_s: float = option(
+        60.0,
+        name="rebalance_every",
+        help="mean seconds between stage re-evaluations of a --stage auto node (0: never)",
+    )
+    checkpoint_every_s: float = option(
+        300.0, name="checkpoint_every", help="seconds between checkpoints"
+    )
+    eval_every_s: float = option(
+        60.0, name="eval_every", help="seconds between validation losses (stage 0)"
+    )
     eval_samples: int = 16
     drain_timeout_s: float = 30.0
-    max_tokens: int = 0
-    """Stage 0 stops injecting after this many tokens, evaluates once and idles (0: never)."""
+    max_tokens: int = option(
+        0, help="stage 0: stop injecting after this many tokens and evaluate (0: never)"
+    )
+    emulate_link: str = option(
+        "", help="benchmarks: shape this node's uplink as 'MBIT_PER_S,LATENCY_MS'"
+    )
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+    def __post_init__(self) -> None:
+        if not self.initial_peers:
+            raise UsageError("join needs --initial-peers (the line `agora-node bootstrap` printed)")
+        if self.stage != "auto" and not self.stage.isdigit():
+            raise UsageError(f"--stage must be 'auto' or a stage number, not {self.stage!r}")
+        _positive(self, "record_ttl_s", "refresh_s", "checkpoint_every_s", "eval_every_s")
+        _at_least(self, 0, "threads", "max_tokens", "rebalance_every_s", "status_port")
+        if self.status_port > 65535:
+            raise UsageError(f"--status-port must be at most 65535, not {self.status_port}")
+        if self.emulate_link:
+            try:
+                LinkSpec.parse(self.emulate_link)
+            except ValueError as exc:
+                raise UsageError(f"--emulate-link: {exc}") from None
+        data_dir = _data_dir(self.data_dir, self.identity_path, "identity.key")
+        self.data_dir = str(data_dir)
+        self.identity_path = _path_or(self.identity_path, data_dir / "identity.key")
+        self.control_socket = _path_or(self.control_socket, data_dir / "control.sock")
+
+
+@dataclass(kw_only=True)
+class BootstrapConfig:
+    manifest: Manifest = option(
+        factory=lambda: load_manifest("tiny"),
+        parse=load_manifest,
+        shown="tiny",
+        help="builtin manifest name or TOML path of the run to serve",
+    )
+    identity_path: str = option(
+        "", help="libp2p identity key file (default DATA_DIR/bootstrap.key): a stable peer id"
+    )
+    data_dir: str = option(
+        "",
+        help="where the identity and the lock live (default ~/.agora-node, or "
+        "~/.agora-node/nodes/NAME when only --identity-path NAME.key is given)",
+    )
+    host_maddrs: list[str] = option(factory=lambda: [LISTEN], help=_LISTEN_HELP)
+    announce_maddrs: list[str] = option(
+        factory=list, help="multiaddrs to announce (public address and port)"
+    )
+    initial_peers: list[str] = option(
+        factory=list, help="other entry points of the same swarm, if any"
+    )
+
+    def __post_init__(self) -> None:
+        data_dir = _data_dir(self.data_dir, self.identity_path, "bootstrap.key")
+        self.data_dir = str(data_dir)
+        self.identity_path = _path_or(self.identity_path, data_dir / "bootstrap.key")
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    """The resolved configuration as JSON-ready values (a manifest as its run id)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, Manifest):
+            return value.run_id
+        if dataclasses.is_dataclass(value):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return value
+
+    return plain(config)
+
+
+def _data_dir(data_dir: str, identity_path: str, default_identity: str) -> Path:
+    if data_dir:
+        return Path(data_dir).expanduser()
+    return datadir.default_data_dir(identity_path, default_identity)
+
+
+def _path_or(path: str | None, default: Path) -> str:
+    return str(Path(path).expanduser() if path else default)
+
+
+def _positive(config: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not value > 0:  # also refuses NaN
+            raise UsageError(f"{flag_of(type(config), name)} must be positive, not {value}")
+
+
+def _at_least(config: Any, low: float, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not value >= low:
+            raise UsageError(f"{flag_of(type(config), name)} must be at least {low}, not {value}")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, UsageError
-from agora_node.protocol.manifest import load_manifest
+from agora_node.stages.manifest_files import load_manifest
 
 
 @dataclass

@@ -117,7 +117,11 @@ async def load_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState:
     ]
     replicas.sort(key=lambda r: -r.inner_step)
     found = await asyncio.to_thread(
-        load_latest_checkpoint, ctx.checkpoint_dir(stage), run_id=m.run_id, stage=stage
+        load_latest_checkpoint,
+        ctx.checkpoint_dir(stage),
+        run_id=m.run_id,
+        stage=stage,
+        peer_id=ctx.peer_id,  # never another identity's (nodes sharing a data dir)
     )
     if found is not None and (not replicas or found[0].step >= replicas[0].inner_step):
         info, state = found

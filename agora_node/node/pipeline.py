@@ -21,7 +21,6 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +40,7 @@ from agora_node.comms.pipeline_wire import (
 )
 from agora_node.comms.routing import FailureKind, Router, RouterConfig
 from agora_node.compression import ActivationCodec, CodecError, NonFiniteError
+from agora_node.node.config import PipelineConfig
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import forward_protocol
@@ -53,21 +53,6 @@ def max_request_bytes(manifest: Manifest) -> int:
     """The largest forward request a node of this run accepts (checked before reading it)."""
     m = manifest.model
     return 4096 + m.seq_len * manifest.inner.micro_batch * (4 * (m.d_model + 1))
-
-
-@dataclass(kw_only=True)
-class PipelineConfig:
-    max_in_flight: int = 0
-    """Micro-batches a head keeps in the pipeline; 0: the micro-batches of one inner
-    step. More hides more latency but makes gradients staler (measured in
-    docs/benchmarks.md: 4 in flight cost tiny 4.7% validation loss at 98k tokens)."""
-    max_queue: int = 16
-    """Micro-batches a non-head node holds at once before answering busy."""
-    hop_timeout_s: float = 60.0
-    """How long one request may wait for its answer (the whole rest of the pipeline)."""
-    deadline_s: float = 120.0
-    """A micro-batch that has not completed by then is dropped."""
-    activation_codec: str = "bf16"
 
 
 class PipelineStats:

@@ -188,6 +188,7 @@ class StageService:
             stage=self.index,
             step=self.worker.optimizer.steps,
             state=state,
+            peer_id=self.ctx.peer_id,
         )
         log.info("checkpoint saved: %s", info.path)
         return str(info.path)

@@ -14,8 +14,6 @@ import hashlib
 import json
 import tomllib
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from agora_node.protocol.codecs import CODEC_NAMES
@@ -242,16 +240,6 @@ class Manifest:
     def to_toml(self) -> str:
         return dumps_toml(self.to_dict())
 
-    def check_data_available(self) -> None:
-        """Raise ManifestError if this node cannot read the data source (heads need it)."""
-        if (
-            not self.data.source.startswith(BUILTIN_DATA_PREFIX)
-            and not Path(self.data.source).is_file()
-        ):
-            _fail("data.source", self.data.source, "file not found")
-        if self.data.tokenizer.endswith(".json") and not Path(self.data.tokenizer).is_file():
-            _fail("data.tokenizer", self.data.tokenizer, "file not found")
-
 
 _TABLES = {
     "run": RunSpec,
@@ -309,24 +297,6 @@ def parse_manifest(text: str, origin: str = "<string>") -> Manifest:
     except tomllib.TOMLDecodeError as exc:
         raise ManifestError(f"{origin}: malformed TOML: {exc}") from None
     return manifest_from_dict(raw)
-
-
-def load_manifest(name_or_path: str) -> Manifest:
-    """Load a builtin manifest by name (`tiny`, `bench`, `gpu-1b`) or a TOML file by path."""
-    if name_or_path in BUILTIN_MANIFESTS:
-        text = (
-            resources.files("agora_node.stages")
-            .joinpath(f"manifests/{name_or_path}.toml")
-            .read_text()
-        )
-        return parse_manifest(text, origin=name_or_path)
-    path = Path(name_or_path)
-    if not path.is_file():
-        raise ManifestError(
-            f"manifest {name_or_path!r} not found: give a path to a TOML file "
-            f"or one of {', '.join(BUILTIN_MANIFESTS)}"
-        )
-    return parse_manifest(path.read_text(), origin=str(path))
 
 
 def manifest_from_canonical(data: bytes) -> Manifest:

@@ -46,7 +46,7 @@ def swim_namespace(run_id: str) -> str:
 
 
 STANDALONE_SWIM_NAMESPACE = "agora-membership"
-"""SWIM namespace of a membership peer run outside any run (membership/run_peer.py)."""
+"""SWIM namespace of a membership peer run outside any run (tests/membership/run_peer.py)."""
 
 
 def forward_protocol(run_id: str) -> str:

@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 
-from agora_node.protocol.manifest import ManifestError, load_manifest
+from agora_node.protocol.manifest import ManifestError
 from agora_node.stages.data import ByteTokenizer, TokenWindows, load_corpus
+from agora_node.stages.manifest_files import load_manifest
 
 pytestmark = pytest.mark.timeout(60)
 

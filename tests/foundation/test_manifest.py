@@ -6,10 +6,10 @@ from agora_node.node.cli import main
 from agora_node.protocol.manifest import (
     BUILTIN_MANIFESTS,
     ManifestError,
-    load_manifest,
     manifest_from_canonical,
     parse_manifest,
 )
+from agora_node.stages.manifest_files import check_data_available, load_manifest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -75,7 +75,7 @@ def test_malformed_toml_is_one_line():
 def test_missing_data_file():
     m = parse_manifest(_edit('source = "builtin:tinyshakespeare"', 'source = "/nonexistent/x.txt"'))
     with pytest.raises(ManifestError, match="data.source.*file not found"):
-        m.check_data_available()
+        check_data_available(m)
 
 
 @pytest.mark.parametrize(

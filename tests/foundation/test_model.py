@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from agora_node.protocol.manifest import load_manifest
+from agora_node.stages.manifest_files import load_manifest
 from agora_node.stages.model import Stage, Transformer, build_stages, lm_loss
 
 pytestmark = pytest.mark.timeout(120)

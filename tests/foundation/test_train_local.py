@@ -6,7 +6,7 @@ import torch
 from agora_node.node.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
 from agora_node.node.cli import main
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
-from agora_node.protocol.manifest import load_manifest
+from agora_node.stages.manifest_files import load_manifest
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -55,6 +55,23 @@ def test_checkpoint_keeps_last_and_skips_corrupt(tmp_path):
     # An uncommitted .pt (crash before its marker) is invisible.
     (tmp_path / "ckpt-000000009.pt").write_bytes(b"partial")
     assert list_checkpoints(tmp_path)[0].step == 5
+
+
+def test_checkpoint_of_another_identity_is_not_loaded(tmp_path, caplog):
+    def save(step: int, peer_id: str | None) -> None:
+        state = {"w": torch.full((3,), float(step))}
+        save_checkpoint(tmp_path, run_id="r", stage=0, step=step, state=state, peer_id=peer_id)
+
+    save(1, None)  # written before checkpoints named their writer: still ours to resume
+    save(2, "12D3KooWMine")
+    save(3, "12D3KooWOther")  # the newest, but another node's (a shared data dir)
+    info, state = load_latest_checkpoint(tmp_path, run_id="r", stage=0, peer_id="12D3KooWMine")
+    assert (info.step, info.peer_id, float(state["w"][0])) == (2, "12D3KooWMine", 2.0)
+    assert "written by peer 12D3KooWOther" in caplog.text
+    info, _ = load_latest_checkpoint(tmp_path, run_id="r", stage=0, peer_id="12D3KooWNew")
+    assert info.step == 1
+    info, _ = load_latest_checkpoint(tmp_path, run_id="r", stage=0)  # no identity: no filter
+    assert info.step == 3
 
 
 def test_cli_train_local_prints_progress(capsys, tmp_path):

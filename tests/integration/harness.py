@@ -106,7 +106,8 @@ class TestSwarm(Swarm):
 
 def small_manifest(path: Path, *, stages: int, layers: int, inner_steps: int = 50) -> str:
     """tiny with another stage cut and outer cadence H (written to `path`)."""
-    from agora_node.protocol.manifest import load_manifest, parse_manifest
+    from agora_node.protocol.manifest import parse_manifest
+    from agora_node.stages.manifest_files import load_manifest
 
     text = load_manifest("tiny").to_toml()
     text = text.replace("n_layers = 8", f"n_layers = {layers}")

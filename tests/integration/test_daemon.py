@@ -1,5 +1,6 @@
 """The daemon with real peers on 127.0.0.1: placement, state transfer, leaving, crashes, trust."""
 
+import resource
 import signal
 import socket
 import subprocess
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from tests.integration.harness import TestSwarm, poll, small_manifest
+from tests.integration.harness import FAST, TestSwarm, poll, small_manifest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -270,6 +271,43 @@ def test_dry_run_status_table_and_leave_through_the_control_api(swarm, tmp_path)
     assert left.returncode == 0, left.stdout + left.stderr
     assert node.proc.wait(timeout=60) == 0
     assert "checkpoint saved" in swarm.log(node)
+
+
+def test_daemons_with_own_identities_get_own_data_dirs_and_a_clash_fails_at_once(
+    swarm, tmp_path, monkeypatch
+):
+    """The reported defect: daemons given only --identity-path shared ~/.agora-node and
+    all but one died ~9 s later on the control socket. Now each gets its own data dir,
+    and a daemon started on a data dir in use fails at once, naming the holder."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the children's ~
+    swarm.bootstrap("tiny")
+    peers = swarm.initial_peers
+    nodes = [
+        swarm.spawn(
+            name,
+            ["join", "--initial-peers", *peers, "--identity-path", str(tmp_path / f"{name}.key")]
+            + ["--status-port", "0", *FAST],
+        )
+        for name in ("a", "b")
+    ]
+    for node in nodes:
+        swarm.serving(node)
+    poll(lambda: _active(swarm, nodes), 120, "both nodes active (control sockets up)")
+    dirs = tmp_path / "home" / ".agora-node" / "nodes"
+    for node in nodes:
+        assert (dirs / node.name / "lock").read_text() == f"{node.proc.pid}\n"
+        assert (dirs / node.name / "control.sock").is_socket()
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    clash = _cli("join", "--initial-peers", *peers, "--data-dir", str(dirs / "a"), timeout=30)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime
+    assert clash.returncode == 1
+    _one_clear_line(clash, f"pid {nodes[0].proc.pid}")
+    assert "--data-dir" in clash.stderr
+    # CPU time (two daemons train on these cores): it stops before any real work.
+    assert cpu < 1.0, cpu
+    assert all(node.proc.poll() is None for node in nodes)
 
 
 def test_auto_node_moves_to_a_stage_that_lost_its_last_replica(swarm):

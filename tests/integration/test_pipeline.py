@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from agora_node.compression import ActivationCodec, Codec, QuantizedTensor, encode_frame
-from agora_node.protocol.manifest import load_manifest
+from agora_node.stages.manifest_files import load_manifest
 from tests.integration.harness import TestSwarm, poll
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]

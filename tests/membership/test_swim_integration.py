@@ -1,5 +1,5 @@
 """Five real hivemind peers on 127.0.0.1, each running MembershipService in its
-own process (python -m agora_node.comms.membership.run_peer)."""
+own process (python tests/membership/run_peer.py)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class Peer:
 
     def __init__(self, index: int, tmp: Path, seeds: list[str]) -> None:
         cmd = [
-            sys.executable, "-m", "agora_node.comms.membership.run_peer",
+            sys.executable, str(REPO / "tests" / "membership" / "run_peer.py"),
             "--identity", str(tmp / f"peer{index}.key"),
             "--settings-json", json.dumps(SETTINGS),
             "--report-s", "0.2",

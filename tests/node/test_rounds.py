@@ -13,7 +13,7 @@ from agora_node.node.outer import OuterConfig, OuterLoop
 from agora_node.node.rounds import OuterRounds, round_should_end, target_round
 from agora_node.node.worker import StageWorker, WorkerWeights
 from agora_node.protocol.identity import Identity
-from agora_node.protocol.manifest import load_manifest
+from agora_node.stages.manifest_files import load_manifest
 from tests.outer.helpers import LOCAL
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,8 +16,8 @@ from agora_node.comms.pipeline_wire import (
     encode_tokens,
 )
 from agora_node.node.pipeline import Sampler
-from agora_node.protocol.manifest import load_manifest
 from agora_node.stages.data import TokenWindows
+from agora_node.stages.manifest_files import load_manifest
 
 pytestmark = pytest.mark.timeout(60)
 

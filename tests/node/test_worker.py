@@ -6,7 +6,7 @@ import torch
 
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer, chain_forward
 from agora_node.node.worker import StageWorker
-from agora_node.protocol.manifest import load_manifest
+from agora_node.stages.manifest_files import load_manifest
 from agora_node.stages.model import lm_loss
 
 pytestmark = pytest.mark.timeout(120)

@@ -29,16 +29,16 @@ from agora_node.comms.collective import (  # noqa: E402
     Deadlines,
     MatchmakingConfig,
 )
-from agora_node.comms.collective.harness import (  # noqa: E402
+from agora_node.node.outer import OuterConfig, OuterLoop  # noqa: E402
+from agora_node.protocol.identity import Identity  # noqa: E402
+from agora_node.stages.manifest_files import load_manifest  # noqa: E402
+from agora_node.stages.model import Stage  # noqa: E402
+from tests.outer.harness import (  # noqa: E402
     FreezeAfterFirstPush,
     die_with_parent,
     emit,
     start_local_host,
 )
-from agora_node.node.outer import OuterConfig, OuterLoop  # noqa: E402
-from agora_node.protocol.identity import Identity  # noqa: E402
-from agora_node.protocol.manifest import load_manifest  # noqa: E402
-from agora_node.stages.model import Stage  # noqa: E402
 
 
 def inner_steps(loop: OuterLoop, seed: int, scale: float) -> None:

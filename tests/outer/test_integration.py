@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agora_node.comms.collective.harness import PeerProcess
+from tests.outer.harness import PeerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 PEER = str(Path(__file__).with_name("peer.py"))

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agora_node.protocol.manifest import Manifest, ModelSpec, StageSpec, load_manifest
+from agora_node.protocol.manifest import Manifest, ModelSpec, StageSpec
 from agora_node.protocol.records import NodeState
+from agora_node.stages.manifest_files import load_manifest
 from agora_node.stages.placement import choose_stage, stage_costs
 
 from .helpers import counts, directory, record

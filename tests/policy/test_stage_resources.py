@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from agora_node.protocol.manifest import InnerSpec, Manifest, ModelSpec, StageSpec, load_manifest
+from agora_node.protocol.manifest import InnerSpec, Manifest, ModelSpec, StageSpec
+from agora_node.stages.manifest_files import load_manifest
 from agora_node.stages.model import Stage, count_parameters, lm_loss
 from agora_node.stages.optim import InnerOptimizer
 from agora_node.stages.placement import (

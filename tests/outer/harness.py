@@ -1,5 +1,7 @@
 """Real hivemind peers on loopback, as separate processes: for integration tests and benches.
 
+Test-only (not shipped): bench/collective.py imports it with the repository root on sys.path.
+
 hivemind's DHT process and the libp2p daemon outlive a SIGKILL of their parent.
 A peer is the node's own `Host` (whose reaper kills them when the peer dies); the
 peer process starts in its own session (the harness kills the whole process

@@ -1,6 +1,6 @@
-"""Run one membership peer on its own libp2p daemon (for integration tests and demos).
+"""Run one membership peer on its own libp2p daemon (for the integration tests).
 
-    python -m agora_node.comms.membership.run_peer --identity key --seed /ip4/.../p2p/12D3KooW...
+    python tests/membership/run_peer.py --identity key --seed /ip4/.../p2p/12D3KooW...
 
 Prints JSON lines on stdout: first {"event": "ready", "peer_id", "maddrs"}, then
 {"event": "member", "peer_id", "status"} on every change of a member's status, and

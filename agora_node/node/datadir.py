@@ -1,0 +1,103 @@
+"""A daemon's data dir: where it is by default, and the lock that makes it one daemon's.
+
+Default: a node given neither `--data-dir` nor `--identity-path` uses
+`~/.agora-node` (identity `~/.agora-node/identity.key`). A node given only
+`--identity-path KEY` uses `~/.agora-node/nodes/<KEY's file name without suffix>`,
+so several daemons on one machine, each with its own identity, never share
+checkpoints or a control socket.
+
+Lock: `lock_data_dir` takes an exclusive flock on `DATA_DIR/lock` and writes this
+process's pid into it. The daemon holds it for its whole life; the kernel drops
+it when the process dies, however it dies, so a SIGKILLed node never blocks its
+own restart. hivemind forks its DHT process without exec: the child closes its
+copy of the descriptor at once, so a straggling child cannot keep the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from pathlib import Path
+
+HOME = "~/.agora-node"
+LOCK_NAME = "lock"
+
+_held: dict[int, Path] = {}  # descriptor -> lock file, closed in forked children
+
+
+class DataDirInUse(RuntimeError):
+    """Another live process holds the data dir (one line for the operator, exit code 1)."""
+
+
+def default_data_dir(identity_path: str | None, default_identity: str) -> Path:
+    """`~/.agora-node` for the default identity, else `~/.agora-node/nodes/<identity stem>`."""
+    home = Path(HOME).expanduser()
+    if not identity_path:
+        return home
+    identity = Path(identity_path).expanduser().absolute()
+    if identity == home.absolute() / default_identity:
+        return home
+    return home / "nodes" / identity.stem
+
+
+class DataDirLock:
+    """An exclusive hold on a data dir; released on `release()` or when the process dies."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            _held.pop(self._fd, None)
+            os.close(self._fd)  # drops the flock; the file stays (unlinking would race)
+            self._fd = None
+
+    def __enter__(self) -> DataDirLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def lock_data_dir(data_dir: str | os.PathLike, name: str = LOCK_NAME) -> DataDirLock:
+    """Hold `data_dir/name` for this process, or raise DataDirInUse naming the holder's pid."""
+    directory = Path(data_dir).expanduser()
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = directory / name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # close-on-exec: not in exec'd children
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder_pid(fd)
+        os.close(fd)
+        raise DataDirInUse(
+            f"data dir {directory} is in use by another agora-node daemon (pid {holder}); "
+            "give this one its own --data-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held[fd] = path
+    return DataDirLock(path, fd)
+
+
+def _holder_pid(fd: int, wait_s: float = 0.5) -> str:
+    """The pid in a held lock file (the holder may be between its lock and its write)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if text or time.monotonic() >= deadline:
+            return text or "unknown"
+        time.sleep(0.01)  # polling interval of a deadline-bounded wait
+
+
+def _close_in_child() -> None:
+    for fd in list(_held):
+        with contextlib.suppress(OSError):
+            os.close(fd)  # the parent's descriptor still holds the lock
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)

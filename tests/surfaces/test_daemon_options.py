@@ -1,0 +1,212 @@
+"""Daemon options from their dataclasses: precedence, one-line errors, default data dirs.
+
+Every case is generated from NodeConfig's fields: a new option is covered
+without editing this file (add a sample value below if its text is validated).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agora_node.node import commands
+from agora_node.node.cli import build_parser, main
+from agora_node.node.config import BootstrapConfig, NodeConfig, PipelineConfig
+from agora_node.node.options import Option, options_of
+from agora_node.protocol.manifest import Manifest
+
+pytestmark = pytest.mark.timeout(60)
+
+PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJTjvve5CHTecvRiyBZSEgRN7cHWUDhThRpcBxcUEb3xX"
+# Four distinct valid texts (toml, env, cli, and one spare) for options whose text is validated.
+SAMPLES = {
+    "stage": ["1", "2", "3", "4"],
+    "manifest": ["bench", "gpu-1b", "tiny", "bench"],
+    "activation_codec": ["int8", "int4", "fp32", "bf16"],
+    "emulate_link": ["10,1", "20,2", "30,3", "40,4"],
+}
+JOIN_OPTIONS = options_of(NodeConfig)
+
+
+def samples(opt: Option) -> list[Any]:
+    """Four distinct valid values, as a TOML file would hold them."""
+    if opt.name in SAMPLES:
+        return SAMPLES[opt.name]
+    if opt.kind is list:
+        return [[f"/ip4/10.0.0.{i}/tcp/1"] for i in range(1, 5)]
+    if opt.kind is int:
+        return [1, 2, 3, 4]
+    if opt.kind is float:
+        return [1.5, 2.5, 3.5, 4.5]
+    return [f"/tmp/agora-{opt.name}-{i}" for i in range(1, 5)]
+
+
+def as_text(value: Any) -> str:
+    return " ".join(value) if isinstance(value, list) else str(value)
+
+
+def resolved(config: Any, opt: Option) -> Any:
+    for name in opt.path:
+        config = getattr(config, name)
+    return config.run_id if isinstance(config, Manifest) else config
+
+
+def expected(opt: Option, value: Any) -> Any:
+    if opt.name == "manifest":
+        from agora_node.stages.manifest_files import load_manifest
+
+        return load_manifest(value).run_id
+    if opt.kind is float:
+        return float(value)
+    return value
+
+
+def join(
+    argv: list[str], env: dict[str, str], toml: Path | None = None, peers: bool = True
+) -> NodeConfig:
+    """`agora-node join ARGV` resolved against `env` and the TOML file, as cmd_join does."""
+    base = ["join", "--initial-peers", PEER] if peers else ["join"]
+    config = ["--config", str(toml)] if toml else []
+    args = build_parser().parse_args([*base, *argv, *config])
+    return commands.resolve_config(args, NodeConfig, env=env)
+
+
+def write_toml(path: Path, name: str, value: Any) -> Path:
+    text = json.dumps(value)  # JSON scalars and string lists are valid TOML values
+    path.write_text(f"{name.replace('_', '-')} = {text}\n")
+    return path
+
+
+def test_every_option_has_a_flag_a_variable_and_a_key():
+    names = {o.name for o in JOIN_OPTIONS}
+    assert {"refresh", "record_ttl", "checkpoint_every", "eval_every", "rebalance_every"} <= names
+    assert {"max_in_flight", "activation_codec", "emulate_link", "data_dir"} <= names
+    assert len(names) == len(JOIN_OPTIONS)
+    flags = {o.flag for o in JOIN_OPTIONS}
+    assert "--refresh" in flags and "--max-in-flight" in flags
+    assert {o.env for o in JOIN_OPTIONS} >= {"AGORA_REFRESH", "AGORA_ACTIVATION_CODEC"}
+    refresh = next(o for o in JOIN_OPTIONS if o.name == "refresh")
+    assert refresh.path == ("refresh_s",)
+    codec = next(o for o in JOIN_OPTIONS if o.name == "activation_codec")
+    assert codec.path == ("pipeline", "activation_codec")
+
+
+@pytest.mark.parametrize("opt", JOIN_OPTIONS, ids=lambda o: o.name)
+def test_precedence_cli_over_env_over_file_over_default(opt: Option, tmp_path: Path):
+    in_file, in_env, on_cli, _ = samples(opt)
+    toml = write_toml(tmp_path / "agora.toml", opt.name, in_file)
+    cli = [opt.flag, *as_text(on_cli).split()]
+    env = {opt.env: as_text(in_env)}
+    other = tmp_path / "dir"  # keeps path options from depending on $HOME
+    keep = [] if opt.name == "data_dir" else ["--data-dir", str(other)]
+    peers = opt.name != "initial_peers"
+
+    assert resolved(join([*keep, *cli], env, toml, peers), opt) == expected(opt, on_cli)
+    assert resolved(join(keep, env, toml, peers), opt) == expected(opt, in_env)
+    assert resolved(join(keep, {}, toml, peers), opt) == expected(opt, in_file)
+    if opt.name not in ("initial_peers", "data_dir", "identity_path", "control_socket"):
+        assert resolved(join(keep, {}), opt) == resolved(NodeConfig(initial_peers=[PEER]), opt)
+
+
+def test_derived_paths_and_lists_resolve():
+    config = join(
+        ["--data-dir", "/srv/a"], {"AGORA_HOST_MADDRS": "/ip4/1.2.3.4/tcp/1 /ip6/::1/tcp/2"}
+    )
+    assert config.identity_path == "/srv/a/identity.key"
+    assert config.control_socket == "/srv/a/control.sock"
+    assert config.host_maddrs == ["/ip4/1.2.3.4/tcp/1", "/ip6/::1/tcp/2"]
+    assert config.pipeline == PipelineConfig()
+
+
+INVALID = [
+    # (option, bad text, what the one line says)
+    ("refresh", "soon", "is not a number"),
+    ("status_port", "8421.5", "is not an integer"),
+    ("max_in_flight", "-1", "--max-in-flight must be at least 0"),
+    ("stage", "two", "--stage must be 'auto' or a stage number"),
+    ("activation_codec", "int3", "--activation-codec must be one of"),
+    ("checkpoint_every", "0", "--checkpoint-every must be positive"),
+    ("emulate_link", "fast", "--emulate-link"),
+    ("manifest", "nope-not-a-file", "not found"),
+]
+
+
+@pytest.mark.parametrize("source", ["cli", "env", "toml"])
+@pytest.mark.parametrize(("name", "bad", "says"), INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_value_in_each_source_is_one_line_and_exit_2(
+    source, name, bad, says, tmp_path, monkeypatch, capsys
+):
+    opt = next(o for o in JOIN_OPTIONS if o.name == name)
+    argv = ["join", "--initial-peers", PEER, "--data-dir", str(tmp_path / "d")]
+    if source == "cli":
+        argv += [opt.flag, bad]
+    elif source == "env":
+        monkeypatch.setenv(opt.env, bad)
+    else:
+        argv += ["--config", str(write_toml(tmp_path / "a.toml", name, bad))]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("agora-node: error: "), err
+    assert says in err and "Traceback" not in err
+    if "is not" in says:  # a conversion error names where the text came from
+        assert {"cli": opt.flag, "env": opt.env, "toml": f"a.toml: {name}"}[source] in err
+    assert not (tmp_path / "d").exists()  # refused before anything was created
+
+
+def test_toml_type_and_unknown_key_errors_are_one_line(tmp_path, capsys):
+    for text, says in [
+        ("host-maddrs = 5\n", "is not a list of strings"),
+        ("threads = 1.5\n", "is not an integer"),
+        ("refresh_s = 3\n", "unknown option(s) refresh_s"),
+        ("refresh = \n", "--config"),
+    ]:
+        path = tmp_path / "c.toml"
+        path.write_text(text)
+        assert main(["join", "--initial-peers", PEER, "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
+
+
+def test_join_without_initial_peers_is_one_line(capsys):
+    assert main(["join"]) == 2
+    assert "join needs --initial-peers" in capsys.readouterr().err
+
+
+def test_default_data_dirs_differ_per_identity(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    home = tmp_path / ".agora-node"
+    plain = NodeConfig(initial_peers=[PEER])
+    assert (plain.data_dir, plain.identity_path) == (str(home), str(home / "identity.key"))
+    assert plain.control_socket == str(home / "control.sock")
+    same = NodeConfig(initial_peers=[PEER], identity_path="~/.agora-node/identity.key")
+    assert same.data_dir == str(home)  # naming the default identity keeps the default dir
+
+    one = NodeConfig(initial_peers=[PEER], identity_path=str(tmp_path / "keys" / "one.key"))
+    two = NodeConfig(initial_peers=[PEER], identity_path=str(tmp_path / "keys" / "two.key"))
+    assert one.data_dir == str(home / "nodes" / "one")
+    assert two.data_dir == str(home / "nodes" / "two")
+    assert one.control_socket != two.control_socket
+    assert one.identity_path == str(tmp_path / "keys" / "one.key")
+
+    chosen = NodeConfig(initial_peers=[PEER], identity_path="/k/one.key", data_dir="/srv/x")
+    assert chosen.data_dir == "/srv/x"  # --data-dir always wins
+
+    boot = BootstrapConfig()
+    assert (boot.data_dir, boot.identity_path) == (str(home), str(home / "bootstrap.key"))
+    assert BootstrapConfig(identity_path="/k/entry.key").data_dir == str(home / "nodes" / "entry")
+
+
+def test_dry_run_prints_the_resolved_dataclass(tmp_path, capsys):
+    argv = ["bootstrap", "--data-dir", str(tmp_path), "--manifest", "bench", "--dry-run"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("config: ")
+    shown = json.loads(first.removeprefix("config: "))
+    assert shown["data_dir"] == str(tmp_path)
+    assert shown["identity_path"] == str(tmp_path / "bootstrap.key")
+    from agora_node.stages.manifest_files import load_manifest
+
+    assert shown["manifest"] == load_manifest("bench").run_id

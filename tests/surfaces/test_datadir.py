@@ -1,0 +1,127 @@
+"""One daemon per data dir: a second one fails at once naming the first; death frees the dir.
+
+The holder is a real process that takes the lock as `agora-node join` does (the
+same function, before anything else); the second daemon is the real CLI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agora_node.node.datadir import DataDirInUse, lock_data_dir
+
+pytestmark = pytest.mark.timeout(60)
+
+PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJTjvve5CHTecvRiyBZSEgRN7cHWUDhThRpcBxcUEb3xX"
+HOLDER = r"""
+import multiprocessing, sys, time
+from agora_node.node.datadir import lock_data_dir
+
+def helper(running):
+    running.set()  # after-fork hooks have run by now
+    time.sleep(120)
+
+lock = lock_data_dir(sys.argv[1])
+child = None
+if sys.argv[2] == "fork":  # a forked helper without exec, as hivemind's DHT process is
+    ctx = multiprocessing.get_context("fork")
+    running = ctx.Event()
+    child = ctx.Process(target=helper, args=(running,))
+    child.start()
+    assert running.wait(30)
+print(child.pid if child else 0, flush=True)
+sys.stdin.read()  # holds until the test closes stdin or kills it
+"""
+
+
+@contextlib.contextmanager
+def holder(data_dir: Path, fork: bool = False) -> Iterator[tuple[subprocess.Popen, int]]:
+    """A process holding `data_dir` (and the pid of its forked child, or 0)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(data_dir), "fork" if fork else "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    child = 0
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            assert sel.select(timeout=30), "the holder did not take the lock within 30 s"
+        child = int(proc.stdout.readline())
+        yield proc, child
+    finally:
+        for pid in (proc.pid, child):
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def child_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def test_second_join_on_a_data_dir_fails_in_under_a_second_naming_the_first(tmp_path):
+    data_dir = tmp_path / "node"
+    with holder(data_dir) as (first, _):
+        started, cpu_before = time.monotonic(), child_cpu_s()
+        second = subprocess.run(
+            [sys.executable, "-m", "agora_node", "join", "--initial-peers", PEER]
+            + ["--data-dir", str(data_dir), "--status-port", "0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        elapsed, cpu = time.monotonic() - started, child_cpu_s() - cpu_before
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert second.stdout == ""
+    assert second.stderr.count("\n") == 1, second.stderr
+    assert second.stderr.startswith("agora-node: error: data dir ")
+    assert f"pid {first.pid}" in second.stderr and "--data-dir" in second.stderr
+    # CPU time, not wall time: on an idle machine the wall time is about the same
+    # (~0.4 s), but this shared 2-core machine can be loaded 10x. What matters is
+    # that the second daemon stops before any real work (torch, hivemind, network).
+    assert cpu < 1.0, f"took {cpu:.2f}s of CPU ({elapsed:.2f}s wall)"
+
+
+def test_a_sigkilled_holder_does_not_block_the_restart(tmp_path):
+    with holder(tmp_path) as (first, _):
+        with pytest.raises(DataDirInUse, match=f"pid {first.pid}"):
+            lock_data_dir(tmp_path)
+        first.kill()
+        first.wait(timeout=10)
+        with lock_data_dir(tmp_path) as lock:
+            assert lock.path.read_text() == f"{os.getpid()}\n"
+
+
+def test_a_forked_child_does_not_keep_the_lock_after_its_parent_died(tmp_path):
+    with holder(tmp_path, fork=True) as (first, child):
+        first.kill()
+        first.wait(timeout=10)
+        os.kill(child, 0)  # the child lives on (until the finally)...
+        with lock_data_dir(tmp_path):  # ...and does not hold the data dir
+            pass
+
+
+def test_one_process_cannot_take_its_own_data_dir_twice(tmp_path):
+    with lock_data_dir(tmp_path):
+        with pytest.raises(DataDirInUse, match=f"pid {os.getpid()}"):
+            lock_data_dir(tmp_path)
+        # A bootstrap and the default node may share ~/.agora-node: another lock name.
+        with lock_data_dir(tmp_path, "bootstrap.lock"):
+            pass
+    with lock_data_dir(tmp_path):
+        pass

@@ -50,7 +50,8 @@ class Node:
         self.peer_id = self.identity.peer_id
         self.state = NodeState.JOINING
         self.started_at = time.time()
-        self.metrics, self.history, self.stats = Metrics(), History(), PipelineStats()
+        self.metrics, self.history = Metrics(), History()
+        self.stats = PipelineStats(self.metrics)  # pipelines report to the node's one event sink
         self.stop_event = asyncio.Event()
         self.manifest: Manifest | None = None
         self.host: Host | None = None
@@ -145,9 +146,6 @@ class Node:
             fetch_records=self.directory.fetch,
             stats=self.stats,
             history=self.history,
-            on_bytes=lambda peer, sent, received: self.metrics.add_bytes(
-                peer, sent=sent, received=received
-            ),
         )
         self.service = await StageService.open(ctx, stage, self._loop_failed)
 

@@ -1,13 +1,18 @@
-"""Prometheus metrics of one daemon, on a private registry.
+"""The event sink of one daemon, and its Prometheus metrics on a private registry.
 
 Every `Metrics` owns its own `CollectorRegistry` (never prometheus_client's
 global one), so several daemons or tests in one process do not collide.
 
 Two kinds of numbers live here:
-- events the daemon counts as they happen (`count_rejected_record`,
-  `count_microbatch`, `add_bytes`), and
-- levels copied from the status snapshot just before each scrape
-  (`update_from_snapshot`), so /metrics and /api/v1/status never disagree.
+- events, counted once as they happen, here and nowhere else: the pipeline
+  reports micro-batch outcomes and latencies, payload bytes, injected and
+  completed tokens (`count_microbatch`, `add_bytes`, `count_injected`,
+  `count_completed`), the daemon rejected records. Each event moves the
+  Prometheus counter and the tally the status JSON reads (`microbatch_counts`,
+  `bytes_by_peer`, `completed_tokens_per_s`, ...), so the two cannot disagree;
+- levels and the counters other objects already keep (the outer loop's round
+  totals, SWIM's message counters), copied from the status snapshot just before
+  each scrape (`update_from_snapshot`), so /metrics shows the JSON's numbers.
 
 Label cardinality stays bounded: reasons are capped at `MAX_REASONS` distinct
 values, and per-peer byte counts are kept out of prometheus (they go to the
@@ -16,7 +21,7 @@ JSON status through `bytes_by_peer`, itself capped at `MAX_PEERS`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import (
@@ -29,6 +34,9 @@ from prometheus_client import (
     Info,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
+
+from agora_node.node.rates import RateWindow
 
 STATES = ("joining", "warming", "active", "leaving")
 MICROBATCH_RESULTS = ("ok", "dropped", "rejected")
@@ -55,11 +63,20 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._reasons: set[str] = set()
+        self._codes: set[str] = set()
         self._peers: dict[str, list[int]] = {}  # peer -> [sent, received]
         # Own tallies, because reading a Counter back needs prometheus_client internals.
         self._outcomes = dict.fromkeys(MICROBATCH_RESULTS, 0)
+        self._rejected_codes: dict[str, int] = {}
+        self.injected_tokens = 0
+        """Tokens this node (a head) put into the pipeline."""
+        self.completed_tokens = 0
+        """Tokens of this head's micro-batches that came back with their gradient."""
+        self._completed = RateWindow()
         self._build_counters()
         self._build_levels()
+        self._kept = _KeptCounters()
+        self.registry.register(self._kept)
 
     def _build_counters(self) -> None:
         r = self.registry
@@ -77,14 +94,31 @@ class Metrics:
         )
         for result in MICROBATCH_RESULTS:  # export zeros so rate() works from the start
             self.microbatches.labels(result=result)
-        self.bytes_sent = Counter("agora_bytes_sent", "Payload bytes sent to peers.", registry=r)
+        self.microbatches_rejected = Counter(
+            "agora_microbatches_rejected",
+            "Micro-batches this node refused, by wire error code.",
+            ["code"],
+            registry=r,
+        )
+        self.bytes_sent = Counter(
+            "agora_bytes_sent", "Pipeline payload bytes sent to peers.", registry=r
+        )
         self.bytes_received = Counter(
-            "agora_bytes_received", "Payload bytes received from peers.", registry=r
+            "agora_bytes_received", "Pipeline payload bytes received from peers.", registry=r
         )
         self.microbatch_latency = Histogram(
             "agora_microbatch_latency_seconds",
-            "Round trip of a micro-batch from send to returned gradient.",
+            "From receiving a micro-batch (at stage 0: injecting it) to its gradient "
+            "being ready to return: this node's part of the round trip and everything downstream.",
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.injected = Counter(
+            "agora_injected_tokens", "Tokens this head put into the pipeline.", registry=r
+        )
+        self.completed = Counter(
+            "agora_completed_tokens",
+            "Tokens of this head's micro-batches that came back with their gradient.",
             registry=r,
         )
 
@@ -99,7 +133,18 @@ class Metrics:
         self.stage = gauge("stage", "Pipeline stage served (-1 before one is chosen).")
         self.inner_step = gauge("inner_step", "Inner optimizer steps taken.")
         self.outer_step = gauge("outer_step", "Outer (DiLoCo) steps taken.")
-        self.throughput = gauge("throughput_tokens_per_s", "Tokens per second, EMA.")
+        self.compute_rate = gauge(
+            "compute_rate_tokens_per_s",
+            "Tokens per compute-second of this node's stage (each micro-batch once), last minute.",
+        )
+        self.utilization = gauge(
+            "utilization_ratio", "Fraction of wall time this node computed, last minute."
+        )
+        self.completed_rate = gauge(
+            "completed_tokens_per_s",
+            "Tokens/s of this head's micro-batches that came back with their gradient, "
+            "last minute (the swarm's rate is the sum over stage-0 nodes).",
+        )
         self.queue_length = gauge("queue_length", "Micro-batches waiting at this node.")
         self.in_flight = gauge("in_flight", "Micro-batches in flight from this node.")
         self.peers_alive = gauge("peers_alive", "Non-leaving peers seen per stage.", ("stage",))
@@ -112,12 +157,19 @@ class Metrics:
         reason = _bounded(self._reasons, reason, MAX_REASONS)
         self.records_rejected.labels(reason=reason).inc()
 
-    def count_microbatch(self, result: str, latency_s: float | None = None) -> None:
-        """Count one micro-batch outcome; `latency_s` is observed for completed ones."""
+    def count_microbatch(
+        self, result: str, latency_s: float | None = None, code: str | None = None
+    ) -> None:
+        """Count one micro-batch outcome; `latency_s` is observed for completed ones,
+        `code` (the wire error code) kept for rejected ones."""
         if result not in MICROBATCH_RESULTS:
             raise ValueError(f"micro-batch result must be one of {MICROBATCH_RESULTS}: {result!r}")
         self.microbatches.labels(result=result).inc()
         self._outcomes[result] += 1
+        if code is not None:
+            code = _bounded(self._codes, code, MAX_REASONS)
+            self._rejected_codes[code] = self._rejected_codes.get(code, 0) + 1
+            self.microbatches_rejected.labels(code=code).inc()
         if latency_s is not None:
             self.microbatch_latency.observe(latency_s)
 
@@ -133,6 +185,21 @@ class Metrics:
         tally[0] += sent
         tally[1] += received
 
+    def count_injected(self, tokens: int) -> None:
+        """A head put a micro-batch of `tokens` into the pipeline."""
+        self.injected.inc(tokens)
+        self.injected_tokens += tokens
+
+    def count_completed(self, tokens: int) -> None:
+        """A head's micro-batch of `tokens` came back with its gradient."""
+        self.completed.inc(tokens)
+        self.completed_tokens += tokens
+        self._completed.add(tokens)
+
+    def completed_tokens_per_s(self) -> float:
+        """This head's completed tokens per wall second over the last minute."""
+        return self._completed.per_wall_second()
+
     def bytes_by_peer(self) -> tuple[dict[str, int], dict[str, int]]:
         """(sent, received) per peer, for the status snapshot's bytes_sent/bytes_received."""
         sent = {peer: t[0] for peer, t in self._peers.items()}
@@ -142,6 +209,10 @@ class Metrics:
     def microbatch_counts(self) -> dict[str, int]:
         """Totals by result (ok/dropped/rejected), for the status snapshot."""
         return dict(self._outcomes)
+
+    def rejected_codes(self) -> dict[str, int]:
+        """Rejected micro-batches by wire error code, for the status snapshot."""
+        return dict(self._rejected_codes)
 
     # -- levels -----------------------------------------------------------
 
@@ -157,7 +228,8 @@ class Metrics:
         self.stage.set(-1 if stage is None else stage)
         self.inner_step.set(node.get("inner_step", 0))
         self.outer_step.set(node.get("outer_step", 0))
-        self.throughput.set(node.get("throughput", 0.0))
+        self.compute_rate.set(node.get("compute_rate", node.get("throughput", 0.0)))
+        self.utilization.set(node.get("utilization", 0.0))
         self.queue_length.set(node.get("queue", 0))
         self.in_flight.set(node.get("in_flight", 0))
         losses = node.get("last_losses") or []
@@ -167,7 +239,65 @@ class Metrics:
         for entry in snapshot.get("stages", []):
             alive = sum(1 for p in entry.get("peers", []) if p.get("state") != "leaving")
             self.peers_alive.labels(stage=str(entry["stage"])).set(alive)
+        self._kept.update(node.get("outer") or {}, (node.get("members") or {}).get("counters", {}))
 
     def render(self) -> bytes:
         """The prometheus text exposition of this registry."""
+        self.completed_rate.set(self.completed_tokens_per_s())
         return generate_latest(self.registry)
+
+
+class _KeptCounters:
+    """Counters that other objects keep (the outer loop's totals, SWIM's counters),
+    exported as the last status snapshot showed them."""
+
+    def __init__(self) -> None:
+        self._outer: Mapping[str, Any] = {}
+        self._members: Mapping[str, int] = {}
+        self._events: set[str] = set()
+
+    def update(self, outer: Mapping[str, Any], members: Mapping[str, int]) -> None:
+        self._outer, self._members = dict(outer), dict(members)
+
+    def collect(self) -> Iterator[Metric]:
+        outer = self._outer
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"agora_{name}", doc, value=value)
+
+        yield counter("outer_rounds", "Outer (DiLoCo) rounds completed.", outer.get("rounds", 0))
+        yield counter("outer_bytes_sent", "Bytes sent in outer rounds.", outer.get("bytes_sent", 0))
+        yield counter(
+            "outer_bytes_received",
+            "Bytes received in outer rounds.",
+            outer.get("bytes_received", 0),
+        )
+        yield counter(
+            "outer_blocked_seconds",
+            "Seconds inner steps waited on outer rounds.",
+            outer.get("seconds_blocked", 0.0),
+        )
+        yield from self._membership()
+
+    def _membership(self) -> Iterator[Metric]:
+        members = self._members
+        messages = CounterMetricFamily(
+            "agora_membership_messages", "SWIM messages, by direction.", labels=["direction"]
+        )
+        volume = CounterMetricFamily(
+            "agora_membership_bytes", "SWIM message bytes, by direction.", labels=["direction"]
+        )
+        events = CounterMetricFamily(
+            "agora_membership_events", "SWIM probes, suspicions, drops, ...", labels=["event"]
+        )
+        for direction in ("sent", "received"):
+            messages.add_metric([direction], members.get(direction, 0))
+            volume.add_metric([direction], members.get(f"{direction}_bytes", 0))
+        tally: dict[str, float] = {}
+        for name, value in members.items():
+            if name not in ("sent", "received", "sent_bytes", "received_bytes"):
+                name = _bounded(self._events, name, 2 * MAX_REASONS)
+                tally[name] = tally.get(name, 0) + value
+        for name, value in sorted(tally.items()):
+            events.add_metric([name], value)
+        yield from (messages, volume, events)

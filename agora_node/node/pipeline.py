@@ -41,6 +41,7 @@ from agora_node.comms.pipeline_wire import (
 from agora_node.comms.routing import FailureKind, Router, RouterConfig
 from agora_node.compression import ActivationCodec, CodecError, NonFiniteError
 from agora_node.node.config import PipelineConfig
+from agora_node.node.metrics import Metrics
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import forward_protocol
@@ -56,19 +57,32 @@ def max_request_bytes(manifest: Manifest) -> int:
 
 
 class PipelineStats:
-    def __init__(self) -> None:
-        self.results: Counter[str] = Counter()  # ok / dropped / rejected
-        self.rejected_codes: Counter[str] = Counter()
-        self.bytes_sent: Counter[str] = Counter()
-        self.bytes_received: Counter[str] = Counter()
+    """Losses, and the event sink (`events`, the node's Metrics) the pipeline reports to;
+    the counts are read from the sink, which counts each event once."""
+
+    def __init__(self, events: Metrics | None = None) -> None:
+        self.events = events if events is not None else Metrics()
         self.losses: deque[float] = deque(maxlen=50)
         self.val_loss: float | None = None
-        self.latency_s: deque[float] = deque(maxlen=50)
+
+    @property
+    def results(self) -> Counter[str]:
+        """Micro-batches by outcome: ok / dropped / rejected."""
+        return Counter(self.events.microbatch_counts())
+
+    @property
+    def rejected_codes(self) -> dict[str, int]:
+        return self.events.rejected_codes()
 
 
 class Pipeline:
     """Serves `worker`'s stage (the node routes its forward protocol to `handle`) and sends
-    over `p2p`; `peers_of(stage)` names live replicas of a stage."""
+    over `p2p`; `peers_of(stage)` names live replicas of a stage.
+
+    Every event (micro-batch outcome and latency, payload bytes, injected and
+    completed tokens) goes to `stats.events`, the node's one sink behind both the
+    status JSON and /metrics.
+    """
 
     def __init__(
         self,
@@ -78,18 +92,16 @@ class Pipeline:
         peer_id: str,
         peers_of: Callable[[int], list[str]],
         config: PipelineConfig,
-        on_bytes: Callable[[str, int, int], None] | None = None,
         stats: PipelineStats | None = None,
     ) -> None:
         self.manifest, self.worker, self.p2p, self.peer_id = manifest, worker, p2p, peer_id
         self.peers_of, self.config = peers_of, config
         self.codec = ActivationCodec(mode=config.activation_codec)
-        self.stats = stats or PipelineStats()
+        self.stats = stats if stats is not None else PipelineStats()
         """Shared by the node's successive pipelines, so totals survive a stage switch."""
+        self.events = self.stats.events
         self.accepting = True
         self.active_requests = 0
-        self.injected_tokens = 0
-        self._on_bytes = on_bytes
         m = manifest
         self._router = Router(RouterConfig(tokens_per_item=m.inner.micro_batch * m.model.seq_len))
         self._idle = asyncio.Event()
@@ -102,6 +114,10 @@ class Pipeline:
     @property
     def is_head(self) -> bool:
         return self.worker.stage.is_first
+
+    @property
+    def injected_tokens(self) -> int:
+        return self.events.injected_tokens
 
     # ---- serving ------------------------------------------------------------------------
     async def handle(self, remote: str, data: bytes):  # noqa: ANN202 - async generator
@@ -118,13 +134,13 @@ class Pipeline:
         yield answer
 
     async def _answer(self, remote: str, data: bytes) -> bytes:
+        started = time.monotonic()
         try:
             header, tokens, c_in = await self._admit(data)
         except WireError as exc:
             busy = exc.code in (Code.OVERLOADED, Code.LEAVING, Code.NOT_READY, Code.WRONG_STAGE)
             if not busy:
-                self.stats.results["rejected"] += 1
-                self.stats.rejected_codes[exc.code.value] += 1
+                self.events.count_microbatch("rejected", code=exc.code.value)
                 log.info("rejected micro-batch from %s: %s (%s)", remote[-8:], exc.code.value, exc)
             return error_response(Status.BUSY if busy else Status.REJECTED, exc.code, str(exc))
         if not header.train:
@@ -133,7 +149,7 @@ class Pipeline:
             loss, grad = await self.worker.call(
                 self.worker.forward_backward_last, c_in, tokens, header.loss_scale
             )
-            self.stats.results["ok"] += 1
+            self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
             return await self._ok(loss, grad)
         mb_id = f"{remote}/{header.mb_id}"
         c_out = await self.worker.call(self.worker.forward, mb_id, c_in, tokens)
@@ -141,12 +157,13 @@ class Pipeline:
         reply = await self.send(downstream, tokens, c_out)
         if reply is None:
             await self.worker.call(self.worker.discard, mb_id)
+            self.events.count_microbatch("dropped")
             return error_response(
                 Status.FAILED, Code.DOWNSTREAM, f"no stage {self.stage + 1} replica answered"
             )
         loss, grad_out = reply
         grad_in = await self.worker.call(self.worker.backward, mb_id, grad_out)
-        self.stats.results["ok"] += 1
+        self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
         return await self._ok(loss, grad_in)
 
     async def _admit(self, data: bytes) -> tuple[ForwardHeader, torch.Tensor, torch.Tensor]:
@@ -256,7 +273,6 @@ class Pipeline:
         if reply.status == Status.OK.value:
             latency = time.monotonic() - now
             self._router.on_success(peer, latency, time.monotonic())
-            self.stats.latency_s.append(latency)
             grad = None
             if header.train:
                 grad = await self._decode_grad(peer, grad_payload, header)
@@ -288,10 +304,7 @@ class Pipeline:
             return None
 
     def _count_bytes(self, peer: str, *, sent: int = 0, received: int = 0) -> None:
-        self.stats.bytes_sent[peer] += sent
-        self.stats.bytes_received[peer] += received
-        if self._on_bytes is not None:
-            self._on_bytes(peer, sent, received)
+        self.events.add_bytes(peer, sent=sent, received=received)
 
     # ---- stage 0: data and injection ----------------------------------------------------
     async def run_head(self, sampler: Sampler, stop: asyncio.Event, max_tokens: int = 0) -> None:
@@ -305,7 +318,7 @@ class Pipeline:
             await slots.acquire()
             if stop.is_set():
                 break
-            self.injected_tokens += tokens_per_mb
+            self.events.count_injected(tokens_per_mb)
             batch = sampler.claim(self.manifest.inner.micro_batch)
             task = asyncio.create_task(self._run_microbatch(batch))
             tasks.add(task)
@@ -328,11 +341,11 @@ class Pipeline:
             log.exception("micro-batch failed")
             loss = None
         if loss is None:
-            self.stats.results["dropped"] += 1
+            self.events.count_microbatch("dropped")
             return
-        self.stats.results["ok"] += 1
+        self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
+        self.events.count_completed(batch[:, :-1].numel())
         self.stats.losses.append(loss)
-        self.stats.latency_s.append(time.monotonic() - started)
 
     async def _pipeline_microbatch(self, batch: torch.Tensor, scale: float) -> float | None:
         mb_id = uuid.uuid4().hex[:16]

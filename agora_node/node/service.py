@@ -63,7 +63,6 @@ class ServiceContext:
     """Read the directory now (async): {stage: [NodeRecord]}."""
     stats: PipelineStats
     history: History
-    on_bytes: Callable[[str, int, int], None]
 
     @property
     def peer_id(self) -> str:
@@ -87,7 +86,6 @@ class StageService:
             ctx.peer_id,
             ctx.peers_of,
             ctx.config.pipeline,
-            on_bytes=ctx.on_bytes,
             stats=ctx.stats,
         )
         self.final_val_loss: float | None = None

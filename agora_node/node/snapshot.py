@@ -29,7 +29,9 @@ def progress_line(node: Node) -> str:
     loss = f"{sum(losses) / len(losses):.4f}" if losses else "-"
     return (
         f"stage {w.index} {node.state.value} | step {w.optimizer.steps} | loss {loss} "
-        f"| {w.stats.throughput:.0f} tok/s | in-flight {w.in_flight} "
+        f"| compute {w.stats.compute_rate:.0f} tok/compute-s, util {w.stats.utilization:.0%} "
+        + (f"| head {stats.events.completed_tokens_per_s():.0f} tok/s " if w.index == 0 else "")
+        + f"| in-flight {w.in_flight} "
         f"| ok {stats.results['ok']} dropped {stats.results['dropped']} "
         f"rejected {stats.results['rejected']} | peers {sum(len(v) for v in node.view.values())}"
     )
@@ -84,6 +86,8 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "members": node.liveness.status(),
             "tokens_seen": w.stats.tokens if w else 0,
             "throughput": w.stats.throughput if w else 0.0,
+            "compute_rate": w.stats.compute_rate if w else 0.0,
+            "utilization": w.stats.utilization if w else 0.0,
             "compute_s": w.stats.compute_s if w else 0.0,
             "queue": p.active_requests if p else 0,
             "in_flight": w.in_flight if w else 0,
@@ -101,6 +105,9 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "records_rejected": node.records_rejected,
             "final_val_loss": service.final_val_loss if service else None,
             "injected_tokens": p.injected_tokens if p else 0,
+            "completed_tokens": stats.events.completed_tokens,
+            "completed_tokens_per_s": stats.events.completed_tokens_per_s(),
+            "rejected_codes": stats.rejected_codes,
         },
         "stages": [
             {

@@ -87,7 +87,8 @@ def format_node(s: dict[str, Any]) -> str:
     )
     second = (
         f"           inner {s.get('inner_step', 0)}  outer {s.get('outer_step', 0)}  "
-        f"{_num(s.get('throughput'))} tok/s  queue {s.get('queue', 0)}  "
+        f"compute {_num(s.get('compute_rate', s.get('throughput')))} tok/compute-s  "
+        f"queue {s.get('queue', 0)}  "
         f"in flight {s.get('in_flight', 0)}  dropped {mb.get('dropped', 0)}  "
         f"rejected {mb.get('rejected', 0)}  "
         f"loss {_num(losses[-1] if losses else None, 4)}  val {_num(s.get('val_loss'), 4)}"
@@ -100,7 +101,9 @@ def format_stage(entry: dict[str, Any]) -> list[str]:
     lines = [f"stage {entry['stage']}  ({len(peers)} peer{'' if len(peers) == 1 else 's'})"]
     if not peers:
         return [*lines, "    (no peer serves this stage)"]
-    lines.append(f"    {'PEER':<21} {'STATE':<8} {'TOK/S':>9} {'QUEUE':>5} {'OUTER':>5} {'AGE':>6}")
+    lines.append(
+        f"    {'PEER':<21} {'STATE':<8} {'COMPUTE':>9} {'QUEUE':>5} {'OUTER':>5} {'AGE':>6}"
+    )
     for p in peers:
         mark = "*" if p.get("is_self") else " "
         lines.append(

@@ -50,7 +50,7 @@ class PeerView(TypedDict):
 
     peer_id: str
     state: str  # joining | warming | active | leaving
-    throughput: float  # announced tokens/s
+    throughput: float  # announced compute rate: tokens per compute-second, each micro-batch once
     queue: int  # micro-batches waiting or in flight there
     outer_step: int
     version: str
@@ -76,7 +76,7 @@ class NodeStatus(TypedDict):
     inner_step: int
     outer_step: int
     tokens_seen: int
-    throughput: float  # tokens/s, EMA
+    throughput: float  # compute rate (tokens per compute-second, last minute), as announced
     queue: int  # micro-batches waiting at this node
     in_flight: int  # micro-batches this node has sent and not yet got back
     microbatches: dict[str, int]  # {"ok", "dropped", "rejected"} totals

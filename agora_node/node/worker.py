@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
+from agora_node.node.rates import RateWindow
 from agora_node.protocol.manifest import Manifest
 from agora_node.stages.model import Stage, lm_loss
 from agora_node.stages.optim import InnerOptimizer
@@ -53,23 +54,52 @@ class _Pending:
     out: Tensor | None
     """Boundary output with its graph, or None when only the input was kept."""
     samples: int
+    compute_s: float = 0.0
+    """Seconds the forward took; the backward adds its own."""
     created: float = field(default_factory=time.monotonic)
 
 
 @dataclass
 class WorkerStats:
-    tokens: int = 0
+    """What this node's compute did. Each micro-batch's tokens count once, when its
+    backward ends; its compute time is its forward and backward together."""
+
     microbatches: int = 0
+    """Micro-batches whose forward and backward both ran here."""
     compute_s: float = 0.0
+    """Seconds the worker spent computing (training and validation, wasted forwards too)."""
     recomputed: int = 0
     expired: int = 0
     steps: int = 0
     stale_grads: int = 0
     """Micro-batches whose gradient was computed on an older weight version than the step used."""
-    throughput: float = 0.0
-    """Tokens/s of compute (EMA), what the node announces."""
     trained_tokens: int = 0
     """Tokens of micro-batches whose gradient this stage accumulated (the outer-step weight)."""
+    completed: RateWindow = field(default_factory=RateWindow)
+    """Recent micro-batches: (tokens, their forward + backward seconds)."""
+    busy: RateWindow = field(default_factory=RateWindow)
+    """Recent compute seconds, for utilization."""
+
+    @property
+    def compute_rate(self) -> float:
+        """Tokens per compute-second over the window: this node's speed on its stage when
+        busy, comparable across stages (not the swarm's tokens/s)."""
+        return self.completed.per_second()
+
+    @property
+    def utilization(self) -> float:
+        """Fraction of wall time the worker computed, over the window."""
+        return min(1.0, self.busy.per_wall_second())
+
+    @property
+    def throughput(self) -> float:
+        """What the node announces in its record: the compute rate."""
+        return self.compute_rate
+
+    @property
+    def tokens(self) -> int:
+        """Tokens this node trained (each micro-batch once); the record's tokens_seen."""
+        return self.trained_tokens
 
 
 class StageWorker:
@@ -121,14 +151,17 @@ class StageWorker:
     def _forward(self, params: dict[str, Tensor], x: Tensor | None, tokens: Tensor) -> Tensor:
         return functional_call(self.stage, params, (x, tokens))
 
-    def _account(self, started: float, tokens: int) -> None:
+    def _busy(self, started: float) -> float:
+        """Count compute since `started` (perf_counter) as busy; the seconds spent."""
         spent = time.perf_counter() - started
-        s = self.stats
-        s.compute_s += spent
-        s.tokens += tokens
-        s.microbatches += 1
-        rate = tokens / max(spent, 1e-6)
-        s.throughput = rate if s.throughput == 0 else 0.9 * s.throughput + 0.1 * rate
+        self.stats.compute_s += spent
+        self.stats.busy.add(spent)
+        return spent
+
+    def _completed(self, tokens: int, compute_s: float) -> None:
+        """A micro-batch's backward ended: its tokens, once, over its forward + backward time."""
+        self.stats.microbatches += 1
+        self.stats.completed.add(tokens, compute_s)
 
     # ---- compute (worker thread only) ------------------------------------------------
     def forward(self, mb_id: str, c_in: Tensor | None, tokens: Tensor) -> Tensor:
@@ -146,9 +179,14 @@ class StageWorker:
             out = self._forward(params, x_in, inputs)
             c_out = self.stage.encode_boundary(out, inputs)
         self._pending[mb_id] = _Pending(
-            self._version, params, tokens, x_in, c_out if keep_graph else None, samples=len(tokens)
+            self._version,
+            params,
+            tokens,
+            x_in,
+            c_out if keep_graph else None,
+            samples=len(tokens),
+            compute_s=self._busy(started),
         )
-        self._account(started, tokens[:, :-1].numel())
         return c_out.detach()
 
     def backward(self, mb_id: str, grad_c_out: Tensor) -> Tensor | None:
@@ -164,7 +202,7 @@ class StageWorker:
         out.backward(grad_c_out)
         grad_in = self._input_grad(p.x_in)
         self._finish(p.version, p.params, p.tokens[:, :-1].numel())
-        self._account(started, p.tokens[:, :-1].numel())
+        self._completed(p.tokens[:, :-1].numel(), p.compute_s + self._busy(started))
         return grad_in
 
     def forward_backward_last(
@@ -183,7 +221,7 @@ class StageWorker:
         (loss * loss_scale).backward()
         grad_in = self._input_grad(x_in)
         self._finish(self._version, params, inputs.numel())
-        self._account(started, inputs.numel())
+        self._completed(inputs.numel(), self._busy(started))
         return float(loss.detach()), grad_in
 
     def _input_grad(self, x_in: Tensor | None) -> Tensor | None:
@@ -195,12 +233,17 @@ class StageWorker:
     @torch.no_grad()
     def forward_eval(self, c_in: Tensor | None, tokens: Tensor) -> Tensor | float:
         """Forward only (validation): boundary coefficients, or the loss at the last stage."""
+        started = time.perf_counter()
         inputs = tokens[:, :-1]
         x_in = None if c_in is None else self.stage.decode_boundary(c_in, inputs)
         out = self._forward(self._params, x_in, inputs)
-        if self.stage.is_last:
-            return float(lm_loss(out, tokens[:, 1:]))
-        return self.stage.encode_boundary(out, inputs)
+        result = (
+            float(lm_loss(out, tokens[:, 1:]))
+            if self.stage.is_last
+            else self.stage.encode_boundary(out, inputs)
+        )
+        self._busy(started)  # busy, but no training tokens: not in the compute rate
+        return result
 
     def discard(self, mb_id: str) -> None:
         self._pending.pop(mb_id, None)

@@ -48,7 +48,9 @@ class NodeRecord:
     stage: int
     state: str = NodeState.JOINING.value
     throughput: float = 0.0
-    """Tokens per second this node processes (forward + backward), EMA."""
+    """Compute rate: tokens per compute-second of forward + backward on this node's
+    stage, each micro-batch counted once, over the last minute. A node's speed when
+    busy, comparable across stages; not the swarm's tokens/s."""
     queue: int = 0
     """Micro-batches waiting or in flight at this node."""
     version: str = ""

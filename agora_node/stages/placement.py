@@ -1,11 +1,15 @@
 """Stage choice: which pipeline stage a node serves, as pure functions of a snapshot.
 
 The swarm trains at the pace of its slowest stage, so a stage's *capacity* is
-what bounds it: the tokens/s its replicas can pass together. A node's speed is
-kept as *power* (tokens/s it would reach on a stage of mean cost), so that its
-capacity on another stage is power / cost of that stage. A replica whose
-throughput is not known yet (it just joined) counts as the median known power,
-or 1 when nothing is known.
+what bounds it: the tokens/s its replicas can pass together. A record's
+`throughput` is the node's compute rate on the stage it serves: tokens per
+compute-second of forward + backward, each micro-batch's tokens counted once
+(node/worker.py), so that every stage measures the same tokens and a stage's
+capacity is the sum of its replicas' rates. A node's speed is kept as *power* =
+rate x cost of its stage (tokens/s it would reach on a stage of mean cost), so
+that its capacity on another stage is power / cost of that stage. A replica
+whose throughput is not known yet (it just joined) counts as the median known
+power, or 1 when nothing is known.
 
 - `choose_stage`: where a joining node goes. All joining nodes visible in the
   snapshot form one batch, ordered by a hash of their peer ids, and each in turn

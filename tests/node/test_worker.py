@@ -121,3 +121,34 @@ def test_recompute_when_graph_budget_is_exhausted():
         strict=True,
     ):
         torch.testing.assert_close(a.grad, b.grad, msg=n)
+
+
+def test_tokens_count_once_per_microbatch_at_every_stage():
+    """Forward and backward of a micro-batch are one measurement: the same token count at
+    every stage, over the micro-batch's forward + backward seconds."""
+    m = load_manifest("tiny")
+    workers = [StageWorker(m, s) for s in range(m.num_stages)]
+    for w in workers:
+        w.micro_per_step = 10**9  # no optimizer step: only the accounting is under test
+    tokens = torch.randint(0, 256, (m.inner.micro_batch, m.model.seq_len + 1))
+    n = 3
+    for i in range(n):
+        pipeline_microbatch(workers, f"m{i}", tokens, 1 / n)
+    per_mb = m.inner.micro_batch * m.model.seq_len
+    for w in workers:
+        s = w.stats
+        assert (s.microbatches, s.tokens, s.trained_tokens) == (n, n * per_mb, n * per_mb)
+        # Nothing else ran: the rate is all tokens over all compute seconds.
+        assert s.compute_rate == pytest.approx(s.tokens / s.compute_s, rel=1e-9)
+        assert s.throughput == s.compute_rate  # what the record announces
+        assert 0 < s.utilization <= 1
+
+
+def test_discarded_and_validation_work_is_busy_time_not_rate():
+    m = load_manifest("tiny")
+    w = StageWorker(m, 0)
+    tokens = torch.randint(0, 256, (m.inner.micro_batch, m.model.seq_len + 1))
+    w.forward("lost", None, tokens)
+    w.discard("lost")  # downstream never answered
+    w.forward_eval(None, tokens)
+    assert w.stats.compute_s > 0 and w.stats.tokens == 0 and w.stats.compute_rate == 0

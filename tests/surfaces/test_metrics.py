@@ -77,3 +77,43 @@ def test_levels_come_from_the_snapshot():
     assert s[("agora_loss", ())] == pytest.approx(3.812)
     assert s[("agora_peers_alive", (("stage", "1"),))] == 1  # the leaving peer does not count
     assert s[("agora_peers_alive", (("stage", "2"),))] == 0
+
+
+def test_rejections_keep_their_code():
+    m = Metrics()
+    m.count_microbatch("rejected", code="bad_shape")
+    m.count_microbatch("rejected", code="bad_shape")
+    assert m.rejected_codes() == {"bad_shape": 2}
+    assert samples(m)[("agora_microbatches_rejected_total", (("code", "bad_shape"),))] == 2
+
+
+def test_outer_and_membership_counters_come_from_the_snapshot():
+    m = Metrics()
+    snap = make_snapshot()
+    snap["node"]["outer"] = {
+        "rounds": 3,
+        "bytes_sent": 700,
+        "bytes_received": 650,
+        "seconds_blocked": 1.5,
+    }
+    snap["node"]["members"] = {
+        "counters": {"sent": 9, "sent_bytes": 900, "received": 8, "probes": 4}
+    }
+    m.update_from_snapshot(snap)
+    s = samples(m)
+    assert s[("agora_outer_rounds_total", ())] == 3
+    assert s[("agora_outer_bytes_sent_total", ())] == 700
+    assert s[("agora_outer_blocked_seconds_total", ())] == 1.5
+    assert s[("agora_membership_messages_total", (("direction", "sent"),))] == 9
+    assert s[("agora_membership_bytes_total", (("direction", "sent"),))] == 900
+    assert s[("agora_membership_events_total", (("event", "probes"),))] == 4
+
+
+def test_compute_rate_and_utilization_are_labelled_levels():
+    m = Metrics()
+    snap = make_snapshot()
+    snap["node"]["utilization"] = 0.25
+    m.update_from_snapshot(snap)
+    s = samples(m)
+    assert s[("agora_compute_rate_tokens_per_s", ())] == 1234.5  # the record's throughput
+    assert s[("agora_utilization_ratio", ())] == 0.25

@@ -36,7 +36,11 @@ async def test_status_table(status_server, capsys):
     assert lines[0].startswith(
         "this node  12D3KooWSe...AAAAAA  run 3f2a1b0c9d8e  stage 1/3  active"
     )
-    assert "1234.5 tok/s" in lines[1] and "dropped 1" in lines[1] and "loss 3.8120" in lines[1]
+    assert (
+        "compute 1234.5 tok/compute-s" in lines[1]
+        and "dropped 1" in lines[1]
+        and "loss 3.8120" in lines[1]
+    )
     assert "stage 1  (2 peers)" in out and "stage 2  (0 peers)" in out
     assert "(no peer serves this stage)" in out
     self_row = next(line for line in lines if line.startswith("  * "))

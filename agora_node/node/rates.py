@@ -1,0 +1,72 @@
+"""Rates over a sliding window of recent events: compute rate, utilization, tokens/s.
+
+A lifetime average hides a node that slowed down an hour ago; an EMA of
+per-call rates averages ratios (a fast forward and a slow backward do not
+average to the rate of the pair). A window keeps the sums of the last
+`span_s` seconds and divides them.
+
+Written from the stage worker's thread and read from the event loop, so every
+method takes a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+SPAN_S = 60.0
+"""Seconds the windows of a node cover (about one rebalance interval)."""
+
+
+class RateWindow:
+    """Events (amount, seconds) of the last `span_s` seconds, and their sums.
+
+    - `per_second()`: amount per second of the events' own `seconds` (e.g. tokens
+      per compute-second); the last value seen once the window has emptied, so an
+      idle node keeps its measured speed.
+    - `per_wall_second()`: amount per second of wall time (e.g. completed tokens/s,
+      or busy seconds per second = utilization). The window counts from its
+      creation, so a node that just started is not credited with a full span.
+    """
+
+    def __init__(self, span_s: float = SPAN_S, clock: Callable[[], float] = time.monotonic) -> None:
+        if span_s <= 0:
+            raise ValueError(f"span_s must be positive, got {span_s}")
+        self.span_s, self._clock = span_s, clock
+        self._created = clock()
+        self._events: deque[tuple[float, float, float]] = deque()  # (at, amount, seconds)
+        self._amount = self._seconds = 0.0
+        self._last_per_second = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, amount: float, seconds: float = 0.0) -> None:
+        with self._lock:
+            now = self._clock()
+            self._events.append((now, amount, seconds))
+            self._amount += amount
+            self._seconds += seconds
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.span_s:
+            _, amount, seconds = self._events.popleft()
+            self._amount -= amount
+            self._seconds -= seconds
+        if not self._events:  # no drift from float subtraction across an empty window
+            self._amount = self._seconds = 0.0
+
+    def per_second(self) -> float:
+        with self._lock:
+            self._trim(self._clock())
+            if self._seconds > 0:
+                self._last_per_second = self._amount / self._seconds
+            return self._last_per_second
+
+    def per_wall_second(self) -> float:
+        with self._lock:
+            now = self._clock()
+            self._trim(now)
+            elapsed = min(self.span_s, now - self._created)
+            return self._amount / elapsed if elapsed > 0 else 0.0

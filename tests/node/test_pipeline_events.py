@@ -1,0 +1,67 @@
+"""The pipeline reports its events to one sink: what the status JSON reads and what
+/metrics exports are the same counts."""
+
+import asyncio
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agora_node.node.metrics import Metrics
+from agora_node.node.pipeline import Pipeline, PipelineConfig, PipelineStats, Sampler
+from agora_node.node.worker import StageWorker
+from agora_node.protocol.manifest import parse_manifest
+from agora_node.stages.data import TokenWindows
+from agora_node.stages.manifest_files import load_manifest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def one_stage_manifest():
+    """tiny cut to two layers in one stage: a head that is also the last stage, no network."""
+    text = load_manifest("tiny").to_toml().replace("n_layers = 8", "n_layers = 2")
+    return parse_manifest(text.replace("count = 4", "count = 1"))
+
+
+def values(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+
+
+def test_a_head_reports_outcomes_latency_and_tokens_to_its_sink():
+    m = one_stage_manifest()
+    events = Metrics()
+    worker = StageWorker(m, 0)
+    stats = PipelineStats(events)
+    pipeline = Pipeline(m, worker, None, "me", lambda s: [], PipelineConfig(), stats=stats)
+    sampler = Sampler(TokenWindows(m, "train"), "me", lambda: [])
+    per_mb = m.inner.micro_batch * m.model.seq_len
+    try:
+        asyncio.run(pipeline.run_head(sampler, asyncio.Event(), max_tokens=3 * per_mb))
+    finally:
+        worker.close()
+    assert pipeline.stats.results == {"ok": 3, "dropped": 0, "rejected": 0}
+    assert pipeline.injected_tokens == events.completed_tokens == 3 * per_mb
+    assert events.completed_tokens_per_s() > 0
+    v = values(events)
+    assert v[("agora_microbatches_total", (("result", "ok"),))] == 3
+    assert v[("agora_microbatch_latency_seconds_count", ())] == 3
+    assert v[("agora_injected_tokens_total", ())] == v[("agora_completed_tokens_total", ())]
+    assert v[("agora_completed_tokens_per_s", ())] > 0
+
+
+def test_bytes_are_counted_once():
+    m = one_stage_manifest()
+    events = Metrics()
+    worker = StageWorker(m, 0)
+    try:
+        stats = PipelineStats(events)
+        pipeline = Pipeline(m, worker, None, "me", lambda s: [], PipelineConfig(), stats=stats)
+        pipeline._count_bytes("peer", sent=10, received=3)
+        assert events.bytes_by_peer() == ({"peer": 10}, {"peer": 3})
+        pipeline._count_bytes("peer", sent=5)
+        assert events.bytes_by_peer() == ({"peer": 15}, {"peer": 3})
+    finally:
+        worker.close()

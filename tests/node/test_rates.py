@@ -1,0 +1,55 @@
+"""RateWindow: sums over the last span, per own second and per wall second."""
+
+import pytest
+
+from agora_node.node.rates import RateWindow
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_per_second_divides_sums_not_averages_ratios():
+    clock = Clock()
+    w = RateWindow(60, clock)
+    w.add(1000, 0.1)  # 10,000/s
+    w.add(1000, 0.9)  # ~1,111/s; the pair together did 2,000 in 1 s
+    assert w.per_second() == pytest.approx(2000)
+
+
+def test_old_events_leave_the_window_and_the_last_rate_stays():
+    clock = Clock()
+    w = RateWindow(60, clock)
+    w.add(500, 1.0)
+    clock.now += 30
+    w.add(300, 1.0)
+    assert w.per_second() == pytest.approx(400)
+    clock.now += 40  # the first event is 70 s old
+    assert w.per_second() == pytest.approx(300)
+    clock.now += 100  # nothing left: an idle node keeps its measured speed
+    assert w.per_second() == pytest.approx(300)
+    assert w.per_wall_second() == 0
+
+
+def test_per_wall_second_counts_from_creation_then_the_span():
+    clock = Clock()
+    w = RateWindow(60, clock)
+    clock.now += 10
+    w.add(5.0)
+    assert w.per_wall_second() == pytest.approx(0.5)  # 10 s old, not a full span
+    clock.now += 40
+    w.add(5.0)
+    assert w.per_wall_second() == pytest.approx(10 / 50)
+    clock.now += 25  # the first event is 65 s old and fell out; the span is 60 s
+    assert w.per_wall_second() == pytest.approx(5 / 60)
+
+
+def test_span_must_be_positive():
+    with pytest.raises(ValueError, match="span_s"):
+        RateWindow(0)

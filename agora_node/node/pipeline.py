@@ -1,4 +1,4 @@
-"""The data plane of one node: serve micro-batches for its stage, inject them at stage 0.
+"""The data plane of one node: serve micro-batches for its stage, send them to the next.
 
 A micro-batch is one nested round trip: stage 0 sends it to a stage-1 replica,
 which forwards it, sends it on, waits for the answer, runs backward and answers
@@ -9,16 +9,15 @@ another replica, not the micro-batch. A micro-batch that cannot complete within
 its deadline is dropped and counted, never stuck.
 
 Compute (codec, forward, backward) runs in the stage worker's thread; the
-handlers here only validate headers, route and wait.
+handlers here only validate headers, route and wait. Stage 0's injection and
+validation are in head.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
-import uuid
 from collections import Counter, deque
 from collections.abc import Callable
 
@@ -45,7 +44,6 @@ from agora_node.node.metrics import Metrics
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import forward_protocol
-from agora_node.stages.data import TokenWindows
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +112,6 @@ class Pipeline:
     @property
     def is_head(self) -> bool:
         return self.worker.stage.is_first
-
-    @property
-    def injected_tokens(self) -> int:
-        return self.events.injected_tokens
 
     # ---- serving ------------------------------------------------------------------------
     async def handle(self, remote: str, data: bytes):  # noqa: ANN202 - async generator
@@ -306,95 +300,6 @@ class Pipeline:
     def _count_bytes(self, peer: str, *, sent: int = 0, received: int = 0) -> None:
         self.events.add_bytes(peer, sent=sent, received=received)
 
-    # ---- stage 0: data and injection ----------------------------------------------------
-    async def run_head(self, sampler: Sampler, stop: asyncio.Event, max_tokens: int = 0) -> None:
-        """Keep up to max_in_flight micro-batches in the pipeline until `stop` is set
-        (or, with max_tokens, until that many tokens have been injected)."""
-        spec = self.manifest.inner
-        slots = asyncio.Semaphore(self.config.max_in_flight or spec.local_batch // spec.micro_batch)
-        tasks: set[asyncio.Task] = set()
-        tokens_per_mb = self.manifest.inner.micro_batch * self.manifest.model.seq_len
-        while not stop.is_set() and not (max_tokens and self.injected_tokens >= max_tokens):
-            await slots.acquire()
-            if stop.is_set():
-                break
-            self.events.count_injected(tokens_per_mb)
-            batch = sampler.claim(self.manifest.inner.micro_batch)
-            task = asyncio.create_task(self._run_microbatch(batch))
-            tasks.add(task)
-            task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _run_microbatch(self, batch: torch.Tensor) -> None:
-        spec = self.manifest.inner
-        scale = spec.micro_batch / spec.local_batch
-        started = time.monotonic()
-        try:
-            if self.worker.stage.is_last:  # a one-stage run: everything is local
-                loss, _ = await self.worker.call(
-                    self.worker.forward_backward_last, None, batch, scale
-                )
-            else:
-                loss = await self._pipeline_microbatch(batch, scale)
-        except Exception:
-            log.exception("micro-batch failed")
-            loss = None
-        if loss is None:
-            self.events.count_microbatch("dropped")
-            return
-        self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
-        self.events.count_completed(batch[:, :-1].numel())
-        self.stats.losses.append(loss)
-
-    async def _pipeline_microbatch(self, batch: torch.Tensor, scale: float) -> float | None:
-        mb_id = uuid.uuid4().hex[:16]
-        c = await self.worker.call(self.worker.forward, mb_id, None, batch)
-        header = self._header(mb_id, batch, scale, train=True)
-        reply = await self.send(header, batch, c)
-        if reply is None:
-            await self.worker.call(self.worker.discard, mb_id)
-            return None
-        loss, grad = reply
-        await self.worker.call(self.worker.backward, mb_id, grad)
-        return loss
-
-    def _header(
-        self, mb_id: str, batch: torch.Tensor, scale: float, *, train: bool
-    ) -> ForwardHeader:
-        return ForwardHeader(
-            run_id=self.manifest.run_id,
-            mb_id=mb_id,
-            stage=self.stage + 1,
-            batch=len(batch),
-            seq=self.manifest.model.seq_len,
-            width=self.worker.stage.boundary_width,
-            loss_scale=scale,
-            train=train,
-            origin=self.peer_id,
-        )
-
-    async def evaluate(self, windows: TokenWindows, sample_ids: list[int]) -> float | None:
-        """Validation loss of the whole pipeline on fixed windows (forward only)."""
-        total, count = 0.0, 0
-        step = self.manifest.inner.micro_batch
-        for i in range(0, len(sample_ids), step):
-            batch = windows.batch(sample_ids[i : i + step])
-            out = await self.worker.call(self.worker.forward_eval, None, batch)
-            if self.worker.stage.is_last:
-                loss = out
-            else:
-                reply = await self.send(
-                    self._header(f"eval-{i}", batch, 1.0, train=False), batch, out
-                )
-                if reply is None:
-                    return None
-                loss = reply[0]
-            total += loss * len(batch)
-            count += len(batch)
-        self.stats.val_loss = total / count
-        return self.stats.val_loss
-
     async def drain(self, timeout: float) -> bool:
         """Stop accepting new micro-batches and wait for the ones being served."""
         self.accepting = False
@@ -403,37 +308,3 @@ class Pipeline:
             return True
         except TimeoutError:
             return False
-
-
-class Sampler:
-    """Which training windows this head owns: rendezvous hashing over the live heads.
-
-    Sample s belongs to the head h maximizing hash(epoch, s, h), so two live
-    heads never train the same sample in an epoch, and when a head leaves only
-    its samples move. Every head walks the same epoch order and skips the rest.
-    """
-
-    def __init__(self, windows: TokenWindows, peer_id: str, heads: Callable[[], list[str]]) -> None:
-        self.windows, self.peer_id, self.heads = windows, peer_id, heads
-        self.position = 0  # across epochs
-        self._epoch, self._order = -1, None
-
-    def _owner(self, epoch: int, sample: int, heads: list[str]) -> str:
-        def score(h: str) -> bytes:
-            return hashlib.blake2b(f"{epoch}/{sample}/{h}".encode(), digest_size=8).digest()
-
-        return max(heads, key=score)
-
-    def claim(self, count: int) -> torch.Tensor:
-        heads = sorted(set(self.heads()) | {self.peer_id})
-        n = len(self.windows)
-        ids: list[int] = []
-        while len(ids) < count:
-            epoch, offset = divmod(self.position, n)
-            if epoch != self._epoch:
-                self._order, self._epoch = self.windows.epoch_order(epoch), epoch
-            sample = int(self._order[offset])
-            self.position += 1
-            if len(heads) == 1 or self._owner(epoch, sample, heads) == self.peer_id:
-                ids.append(sample)
-        return self.windows.batch(ids)

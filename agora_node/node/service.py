@@ -28,11 +28,11 @@ from agora_node.comms.pipeline_wire import Code, Status, error_response
 from agora_node.node import joining
 from agora_node.node.checkpoint import save_checkpoint
 from agora_node.node.config import NodeConfig
+from agora_node.node.head import Head, Sampler
 from agora_node.node.outer import OuterLoop
 from agora_node.node.pipeline import (
     Pipeline,
     PipelineStats,
-    Sampler,
     max_request_bytes,
 )
 from agora_node.node.rounds import OuterRounds
@@ -212,7 +212,8 @@ class StageService:
         ctx, cfg = self.ctx, self.ctx.config
         train, val = TokenWindows(ctx.manifest, "train"), TokenWindows(ctx.manifest, "val")
         sampler = Sampler(train, ctx.peer_id, lambda: ctx.peers_of(0))
-        inject = asyncio.create_task(self.pipeline.run_head(sampler, self._stop, cfg.max_tokens))
+        head = Head(self.pipeline)
+        inject = asyncio.create_task(head.run(sampler, self._stop, cfg.max_tokens))
         stopped = asyncio.create_task(self._stop.wait())
         val_ids = val.fixed_subset(cfg.eval_samples)
         try:
@@ -226,12 +227,12 @@ class StageService:
                     break
                 if inject.done():
                     await inject
-                    self.final_val_loss = await self.pipeline.evaluate(val, val_ids)
+                    self.final_val_loss = await head.evaluate(val, val_ids)
                     log.info("token budget reached; final validation loss %s", self.final_val_loss)
                     await self._stop.wait()
                     break
                 if min(ctx.peers_of(0) + [ctx.peer_id]) == ctx.peer_id:  # one head evaluates
-                    loss = await self.pipeline.evaluate(val, val_ids)
+                    loss = await head.evaluate(val, val_ids)
                     if loss is not None:
                         ctx.history.add("val_loss", loss)
                         log.info("validation loss %.4f", loss)

@@ -104,7 +104,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "states_served": node.states_served,
             "records_rejected": node.records_rejected,
             "final_val_loss": service.final_val_loss if service else None,
-            "injected_tokens": p.injected_tokens if p else 0,
+            "injected_tokens": stats.events.injected_tokens,
             "completed_tokens": stats.events.completed_tokens,
             "completed_tokens_per_s": stats.events.completed_tokens_per_s(),
             "rejected_codes": stats.rejected_codes,

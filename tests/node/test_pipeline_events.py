@@ -6,8 +6,9 @@ import asyncio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agora_node.node.head import Head, Sampler
 from agora_node.node.metrics import Metrics
-from agora_node.node.pipeline import Pipeline, PipelineConfig, PipelineStats, Sampler
+from agora_node.node.pipeline import Pipeline, PipelineConfig, PipelineStats
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.manifest import parse_manifest
 from agora_node.stages.data import TokenWindows
@@ -39,11 +40,12 @@ def test_a_head_reports_outcomes_latency_and_tokens_to_its_sink():
     sampler = Sampler(TokenWindows(m, "train"), "me", lambda: [])
     per_mb = m.inner.micro_batch * m.model.seq_len
     try:
-        asyncio.run(pipeline.run_head(sampler, asyncio.Event(), max_tokens=3 * per_mb))
+        head = Head(pipeline)
+        asyncio.run(head.run(sampler, asyncio.Event(), max_tokens=3 * per_mb))
     finally:
         worker.close()
     assert pipeline.stats.results == {"ok": 3, "dropped": 0, "rejected": 0}
-    assert pipeline.injected_tokens == events.completed_tokens == 3 * per_mb
+    assert head.injected_tokens == events.completed_tokens == 3 * per_mb
     assert events.completed_tokens_per_s() > 0
     v = values(events)
     assert v[("agora_microbatches_total", (("result", "ok"),))] == 3

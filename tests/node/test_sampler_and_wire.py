@@ -15,7 +15,7 @@ from agora_node.comms.pipeline_wire import (
     encode_forward,
     encode_tokens,
 )
-from agora_node.node.pipeline import Sampler
+from agora_node.node.head import Sampler
 from agora_node.stages.data import TokenWindows
 from agora_node.stages.manifest_files import load_manifest
 

@@ -1,0 +1,163 @@
+"""Stage 0's side of the data plane: which samples this head trains, injection, validation.
+
+A head keeps up to `max_in_flight` micro-batches in the pipeline (`run`), each
+one nested round trip through `Pipeline.send`; it owns its samples by
+rendezvous hashing over the live heads (`Sampler`), and measures the whole
+pipeline's validation loss on fixed windows (`evaluate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+import torch
+
+from agora_node.comms.pipeline_wire import ForwardHeader
+from agora_node.node.pipeline import Pipeline
+from agora_node.stages.data import TokenWindows
+
+log = logging.getLogger(__name__)
+
+
+class Head:
+    """Injects micro-batches into `pipeline` (a stage-0 node's) and evaluates."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        self.manifest, self.worker, self.config = (
+            pipeline.manifest,
+            pipeline.worker,
+            pipeline.config,
+        )
+        self.peer_id, self.stats, self.events = pipeline.peer_id, pipeline.stats, pipeline.events
+
+    @property
+    def injected_tokens(self) -> int:
+        return self.events.injected_tokens
+
+    async def run(self, sampler: Sampler, stop: asyncio.Event, max_tokens: int = 0) -> None:
+        """Keep up to max_in_flight micro-batches in the pipeline until `stop` is set
+        (or, with max_tokens, until that many tokens have been injected)."""
+        spec = self.manifest.inner
+        slots = asyncio.Semaphore(self.config.max_in_flight or spec.local_batch // spec.micro_batch)
+        tasks: set[asyncio.Task] = set()
+        tokens_per_mb = self.manifest.inner.micro_batch * self.manifest.model.seq_len
+        while not stop.is_set() and not (max_tokens and self.injected_tokens >= max_tokens):
+            await slots.acquire()
+            if stop.is_set():
+                break
+            self.events.count_injected(tokens_per_mb)
+            batch = sampler.claim(self.manifest.inner.micro_batch)
+            task = asyncio.create_task(self._run_microbatch(batch))
+            tasks.add(task)
+            task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_microbatch(self, batch: torch.Tensor) -> None:
+        spec = self.manifest.inner
+        scale = spec.micro_batch / spec.local_batch
+        started = time.monotonic()
+        try:
+            if self.worker.stage.is_last:  # a one-stage run: everything is local
+                loss, _ = await self.worker.call(
+                    self.worker.forward_backward_last, None, batch, scale
+                )
+            else:
+                loss = await self._pipeline_microbatch(batch, scale)
+        except Exception:
+            log.exception("micro-batch failed")
+            loss = None
+        if loss is None:
+            self.events.count_microbatch("dropped")
+            return
+        self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
+        self.events.count_completed(batch[:, :-1].numel())
+        self.stats.losses.append(loss)
+
+    async def _pipeline_microbatch(self, batch: torch.Tensor, scale: float) -> float | None:
+        mb_id = uuid.uuid4().hex[:16]
+        c = await self.worker.call(self.worker.forward, mb_id, None, batch)
+        header = self._header(mb_id, batch, scale, train=True)
+        reply = await self.pipeline.send(header, batch, c)
+        if reply is None:
+            await self.worker.call(self.worker.discard, mb_id)
+            return None
+        loss, grad = reply
+        await self.worker.call(self.worker.backward, mb_id, grad)
+        return loss
+
+    def _header(
+        self, mb_id: str, batch: torch.Tensor, scale: float, *, train: bool
+    ) -> ForwardHeader:
+        return ForwardHeader(
+            run_id=self.manifest.run_id,
+            mb_id=mb_id,
+            stage=self.worker.index + 1,
+            batch=len(batch),
+            seq=self.manifest.model.seq_len,
+            width=self.worker.stage.boundary_width,
+            loss_scale=scale,
+            train=train,
+            origin=self.peer_id,
+        )
+
+    async def evaluate(self, windows: TokenWindows, sample_ids: list[int]) -> float | None:
+        """Validation loss of the whole pipeline on fixed windows (forward only)."""
+        total, count = 0.0, 0
+        step = self.manifest.inner.micro_batch
+        for i in range(0, len(sample_ids), step):
+            batch = windows.batch(sample_ids[i : i + step])
+            out = await self.worker.call(self.worker.forward_eval, None, batch)
+            if self.worker.stage.is_last:
+                loss = out
+            else:
+                reply = await self.pipeline.send(
+                    self._header(f"eval-{i}", batch, 1.0, train=False), batch, out
+                )
+                if reply is None:
+                    return None
+                loss = reply[0]
+            total += loss * len(batch)
+            count += len(batch)
+        self.stats.val_loss = total / count
+        return self.stats.val_loss
+
+
+class Sampler:
+    """Which training windows this head owns: rendezvous hashing over the live heads.
+
+    Sample s belongs to the head h maximizing hash(epoch, s, h), so two live
+    heads never train the same sample in an epoch, and when a head leaves only
+    its samples move. Every head walks the same epoch order and skips the rest.
+    """
+
+    def __init__(self, windows: TokenWindows, peer_id: str, heads: Callable[[], list[str]]) -> None:
+        self.windows, self.peer_id, self.heads = windows, peer_id, heads
+        self.position = 0  # across epochs
+        self._epoch, self._order = -1, None
+
+    def _owner(self, epoch: int, sample: int, heads: list[str]) -> str:
+        def score(h: str) -> bytes:
+            return hashlib.blake2b(f"{epoch}/{sample}/{h}".encode(), digest_size=8).digest()
+
+        return max(heads, key=score)
+
+    def claim(self, count: int) -> torch.Tensor:
+        heads = sorted(set(self.heads()) | {self.peer_id})
+        n = len(self.windows)
+        ids: list[int] = []
+        while len(ids) < count:
+            epoch, offset = divmod(self.position, n)
+            if epoch != self._epoch:
+                self._order, self._epoch = self.windows.epoch_order(epoch), epoch
+            sample = int(self._order[offset])
+            self.position += 1
+            if len(heads) == 1 or self._owner(epoch, sample, heads) == self.peer_id:
+                ids.append(sample)
+        return self.windows.batch(ids)

@@ -14,9 +14,11 @@ the node.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,7 @@ from agora_node.comms.reaper import Reaper
 log = logging.getLogger(__name__)
 
 DHT_TIMEOUT_S = 10.0
+SHUTDOWN_STEP_S = 5.0
 
 
 class HostError(RuntimeError):
@@ -133,13 +136,47 @@ class Host:
         return self.dht.is_alive() and self.p2p.is_alive
 
     async def shutdown(self) -> None:
+        """Stop the DHT process and the libp2p daemon; the reaper kills what is left.
+
+        hivemind's DHT.shutdown blocks on its child; when the child is already gone
+        (a process-group signal reached it first) that wait may never end, so it runs
+        in a daemon thread that neither the event loop's shutdown nor the interpreter's
+        exit waits for."""
         started = time.monotonic()
         try:
-            await asyncio.to_thread(self.dht.shutdown)
+            await asyncio.wait_for(_in_daemon_thread(self.dht.shutdown), SHUTDOWN_STEP_S)
+        except TimeoutError:
+            log.warning("the DHT process did not stop within %.0fs", SHUTDOWN_STEP_S)
         finally:
-            await self.p2p.shutdown()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.p2p.shutdown(), SHUTDOWN_STEP_S)
             self._reaper.stop()
         log.debug("host shut down in %.1fs", time.monotonic() - started)
+
+
+def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(_settle, future, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, future, result, None)
+
+    threading.Thread(target=run, name="host-shutdown", daemon=True).start()
+    return future
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 async def _awaited(future: Any) -> Any:

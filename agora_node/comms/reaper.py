@@ -18,7 +18,8 @@ import sys
 _PR_SET_PDEATHSIG = 1
 
 
-def _set_parent_death_signal() -> None:
+def set_parent_death_signal() -> None:
+    """In a child, before exec (preexec_fn): SIGTERM when the parent dies, even by SIGKILL."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -34,7 +35,7 @@ class Reaper:
         proc = subprocess.Popen(
             [sys.executable, "-m", "agora_node.comms.reaper", str(os.getpid())],
             stdin=subprocess.PIPE,
-            preexec_fn=_set_parent_death_signal,  # noqa: PLW1509 - must run in the child
+            preexec_fn=set_parent_death_signal,  # noqa: PLW1509 - must run in the child
             close_fds=True,
         )
         return cls(proc)

@@ -23,6 +23,7 @@ import logging
 import random
 import signal
 import time
+from collections.abc import Awaitable
 
 from agora_node.comms.directory import Directory, Snapshot, publish_manifest
 from agora_node.comms.host import Host, HostConfig
@@ -41,6 +42,20 @@ from agora_node.protocol.records import NodeState
 from agora_node.stages import placement
 
 log = logging.getLogger(__name__)
+
+STEP_S = 10.0
+"""Deadline of each step of leaving and closing that talks to the network or children."""
+CHECKPOINT_S = 300.0
+
+
+async def bounded(what: str, step: Awaitable[object], seconds: float) -> None:
+    """Await one step of leaving; past its deadline or on failure, log it and go on."""
+    try:
+        await asyncio.wait_for(step, seconds)
+    except TimeoutError:
+        log.warning("leaving: %s did not finish within %.0fs; going on", what, seconds)
+    except Exception as exc:
+        log.warning("leaving: %s failed (%s); going on", what, exc)
 
 
 class Node:
@@ -257,7 +272,9 @@ class Node:
 
     # ---- leaving --------------------------------------------------------------------------
     async def leave(self) -> None:
-        """Announce leaving, finish in-flight work, checkpoint; idempotent."""
+        """Announce leaving, finish in-flight work, checkpoint; idempotent. Every step has
+        a deadline, so leaving completes even when the DHT child or p2pd is already gone
+        (a process-group SIGTERM reaches them first)."""
         if self.state == NodeState.LEAVING:
             return
         log.info("leaving: finishing in-flight micro-batches")
@@ -265,23 +282,27 @@ class Node:
         self.stop_event.set()
         for task in self._tasks:  # bookkeeping loops: nothing in them is worth waiting for
             task.cancel()
+        cfg = self.config
         if self.service is not None:
-            await self.directory.withdraw(node_record(self), ttl=self.config.record_ttl_s)
+            withdraw = self.directory.withdraw(node_record(self), ttl=cfg.record_ttl_s)
+            await bounded("withdrawing the record", withdraw, STEP_S)
             self.liveness.announce(self.service.index, self.state.value)
-            await self.service.drain(self.config.drain_timeout_s)
-            await self.checkpoint()
-        await self.liveness.leave(linger_s=1.0)
+            await bounded(
+                "draining", self.service.drain(cfg.drain_timeout_s), 2 * cfg.drain_timeout_s
+            )
+            await bounded("the checkpoint", self.checkpoint(), CHECKPOINT_S)
+        await bounded("the SWIM leave", self.liveness.leave(linger_s=1.0), STEP_S)
 
     async def close(self) -> None:
-        await self.liveness.stop()
+        await bounded("stopping SWIM", self.liveness.stop(), STEP_S)
         if self.service is not None:
-            await self.service.close()
+            await bounded("closing the stage service", self.service.close(), STEP_S)
         if self._control is not None:
-            await self._control.stop()
+            await bounded("stopping the control API", self._control.stop(), STEP_S)
         if self._status is not None:
-            await self._status.stop()
+            await bounded("stopping the status page", self._status.stop(), STEP_S)
         if self.host is not None:
-            await self.host.shutdown()
+            await bounded("shutting down libp2p and the DHT", self.host.shutdown(), STEP_S)
 
     # ---- status ---------------------------------------------------------------------------
     def snapshot(self) -> dict:

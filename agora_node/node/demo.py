@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agora_node.comms.reaper import set_parent_death_signal
 from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, UsageError
 from agora_node.stages.manifest_files import load_manifest
 
@@ -31,6 +33,7 @@ class Child:
     name: str
     proc: subprocess.Popen
     log_path: Path
+    argv: list[str]
     status_port: int | None = None
 
 
@@ -45,15 +48,22 @@ class Swarm:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen(
             [sys.executable, "-m", "agora_node", *argv],
-            stdout=open(log_path, "w"),  # noqa: SIM115 - owned by the child
+            stdout=open(log_path, "a"),  # noqa: SIM115 - owned by the child
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own group: hivemind's children die with it
+            # If the demo itself dies (even by SIGKILL), every node gets SIGTERM and leaves.
+            preexec_fn=set_parent_death_signal,  # noqa: PLW1509 - must run in the child
             env=env,
         )
-        child = Child(name, proc, log_path, status_port)
+        child = Child(name, proc, log_path, argv, status_port)
         self.children.append(child)
         return child
+
+    def respawn(self, child: Child) -> Child:
+        """Start `child`'s command again (same identity and data dir) in its place."""
+        self.children.remove(child)
+        return self.spawn(child.name, child.argv, child.status_port)
 
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM every child's main process (a clean leave: it stops its own helpers),
@@ -101,9 +111,9 @@ def fetch_status(port: int, timeout: float = 1.0) -> dict | None:
 
 
 def start_swarm(
-    manifest: str, nodes: int, workdir: Path, base_port: int, extra: list[str] = ()
+    swarm: Swarm, manifest: str, nodes: int, base_port: int, extra: list[str] = ()
 ) -> Swarm:
-    swarm = Swarm(workdir)
+    workdir = swarm.workdir
     boot = swarm.spawn(
         "bootstrap", ["bootstrap", "--manifest", manifest, "--data-dir", str(workdir / "bootstrap")]
     )
@@ -112,8 +122,9 @@ def start_swarm(
     for i in range(nodes):
         data_dir = workdir / f"node-{i}"
         argv = ["join", "--initial-peers", *swarm.initial_peers, "--data-dir", str(data_dir)]
-        argv += ["--status-port", str(base_port + i), "--threads", "1", *extra]
-        swarm.spawn(f"node-{i}", argv, status_port=base_port + i)
+        port = base_port + i if base_port else 0  # 0: any free port, read from the log
+        argv += ["--status-port", str(port), "--threads", "1", *extra]
+        swarm.spawn(f"node-{i}", argv, status_port=port)
     return swarm
 
 
@@ -152,9 +163,23 @@ class Progress:
         )
 
 
+_STATUS_PORT = re.compile(r"status page http://[^:]+:(\d+)/")
+
+
+class _Stopped(Exception):
+    """SIGTERM, SIGINT or SIGHUP reached the demo: stop every node the same clean way."""
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise _Stopped(signal.Signals(signum).name)
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     manifest = load_manifest(args.manifest)
-    nodes = args.nodes or manifest.num_stages
+    nodes = args.nodes or 2 * manifest.num_stages
     if nodes < manifest.num_stages:
         raise UsageError(
             f"--nodes {nodes} cannot cover {manifest.num_stages} stages: use at least that many"
@@ -163,47 +188,166 @@ def cmd_demo(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     extra = ["--eval-every", str(args.eval_every)]
     print(
-        f"demo: run {manifest.run_id} ({manifest.run.name}), {nodes} nodes on 127.0.0.1, logs in {workdir}"
+        f"demo: run {manifest.run_id} ({manifest.run.name}), {nodes} nodes on 127.0.0.1 "
+        f"for {manifest.num_stages} stages, logs in {workdir}"
     )
-    swarm = start_swarm(args.manifest, nodes, workdir, args.base_port, extra)
-    started = time.monotonic()
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, _raise_stopped)
+    swarm = Swarm(workdir)
+    summary = Summary()
     try:
+        start_swarm(swarm, args.manifest, nodes, args.base_port, extra)
         for child in swarm.children[1:]:
-            wait_for_line(child, "status page http://", 120)
+            line = wait_for_line(child, "status page http://", 120)
+            child.status_port = int(_STATUS_PORT.search(line).group(1))
         print("demo: all nodes serving; dashboards:")
         for child in swarm.children[1:]:
             print(f"  {child.name}: http://127.0.0.1:{child.status_port}/")
-        progress = Progress()
-        end = started + args.minutes * 60 if args.minutes else float("inf")
-        while time.monotonic() < end:
-            time.sleep(min(args.interval, max(0.1, end - time.monotonic())))
-            dead = [c.name for c in swarm.children if c.proc.poll() is not None]
-            if dead:
-                print(f"demo: {', '.join(dead)} exited unexpectedly; see logs in {workdir}")
-                return EXIT_FAILURE
-            statuses = [
-                s for c in swarm.children[1:] if (s := fetch_status(c.status_port)) is not None
-            ]
-            print(progress.line(statuses, started), flush=True)
-        return EXIT_OK
-    except KeyboardInterrupt:
-        print("\ndemo: stopping")
+        return _run(swarm, args, summary)
+    except _Stopped as exc:
+        print(f"\ndemo: {exc} received, stopping")
         return EXIT_OK
     except RuntimeError as exc:
         print(f"demo: {exc}")
         return EXIT_FAILURE
     finally:
+        for sig in _STOP_SIGNALS:  # a second signal must not interrupt the clean stop
+            signal.signal(sig, signal.SIG_IGN)
         print("demo: stopping all nodes (they checkpoint and leave)...", flush=True)
         swarm.stop()
+        print(summary.text(), flush=True)
         print(f"demo: stopped; logs and checkpoints in {workdir}")
+
+
+def _run(swarm: Swarm, args: argparse.Namespace, summary: Summary) -> int:
+    started = time.monotonic()
+    progress = Progress()
+    faults = FaultPlan(swarm, after_s=args.fault_after) if args.faults else None
+    end = started + args.minutes * 60 if args.minutes else float("inf")
+    while time.monotonic() < end:
+        time.sleep(min(args.interval, max(0.1, end - time.monotonic())))
+        if faults is not None:
+            faults.step(time.monotonic() - started)
+        dead = [
+            c.name
+            for c in swarm.children
+            if c.proc.poll() is not None and (faults is None or c is not faults.victim)
+        ]
+        if dead:
+            print(f"demo: {', '.join(dead)} exited unexpectedly; see logs in {swarm.workdir}")
+            return EXIT_FAILURE
+        statuses = [s for c in swarm.children[1:] if (s := _node_status(c)) is not None]
+        summary.update(statuses)
+        print(progress.line(statuses, started), flush=True)
+    return EXIT_OK
+
+
+def _node_status(child: Child) -> dict | None:
+    return fetch_status(child.status_port) if child.proc.poll() is None else None
+
+
+class FaultPlan:
+    """`--faults`: SIGKILL one node of the last stage mid-run, restart it with the same
+    identity and data dir a little later, and say what the swarm did about it."""
+
+    def __init__(self, swarm: Swarm, after_s: float, down_s: float = 20.0) -> None:
+        self.swarm, self.after_s, self.down_s = swarm, after_s, down_s
+        self.victim: Child | None = None
+        self.killed_at: float | None = None
+        self.restarted = self.reported = False
+
+    def step(self, elapsed: float) -> None:
+        if self.victim is None and elapsed >= self.after_s:
+            self._kill()
+        elif self.killed_at is not None and not self.restarted and elapsed >= self.killed_at:
+            self.victim = self.swarm.respawn(self.victim)
+            self.restarted = True
+            print(f"demo: fault: restarted {self.victim.name} with the same identity", flush=True)
+        elif self.restarted and not self.reported:
+            status = _node_status(self.victim)
+            origin = (status or {}).get("state_origin") or {}
+            if status and status.get("state") == "active" and origin:
+                print(
+                    f"demo: fault: {self.victim.name} serves stage {status['stage']} again; "
+                    f"state from {origin.get('kind')} {str(origin.get('source'))[-8:]}",
+                    flush=True,
+                )
+                self.reported = True
+
+    def _kill(self) -> None:
+        statuses = {c.name: _node_status(c) for c in self.swarm.children[1:]}
+        last = max((s["num_stages"] for s in statuses.values() if s), default=1) - 1
+        victims = [
+            c for c in self.swarm.children[1:] if (statuses[c.name] or {}).get("stage") == last
+        ]
+        self.victim = (victims or self.swarm.children[1:])[-1]
+        _signal_group(self.victim.proc, signal.SIGKILL)
+        self.victim.proc.wait()
+        self.killed_at = self.after_s + self.down_s
+        print(
+            f"demo: fault: SIGKILLed {self.victim.name} (stage {last}); micro-batches in flight "
+            f"there fail over to its stage's other replica; restart in {self.down_s:.0f}s",
+            flush=True,
+        )
+
+
+class Summary:
+    """What happened during the demo, from the nodes' last statuses."""
+
+    def __init__(self) -> None:
+        self.first_val: float | None = None
+        self.last_val: float | None = None
+        self.last: dict[str, dict] = {}
+
+    def update(self, statuses: list[dict]) -> None:
+        for s in statuses:
+            self.last[s["peer_id"]] = s
+        vals = [s["val_loss"] for s in statuses if s.get("stage") == 0 and s.get("val_loss")]
+        if vals and self.first_val is None:
+            self.first_val = min(vals)
+        if vals:
+            self.last_val = min(vals)
+
+    def text(self) -> str:
+        nodes = list(self.last.values())
+        if not nodes:
+            return "demo: summary: no node reported"
+        outer = [n.get("outer") or {} for n in nodes]
+        rounds = max((o.get("outer_round", 0) for o in outer), default=0)
+        grouped = sum(
+            1 for o in outer if len((o.get("last_round") or {}).get("delta_group", [])) > 1
+        )
+        outer_mb = sum(o.get("bytes_sent", 0) for o in outer) / 1e6
+        mbs = {
+            k: sum(n.get("microbatches", {}).get(k, 0) for n in nodes)
+            for k in ("ok", "dropped", "rejected")
+        }
+        served = sum(len(n.get("states_served", [])) for n in nodes)
+        val = f"{self.first_val:.3f} -> {self.last_val:.3f}" if self.first_val is not None else "-"
+        return (
+            f"demo: summary: {rounds} outer rounds ({grouped} of {len(nodes)} nodes mixed in a "
+            f"group of 2+ last round, {outer_mb:.1f} MB sent); micro-batch hops ok "
+            f"{mbs['ok']}, dropped {mbs['dropped']}, rejected {mbs['rejected']}; "
+            f"{served} state copies served; val_loss {val}"
+        )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="a local swarm on 127.0.0.1 training the embedded default")
     p.add_argument(
-        "--manifest", default="tiny", help="builtin manifest or TOML path (default tiny)"
+        "--manifest",
+        default="demo",
+        help="builtin manifest or TOML path (default demo: 2 stages sized for 2 CPU cores)",
     )
-    p.add_argument("--nodes", type=int, default=0, help="daemons to start (default: one per stage)")
+    p.add_argument(
+        "--faults",
+        action="store_true",
+        help="SIGKILL a node mid-run and restart it: shows failover and a state copy",
+    )
+    p.add_argument(
+        "--fault-after", type=float, default=90.0, help="seconds into the run for --faults"
+    )
+    p.add_argument("--nodes", type=int, default=0, help="daemons to start (default: two per stage)")
     p.add_argument(
         "--minutes", type=float, default=10.0, help="how long to train (0: until Ctrl-C)"
     )
@@ -211,6 +355,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--eval-every", type=float, default=30.0, help="seconds between validation losses"
     )
-    p.add_argument("--base-port", type=int, default=8421, help="status port of the first node")
+    p.add_argument(
+        "--base-port",
+        type=int,
+        default=8421,
+        help="status port of the first node, the next ones follow (0: any free ports)",
+    )
     p.add_argument("--data-dir", help="where logs and checkpoints go (default: a new temp dir)")
     p.set_defaults(func=cmd_demo)

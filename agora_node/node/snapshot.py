@@ -7,8 +7,10 @@ daemon rebuilds it every second in a background task, and the status page,
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agora_node import __version__
@@ -33,8 +35,19 @@ def progress_line(node: Node) -> str:
         + (f"| head {stats.events.completed_tokens_per_s():.0f} tok/s " if w.index == 0 else "")
         + f"| in-flight {w.in_flight} "
         f"| ok {stats.results['ok']} dropped {stats.results['dropped']} "
-        f"rejected {stats.results['rejected']} | peers {sum(len(v) for v in node.view.values())}"
+        f"rejected {stats.results['rejected']} | peers {sum(len(v) for v in node.view.values())} "
+        f"| outer round {service.rounds.round}, blocked {service.rounds.outer.totals['seconds_blocked']:.0f}s "
+        f"| rss {rss_bytes() / 2**20:.0f} MiB"
     )
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc; 0 where unavailable)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def node_record(node: Node) -> NodeRecord:
@@ -89,6 +102,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "compute_rate": w.stats.compute_rate if w else 0.0,
             "utilization": w.stats.utilization if w else 0.0,
             "compute_s": w.stats.compute_s if w else 0.0,
+            "rss_bytes": rss_bytes(),
             "queue": p.active_requests if p else 0,
             "in_flight": w.in_flight if w else 0,
             "microbatches": dict(stats.results),

@@ -1,0 +1,107 @@
+"""Stopping by any signal leaves nothing behind: a node or bootstrap whose whole process
+group gets SIGTERM (timeout, systemd, `kill -- -PGID`), and the demo stopped by SIGTERM
+or killed by SIGKILL."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import poll
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def _descendants(root: int) -> set[int]:
+    """Every live process below `root` (sessions and process groups included), by ppid."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z":  # zombies are dead; their parent reaps them
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+def test_node_and_bootstrap_leave_when_their_process_group_gets_sigterm(swarm):
+    boot = swarm.bootstrap("demo")
+    node = swarm.join("node-0", "--stage", "0")
+    swarm.serving(node)
+    poll(lambda: (s := swarm.status(node)) and s["state"] == "active", 60, "active")
+    for child in (node, boot):  # as `timeout`, systemd or `kill -- -PGID` deliver it
+        os.killpg(child.proc.pid, signal.SIGTERM)
+    assert node.proc.wait(timeout=60) == 0, swarm.log(node)[-2000:]
+    assert boot.proc.wait(timeout=30) == 0, swarm.log(boot)[-2000:]
+    assert "checkpoint saved" in swarm.log(node)
+
+
+def _start_demo(workdir: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "agora_node", "demo", "--nodes", "2", "--minutes", "0"]
+    argv += ["--interval", "2", "--data-dir", str(workdir), "--base-port", "0"]
+    return subprocess.Popen(
+        argv,
+        stdout=open(workdir / "demo.out", "w"),  # noqa: SIM115 - closed with the process
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_demo_stopped_or_killed_leaves_no_process_behind(tmp_path, sig):
+    workdir = tmp_path / "demo"
+    workdir.mkdir()
+    demo = _start_demo(workdir)
+    out = workdir / "demo.out"
+    tree: set[int] = set()
+    try:
+        poll(lambda: "all nodes serving" in out.read_text(), 180, "the demo's nodes serving")
+        poll(lambda: " tok/s " in out.read_text(), 60, "a progress line")
+        tree = _descendants(demo.pid)  # bootstrap, nodes, their DHT children, p2pd, reapers
+        assert len(tree) >= 3, tree
+        demo.send_signal(sig)
+        code = demo.wait(timeout=90)
+        if sig == signal.SIGTERM:
+            assert code == 0, out.read_text()[-2000:]
+            assert "stopped; logs and checkpoints" in out.read_text()
+        started = time.monotonic()
+        poll(lambda: not _alive(tree), 60, f"no process of the demo left after {sig.name}")
+        print(f"{sig.name}: every process gone {time.monotonic() - started:.1f}s after exit")
+        node_logs = [p.read_text() for p in workdir.glob("node-*.log")]
+        assert node_logs and all("checkpoint saved" in log for log in node_logs)
+    finally:
+        for pid in _alive(tree | {demo.pid}):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        demo.wait(timeout=10)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -95,7 +96,7 @@ class Host:
         except Exception as exc:
             await p2p.shutdown()
             reaper.stop()
-            raise HostError(f"DHT failed to start: {_one_line(exc)}") from None
+            raise _clock_error(exc) or HostError(f"DHT failed to start: {_one_line(exc)}") from None
         reaper.watch(dht.pid)
         return cls(p2p, dht, reaper)
 
@@ -191,8 +192,26 @@ def _check_maddr(maddr: str) -> None:
         raise HostError(f"invalid multiaddr {maddr!r}: {_one_line(exc)}") from None
 
 
+_CLOCK = re.compile(r"local time must be within (\S+) seconds.*local: ([\d.]+), peer: ([\d.]+)")
+
+
+def _clock_error(exc: BaseException) -> HostError | None:
+    """hivemind's clock check, which it raises as text only: the offset and the fix."""
+    clock = _CLOCK.search(str(exc))
+    if clock is None:
+        return None
+    allowed, local, peer = (float(x) for x in clock.groups())
+    return HostError(
+        f"this machine's clock is {local - peer:+.1f}s off the swarm's (hivemind allows "
+        f"{allowed:g}s): enable time synchronization (e.g. `timedatectl set-ntp true`) and retry"
+    )
+
+
 def _explain_start_failure(exc: BaseException, config: HostConfig) -> HostError:
     text = _one_line(exc)
+    clock = _clock_error(exc)
+    if clock is not None:
+        return clock
     if "bootstrap" in text.lower() or "connect" in text.lower():
         peers = ", ".join(config.initial_peers)
         return HostError(

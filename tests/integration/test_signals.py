@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,3 +106,18 @@ def test_demo_stopped_or_killed_leaves_no_process_behind(tmp_path, sig):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         demo.wait(timeout=10)
+
+
+@pytest.mark.skipif(shutil.which("faketime") is None, reason="needs faketime (Debian package)")
+def test_a_node_whose_clock_is_off_gets_one_line_with_the_offset_and_the_fix(swarm, tmp_path):
+    swarm.bootstrap("demo")
+    argv = ["faketime", "-f", "+30s", sys.executable, "-m", "agora_node", "join"]
+    argv += ["--initial-peers", *swarm.initial_peers, "--data-dir", str(tmp_path / "late")]
+    argv += ["--status-port", "0"]
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    errors = [line for line in (done.stdout + done.stderr).splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert "clock is +30" in errors[0] and "time synchronization" in errors[0], errors

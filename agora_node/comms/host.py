@@ -16,11 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import hivemind
@@ -151,8 +154,29 @@ class Host:
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.p2p.shutdown(), SHUTDOWN_STEP_S)
+            self._kill_leftovers()
             self._reaper.stop()
         log.debug("host shut down in %.1fs", time.monotonic() - started)
+
+    def _kill_leftovers(self) -> None:
+        """A child that did not stop in time (say it got a signal meant for its group and
+        hangs) is killed: our own children, so their pids cannot have been reused."""
+        children = [("DHT", self.dht.pid), ("libp2p", getattr(self.p2p._child, "pid", None))]  # noqa: SLF001
+        for name, pid in children:
+            if pid is None or not _running(pid):
+                continue
+            log.warning("the %s process %d did not stop: killing it", name, pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """A child of ours that has not exited (a zombie counts as exited)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:

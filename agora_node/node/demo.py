@@ -132,8 +132,10 @@ class Progress:
     """Aggregates the nodes' status into one line per interval."""
 
     def __init__(self) -> None:
-        self.last_tokens: int | None = None
-        self.last_time = time.monotonic()
+        self.tokens = 0
+        """Tokens trained by the swarm: what the heads injected and got back with a gradient."""
+        self._seen: dict[str, int] = {}  # per head: its completed_tokens at the last line
+        self.last_tokens, self.last_time = 0, time.monotonic()
 
     def line(self, statuses: list[dict], started: float) -> str:
         nodes = statuses
@@ -142,15 +144,15 @@ class Progress:
             if n.get("state") == "active" and n.get("stage") is not None:
                 by_stage[n["stage"]] = by_stage.get(n["stage"], 0) + 1
         num_stages = max((n.get("num_stages", 0) for n in nodes), default=0)
-        # Every trained token passes through the last stage exactly once.
-        tokens = sum(n.get("tokens_seen", 0) for n in nodes if n.get("stage") == num_stages - 1)
+        for n in nodes:  # per head and only forward: a restarted head counts from 0 again
+            if n.get("stage") == 0:
+                done, before = n.get("completed_tokens", 0), self._seen.get(n["peer_id"], 0)
+                self.tokens += done - before if done >= before else done
+                self._seen[n["peer_id"]] = done
         now = time.monotonic()
-        rate = (
-            (tokens - self.last_tokens) / (now - self.last_time)
-            if self.last_tokens is not None
-            else 0.0
-        )
-        self.last_tokens, self.last_time = tokens, now
+        rate = (self.tokens - self.last_tokens) / max(now - self.last_time, 1e-9)
+        self.last_tokens, self.last_time = self.tokens, now
+        tokens = self.tokens
         heads = [n for n in nodes if n.get("stage") == 0]
         losses = [x for n in heads for x in n.get("last_losses", [])[-8:]]
         vals = [n["val_loss"] for n in heads if n.get("val_loss") is not None]
@@ -246,6 +248,11 @@ def _node_status(child: Child) -> dict | None:
     return fetch_status(child.status_port) if child.proc.poll() is None else None
 
 
+def _status_ports(child: Child) -> list[int]:
+    """The status ports a node's log announced, oldest first (one per start)."""
+    return [int(p) for p in _STATUS_PORT.findall(child.log_path.read_text(errors="replace"))]
+
+
 class FaultPlan:
     """`--faults`: SIGKILL one node of the last stage mid-run, restart it with the same
     identity and data dir a little later, and say what the swarm did about it."""
@@ -255,15 +262,20 @@ class FaultPlan:
         self.victim: Child | None = None
         self.killed_at: float | None = None
         self.restarted = self.reported = False
+        self._ports_seen: list[int] = []
 
     def step(self, elapsed: float) -> None:
         if self.victim is None and elapsed >= self.after_s:
             self._kill()
         elif self.killed_at is not None and not self.restarted and elapsed >= self.killed_at:
+            self._ports_seen = _status_ports(self.victim)
             self.victim = self.swarm.respawn(self.victim)
             self.restarted = True
             print(f"demo: fault: restarted {self.victim.name} with the same identity", flush=True)
         elif self.restarted and not self.reported:
+            ports = _status_ports(self.victim)  # its log goes on: the newest line is this run's
+            if len(ports) > len(self._ports_seen):
+                self.victim.status_port = ports[-1]
             status = _node_status(self.victim)
             origin = (status or {}).get("state_origin") or {}
             if status and status.get("state") == "active" and origin:

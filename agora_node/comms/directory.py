@@ -193,9 +193,13 @@ async def fetch_manifest(host: Host, local: Manifest | None, run_id: str | None 
         remote = await host.get(manifest_key(wanted))
         if remote is None:
             served = describe_runs(await list_runs(host))
-            how = "is your --manifest the same file?" if local is not None else "check --run"
+            if local is not None:
+                raise RunDiscoveryError(
+                    f"the swarm does not serve your manifest (run id {wanted}); "
+                    f"it serves: {served} - is your --manifest the same file?"
+                )
             raise RunDiscoveryError(
-                f"the swarm does not serve run {wanted}; it serves: {served} - {how}"
+                f"the swarm does not serve run {wanted} (--run); it serves: {served}"
             )
         return _checked(remote, wanted)
     pointers = await list_runs(host)

@@ -112,7 +112,9 @@ def test_forged_pointers_are_ignored_and_several_valid_runs_fail_in_one_line():
     assert "f" * 16 not in message and lone.run_id not in message
     # --run chooses; an unknown --run says what is served.
     assert asyncio.run(fetch_manifest(FakeDHT(data), None, other.run_id)).run.name == "not-yours"
-    with pytest.raises(RunDiscoveryError, match="does not serve run 0123"):
+    with pytest.raises(RunDiscoveryError, match="does not serve your manifest.*'tiny'"):
+        asyncio.run(fetch_manifest(FakeDHT(data), _other_manifest("mine")))
+    with pytest.raises(RunDiscoveryError, match="does not serve run 0123456789abcdef"):
         asyncio.run(fetch_manifest(FakeDHT(data), None, "0123456789abcdef"))
 
 

@@ -4,36 +4,66 @@ Every node stores its signed `NodeRecord` under `agora/<run>/stage/<k>` with its
 peer id as subkey and a short expiry, and refreshes it; a record that stops
 being refreshed expires on its own. Every node also republishes the manifest,
 so the bootstrap peer can die without taking the run's definition with it.
-Reads verify every record and count what they reject (and why).
+Reads verify every record (signature, run, ranges, freshness: records.verify_record)
+and count what they reject (and why). One read keeps at most `max_per_stage`
+records per stage, peers it already knew first, then the freshest, so that a
+stranger with thousands of fresh keys cannot flood the tables built from it;
+and one record per peer (the newest), so an older record replayed under another
+stage is not believed next to the peer's current one.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 
 from agora_node.comms.host import Host
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest, ManifestError, manifest_from_canonical
 from agora_node.protocol.names import manifest_key, run_pointer_key, stage_key
-from agora_node.protocol.records import NodeRecord, NodeState, RecordError, verify_record
+from agora_node.protocol.records import (
+    DEFAULT_RECORD_TTL_S,
+    NodeRecord,
+    NodeState,
+    RecordError,
+    RecordLimits,
+    RunPointer,
+    verify_record,
+    verify_run_pointer,
+)
 
 log = logging.getLogger(__name__)
 
-RECORD_TTL_S = 15.0
+RECORD_TTL_S = DEFAULT_RECORD_TTL_S
 MANIFEST_TTL_S = 120.0
+MAX_RECORDS_PER_STAGE = 256
+"""Records one directory read keeps per stage (the rest is counted as "excess")."""
 
 Snapshot = dict[int, list[NodeRecord]]
 
 
 class Directory:
-    def __init__(self, host: Host, identity: Identity, run_id: str, num_stages: int) -> None:
+    def __init__(
+        self,
+        host: Host,
+        identity: Identity,
+        run_id: str,
+        num_stages: int,
+        *,
+        limits: RecordLimits | None = None,
+        max_per_stage: int = MAX_RECORDS_PER_STAGE,
+    ) -> None:
         self.host, self.identity, self.run_id = host, identity, run_id
         self.num_stages = num_stages
+        self.limits = limits or RecordLimits(num_stages=num_stages)
+        self.max_per_stage = max_per_stage
         self.rejected: Counter[str] = Counter()
-        self._last_expiry: dict[int, float] = {}
+        self._known: dict[int, set[str]] = {}
+        """Per stage, the peers the last read kept (preferred when a read is over the bound)."""
 
     async def publish(self, record: NodeRecord, ttl: float = RECORD_TTL_S) -> bool:
+        record.ttl = ttl  # signed: readers refuse the record once it is older than this
         return await self.host.store(
             stage_key(self.run_id, record.stage),
             record.sign(self.identity),
@@ -43,19 +73,32 @@ class Directory:
 
     async def withdraw(self, record: NodeRecord, ttl: float = RECORD_TTL_S) -> bool:
         """Mark our record as leaving. A DHT value cannot be deleted, and a store
-        with an earlier expiry is refused, so the leaving record replaces it and
-        readers drop leaving records from their view."""
+        with an earlier expiry is refused, so the leaving record replaces it (its DHT
+        expiry one second later) and readers drop leaving records from their view."""
         record.state = NodeState.LEAVING.value
-        return await self.publish(record, ttl=ttl + 1.0)
+        record.ttl = ttl
+        return await self.host.store(
+            stage_key(self.run_id, record.stage),
+            record.sign(self.identity),
+            ttl + 1.0,
+            subkey=record.peer_id,
+        )
 
     async def fetch_stage(self, stage: int) -> list[NodeRecord]:
         raw = await self.host.get(stage_key(self.run_id, stage))
         if not isinstance(raw, dict):
             return []
+        return self.keep(stage, raw, now=time.time())
+
+    def keep(self, stage: int, raw: dict, *, now: float) -> list[NodeRecord]:
+        """The records of `stage` worth using out of a DHT read ({subkey: value}):
+        verified, counted when refused, at most `max_per_stage` of them."""
         records = []
         for subkey, value in raw.items():
             try:
-                record = verify_record(value, run_id=self.run_id, peer_id=str(subkey))
+                record = verify_record(
+                    value, run_id=self.run_id, peer_id=str(subkey), limits=self.limits, now=now
+                )
             except RecordError as exc:
                 self.rejected[exc.reason] += 1
                 log.debug("ignoring record under %s: %s", str(subkey)[-8:], exc)
@@ -64,58 +107,126 @@ class Directory:
                 self.rejected["stage_mismatch"] += 1
                 continue
             records.append(record)
+        if len(records) > self.max_per_stage:
+            known = self._known.get(stage, set())
+            records.sort(key=lambda r: (r.peer_id not in known, -r.issued_at, r.peer_id))
+            self.rejected["excess"] += len(records) - self.max_per_stage
+            records = records[: self.max_per_stage]
+        self._known[stage] = {r.peer_id for r in records}
         return records
 
     async def fetch(self, *, include_leaving: bool = False) -> Snapshot:
-        """Verified records of every stage (leaving ones dropped unless asked for)."""
-        snapshot: Snapshot = {}
-        for stage in range(self.num_stages):
-            records = await self.fetch_stage(stage)
-            if not include_leaving:
-                records = [r for r in records if r.state != NodeState.LEAVING.value]
-            snapshot[stage] = records
-        return snapshot
+        """Verified records of every stage (leaving ones dropped unless asked for),
+        one per peer: the newest, wherever it was stored."""
+        by_stage = {stage: await self.fetch_stage(stage) for stage in range(self.num_stages)}
+        return newest_per_peer(by_stage, include_leaving=include_leaving)
 
 
-async def publish_manifest(host: Host, manifest: Manifest) -> bool:
+def newest_per_peer(by_stage: Snapshot, *, include_leaving: bool = False) -> Snapshot:
+    """One record per peer, its newest (a node that moved left an older one behind,
+    and an older one may be replayed while still fresh); leaving ones dropped unless asked."""
+    newest: dict[str, NodeRecord] = {}
+    for records in by_stage.values():
+        for r in records:
+            if r.peer_id not in newest or r.issued_at > newest[r.peer_id].issued_at:
+                newest[r.peer_id] = r
+    return {
+        stage: [
+            r
+            for r in records
+            if newest[r.peer_id] is r and (include_leaving or r.state != NodeState.LEAVING.value)
+        ]
+        for stage, records in by_stage.items()
+    }
+
+
+async def publish_manifest(host: Host, manifest: Manifest, identity: Identity) -> bool:
+    """Store the manifest (content-addressed) and a run pointer entry signed by us."""
     run_id = manifest.run_id
     ok = await host.store(manifest_key(run_id), manifest.canonical_bytes(), MANIFEST_TTL_S)
-    ok &= await host.store(
-        run_pointer_key(), manifest.run.name.encode(), MANIFEST_TTL_S, subkey=run_id
+    pointer = RunPointer(
+        run_id=run_id, name=manifest.run.name, publisher=identity.peer_id, ttl=MANIFEST_TTL_S
     )
+    ok &= await host.store(run_pointer_key(), pointer.sign(identity), MANIFEST_TTL_S, subkey=run_id)
     return ok
+
+
+MAX_RUNS = 16
+"""Run pointer entries a joiner considers (verified ones, in run id order)."""
 
 
 class RunDiscoveryError(RuntimeError):
     """The swarm does not tell which run to join, or tells something unusable."""
 
 
-async def fetch_manifest(host: Host, local: Manifest | None) -> Manifest:
-    """The manifest of the run the swarm serves; a local one must hash the same."""
-    runs = await host.get(run_pointer_key()) or {}
-    if local is not None:
-        remote = await host.get(manifest_key(local.run_id))
+class RunChoiceError(RunDiscoveryError):
+    """Several valid runs are served and nothing says which one: waiting will not help."""
+
+
+async def list_runs(host: Host, rejected: Counter[str] | None = None) -> list[RunPointer]:
+    """The runs the swarm's run pointer announces: signed, fresh entries only, one per run
+    (forged ones are counted in `rejected` by reason and ignored)."""
+    raw = await host.get(run_pointer_key())
+    if not isinstance(raw, dict):
+        return []
+    now, runs = time.time(), []
+    for subkey, value in raw.items():
+        try:
+            runs.append(verify_run_pointer(value, subkey=str(subkey), now=now))
+        except RecordError as exc:
+            if rejected is not None:
+                rejected[f"run_pointer_{exc.reason}"] += 1
+            log.debug("ignoring run pointer under %s: %s", str(subkey)[:16], exc)
+    return sorted(runs, key=lambda r: r.run_id)[:MAX_RUNS]
+
+
+def describe_runs(runs: list[RunPointer]) -> str:
+    return ", ".join(f"{r.run_id} ({r.name!r})" for r in runs) or "nothing visible yet"
+
+
+async def fetch_manifest(host: Host, local: Manifest | None, run_id: str | None = None) -> Manifest:
+    """The manifest of the run to join: `local`'s (the swarm must serve it), `run_id`'s,
+    or the one run the swarm serves. Several valid runs and no choice: RunChoiceError,
+    listing them (a joiner must never pick one silently)."""
+    if local is not None or run_id:
+        wanted = local.run_id if local is not None else run_id
+        remote = await host.get(manifest_key(wanted))
         if remote is None:
-            names = ", ".join(
-                f"{rid} ({v.decode(errors='replace') if isinstance(v, bytes) else v})"
-                for rid, v in runs.items()
-            )
+            served = describe_runs(await list_runs(host))
+            if local is not None:
+                raise RunDiscoveryError(
+                    f"the swarm does not serve your manifest (run id {wanted}); "
+                    f"it serves: {served} - is your --manifest the same file?"
+                )
             raise RunDiscoveryError(
-                f"the swarm does not serve your manifest (run id {local.run_id}); "
-                f"it serves: {names or 'nothing visible yet'} - is your --manifest the same file?"
+                f"the swarm does not serve run {wanted} (--run); it serves: {served}"
             )
-        return _checked(remote, local.run_id)
-    if not runs:
+        return _checked(remote, wanted)
+    pointers = await list_runs(host)
+    if not pointers:
         raise RunDiscoveryError("no run is published in this swarm yet (is the bootstrap peer up?)")
-    if len(runs) > 1:
+    served: list[tuple[RunPointer, Manifest]] = []
+    for pointer in pointers:
+        remote = await host.get(manifest_key(pointer.run_id))
+        if remote is None:
+            continue  # announced without a manifest: nothing to join
+        try:
+            manifest = _checked(remote, pointer.run_id)
+        except RunDiscoveryError as exc:
+            log.debug("ignoring run %s: %s", pointer.run_id, exc)
+            continue
+        if manifest.run.name == pointer.name:
+            served.append((pointer, manifest))
+    if not served:
         raise RunDiscoveryError(
-            f"this swarm serves {len(runs)} runs ({', '.join(map(str, runs))}): pass --manifest to choose"
+            f"run(s) {describe_runs(pointers)} announced but no manifest is in the DHT"
         )
-    run_id = str(next(iter(runs)))
-    remote = await host.get(manifest_key(run_id))
-    if remote is None:
-        raise RunDiscoveryError(f"run {run_id} is announced but its manifest is not in the DHT")
-    return _checked(remote, run_id)
+    if len(served) > 1:
+        raise RunChoiceError(
+            f"this swarm serves {len(served)} runs: {describe_runs([p for p, _ in served])}; "
+            "choose one with --run RUN_ID or --manifest FILE"
+        )
+    return served[0][1]
 
 
 def _checked(raw: object, run_id: str) -> Manifest:

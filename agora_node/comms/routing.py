@@ -14,16 +14,23 @@ consecutive failure up to a cap; one success clears it.
 The clock is passed in (`now`, seconds, any monotonic origin) and ties are
 broken by an injected `random.Random`, so the policy is tested without a
 network or sleeps. This module must not import hivemind.
+
+Announced numbers come from strangers: records are range-checked when read
+(records.verify_record), and this module still treats a non-finite or negative
+throughput as unknown and caps the queue, so no value makes a peer look
+infinitely fast. The per-peer table is bounded (`RouterConfig.max_peers`):
+peers that left the directory and have nothing in flight are forgotten first.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 
-from agora_node.protocol.records import NodeRecord, NodeState
+from agora_node.protocol.records import MAX_QUEUE, NodeRecord, NodeState
 
 PeerId = str
 
@@ -69,6 +76,9 @@ class RouterConfig:
     probe_factor: float = 0.5
     """A peer with no data and nothing in flight is estimated at this fraction of the
     best known time, so that it is probed."""
+    max_peers: int = 1024
+    """Peers the router keeps statistics for; beyond, the least recently announced ones
+    with nothing in flight are forgotten."""
 
     def __post_init__(self) -> None:
         if self.tokens_per_item <= 0:
@@ -77,6 +87,8 @@ class RouterConfig:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
         if not 0 < self.probe_factor <= 1:
             raise ValueError(f"probe_factor must be in (0, 1], got {self.probe_factor}")
+        if self.max_peers <= 0:
+            raise ValueError(f"max_peers must be positive, got {self.max_peers}")
 
 
 class Router:
@@ -88,16 +100,46 @@ class Router:
         self._peers: dict[PeerId, PeerStats] = {}
 
     def _stats(self, peer: PeerId) -> PeerStats:
-        return self._peers.setdefault(peer, PeerStats())
+        stats = self._peers.get(peer)
+        if stats is None:
+            stats = self._peers[peer] = PeerStats()
+            self._bound(keep=peer)
+        return stats
+
+    def _bound(self, keep: PeerId | None = None, announced: set[PeerId] = frozenset()) -> None:
+        """Forget peers beyond `max_peers`, oldest first: those no longer announced, then
+        announced ones; one with work in flight (or `keep`) only when nothing else is left."""
+        excess = len(self._peers) - self.config.max_peers
+        if excess <= 0:
+            return
+
+        def order(peer: PeerId) -> int:
+            if self._peers[peer].in_flight > 0:
+                return 2
+            return 1 if peer in announced else 0
+
+        candidates = sorted(
+            (p for p in self._peers if p != keep), key=order
+        )  # stable: oldest first
+        for peer in candidates[:excess]:
+            del self._peers[peer]
 
     # ---- inputs --------------------------------------------------------------------
     def update_announced(self, records: Iterable[NodeRecord]) -> None:
         """Take throughput, queue and state from the peers' latest directory records."""
+        announced: set[PeerId] = set()
         for record in records:
-            stats = self._stats(record.peer_id)
-            stats.announced_throughput = max(0.0, record.throughput)
-            stats.announced_queue = max(0, record.queue)
+            if len(announced) >= self.config.max_peers:
+                break  # the directory bounds what it keeps; this bounds what we take
+            announced.add(record.peer_id)
+            stats = self._peers.pop(record.peer_id, None) or PeerStats()
+            self._peers[record.peer_id] = stats  # most recently announced last
+            throughput = record.throughput
+            finite = isinstance(throughput, int | float) and math.isfinite(throughput)
+            stats.announced_throughput = max(0.0, float(throughput)) if finite else 0.0
+            stats.announced_queue = min(max(0, int(record.queue)), MAX_QUEUE)
             stats.state = record.state
+        self._bound(announced=announced)
 
     def on_sent(self, peer: PeerId, now: float) -> None:
         self._stats(peer).in_flight += 1
@@ -106,7 +148,7 @@ class Router:
         stats = self._stats(peer)
         stats.in_flight = max(0, stats.in_flight - 1)
         a = self.config.ema_alpha
-        latency_s = max(0.0, latency_s)
+        latency_s = max(0.0, latency_s) if math.isfinite(latency_s) else self.config.max_ban_s
         stats.latency_ema = (
             latency_s if stats.latency_ema is None else a * latency_s + (1 - a) * stats.latency_ema
         )

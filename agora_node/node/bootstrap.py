@@ -28,7 +28,7 @@ async def run_bootstrap(
     *,
     ready: asyncio.Event | None = None,
 ) -> int:
-    Identity.load_or_create(identity_path)
+    identity = Identity.load_or_create(identity_path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -42,7 +42,7 @@ async def run_bootstrap(
         )
     )
     try:
-        await publish_manifest(host, manifest)
+        await publish_manifest(host, manifest, identity)
         maddrs = await host.visible_maddrs()
         print(
             f"agora-node: bootstrap for run {manifest.run_id} ({manifest.run.name}) as {host.peer_id}"
@@ -58,7 +58,7 @@ async def run_bootstrap(
             try:
                 await asyncio.wait_for(stop.wait(), MANIFEST_TTL_S / 4)
             except TimeoutError:
-                await publish_manifest(host, manifest)
+                await publish_manifest(host, manifest, identity)
         log.info("bootstrap stopping")
         return 0
     finally:

@@ -52,7 +52,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             linkemu.configure(linkemu.LinkSpec.parse(config.emulate_link))
         if args.dry_run:
             print(f"config: {config_json(config)}", flush=True)
-            return asyncio.run(_dry_run(config))
+            return _run_daemon(_dry_run(config))
         import torch
 
         from agora_node.node.daemon import run_node
@@ -78,9 +78,11 @@ def _run_daemon(coro) -> int:  # noqa: ANN001
 
 async def _dry_run(config) -> int:  # noqa: ANN001
     """Join the DHT read-only: fetch the manifest and directory, print the choice, leave."""
-    from agora_node.comms.directory import Directory, fetch_manifest
+    from agora_node.comms.directory import Directory, RunDiscoveryError, fetch_manifest
     from agora_node.comms.host import Host, HostConfig
+    from agora_node.node.errors import JoinError
     from agora_node.protocol.identity import Identity
+    from agora_node.protocol.records import RecordLimits
     from agora_node.stages import placement
 
     identity = Identity.load_or_create(config.identity_path)
@@ -88,8 +90,17 @@ async def _dry_run(config) -> int:  # noqa: ANN001
         HostConfig(identity_path=config.identity_path, initial_peers=config.initial_peers)
     )
     try:
-        manifest = await fetch_manifest(host, config.manifest)
-        view = await Directory(host, identity, manifest.run_id, manifest.num_stages).fetch()
+        try:
+            manifest = await fetch_manifest(host, config.manifest, config.run or None)
+        except RunDiscoveryError as exc:
+            raise JoinError(str(exc)) from None
+        view = await Directory(
+            host,
+            identity,
+            manifest.run_id,
+            manifest.num_stages,
+            limits=RecordLimits.for_manifest(manifest),
+        ).fetch()
         if config.stage == "auto":
             choice = placement.choose_stage(view, manifest, identity.peer_id)
             stage, reason = choice.stage, choice.reason

@@ -20,6 +20,7 @@ from agora_node.node.errors import UsageError
 from agora_node.node.options import flag_of, option
 from agora_node.protocol.codecs import CODEC_NAMES, UnknownCodecError, from_name
 from agora_node.protocol.manifest import Manifest
+from agora_node.protocol.records import DEFAULT_RECORD_TTL_S, MAX_RECORD_TTL_S
 from agora_node.stages.manifest_files import load_manifest
 
 LISTEN = "/ip4/127.0.0.1/tcp/0"
@@ -68,6 +69,11 @@ class NodeConfig:
         help="a local manifest (builtin name or TOML path) that must match the swarm's "
         "(default: take the swarm's)",
     )
+    run: str = option(
+        "",
+        help="the run id to join when the swarm serves several (listed by the error and the "
+        "status page); default: the only one",
+    )
     identity_path: str = option(
         "",
         help="libp2p identity key file, created 0600 if missing (default DATA_DIR/identity.key)",
@@ -89,7 +95,9 @@ class NodeConfig:
     )
     threads: int = option(0, help="torch threads (0: torch's default)")
     record_ttl_s: float = option(
-        15.0, name="record_ttl", help="seconds a directory record lives unless refreshed"
+        DEFAULT_RECORD_TTL_S,
+        name="record_ttl",
+        help=f"seconds a directory record lives unless refreshed (at most {MAX_RECORD_TTL_S:g})",
     )
     refresh_s: float = option(
         3.0, name="refresh", help="seconds between record refreshes and directory reads"
@@ -124,6 +132,15 @@ class NodeConfig:
         if self.stage != "auto" and not self.stage.isdigit():
             raise UsageError(f"--stage must be 'auto' or a stage number, not {self.stage!r}")
         _positive(self, "record_ttl_s", "refresh_s", "checkpoint_every_s", "eval_every_s")
+        if self.record_ttl_s > MAX_RECORD_TTL_S:
+            raise UsageError(
+                f"--record-ttl must be at most {MAX_RECORD_TTL_S:g} (longer records are refused "
+                f"by other nodes), not {self.record_ttl_s}"
+            )
+        if self.run and self.manifest is not None and self.run != self.manifest.run_id:
+            raise UsageError(
+                f"--run {self.run} and --manifest (run id {self.manifest.run_id}) disagree"
+            )
         _at_least(self, 0, "threads", "max_tokens", "rebalance_every_s", "status_port")
         if self.status_port > 65535:
             raise UsageError(f"--status-port must be at most 65535, not {self.status_port}")

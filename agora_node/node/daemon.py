@@ -25,7 +25,7 @@ import signal
 import time
 from collections.abc import Awaitable
 
-from agora_node.comms.directory import Directory, Snapshot, publish_manifest
+from agora_node.comms.directory import Directory, Snapshot, list_runs, publish_manifest
 from agora_node.comms.host import Host, HostConfig
 from agora_node.comms.membership.messages import MemberMeta
 from agora_node.node import joining
@@ -38,7 +38,7 @@ from agora_node.node.snapshot import build_snapshot, node_record, progress_line,
 from agora_node.node.status_server import History, StatusServer
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
-from agora_node.protocol.records import NodeState
+from agora_node.protocol.records import NodeState, RecordLimits
 from agora_node.stages import placement
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,8 @@ class Node:
         self.last_checkpoint: str | None = None
         self.states_served: list[dict] = []
         self.records_rejected: dict[str, int] = {}
+        self.runs_seen: list[dict[str, str]] = []
+        """Runs the swarm's run pointer announces (signed, fresh), for the status page."""
         self.stage: int | None = None  # announced while joining, then served
         self._tasks: list[asyncio.Task] = []
         self._status: StatusServer | None = None
@@ -99,9 +101,11 @@ class Node:
             )
         )
         self.addrs = (await self.host.visible_maddrs())[:8]
-        self.manifest = m = await joining.discover_manifest(self.host, cfg.manifest)
+        self.manifest = m = await joining.discover_manifest(self.host, cfg.manifest, cfg.run)
         log.info("joined run %s (%s): %d stages", m.run_id, m.run.name, m.num_stages)
-        self.directory = Directory(self.host, self.identity, m.run_id, m.num_stages)
+        self.directory = Directory(
+            self.host, self.identity, m.run_id, m.num_stages, limits=RecordLimits.for_manifest(m)
+        )
         if cfg.stage == "auto":
             choice = await joining.settle_stage(
                 self.directory,
@@ -195,7 +199,9 @@ class Node:
         progress_at = time.monotonic()
         while not self.stop_event.is_set():
             await self._publish()
-            await publish_manifest(self.host, self.manifest)
+            await publish_manifest(self.host, self.manifest, self.identity)
+            runs = await list_runs(self.host, self.directory.rejected)
+            self.runs_seen = [{"run_id": r.run_id, "name": r.name} for r in runs]
             self.view = await self.directory.fetch()
             if self.service is not None:
                 self.service.pipeline.update_view([r for rs in self.view.values() for r in rs])

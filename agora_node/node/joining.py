@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agora_node.comms import state_transfer
-from agora_node.comms.directory import Directory, Snapshot, fetch_manifest
+from agora_node.comms.directory import Directory, RunChoiceError, Snapshot, fetch_manifest
 from agora_node.comms.host import Host
 from agora_node.node.checkpoint import load_latest_checkpoint
 from agora_node.node.errors import JoinError
@@ -38,12 +38,14 @@ log = logging.getLogger(__name__)
 
 
 async def discover_manifest(
-    host: Host, wanted: Manifest | None, timeout_s: float = 15.0
+    host: Host, wanted: Manifest | None, run_id: str = "", timeout_s: float = 15.0
 ) -> Manifest:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return await fetch_manifest(host, wanted)
+            return await fetch_manifest(host, wanted, run_id or None)
+        except RunChoiceError as exc:
+            raise JoinError(str(exc)) from None  # several runs: waiting will not choose one
         except Exception as exc:
             if time.monotonic() > deadline:
                 raise JoinError(str(exc)) from None

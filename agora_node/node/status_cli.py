@@ -93,6 +93,10 @@ def format_node(s: dict[str, Any]) -> str:
         f"rejected {mb.get('rejected', 0)}  "
         f"loss {_num(losses[-1] if losses else None, 4)}  val {_num(s.get('val_loss'), 4)}"
     )
+    runs = s.get("runs_seen") or []
+    if len(runs) > 1:  # more than ours: joiners without --manifest must choose (--run)
+        listed = ", ".join(f"{r.get('run_id')} ({r.get('name')!r})" for r in runs)
+        second += f"\n           runs in this swarm: {listed}"
     return f"{first}\n{second}"
 
 

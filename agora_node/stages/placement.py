@@ -27,6 +27,7 @@ No I/O here: the daemon feeds these functions and acts on the answer.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import statistics
 from collections.abc import Collection, Mapping, Sequence
@@ -110,6 +111,19 @@ def directory_from_records(records: Sequence[NodeRecord]) -> dict[int, list[Node
     return out
 
 
+def _power(record: NodeRecord, cost: float) -> float | None:
+    """A record's power, None when unknown. Records are range-checked when read
+    (records.verify_record); a non-finite or non-positive rate still counts as unknown
+    here, so that no record makes its stage look infinitely served."""
+    rate = record.throughput
+    if isinstance(rate, bool) or not isinstance(rate, int | float):
+        return None
+    if not math.isfinite(rate) or rate <= 0:
+        return None
+    power = rate * cost
+    return power if math.isfinite(power) else None
+
+
 def _replicas(directory: Directory, costs: Sequence[float]) -> dict[str, _Replica]:
     """Live replicas by peer id: leaving nodes dropped, one entry per peer (newest wins)."""
     newest: dict[str, NodeRecord] = {}
@@ -123,12 +137,7 @@ def _replicas(directory: Directory, costs: Sequence[float]) -> dict[str, _Replic
                 continue  # takes no new work and will be gone soon
             if r.peer_id not in newest or r.issued_at > newest[r.peer_id].issued_at:
                 newest[r.peer_id] = r
-    return {
-        p: _Replica(
-            p, r.stage, r.state, r.throughput * costs[r.stage] if r.throughput > 0 else None
-        )
-        for p, r in newest.items()
-    }
+    return {p: _Replica(p, r.stage, r.state, _power(r, costs[r.stage])) for p, r in newest.items()}
 
 
 def _median_power(replicas: Mapping[str, _Replica]) -> float:
@@ -198,7 +207,7 @@ def choose_stage(
     """
     costs = _as_costs(manifest_or_costs)
     replicas = _replicas(directory, costs)
-    own_power = own_throughput if own_throughput and own_throughput > 0 else None
+    own_power = own_throughput if own_throughput and 0 < own_throughput < math.inf else None
     if own_power is None and peer_id in replicas:
         own_power = replicas[peer_id].power  # e.g. a restarted node's last measurement
     replicas[peer_id] = _Replica(peer_id, 0, NodeState.JOINING.value, own_power)

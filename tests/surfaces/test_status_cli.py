@@ -84,3 +84,12 @@ async def test_leave_without_daemon(tmp_path: Path, capsys):
     assert await run(["leave", "--control-socket", str(sock)]) == 1
     err = capsys.readouterr().err
     assert err == f"agora-node: error: no agora-node daemon listening on {sock}\n"
+
+
+def test_node_lines_list_the_runs_when_the_swarm_serves_several():
+    from agora_node.node.status_cli import format_node
+
+    one = {"peer_id": "p", "runs_seen": [{"run_id": "aa", "name": "tiny"}]}
+    assert "runs in this swarm" not in format_node(one)
+    two = {"runs_seen": [{"run_id": "aa", "name": "tiny"}, {"run_id": "bb", "name": "x"}]}
+    assert "runs in this swarm: aa ('tiny'), bb ('x')" in format_node(two)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -253,7 +254,8 @@ class Telemetry:
         self._sender = asyncio.create_task(self._connection_loop())
 
     async def stop(self, flush_s: float = 3.0) -> None:
-        """Say the node left (events, then a retained "left"), flush for up to `flush_s`."""
+        """Say the node left (events, then a retained "left"); while connected, flush for up
+        to `flush_s`."""
         if self._sender is None or self._closing:
             return
         self._sampler.cancel()
@@ -263,6 +265,7 @@ class Telemetry:
         self._put(self.prefix + "/status", encode(gone), retain=True)
         self._closing = True
         self._wake.set()
+        flush_s = flush_s if self.connected else 0.0  # a broker that is down costs no time
         done, _ = await asyncio.wait({self._sender}, timeout=flush_s)
         if not done:
             self._sender.cancel()
@@ -343,11 +346,16 @@ class Telemetry:
         return aiomqtt.Client(
             self.broker.host,
             self.broker.port,
-            identifier=f"agora-{self._node.get('peer_id')}",
+            # Stable, so a reconnect takes the old session over at once (its will, if any,
+            # lands before our next status) instead of lingering until its keepalive ends;
+            # 21 letters and digits, which every MQTT 3.1.1 broker must accept.
+            identifier="agora" + hashlib.sha256(self.prefix.encode()).hexdigest()[:16],
             will=aiomqtt.Will(self.prefix + "/status", encode(will), qos=1, retain=True),
             keepalive=self.keepalive_s,
             timeout=self.timeout_s,
             tls_context=ssl.create_default_context() if self.broker.tls else None,
+            # We subscribe to nothing; a broker that sends anyway costs one slot, not memory.
+            max_queued_incoming_messages=1,
         )
 
     async def _drain(self, client: Any) -> None:

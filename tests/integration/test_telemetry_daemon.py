@@ -36,3 +36,17 @@ def test_daemon_publishes_status_and_leaves_cleanly(swarm, mosquitto):
     assert "leaving" in seen, seen
     assert node.proc.wait(timeout=60) == 0
     assert "telemetry: publishing to 127.0.0.1" in swarm.log(node)
+
+
+def test_daemon_with_its_broker_down_serves_and_leaves_as_usual(swarm):
+    pytest.importorskip("aiomqtt", reason="aiomqtt is not installed (the mqtt or dev extra)")
+    from tests.broker import free_port
+
+    swarm.bootstrap("demo")
+    node = swarm.join("node", "--stage", "0", "--mqtt-url", f"mqtt://127.0.0.1:{free_port()}")
+    swarm.serving(node)
+    poll(lambda: (s := swarm.status(node)) and s["state"] == "active", 90, "active")
+    poll(lambda: "telemetry: broker 127.0.0.1" in swarm.log(node), 30, "a telemetry warning")
+    swarm.kill(node, signal.SIGTERM)
+    assert node.proc.wait(timeout=60) == 0
+    assert swarm.log(node).count("telemetry: broker") <= 4  # now and then, not per attempt

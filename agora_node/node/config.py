@@ -18,6 +18,7 @@ from agora_node.comms.linkemu import LinkSpec
 from agora_node.node import datadir
 from agora_node.node.errors import UsageError
 from agora_node.node.options import flag_of, option
+from agora_node.node.telemetry import check_url
 from agora_node.protocol.codecs import CODEC_NAMES, UnknownCodecError, from_name
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.records import DEFAULT_RECORD_TTL_S, MAX_RECORD_TTL_S
@@ -124,6 +125,11 @@ class NodeConfig:
     emulate_link: str = option(
         "", help="benchmarks: shape this node's uplink as 'MBIT_PER_S,LATENCY_MS'"
     )
+    mqtt_url: str = option(
+        "",
+        help="publish status and events to this MQTT broker, e.g. mqtt://127.0.0.1:1883 "
+        "(needs the mqtt extra)",
+    )
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
@@ -149,6 +155,8 @@ class NodeConfig:
                 LinkSpec.parse(self.emulate_link)
             except ValueError as exc:
                 raise UsageError(f"--emulate-link: {exc}") from None
+        if self.mqtt_url:
+            check_url(self.mqtt_url)
         data_dir = _data_dir(self.data_dir, self.identity_path, "identity.key")
         self.data_dir = str(data_dir)
         self.identity_path = _path_or(self.identity_path, data_dir / "identity.key")

@@ -36,6 +36,7 @@ from agora_node.node.pipeline import PipelineStats
 from agora_node.node.service import ServiceContext, StageService, serve_endpoints
 from agora_node.node.snapshot import build_snapshot, node_record, progress_line, record_history
 from agora_node.node.status_server import History, StatusServer
+from agora_node.node.telemetry import Telemetry
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.records import NodeState, RecordLimits
@@ -86,6 +87,7 @@ class Node:
         self._status: StatusServer | None = None
         self._control = None
         self._snapshot: dict = {}
+        self.telemetry = Telemetry(config.mqtt_url, lambda: build_snapshot(self))
 
     # ---- joining --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -142,6 +144,7 @@ class Node:
         await self.liveness.start(self.host, self.identity, m.run_id, self._others(), meta)
         await self._publish()
         log.info("stage %d active after %.1fs", stage, time.time() - self.started_at)
+        self.telemetry.start()
 
     async def _announce_joining(self, stage: int) -> None:
         if self.stage is not None and self.stage != stage:
@@ -300,6 +303,7 @@ class Node:
         await bounded("the SWIM leave", self.liveness.leave(linger_s=1.0), STEP_S)
 
     async def close(self) -> None:
+        await bounded("stopping telemetry", self.telemetry.stop(), STEP_S)
         await bounded("stopping SWIM", self.liveness.stop(), STEP_S)
         if self.service is not None:
             await bounded("closing the stage service", self.service.close(), STEP_S)

@@ -27,6 +27,7 @@ SAMPLES = {
     "manifest": ["bench", "gpu-1b", "tiny", "bench"],
     "activation_codec": ["int8", "int4", "fp32", "bf16"],
     "emulate_link": ["10,1", "20,2", "30,3", "40,4"],
+    "mqtt_url": ["mqtt://127.0.0.1:1883", "mqtt://b.example:1884", "mqtts://b.example", "mqtt://h"],
 }
 JOIN_OPTIONS = options_of(NodeConfig)
 
@@ -131,6 +132,7 @@ INVALID = [
     ("checkpoint_every", "0", "--checkpoint-every must be positive"),
     ("emulate_link", "fast", "--emulate-link"),
     ("manifest", "nope-not-a-file", "not found"),
+    ("mqtt_url", "http://127.0.0.1:1883", "--mqtt-url: 'http://127.0.0.1:1883' must start with"),
 ]
 
 

@@ -1,0 +1,209 @@
+"""MQTT telemetry: what is published (pure), and the client against a real mosquitto broker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agora_node.node.cli import main
+from agora_node.node.telemetry import (
+    MAX_PAYLOAD,
+    Broker,
+    Telemetry,
+    backoff_s,
+    encode,
+    events_between,
+    status_payload,
+)
+from tests.broker import receive
+
+pytestmark = pytest.mark.timeout(60)
+
+PEER = "12D3KooWJTjvve5CHTecvRiyBZSEgRN7cHWUDhThRpcBxcUEb3xX"
+RUN = "0123456789abcdef"
+STATUS = f"agora/{RUN}/{PEER}/status"
+EVENTS = f"agora/{RUN}/{PEER}/events"
+
+
+def node(**fields) -> dict:
+    base = {"peer_id": PEER, "run_id": RUN, "stage": 0, "num_stages": 2, "state": "active"}
+    base |= {"stage_choice": "fixed by --stage", "outer": {"rounds": 0}, "last_losses": [3.0]}
+    return base | fields
+
+
+class FakeNode:
+    """What the daemon hands Telemetry: a function returning its snapshot."""
+
+    def __init__(self) -> None:
+        self.node = node()
+
+    def snapshot(self) -> dict:
+        return {"node": dict(self.node), "history": {"loss": [1.0] * 1000}}
+
+
+async def until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(0.02)  # polling interval of a deadline-bounded wait
+
+
+# ---- pure ---------------------------------------------------------------------------------
+def test_events_from_snapshot_differences():
+    first = events_between(None, node())
+    assert [e["event"] for e in first] == ["joined", "stage_chosen"]
+    assert first[1] == {"event": "stage_chosen", "stage": 0, "reason": "fixed by --stage"}
+    assert events_between(node(), node()) == []
+
+    last = {"round": 7, "delta_group": ["a", "b"], "participants": 3, "bytes_sent": 1000}
+    rounds = events_between(node(), node(outer={"rounds": 2, "last_round": last}))
+    assert rounds == [
+        {
+            "event": "outer_round",
+            "stage": 0,
+            "round": 7,
+            "rounds": 2,
+            "group": 2,
+            "participants": 3,
+            "bytes_sent": 1000,
+            "bytes_received": None,
+            "seconds_blocked": None,
+        }
+    ]
+    moved = events_between(node(), node(stage=1, stage_choice="stage 1 is short", outer={}))
+    assert moved == [{"event": "stage_switched", "from": 0, "to": 1, "reason": "stage 1 is short"}]
+    assert events_between(node(), node(state="leaving")) == [{"event": "leaving", "stage": 0}]
+
+
+def test_payloads_are_bounded_json():
+    status = status_payload(node(val_loss=math.nan, bytes_sent={"a": 5, "b": 7}))
+    data = json.loads(encode(status))
+    assert data["val_loss"] is None and data["bytes_sent"] == 12 and data["loss"] == 3.0
+    assert "history" not in data and "stages" not in data
+    assert len(json.loads(encode({"reason": "x" * 10_000}))["reason"]) == 200
+    huge = encode({"event": "e", "items": list(range(5000))})
+    assert len(huge) <= MAX_PAYLOAD and json.loads(huge)["truncated"] > MAX_PAYLOAD
+
+
+def test_backoff_doubles_and_is_capped():
+    assert [backoff_s(n, 1.0, 60.0) for n in range(1, 9)] == [1, 2, 4, 8, 16, 32, 60, 60]
+    assert backoff_s(10_000, 1.0, 60.0) == 60.0
+
+
+def test_broker_url():
+    assert Broker.parse("mqtt://127.0.0.1") == Broker("127.0.0.1", 1883, False)
+    assert Broker.parse("mqtts://b.example:9000") == Broker("b.example", 9000, True)
+    for bad in ["127.0.0.1:1883", "http://h", "mqtt://u:p@h", "mqtt://h/x", "mqtt://h:99999"]:
+        with pytest.raises(ValueError):
+            Broker.parse(bad)
+
+
+def test_missing_extra_is_one_line_naming_the_install(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "aiomqtt", None)  # as if the extra were not installed
+    argv = ["join", "--initial-peers", f"/ip4/127.0.0.1/tcp/9/p2p/{PEER}"]
+    argv += ["--data-dir", str(tmp_path / "d"), "--mqtt-url", "mqtt://127.0.0.1:1883"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'agora-node[mqtt]'" in err, err
+
+
+# ---- against a real broker ------------------------------------------------------------------
+async def test_retained_status_and_events_reach_a_fresh_subscriber(mosquitto):
+    fake = FakeNode()
+    telemetry = Telemetry(mosquitto.url, fake.snapshot, every_s=0.2)
+    stopping: list[asyncio.Task] = []
+
+    def leave() -> None:
+        fake.node["state"] = "leaving"
+        stopping.append(asyncio.ensure_future(telemetry.stop()))
+
+    try:
+        chosen = lambda _t, d: d["event"] == "stage_chosen"  # noqa: E731
+        _, event = await receive(mosquitto.port, EVENTS, chosen, 20, then=telemetry.start)
+        assert event["reason"] == "fixed by --stage"
+        active = lambda _t, d: d.get("state") == "active"  # noqa: E731
+        _, status = await receive(mosquitto.port, STATUS, active, 20)
+        assert status["peer_id"] == PEER and status["stage"] == 0 and status["loss"] == 3.0
+        assert status["telemetry_dropped"] == 0
+
+        leaving = lambda _t, d: d["event"] == "leaving"  # noqa: E731
+        await receive(mosquitto.port, EVENTS, leaving, 20, then=leave)
+        await stopping[0]
+        _, left = await receive(mosquitto.port, STATUS, lambda _t, d: True, 20)
+        assert left["state"] == "left"  # a clean leave, not the will
+    finally:
+        await telemetry.stop()
+
+
+async def test_last_will_when_the_connection_dies(mosquitto):
+    script = f"""
+import asyncio, sys
+from agora_node.node.telemetry import Telemetry
+async def main():
+    t = Telemetry({mosquitto.url!r}, lambda: {{"node": {node()!r}}}, every_s=0.2)
+    t.start()
+    while not t.connects:
+        await asyncio.sleep(0.02)
+    print("connected", flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 30)
+        assert line.strip() == "connected"
+        await receive(mosquitto.port, STATUS, lambda _t, d: d.get("state") == "active", 20)
+        child.send_signal(signal.SIGKILL)  # no DISCONNECT: the broker publishes the will
+        _, will = await receive(mosquitto.port, STATUS, lambda _t, d: d["state"] == "gone", 30)
+        assert will["peer_id"] == PEER
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+        child.stdout.close()
+
+
+async def test_reconnects_with_backoff_after_the_broker_restarts(mosquitto, caplog):
+    fake = FakeNode()
+    telemetry = Telemetry(mosquitto.url, fake.snapshot, every_s=0.1, backoff=(0.05, 0.4))
+    try:
+        telemetry.start()
+        await until(lambda: telemetry.connected, 20, "the first connection")
+        await asyncio.to_thread(mosquitto.stop)
+        await until(lambda: telemetry.failures >= 3, 20, "failed attempts while the broker is down")
+        assert not telemetry.connected
+        await asyncio.to_thread(mosquitto.start)  # same port; it retains nothing from before
+        fake.node["inner_step"] = 42
+        _, status = await receive(
+            mosquitto.port, STATUS, lambda _t, d: d.get("inner_step") == 42, 20
+        )
+        assert status["state"] == "active" and telemetry.connects >= 2
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert 1 <= len(warnings) < telemetry.connects + 8  # now and then, not every attempt
+    finally:
+        await telemetry.stop()
+
+
+async def test_a_broker_that_is_down_costs_a_bounded_queue(mosquitto):
+    mosquitto.stop()
+    fake = FakeNode()
+    telemetry = Telemetry(mosquitto.url, fake.snapshot, every_s=0.01, backoff=(5, 5), max_queue=4)
+    try:
+        telemetry.start()
+        for stage in range(1, 30):  # more events than fit, while nothing is sent
+            fake.node["stage"] = stage % 2
+            await asyncio.sleep(0.02)
+        assert len(telemetry.queue) <= 4 and telemetry.dropped > 0
+        assert sum(m.retain for m in telemetry.queue) <= 1  # one status at most: the latest
+    finally:
+        began = time.monotonic()
+        await telemetry.stop()
+        assert time.monotonic() - began < 2

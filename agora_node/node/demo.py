@@ -43,12 +43,14 @@ class Swarm:
     children: list[Child] = field(default_factory=list)
     initial_peers: list[str] = field(default_factory=list)
 
-    def spawn(self, name: str, argv: list[str], status_port: int | None = None) -> Child:
+    def spawn(
+        self, name: str, argv: list[str], status_port: int | None = None, *, append: bool = False
+    ) -> Child:
         log_path = self.workdir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen(
             [sys.executable, "-m", "agora_node", *argv],
-            stdout=open(log_path, "a"),  # noqa: SIM115 - owned by the child
+            stdout=open(log_path, "a" if append else "w"),  # noqa: SIM115 - owned by the child
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own group: hivemind's children die with it
@@ -61,9 +63,10 @@ class Swarm:
         return child
 
     def respawn(self, child: Child) -> Child:
-        """Start `child`'s command again (same identity and data dir) in its place."""
+        """Start `child`'s command again (same identity and data dir) in its place; its log
+        goes on in the same file."""
         self.children.remove(child)
-        return self.spawn(child.name, child.argv, child.status_port)
+        return self.spawn(child.name, child.argv, child.status_port, append=True)
 
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM every child's main process (a clean leave: it stops its own helpers),

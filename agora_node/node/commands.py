@@ -14,6 +14,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from agora_node.node import datadir, options
@@ -43,9 +44,26 @@ def config_json(config: Any) -> str:
     return json.dumps(config_dict(config))
 
 
+def prepare_identity(path: str) -> None:
+    """Read the identity key, or create it, before the daemon starts: a damaged key or
+    a place that cannot be written is one line naming the fix, not a traceback."""
+    from agora_node.protocol.identity import Identity, IdentityError
+
+    try:
+        Identity.load_or_create(path)
+    except IdentityError as exc:
+        raise datadir.DataDirError(
+            f"identity key {path}: {exc}: restore it from your backup, or move it away "
+            "to start as a new peer"
+        ) from None
+    except OSError as exc:
+        raise datadir.unusable(Path(path), exc, "identity key", "--identity-path") from None
+
+
 def cmd_join(args: argparse.Namespace) -> int:
     config = resolve_config(args, NodeConfig)
     with datadir.lock_data_dir(config.data_dir):
+        prepare_identity(config.identity_path)
         if config.emulate_link:
             from agora_node.comms import linkemu
 
@@ -134,6 +152,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
     # Its own lock name: a bootstrap and the default node may share ~/.agora-node.
     with datadir.lock_data_dir(config.data_dir, "bootstrap.lock"):
+        prepare_identity(config.identity_path)
         log.info("config: %s", config_json(config))
         return _run_daemon(
             run_bootstrap(

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ def _run_daemon(coro) -> int:  # noqa: ANN001
     try:
         return asyncio.run(coro)
     except (HostError, JoinError, StatusServerError, ControlError) as exc:
-        print(f"agora-node: error: {exc}", flush=True)
+        print(f"agora-node: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILURE
 
 

@@ -132,3 +132,4 @@ def _one_clear_line(result: subprocess.CompletedProcess, needle: str) -> None:
     assert "Traceback" not in text, text[-2000:]
     errors = [line for line in text.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and needle in errors[0], text[-2000:]
+    assert errors[0] in result.stderr.splitlines(), "the error line goes to stderr"

@@ -242,5 +242,8 @@ def _explain_start_failure(exc: BaseException, config: HostConfig) -> HostError:
             f"could not reach any initial peer ({peers}): check the address and that it runs"
         )
     if "address already in use" in text.lower():
-        return HostError(f"a listen address is already in use ({', '.join(config.host_maddrs)})")
+        return HostError(
+            f"a listen address is already in use ({', '.join(config.host_maddrs)}): stop what "
+            "uses it or pass --host-maddrs with another port"
+        )
     return HostError(f"libp2p daemon failed to start: {text}")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agora_node import __version__
-from agora_node.node.datadir import DataDirInUse
+from agora_node.node.datadir import DataDirError
 from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, UsageError
 from agora_node.protocol.manifest import ManifestError
 from agora_node.stages.manifest_files import check_data_available, load_manifest
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ManifestError, UsageError) as exc:
         print(f"agora-node: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except DataDirInUse as exc:
+    except DataDirError as exc:  # in use by another daemon, or not writable
         print(f"agora-node: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:

@@ -13,7 +13,9 @@ import asyncio
 import json
 import logging
 import os
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from agora_node.node import datadir, options
@@ -43,9 +45,26 @@ def config_json(config: Any) -> str:
     return json.dumps(config_dict(config))
 
 
+def prepare_identity(path: str) -> None:
+    """Read the identity key, or create it, before the daemon starts: a damaged key or
+    a place that cannot be written is one line naming the fix, not a traceback."""
+    from agora_node.protocol.identity import Identity, IdentityError
+
+    try:
+        Identity.load_or_create(path)
+    except IdentityError as exc:
+        raise datadir.DataDirError(
+            f"identity key {path}: {exc}: restore it from your backup, or move it away "
+            "to start as a new peer"
+        ) from None
+    except OSError as exc:
+        raise datadir.unusable(Path(path), exc, "identity key", "--identity-path") from None
+
+
 def cmd_join(args: argparse.Namespace) -> int:
     config = resolve_config(args, NodeConfig)
     with datadir.lock_data_dir(config.data_dir):
+        prepare_identity(config.identity_path)
         if config.emulate_link:
             from agora_node.comms import linkemu
 
@@ -72,7 +91,7 @@ def _run_daemon(coro) -> int:  # noqa: ANN001
     try:
         return asyncio.run(coro)
     except (HostError, JoinError, StatusServerError, ControlError) as exc:
-        print(f"agora-node: error: {exc}", flush=True)
+        print(f"agora-node: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILURE
 
 
@@ -145,6 +164,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
     # Its own lock name: a bootstrap and the default node may share ~/.agora-node.
     with datadir.lock_data_dir(config.data_dir, "bootstrap.lock"):
+        prepare_identity(config.identity_path)
         log.info("config: %s", config_json(config))
         return _run_daemon(
             run_bootstrap(

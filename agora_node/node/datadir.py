@@ -16,6 +16,7 @@ copy of the descriptor at once, so a straggling child cannot keep the lock.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import time
@@ -27,7 +28,11 @@ LOCK_NAME = "lock"
 _held: dict[int, Path] = {}  # descriptor -> lock file, closed in forked children
 
 
-class DataDirInUse(RuntimeError):
+class DataDirError(RuntimeError):
+    """The data dir cannot be used: the cause and the fix in one line (exit code 1)."""
+
+
+class DataDirInUse(DataDirError):
     """Another live process holds the data dir (one line for the operator, exit code 1)."""
 
 
@@ -65,9 +70,12 @@ class DataDirLock:
 def lock_data_dir(data_dir: str | os.PathLike, name: str = LOCK_NAME) -> DataDirLock:
     """Hold `data_dir/name` for this process, or raise DataDirInUse naming the holder's pid."""
     directory = Path(data_dir).expanduser()
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = directory / name
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # close-on-exec: not in exec'd children
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # close-on-exec: not in exec'd children
+    except OSError as exc:
+        raise unusable(directory, exc) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -77,10 +85,29 @@ def lock_data_dir(data_dir: str | os.PathLike, name: str = LOCK_NAME) -> DataDir
             f"data dir {directory} is in use by another agora-node daemon (pid {holder}); "
             "give this one its own --data-dir"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        os.close(fd)
+        raise unusable(directory, exc) from None
     _held[fd] = path
     return DataDirLock(path, fd)
+
+
+def unusable(
+    path: Path, exc: OSError, what: str = "data dir", flag: str = "--data-dir"
+) -> DataDirError:
+    """`exc` (raised while writing `path`) as one line: what is wrong and the fix."""
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.ENOSPC:
+        fix = f"free some space, or pass a {flag} on another disk"
+    elif exc.errno in (errno.EEXIST, errno.ENOTDIR):
+        reason = "a file is in the way of a directory"
+        fix = f"pass a {flag} whose directory exists or can be created"
+    else:  # EACCES, EPERM, EROFS, ...
+        fix = f"pass a {flag} this user can write (or fix its owner and permissions)"
+    return DataDirError(f"{what} {path} is not usable ({reason}): {fix}")
 
 
 def _holder_pid(fd: int, wait_s: float = 0.5) -> str:

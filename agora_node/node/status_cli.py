@@ -19,7 +19,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from agora_node.node.control import ControlError, control_call_sync, default_control_socket
+from agora_node.node import datadir
+from agora_node.node.control import ControlError, control_call_sync
 from agora_node.node.status_server import DEFAULT_HOST, DEFAULT_PORT
 
 EXIT_OK, EXIT_UNREACHABLE = 0, 1
@@ -142,7 +143,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_leave(args: argparse.Namespace) -> int:
-    path = Path(args.control_socket) if args.control_socket else default_control_socket()
+    path = Path(args.control_socket or Path(args.data_dir or datadir.HOME) / "control.sock")
+    path = path.expanduser()  # the daemon's own default: DATA_DIR/control.sock
     print(f"asking the daemon on {path} to leave (drain, checkpoint, exit)...", flush=True)
     try:
         result = control_call_sync(path, "Leave", timeout=args.timeout)
@@ -166,8 +168,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("leave", help="ask a running daemon to drain, checkpoint and exit")
     p.add_argument(
         "--control-socket",
-        help="the daemon's control socket (default $XDG_RUNTIME_DIR/agora-node/control.sock, "
-        "else ~/.agora-node/control.sock)",
+        help="the daemon's control socket (default DATA_DIR/control.sock)",
+    )
+    p.add_argument(
+        "--data-dir", help=f"the daemon's data dir, for its control socket (default {datadir.HOME})"
     )
     p.add_argument(
         "--timeout", type=float, default=120.0, help="seconds to wait for the drain (default 120)"

@@ -79,6 +79,22 @@ async def test_leave(tmp_path: Path, capsys):
     assert out.splitlines()[-1] == "the daemon left: state leaving, checkpoint /ckpt/step-120.pt"
 
 
+async def test_leave_finds_the_daemons_default_socket_in_its_data_dir(
+    tmp_path: Path, capsys, monkeypatch
+):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))  # a login session: not used
+    named = tmp_path / ".agora-node" / "nodes" / "a"
+    for argv, sock in (([], tmp_path / ".agora-node"), (["--data-dir", str(named)], named)):
+        sock.mkdir(parents=True, exist_ok=True)
+        server = ControlServer(sock / "control.sock", FakeHandlers())
+        await server.start()
+        try:
+            assert await run(["leave", *argv]) == 0, capsys.readouterr()
+        finally:
+            await server.stop()
+
+
 async def test_leave_without_daemon(tmp_path: Path, capsys):
     sock = tmp_path / "control.sock"
     assert await run(["leave", "--control-socket", str(sock)]) == 1

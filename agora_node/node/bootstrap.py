@@ -31,7 +31,7 @@ async def run_bootstrap(
     identity = Identity.load_or_create(identity_path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     host = await Host.start(
         HostConfig(

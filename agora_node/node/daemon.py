@@ -9,7 +9,7 @@ Lifecycle (DESIGN.md "Joining, stage choice, leaving"):
      publish a signed record every few seconds; SWIM decides who is alive;
      now and then re-evaluate the stage (placement.should_switch) and move by
      closing the service and opening the next;
-  5. on SIGTERM/SIGINT or `agora-node leave`: announce leaving, drain the
+  5. on SIGTERM/SIGINT/SIGHUP or `agora-node leave`: announce leaving, drain the
      service, checkpoint, withdraw the record, exit 0.
 Everything slow runs in the stage worker's thread or in the DHT process; the
 event loop only routes, so the status page always answers.
@@ -229,8 +229,16 @@ class Node:
     async def _checkpoint_loop(self) -> None:
         while not self.stop_event.is_set():
             await self._wait_stop(self.config.checkpoint_every_s)
-            if not self.stop_event.is_set():
+            if self.stop_event.is_set():
+                return
+            try:
                 await self.checkpoint()
+            except OSError as exc:  # a full disk must not stop training: try again next time
+                log.error(
+                    "checkpoint failed (%s); serving on, next try in %.0fs",
+                    exc,
+                    self.config.checkpoint_every_s,
+                )
 
     async def checkpoint(self) -> str | None:
         """Checkpoint the stage served now (none while switching); the path."""
@@ -351,7 +359,7 @@ async def run_node(config: NodeConfig) -> int:
     """Run a node until it is told to leave; the exit code."""
     node = Node(config)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # all mean: leave cleanly
         loop.add_signal_handler(sig, node.stop_event.set)
     try:
         await node.start()

@@ -54,13 +54,14 @@ def _alive(pids: set[int]) -> set[int]:
     return alive
 
 
-def test_node_and_bootstrap_leave_when_their_process_group_gets_sigterm(swarm):
+def test_node_and_bootstrap_leave_when_their_process_group_gets_sigterm_or_sighup(swarm):
     boot = swarm.bootstrap("demo")
     node = swarm.join("node-0", "--stage", "0")
     swarm.serving(node)
     poll(lambda: (s := swarm.status(node)) and s["state"] == "active", 60, "active")
-    for child in (node, boot):  # as `timeout`, systemd or `kill -- -PGID` deliver it
-        os.killpg(child.proc.pid, signal.SIGTERM)
+    # as `timeout`, systemd or `kill -- -PGID` deliver it; a closed terminal sends SIGHUP
+    os.killpg(node.proc.pid, signal.SIGTERM)
+    os.killpg(boot.proc.pid, signal.SIGHUP)
     assert node.proc.wait(timeout=60) == 0, swarm.log(node)[-2000:]
     assert boot.proc.wait(timeout=30) == 0, swarm.log(boot)[-2000:]
     assert "checkpoint saved" in swarm.log(node)

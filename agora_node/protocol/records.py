@@ -63,6 +63,12 @@ class NodeRecord:
     issued_at: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)
     """Fields this version does not know (from newer peers); signed, passed through."""
+    anchor_round: int = 0
+    """The outer round of the anchor attested below (docs/security.md, "State transfer")."""
+    anchor_digest: str = ""
+    """Digest of this replica's outer anchor (OuterState.digest()); "" attests nothing."""
+    outer_digest: str = ""
+    """Digest of anchor and outer momentum (OuterState.digest(with_momentum=True))."""
 
     def canonical_bytes(self) -> bytes:
         body = {k: v for k, v in asdict(self).items() if k != "extra"}

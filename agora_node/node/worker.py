@@ -338,6 +338,32 @@ class StageWorker:
             self._versions_with_grads.clear()
             self._publish_version(int(state.get("version", 0)))
 
+    def trainable_numel(self) -> int:
+        """Values in the outer anchor of this stage (its trainable parameters, flat)."""
+        return sum(p.numel() for p in self.stage.parameters() if p.requires_grad)
+
+    @torch.no_grad()
+    def adopt_anchor(self, flat: Tensor) -> None:
+        """Weights := an attested outer anchor (flat float32, checked by the caller), with a
+        fresh inner optimizer: a stranger's moments cannot be attested (docs/security.md)."""
+        self._check_thread()
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        if flat.numel() != sum(p.numel() for p in params):
+            raise ValueError(
+                f"anchor has {flat.numel()} values, this stage {self.trainable_numel()}"
+            )
+        with self._lock:
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                p.grad = None
+                offset += p.numel()
+            self.optimizer = InnerOptimizer(self.stage, self.manifest.inner)
+            self._pending.clear()
+            self._versions_with_grads.clear()
+            self._finished_since_step = 0
+            self._publish_version(self._version + 1)
+
     def state_bytes(self, extra: dict[str, Any] | None = None) -> bytes:
         """state_dict() (plus `extra` entries, e.g. the outer state) serialized for transfer."""
         buf = io.BytesIO()

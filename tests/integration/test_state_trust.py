@@ -1,0 +1,72 @@
+"""Authentic state between real daemons: a hostile replica cannot become a joiner's state.
+
+One stage, three replicas training together: two honest, one hostile (a real daemon,
+tests/integration/hostile_node.py) that takes part in rounds, so it attests the honest
+anchor, but claims to be far ahead and idle and serves joiners an altered, NaN or garbage
+state. A joiner tries it first, rejects it, and ends with the anchor the honest replicas
+attest (equal digest), finite weights and the hostile source counted as rejected.
+"""
+
+import math
+
+import pytest
+
+from tests.integration.harness import poll, small_manifest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+
+@pytest.mark.parametrize("attack", ["altered", "nan", "garbage"])
+def test_joiner_rejects_a_hostile_source_and_adopts_the_attested_anchor(swarm, tmp_path, attack):
+    manifest = small_manifest(tmp_path / "one.toml", stages=1, layers=2, inner_steps=3)
+    swarm.bootstrap(manifest)
+    honest = [swarm.join(f"honest-{i}", "--stage", "0") for i in range(2)]
+    hostile = swarm.join(
+        "hostile",
+        "--stage",
+        "0",
+        module="tests.integration.hostile_node",
+        env={"AGORA_HOSTILE_STATE": attack},
+    )
+    replicas = [*honest, hostile]
+    for node in replicas:
+        swarm.serving(node)
+
+    def outer(node) -> dict:
+        return (swarm.status(node) or {}).get("outer", {})
+
+    poll(
+        lambda: all(outer(n).get("outer_round", 0) >= 2 for n in replicas),
+        240,
+        "two outer rounds on every replica",
+    )
+    hostile_id = swarm.status(hostile)["peer_id"]
+    honest_ids = {swarm.status(n)["peer_id"] for n in honest}
+
+    joiner = swarm.join("joiner", "--stage", "0")
+    swarm.serving(joiner, timeout=180)
+    status = poll(
+        lambda: (s := swarm.status(joiner)) and s["state"] in ("warming", "active") and s,
+        180,
+        "joiner serving",
+    )
+    origin = status["state_origin"]
+    assert "hostile: serving" in swarm.log(hostile), "the hostile source was never asked"
+    assert origin["source"] != hostile_id, origin
+    assert origin["kind"] == "replica" and origin["source"] in honest_ids, origin
+    assert hostile_id in origin["rejected"], origin
+    # The adopted anchor is the one the honest replicas hold for that round.
+    round_no = str(origin["anchor_round"])
+    for node in honest:
+        digests = outer(node)["anchor_digests"]
+        if round_no in digests:
+            assert digests[round_no] == origin["anchor_digest"], (round_no, digests, origin)
+            break
+    else:
+        pytest.fail(f"no honest replica recorded round {round_no}: {origin}")
+    # Finite weights: the joiner trains on them and its losses are numbers.
+    losses = poll(
+        lambda: (swarm.status(joiner) or {}).get("last_losses"), 120, "the joiner's losses"
+    )
+    assert all(math.isfinite(x) for x in losses), losses
+    assert "trying another replica" in swarm.log(joiner)

@@ -84,9 +84,9 @@ def plan_sources(replicas: Sequence[NodeRecord], exclude: Iterable[str] = ()) ->
     """The strict-majority attestation among `replicas` and who may send it.
 
     Sources are the attesters of the majority minus `exclude` (peers already
-    rejected), least loaded first (`queue`), then by peer id: a hostile peer can
-    put itself first by claiming to be idle, which costs the joiner one rejected
-    transfer, never the state."""
+    rejected), least loaded first (`queue`), then fastest (`throughput`), then by
+    peer id: a hostile peer can put itself first by claiming to be idle and fast,
+    which costs the joiner one rejected transfer, never the state."""
     n = len(replicas)
     attested = {r.peer_id: a for r in replicas if (a := attestation_of(r)) is not None}
     counts = Counter((a.round, a.anchor) for a in attested.values())
@@ -105,7 +105,8 @@ def plan_sources(replicas: Sequence[NodeRecord], exclude: Iterable[str] = ()) ->
     outer_votes = Counter(attested[r.peer_id].outer for r in backers if attested[r.peer_id].outer)
     skip = set(exclude)
     order = sorted(
-        (r for r in backers if r.peer_id not in skip), key=lambda r: (r.queue, r.peer_id)
+        (r for r in backers if r.peer_id not in skip),
+        key=lambda r: (r.queue, -r.throughput, r.peer_id),
     )
     return SourcePlan(n, majority, votes, tuple(r.peer_id for r in order), dict(outer_votes))
 

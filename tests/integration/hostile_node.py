@@ -1,9 +1,11 @@
 """A real agora-node daemon made hostile for tests: `python -m tests.integration.hostile_node
 join ...` with AGORA_HOSTILE_STATE set to one attack.
 
-It trains and takes part in outer rounds like any replica (so its record attests the
-stage's honest anchor), but it claims to be far ahead and idle (inner_step 10^9, queue 0)
-so that a joiner tries it first, and it serves joiners a state it altered:
+It trains and takes part in outer rounds like any replica, announces the attestation most
+of its stage's other replicas announce (copied from its directory view, so that it is a
+source whenever there is a majority to copy), claims to be far ahead, idle and fast
+(inner_step 10^9, queue 0, throughput 10^6) so that a joiner tries it first, and serves
+joiners a state it altered:
 
 - altered: finite weights, the anchor shifted (a well-formed lie);
 - nan: one anchor value NaN;
@@ -16,6 +18,7 @@ import hashlib
 import io
 import os
 import sys
+from collections import Counter
 
 import torch
 
@@ -27,7 +30,16 @@ ATTACK = os.environ.get("AGORA_HOSTILE_STATE", "altered")
 
 def _lying_record(node):  # noqa: ANN001, ANN202
     record = _honest_record(node)
-    record.inner_step, record.queue = 10**9, 0
+    record.inner_step, record.queue, record.throughput = 10**9, 0, 1e6
+    claims = Counter(
+        (r.anchor_round, r.anchor_digest, r.outer_digest)
+        for r in node.view.get(record.stage, [])
+        if r.peer_id != record.peer_id and getattr(r, "anchor_digest", "")
+    )
+    if claims:
+        (record.anchor_round, record.anchor_digest, record.outer_digest), _ = max(
+            claims.items(), key=lambda kv: (kv[1], kv[0][0])
+        )
     return record
 
 

@@ -28,9 +28,9 @@ def test_the_highest_inner_step_decides_nothing():
 
 
 def test_a_liar_that_attests_the_majority_is_a_source_but_only_of_that_digest():
-    hostile = rec("zz-hostile", inner_step=10**9, queue=0)
+    hostile = rec("zz-hostile", inner_step=10**9, queue=0, throughput=1e6)
     plan = plan_sources([rec("p1"), rec("p2"), hostile])
-    assert plan.sources == ("zz-hostile", "p1", "p2")  # idle first: claims order, never decide
+    assert plan.sources == ("zz-hostile", "p1", "p2")  # idle, fast first: claims order only
     assert check(plan, 4, OTHER) == Verdict.REJECT  # what it sends must hash to the majority's
     assert check(plan, 4, HONEST) == Verdict.ADOPT
     assert plan_sources([rec("p1"), rec("p2"), hostile], exclude={"zz-hostile"}).sources == (

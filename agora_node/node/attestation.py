@@ -124,6 +124,9 @@ class Verdict:
     STALE = "stale"
     """The source moved to a newer round than the attestations we read: read again."""
     REJECT = "reject"
+    """It sent what must not be adopted: never asked again in this search."""
+    UNAVAILABLE = "unavailable"
+    """It could not send (gone, busy, too slow): asked again on the next pass."""
 
 
 def check(plan: SourcePlan, round_no: int, anchor_digest: str) -> str:

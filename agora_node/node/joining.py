@@ -136,7 +136,8 @@ async def load_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState:
     )
     checkpoint_round = _checkpoint_round(found[1]) if found is not None else None
     deadline = time.monotonic() + ctx.config.state_deadline_s
-    rejected: dict[str, str] = {}
+    rejected: dict[str, str] = {}  # sent bytes that must not be adopted: not asked again
+    unavailable: dict[str, str] = {}  # could not send (gone, busy, slow): asked next pass
     stale: set[str] = set()
     last: attestation.Attestation | None = None
     plan = attestation.SourcePlan(0, None, 0, (), {})
@@ -152,15 +153,19 @@ async def load_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState:
         plan = attestation.plan_sources(replicas, exclude=set(rejected) | stale)
         if found is not None and not attestation.prefer_replicas(plan, checkpoint_round):
             break  # no majority attests a round newer than the own checkpoint's
+        if plan.majority is not None and not plan.sources and not stale:
+            break  # every attester of the majority was rejected
         for source in plan.sources:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             verdict, got = await _try_source(ctx, stage, numel, source, plan, remaining)
             if verdict == attestation.Verdict.ADOPT:
-                return await _adopt(worker, source, plan, got, rejected)
+                return await _adopt(worker, source, plan, got, rejected, unavailable)
             if verdict == attestation.Verdict.STALE:
                 stale.add(source)
+            elif verdict == attestation.Verdict.UNAVAILABLE:
+                unavailable[source] = got
             else:
                 rejected[source] = got
         if time.monotonic() >= deadline:
@@ -171,8 +176,6 @@ async def load_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState:
                 _why(plan, replicas, rejected),
             )
             break
-        if plan.majority is not None and not plan.sources and not stale:
-            break  # every attester of the majority was rejected
         await asyncio.sleep(min(STATE_POLL_S, max(0.0, deadline - time.monotonic())))
     if found is not None:
         info, state = found
@@ -186,7 +189,8 @@ async def load_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState:
             "" if plan.majority is None else f"; replicas attest round {plan.majority.round}",
         )
         origin = await _origin(worker, "checkpoint", str(info.path))
-        return LoadedState(state.get("outer"), False, {**origin, "rejected": rejected})
+        origin.update(rejected=rejected, unavailable=unavailable)
+        return LoadedState(state.get("outer"), False, origin)
     if plan.replicas:
         log.warning(
             "no attested state for stage %d (%s): starting from the manifest's init",
@@ -196,7 +200,8 @@ async def load_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState:
     else:
         log.info("first replica of stage %d: deterministic init from the manifest", stage)
     origin = await _origin(worker, "init", "manifest")
-    return LoadedState(None, False, {**origin, "rejected": rejected})
+    origin.update(rejected=rejected, unavailable=unavailable)
+    return LoadedState(None, False, origin)
 
 
 async def _try_source(
@@ -207,8 +212,8 @@ async def _try_source(
     plan: attestation.SourcePlan,
     remaining: float,
 ) -> tuple[str, Any]:
-    """(ADOPT, AnchorState) | (STALE, None) | (REJECT, reason); never raises for the
-    source's sake."""
+    """(ADOPT, AnchorState) | (STALE, AnchorState) | (REJECT or UNAVAILABLE, reason);
+    never raises for the source's sake."""
     m = ctx.manifest
     try:
         async with asyncio.timeout(remaining):
@@ -224,7 +229,9 @@ async def _try_source(
             del blob
             anchor_digest, _ = await asyncio.to_thread(got.digests)
     except (state_transfer.StateTransferError, TimeoutError) as exc:
-        reason = f"transfer: {exc or 'deadline'}"
+        reason = f"transfer: {exc or 'deadline'}"[:300]
+        log.warning("state from %s failed (%s); trying another replica", source[-8:], reason)
+        return attestation.Verdict.UNAVAILABLE, reason
     except state_blob.StateFormatError as exc:
         reason = f"malformed: {exc}"
     except Exception as exc:  # a source's bytes must never crash the joiner
@@ -244,6 +251,7 @@ async def _adopt(
     plan: attestation.SourcePlan,
     got: state_blob.AnchorState,
     rejected: dict[str, str],
+    unavailable: dict[str, str],
 ) -> LoadedState:
     """Weights := the attested anchor; momentum only if a strict majority attests it."""
     _, outer_digest = got.digests()
@@ -272,6 +280,7 @@ async def _adopt(
         replicas=plan.replicas,
         momentum="attested" if momentum_ok else "reset",
         rejected=rejected,
+        unavailable=unavailable,
     )
     outer = {"round": got.round, "anchor": got.anchor, "momentum": momentum}
     return LoadedState(outer, True, origin)

@@ -366,5 +366,5 @@ def test_joiner_retries_another_replica_when_its_source_dies_mid_transfer(swarm)
     )
     origin = status["state_origin"]
     assert origin["kind"] == "replica" and not origin["source"].endswith(first), origin
-    assert origin["attested_by"] == 2 and first in "".join(origin["rejected"]), origin
+    assert origin["attested_by"] == 2 and first in "".join(origin["unavailable"]), origin
     assert "trying another replica" in swarm.log(joiner)

@@ -178,7 +178,7 @@ async def test_the_search_is_bounded_in_time_then_falls_back_to_init(
     with caplog.at_level(logging.INFO):
         loaded = await joining.load_state(ctx, worker)
     assert loop.time() - started < 5
-    assert loaded.origin["kind"] == "init" and "p1" in loaded.origin["rejected"]
+    assert loaded.origin["kind"] == "init" and "p1" in loaded.origin["unavailable"]
     assert "starting from the manifest's init" in caplog.text
 
 
@@ -300,3 +300,25 @@ async def test_state_handler_one_transfer_per_peer_and_a_send_deadline():
     third = _FakeStream(request)  # the slot is free again
     await on_stream(peer, third.reader, third)
     assert third.sent[-9:-8] == streams.KIND_END
+
+
+async def test_a_busy_source_is_asked_again_a_liar_is_not(worker, tmp_path, monkeypatch):
+    honest = _honest(worker)
+    good = state_blob.encode(*honest)
+    answers = {"busy": [state_transfer.StateTransferError("busy"), good], "liar": [b"junk"]}
+    asked = []
+
+    async def fetch_state(p2p, run_id, peer_id, stage, *, max_bytes, timeout, **_):
+        asked.append(peer_id)
+        answer = answers[peer_id].pop(0) if len(answers[peer_id]) > 1 else answers[peer_id][0]
+        if isinstance(answer, Exception):
+            raise answer
+        return {}, answer
+
+    monkeypatch.setattr(state_transfer, "fetch_state", fetch_state)
+    records = [_record("busy", honest, queue=1), _record("liar", honest, queue=0)]
+    records.append(_record("third", honest, state="warming", anchor_digest=""))
+    loaded = await joining.load_state(_Ctx(load_manifest("tiny"), tmp_path, records), worker)
+    assert asked == ["liar", "busy", "busy"]
+    assert loaded.origin["source"] == "busy" and set(loaded.origin["rejected"]) == {"liar"}
+    assert set(loaded.origin["unavailable"]) == {"busy"}

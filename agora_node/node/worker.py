@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import io
 import logging
 import threading
 import time
@@ -363,17 +362,6 @@ class StageWorker:
             self._versions_with_grads.clear()
             self._finished_since_step = 0
             self._publish_version(self._version + 1)
-
-    def state_bytes(self, extra: dict[str, Any] | None = None) -> bytes:
-        """state_dict() (plus `extra` entries, e.g. the outer state) serialized for transfer."""
-        buf = io.BytesIO()
-        torch.save({**self.state_dict(), **(extra or {})}, buf)
-        return buf.getvalue()
-
-    @staticmethod
-    def decode_state(blob: bytes) -> dict[str, Any]:
-        """Inverse of state_bytes (tensors and plain containers only)."""
-        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
 
     def parameter_checksum(self) -> str:
         """sha256 over the weights (names and bytes): equal iff two replicas hold the same weights."""

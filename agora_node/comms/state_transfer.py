@@ -1,9 +1,13 @@
-"""Streaming a stage's state (weights, optimizer and outer state) from a live replica.
+"""Streaming a stage's attested state (outer anchor and momentum) from a live replica.
 
-The server takes one consistent snapshot (serialized in the stage worker, not
-on the event loop) and streams it in 1 MiB frames after a JSON header that
-gives the size and sha256. The client checks both before it trusts a byte, and
-reports progress as it goes.
+The server serializes one consistent copy per outer state (cached, one at a
+time, off the worker thread: OuterRounds.transfer_blob) and streams it in
+1 MiB frames after a JSON header that gives the size and sha256. Each joiner
+may hold one transfer at a time, a few at most run together, and each has an
+overall deadline. The client refuses a header announcing more than the bound
+the stage's parameter count gives (before it buffers anything) and checks the
+sha256 (integrity only: authenticity comes from the replicas' attestations,
+joining.load_state), and reports progress as it goes.
 """
 
 from __future__ import annotations
@@ -22,31 +26,57 @@ from agora_node.protocol.names import state_protocol
 log = logging.getLogger(__name__)
 
 MAX_STATE_BYTES = 16 << 30
+"""Absolute ceiling; callers pass the stage's own bound (state_blob.max_bytes)."""
+MAX_SENDS = 4
+"""Transfers a replica serves at once (each joiner at most one)."""
+SEND_DEADLINE_S = 600.0
 
 
 class StateTransferError(RuntimeError):
     pass
 
 
-# Returns (header fields, serialized state) for the requested stage, or raises.
+# Returns (header fields, serialized state) for the requested stage, or raises. A provider
+# that caches its blob may put its "sha256" in the header (else it is computed per send).
 SnapshotProvider = Callable[[int], Awaitable[tuple[dict, bytes]]]
 
 
-async def serve_state(p2p: P2P, run_id: str, provider: SnapshotProvider) -> None:
+async def serve_state(
+    p2p: P2P,
+    run_id: str,
+    provider: SnapshotProvider,
+    *,
+    max_sends: int = MAX_SENDS,
+    deadline_s: float = SEND_DEADLINE_S,
+) -> None:
+    active: dict[str, int] = {}
+
     async def handler(remote: str, request: bytes) -> AsyncIterator[bytes]:
         try:
             stage = int(json.loads(request)["stage"])
         except (ValueError, KeyError, TypeError) as exc:
             raise StateTransferError(f"bad state request: {exc}") from None
-        header, blob = await provider(stage)
-        header = {**header, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
-        log.info("sending stage %d state (%.1f MiB) to %s", stage, len(blob) / 2**20, remote[-8:])
-        yield json.dumps(header).encode()
-        view = memoryview(blob)
-        for offset in range(0, len(view), streams.CHUNK):
-            yield bytes(view[offset : offset + streams.CHUNK])
+        if remote in active:
+            raise StateTransferError("one state transfer per peer at a time")
+        if len(active) >= max_sends:
+            raise StateTransferError(f"busy: {len(active)} state transfers in progress")
+        active[remote] = stage
+        try:
+            header, blob = await provider(stage)
+            header = {"sha256": hashlib.sha256(blob).hexdigest(), **header, "bytes": len(blob)}
+            log.info(
+                "sending stage %d state (%.1f MiB) to %s", stage, len(blob) / 2**20, remote[-8:]
+            )
+            yield json.dumps(header).encode()
+            view = memoryview(blob)
+            for offset in range(0, len(view), streams.CHUNK):
+                yield bytes(view[offset : offset + streams.CHUNK])
+        finally:
+            del active[remote]
 
-    await streams.serve(p2p, state_protocol(run_id), handler, max_request=4096)
+    await streams.serve(
+        p2p, state_protocol(run_id), handler, max_request=4096, deadline_s=deadline_s
+    )
 
 
 async def fetch_state(
@@ -55,6 +85,7 @@ async def fetch_state(
     peer_id: str,
     stage: int,
     *,
+    max_bytes: int = MAX_STATE_BYTES,
     timeout: float = 20.0,
     progress: Callable[[str], None] = log.info,
 ) -> tuple[dict, bytes]:
@@ -74,7 +105,7 @@ async def fetch_state(
     try:
         async for frame in frames:
             if header is None:
-                header = _parse_header(frame)
+                header = _parse_header(frame, max_bytes)
                 continue
             received += len(frame)
             if received > header["bytes"]:
@@ -100,12 +131,12 @@ async def fetch_state(
     return header, b"".join(parts)
 
 
-def _parse_header(frame: bytes) -> dict:
+def _parse_header(frame: bytes, max_bytes: int = MAX_STATE_BYTES) -> dict:
     try:
         header = json.loads(frame)
         size, sha = int(header["bytes"]), str(header["sha256"])
     except (ValueError, KeyError, TypeError) as exc:
         raise StateTransferError(f"bad state header: {exc}") from None
-    if not 0 <= size <= MAX_STATE_BYTES or len(sha) != 64:
-        raise StateTransferError(f"implausible state header: {size} bytes")
+    if not 0 <= size <= min(max_bytes, MAX_STATE_BYTES) or len(sha) != 64:
+        raise StateTransferError(f"implausible state header: {size} bytes (limit {max_bytes})")
     return header

@@ -73,17 +73,26 @@ Handler = Callable[[str, bytes], AsyncIterator[bytes]]
 
 
 async def serve(
-    p2p: P2P, name: str, handler: Handler, *, max_request: int = DEFAULT_MAX_FRAME
+    p2p: P2P,
+    name: str,
+    handler: Handler,
+    *,
+    max_request: int = DEFAULT_MAX_FRAME,
+    deadline_s: float | None = None,
 ) -> None:
-    """Register `handler` under protocol `name` on this node's libp2p daemon."""
+    """Register `handler` under protocol `name` on this node's libp2p daemon; with
+    `deadline_s`, a stream (request, handler and every write) is cut after that long."""
 
     async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         remote = info.peer_id.to_base58()
         try:
-            kind, request = await read_frame(reader, max_request)
-            async for chunk in handler(remote, request):
-                await write_frame(writer, KIND_DATA, chunk)
-            await write_frame(writer, KIND_END)
+            async with asyncio.timeout(deadline_s):
+                kind, request = await read_frame(reader, max_request)
+                async for chunk in handler(remote, request):
+                    await write_frame(writer, KIND_DATA, chunk)
+                await write_frame(writer, KIND_END)
+        except TimeoutError:
+            log.warning("stream %s to %s cut at its %.0fs deadline", name, remote[-8:], deadline_s)
         except StreamError as exc:
             log.debug("stream %s from %s: %s", name, remote[-8:], exc)
         except (ConnectionError, asyncio.IncompleteReadError):

@@ -106,6 +106,8 @@ class NodeConfig:
     settle_s: float = 1.5
     """Interval between a joiner's directory reads before it commits to a stage."""
     settle_rounds: int = 8
+    state_deadline_s: float = 120.0
+    """Longest a joiner spends getting attested state from replicas; then checkpoint/init."""
     rebalance_every_s: float = option(
         60.0,
         name="rebalance_every",

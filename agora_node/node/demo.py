@@ -44,12 +44,21 @@ class Swarm:
     initial_peers: list[str] = field(default_factory=list)
 
     def spawn(
-        self, name: str, argv: list[str], status_port: int | None = None, *, append: bool = False
+        self,
+        name: str,
+        argv: list[str],
+        status_port: int | None = None,
+        *,
+        append: bool = False,
+        module: str = "agora_node",
+        env: dict[str, str] | None = None,
     ) -> Child:
+        """Start `python -m module argv...` (tests pass a test-only module and env); `append`
+        continues the log of an earlier run of the same name."""
         log_path = self.workdir / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "agora_node", *argv],
+            [sys.executable, "-m", module, *argv],
             stdout=open(log_path, "a" if append else "w"),  # noqa: SIM115 - owned by the child
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

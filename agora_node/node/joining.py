@@ -7,9 +7,10 @@
    show the same joiners and give the same answer, so nodes starting together
    agree on one assignment instead of committing on views that miss each other.
    A running `auto` node asks `better_stage` now and then (placement.should_switch).
-3. `load_state`: the stage's state from a live replica (streamed, checksummed),
-   else the newest local checkpoint when it is newer than what replicas offer,
-   else the manifest's deterministic init. It returns what it loaded.
+3. `load_state`: the outer anchor a strict majority of the stage's live replicas
+   attest in their signed records (fetched from one of them, decoded strictly,
+   digest recomputed), unless the own checkpoint is at least as new; else the
+   checkpoint, else the manifest's deterministic init. It returns what it loaded.
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from agora_node.comms import state_transfer
 from agora_node.comms.directory import Directory, RunChoiceError, Snapshot, fetch_manifest
 from agora_node.comms.host import Host
+from agora_node.node import attestation
 from agora_node.node.checkpoint import load_latest_checkpoint
 from agora_node.node.errors import JoinError
 from agora_node.node.worker import StageWorker
+from agora_node.protocol import state_blob
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.records import NodeState
 from agora_node.stages import placement
@@ -106,18 +111,24 @@ class LoadedState:
     warming: bool
     """Copied from a replica: carry zero weight in averaging until the first round."""
     origin: dict[str, Any]
-    """Where it came from (replica / checkpoint / init), with weight checksums."""
+    """Where it came from (replica / checkpoint / init), with checksums and, for a
+    replica, the attestation it matched and the sources rejected on the way."""
+
+
+STATE_POLL_S = 1.0
+"""Between directory reads while no strict majority attests a state."""
 
 
 async def load_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState:
-    """Load `worker`'s stage from a replica, a checkpoint or the init; what was loaded."""
+    """Load `worker`'s stage: the anchor a strict majority of its live replicas attest,
+    unless the own checkpoint is at least as new; else the checkpoint or the init.
+
+    Never trusts one peer: a source is used only if it attests the majority, and what it
+    sends is adopted only if it decodes strictly (size bound from the stage's parameter
+    count, float32, finite) and its recomputed digest is the majority's. Any failure means
+    the next source; the whole search ends at `state_deadline_s` (docs/security.md)."""
     stage, m = worker.index, ctx.manifest
-    replicas = [
-        r
-        for r in (await ctx.fetch_records()).get(stage, [])
-        if r.peer_id != ctx.peer_id and r.state in (NodeState.ACTIVE, NodeState.WARMING)
-    ]
-    replicas.sort(key=lambda r: -r.inner_step)
+    numel = worker.trainable_numel()
     found = await asyncio.to_thread(
         load_latest_checkpoint,
         ctx.checkpoint_dir(stage),
@@ -125,40 +136,173 @@ async def load_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState:
         stage=stage,
         peer_id=ctx.peer_id,  # never another identity's (nodes sharing a data dir)
     )
-    if found is not None and (not replicas or found[0].step >= replicas[0].inner_step):
+    checkpoint_round = _checkpoint_round(found[1]) if found is not None else None
+    deadline = time.monotonic() + ctx.config.state_deadline_s
+    rejected: dict[str, str] = {}  # sent bytes that must not be adopted: not asked again
+    unavailable: dict[str, str] = {}  # could not send (gone, busy, slow): asked next pass
+    stale: set[str] = set()
+    last: attestation.Attestation | None = None
+    plan = attestation.SourcePlan(0, None, 0, (), {})
+    while True:
+        records = (await ctx.fetch_records()).get(stage, [])
+        replicas = attestation.live_replicas(records, stage, ctx.peer_id)
+        if not replicas:
+            break
+        plan = attestation.plan_sources(replicas)
+        if plan.majority is not None and plan.majority != last:
+            stale.clear()  # the stage moved on: sources behind before may hold it now
+            last = plan.majority
+        plan = attestation.plan_sources(replicas, exclude=set(rejected) | stale)
+        if found is not None and not attestation.prefer_replicas(plan, checkpoint_round):
+            break  # no majority attests a round newer than the own checkpoint's
+        if plan.majority is not None and not plan.sources and not stale:
+            break  # every attester of the majority was rejected
+        for source in plan.sources:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            verdict, got = await _try_source(ctx, stage, numel, source, plan, remaining)
+            if verdict == attestation.Verdict.ADOPT:
+                return await _adopt(worker, source, plan, got, rejected, unavailable)
+            if verdict == attestation.Verdict.STALE:
+                stale.add(source)
+            elif verdict == attestation.Verdict.UNAVAILABLE:
+                unavailable[source] = got
+            else:
+                rejected[source] = got
+        if time.monotonic() >= deadline:
+            log.warning(
+                "state search for stage %d ran out of time (%.0fs): %s",
+                stage,
+                ctx.config.state_deadline_s,
+                _why(plan, replicas, rejected),
+            )
+            break
+        await asyncio.sleep(min(STATE_POLL_S, max(0.0, deadline - time.monotonic())))
+    if found is not None:
         info, state = found
         await worker.call(worker.load_state_dict, state)
-        log.info("resumed stage %d from checkpoint %s (step %d)", stage, info.path, info.step)
-        return LoadedState(
-            state.get("outer"), False, await _origin(worker, "checkpoint", str(info.path))
-        )
-    for record in replicas:
-        try:
-            header, blob = await state_transfer.fetch_state(
-                ctx.host.p2p, m.run_id, record.peer_id, stage
-            )
-        except state_transfer.StateTransferError as exc:
-            log.warning(
-                "state from %s failed (%s); trying another replica", record.peer_id[-8:], exc
-            )
-            continue
-        state = await worker.call(StageWorker.decode_state, blob)
-        await worker.call(worker.load_state_dict, state)
         log.info(
-            "loaded stage %d state from %s (step %s)",
+            "resumed stage %d from checkpoint %s (step %d, outer round %s)%s",
             stage,
-            record.peer_id[-8:],
-            header.get("inner_step"),
+            info.path,
+            info.step,
+            checkpoint_round,
+            "" if plan.majority is None else f"; replicas attest round {plan.majority.round}",
         )
-        origin = await _origin(worker, "replica", record.peer_id, header.get("param_checksum"))
-        return LoadedState(state.get("outer"), True, origin)
-    if replicas:
+        origin = await _origin(worker, "checkpoint", str(info.path))
+        origin.update(rejected=rejected, unavailable=unavailable)
+        return LoadedState(state.get("outer"), False, origin)
+    if plan.replicas:
         log.warning(
-            "no replica could send stage %d state: starting from the manifest's init", stage
+            "no attested state for stage %d (%s): starting from the manifest's init",
+            stage,
+            _why(plan, replicas, rejected),
         )
     else:
         log.info("first replica of stage %d: deterministic init from the manifest", stage)
-    return LoadedState(None, False, await _origin(worker, "init", "manifest"))
+    origin = await _origin(worker, "init", "manifest")
+    origin.update(rejected=rejected, unavailable=unavailable)
+    return LoadedState(None, False, origin)
+
+
+async def _try_source(
+    ctx: ServiceContext,
+    stage: int,
+    numel: int,
+    source: str,
+    plan: attestation.SourcePlan,
+    remaining: float,
+) -> tuple[str, Any]:
+    """(ADOPT, AnchorState) | (STALE, AnchorState) | (REJECT or UNAVAILABLE, reason);
+    never raises for the source's sake."""
+    m = ctx.manifest
+    try:
+        async with asyncio.timeout(remaining):
+            _, blob = await state_transfer.fetch_state(
+                ctx.host.p2p,
+                m.run_id,
+                source,
+                stage,
+                max_bytes=state_blob.max_bytes(numel),
+                timeout=min(20.0, remaining),
+            )
+            got = await asyncio.to_thread(state_blob.decode, blob, numel)
+            del blob
+            anchor_digest, _ = await asyncio.to_thread(got.digests)
+    except (state_transfer.StateTransferError, TimeoutError) as exc:
+        reason = f"transfer: {exc or 'deadline'}"[:300]
+        log.warning("state from %s failed (%s); trying another replica", source[-8:], reason)
+        return attestation.Verdict.UNAVAILABLE, reason
+    except state_blob.StateFormatError as exc:
+        reason = f"malformed: {exc}"
+    except Exception as exc:  # a source's bytes must never crash the joiner
+        reason = f"{type(exc).__name__}: {exc}"
+    else:
+        verdict = attestation.check(plan, got.round, anchor_digest)
+        if verdict != attestation.Verdict.REJECT:
+            return verdict, got
+        reason = f"digest: round {got.round} {anchor_digest} is not the attested one"
+    log.warning("state from %s rejected (%s); trying another replica", source[-8:], reason[:300])
+    return attestation.Verdict.REJECT, reason[:300]
+
+
+async def _adopt(
+    worker: StageWorker,
+    source: str,
+    plan: attestation.SourcePlan,
+    got: state_blob.AnchorState,
+    rejected: dict[str, str],
+    unavailable: dict[str, str],
+) -> LoadedState:
+    """Weights := the attested anchor; momentum only if a strict majority attests it."""
+    _, outer_digest = got.digests()
+    momentum_ok = got.momentum is not None and plan.momentum_attested(outer_digest)
+    momentum = got.momentum if momentum_ok else torch.zeros_like(got.anchor)
+    await worker.call(worker.adopt_anchor, got.anchor)
+    majority = plan.majority
+    assert majority is not None
+    log.info(
+        "loaded stage %d state from %s: outer round %d, anchor %s attested by %d of %d "
+        "replicas, momentum %s%s",
+        worker.index,
+        source[-8:],
+        got.round,
+        majority.anchor,
+        plan.votes,
+        plan.replicas,
+        "attested" if momentum_ok else "reset",
+        f", {len(rejected)} source(s) rejected" if rejected else "",
+    )
+    origin = await _origin(worker, "replica", source)
+    origin.update(
+        anchor_round=got.round,
+        anchor_digest=majority.anchor,
+        attested_by=plan.votes,
+        replicas=plan.replicas,
+        momentum="attested" if momentum_ok else "reset",
+        rejected=rejected,
+        unavailable=unavailable,
+    )
+    outer = {"round": got.round, "anchor": got.anchor, "momentum": momentum}
+    return LoadedState(outer, True, origin)
+
+
+def _checkpoint_round(state: dict[str, Any]) -> int:
+    outer = state.get("outer")
+    try:
+        return int(outer["round"]) if isinstance(outer, dict) else 0
+    except (KeyError, TypeError, ValueError):
+        return 0
+
+
+def _why(plan: attestation.SourcePlan, replicas: list, rejected: dict[str, str]) -> str:
+    if plan.majority is None:
+        return f"no strict majority of {len(replicas)} replica(s) attests one anchor"
+    return (
+        f"round {plan.majority.round} attested by {plan.votes} of {plan.replicas}; "
+        f"{len(rejected)} source(s) rejected"
+    )
 
 
 async def _origin(

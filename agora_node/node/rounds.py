@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
+from agora_node.node.attestation import Attestation
 from agora_node.node.outer import OuterLoop
 from agora_node.node.worker import StageWorker
+from agora_node.protocol import state_blob
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,10 @@ def round_should_end(steps_done: int, every: int, opened_elsewhere: bool) -> boo
     """End the round after `every` inner steps, or once another replica opened it and
     this one has at least one step to contribute."""
     return steps_done >= every or (steps_done > 0 and opened_elsewhere)
+
+
+def _sha256(blob: bytes) -> str:
+    return hashlib.sha256(blob).hexdigest()
 
 
 class OuterRounds:
@@ -70,6 +77,10 @@ class OuterRounds:
         self.anchor_digests: dict[int, str] = {}
         """Digest of the anchor after each recent round: the stage's replicas compare equal."""
         self._lock = asyncio.Lock()
+        self._epoch = 0
+        """Bumped whenever the outer state changes (a round ended)."""
+        self._attested: tuple[tuple[int, int], Attestation] | None = None
+        self._blob: tuple[Attestation, bytes, str] | None = None
 
     @property
     def round(self) -> int:
@@ -84,11 +95,48 @@ class OuterRounds:
     def state_dict(self) -> dict[str, Any]:
         return self.outer.state_dict()
 
+    # ---- attestation and state transfer (docs/security.md, "State transfer") -----------
+    @property
+    def attested(self) -> Attestation | None:
+        """The latest attestation computed (what the directory record announces)."""
+        return self._attested[1] if self._attested is not None else None
+
+    async def attest(self) -> Attestation:
+        """(round, anchor digest, anchor+momentum digest) of the outer state now."""
+        async with self._lock:
+            return await self._attest_locked()
+
+    async def _attest_locked(self) -> Attestation:
+        key = (self._epoch, self.round)
+        if self._attested is None or self._attested[0] != key:
+            state = self.outer.state
+            anchor, outer = await asyncio.to_thread(
+                state_blob.digests, state.anchor, state.momentum
+            )
+            self._attested = (key, Attestation(state.round, anchor, outer or ""))
+        return self._attested[1]
+
+    async def transfer_blob(self) -> tuple[Attestation, bytes, str]:
+        """The anchor state for a joiner, serialized once per outer state (one at a time,
+        cached until the next round): concurrent joiners cost one copy, not the worker.
+        Returns the attestation, the blob and its sha256."""
+        async with self._lock:
+            attested = await self._attest_locked()
+            if self._blob is None or self._blob[0] != attested:
+                self._blob = None  # free the old copy before making the new one
+                state = self.outer.state
+                blob = await asyncio.to_thread(
+                    state_blob.encode, state.round, state.anchor, state.momentum
+                )
+                self._blob = (attested, blob, await asyncio.to_thread(_sha256, blob))
+            return self._blob
+
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             self._catch_up()
             start_step = self.worker.optimizer.steps
             start_tokens = self.worker.stats.trained_tokens
+            await self.attest()  # what the record announces (cached unless the state changed)
             while not stop.is_set():
                 done = self.worker.optimizer.steps - start_step
                 if round_should_end(
@@ -103,6 +151,8 @@ class OuterRounds:
             async with self._lock, self.worker.frozen() as weights:
                 tokens = self.worker.stats.trained_tokens - start_tokens
                 await self.outer.end_round(tokens=tokens, weights=weights)
+                self._epoch += 1
+                self._blob = None
             await self._note_digest()
 
     def _catch_up(self) -> None:
@@ -112,8 +162,8 @@ class OuterRounds:
             self.outer.state.round = target
 
     async def _note_digest(self) -> None:
-        state = self.outer.state
-        self.anchor_digests[state.round] = await asyncio.to_thread(state.digest)
+        attested = await self.attest()  # the same digest the record announces
+        self.anchor_digests[attested.round] = attested.anchor
         for old in sorted(self.anchor_digests)[:-KEPT_DIGESTS]:
             del self.anchor_digests[old]
 

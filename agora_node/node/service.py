@@ -192,18 +192,15 @@ class StageService:
         return str(info.path)
 
     async def state_snapshot(self) -> tuple[dict, bytes]:
-        """This stage's state for a joiner: weights and anchor from the same moment."""
-        async with self.rounds.consistent():
-            blob, checksum = await self.worker.call(self._serialize, self.rounds.state_dict())
+        """This stage's attested state for a joiner: outer anchor and momentum
+        (protocol/state_blob.py), serialized once per round, off the worker thread."""
+        attested, blob, sha = await self.rounds.transfer_blob()
         return {
             "stage": self.index,
-            "inner_step": self.worker.optimizer.steps,
-            "param_checksum": checksum,
+            "round": attested.round,
+            "anchor_digest": attested.anchor,
+            "sha256": sha,
         }, blob
-
-    def _serialize(self, outer: dict) -> tuple[bytes, str]:
-        """On the worker thread: bytes and weight checksum of one consistent state."""
-        return self.worker.state_bytes({"outer": outer}), self.worker.parameter_checksum()
 
     # ---- stage 0 ------------------------------------------------------------------------
     async def _head_loop(self) -> None:
@@ -267,7 +264,12 @@ async def serve_endpoints(
             raise state_transfer.StateTransferError(f"this node does not serve stage {stage} now")
         header, blob = await service.state_snapshot()
         served.append(
-            {"stage": stage, "param_checksum": header["param_checksum"], "at": time.time()}
+            {
+                "stage": stage,
+                "round": header["round"],
+                "anchor_digest": header["anchor_digest"],
+                "at": time.time(),
+            }
         )
         del served[:-20]
         return header, blob

@@ -54,6 +54,7 @@ def node_record(node: Node) -> NodeRecord:
     """What the node announces in the directory (signed by the directory on publish)."""
     service = node.service
     w = service.worker if service else None
+    attested = service.rounds.attested if service else None
     return NodeRecord(
         run_id=node.manifest.run_id,
         peer_id=node.peer_id,
@@ -67,6 +68,9 @@ def node_record(node: Node) -> NodeRecord:
         tokens_seen=w.stats.tokens if w else 0,
         pinned=int(node.config.stage != "auto"),
         addrs=node.addrs,
+        anchor_round=attested.round if attested else 0,
+        anchor_digest=attested.anchor if attested else "",
+        outer_digest=attested.outer if attested else "",
     )
 
 

@@ -31,6 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from agora_node.node.errors import UsageError
+from agora_node.protocol.names import telemetry_prefix
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +249,7 @@ class Telemetry:
             log.error("telemetry: %s", INSTALL_HINT)
             return
         node = self._snapshot()["node"]
-        self.prefix = f"agora/{_level(node['run_id'])}/{_level(node['peer_id'])}"
+        self.prefix = telemetry_prefix(_level(node["run_id"]), _level(node["peer_id"]))
         self._observe()
         self._sampler = asyncio.create_task(self._sample_loop())
         self._sender = asyncio.create_task(self._connection_loop())

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import io
 import logging
 import threading
 import time
@@ -338,16 +337,31 @@ class StageWorker:
             self._versions_with_grads.clear()
             self._publish_version(int(state.get("version", 0)))
 
-    def state_bytes(self, extra: dict[str, Any] | None = None) -> bytes:
-        """state_dict() (plus `extra` entries, e.g. the outer state) serialized for transfer."""
-        buf = io.BytesIO()
-        torch.save({**self.state_dict(), **(extra or {})}, buf)
-        return buf.getvalue()
+    def trainable_numel(self) -> int:
+        """Values in the outer anchor of this stage (its trainable parameters, flat)."""
+        return sum(p.numel() for p in self.stage.parameters() if p.requires_grad)
 
-    @staticmethod
-    def decode_state(blob: bytes) -> dict[str, Any]:
-        """Inverse of state_bytes (tensors and plain containers only)."""
-        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    @torch.no_grad()
+    def adopt_anchor(self, flat: Tensor) -> None:
+        """Weights := an attested outer anchor (flat float32, checked by the caller), with a
+        fresh inner optimizer: a stranger's moments cannot be attested (docs/security.md)."""
+        self._check_thread()
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        if flat.numel() != sum(p.numel() for p in params):
+            raise ValueError(
+                f"anchor has {flat.numel()} values, this stage {self.trainable_numel()}"
+            )
+        with self._lock:
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                p.grad = None
+                offset += p.numel()
+            self.optimizer = InnerOptimizer(self.stage, self.manifest.inner)
+            self._pending.clear()
+            self._versions_with_grads.clear()
+            self._finished_since_step = 0
+            self._publish_version(self._version + 1)
 
     def parameter_checksum(self) -> str:
         """sha256 over the weights (names and bytes): equal iff two replicas hold the same weights."""

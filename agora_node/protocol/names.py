@@ -56,4 +56,9 @@ def forward_protocol(run_id: str) -> str:
 
 def state_protocol(run_id: str) -> str:
     """Stream protocol for a stage's state, fetched from a live replica on join."""
-    return f"/agora/{run_id}/state/1"
+    return f"/agora/{run_id}/state/2"  # 2: attested anchor state (protocol/state_blob.py)
+
+
+def telemetry_prefix(run_id: str, peer_id: str) -> str:
+    """MQTT topic prefix of a node's telemetry (`/status`, `/events` below it)."""
+    return f"agora/{run_id}/{peer_id}"

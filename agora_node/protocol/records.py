@@ -100,6 +100,12 @@ class NodeRecord:
     refuses it once it is older than that (plus clock skew) even if re-stored."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Fields this version does not know (from newer peers); signed, passed through."""
+    anchor_round: int = 0
+    """The outer round of the anchor attested below (docs/security.md, "State transfer")."""
+    anchor_digest: str = ""
+    """Digest of this replica's outer anchor (OuterState.digest()); "" attests nothing."""
+    outer_digest: str = ""
+    """Digest of anchor and outer momentum (OuterState.digest(with_momentum=True))."""
 
     def canonical_bytes(self) -> bytes:
         body = {k: v for k, v in asdict(self).items() if k != "extra"}

@@ -37,7 +37,7 @@ def test_exact_spellings_are_pinned():
         "swim_namespace": "agora/r1/swim",
         "standalone_swim_namespace": "agora-membership",
         "forward_protocol": "/agora/r1/forward/1",
-        "state_protocol": "/agora/r1/state/1",
+        "state_protocol": "/agora/r1/state/2",  # 2: attested anchor state (docs/security.md)
     }
 
 

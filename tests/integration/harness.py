@@ -63,6 +63,8 @@ class TestSwarm(Swarm):
         *extra: str,
         initial_peers: list[str] | None = None,
         data_dir: Path | None = None,
+        module: str = "agora_node",
+        env: dict[str, str] | None = None,
     ) -> Child:
         peers = initial_peers or self.initial_peers
         argv = [
@@ -73,7 +75,7 @@ class TestSwarm(Swarm):
             str(data_dir or self.workdir / name),
         ]
         argv += ["--status-port", "0", *FAST, *extra]
-        return self.spawn(name, argv)
+        return self.spawn(name, argv, module=module, env=env)
 
     def serving(self, child: Child, timeout: float = 90) -> int:
         """Wait until the daemon serves; its status port."""

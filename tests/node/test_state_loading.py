@@ -1,0 +1,324 @@
+"""A joiner's state search (joining.load_state) and a replica's state handler, with the
+network replaced by in-memory sources (real daemons: tests/integration/test_state_trust.py)."""
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from agora_node.comms import state_transfer
+from agora_node.node import joining
+from agora_node.node.checkpoint import save_checkpoint
+from agora_node.node.worker import StageWorker
+from agora_node.protocol import state_blob
+from agora_node.protocol.records import NodeRecord
+from agora_node.stages.manifest_files import load_manifest
+
+pytestmark = pytest.mark.timeout(60)
+
+STAGE = 1
+
+
+@dataclass
+class _Ctx:
+    manifest: object
+    data_dir: Path
+    records: list[NodeRecord]
+    deadline_s: float = 10.0
+    peer_id: str = "me-joiner"
+    host: object = field(default_factory=lambda: SimpleNamespace(p2p=None))
+
+    @property
+    def config(self):
+        return SimpleNamespace(state_deadline_s=self.deadline_s)
+
+    async def fetch_records(self):
+        return {STAGE: list(self.records)}
+
+    def checkpoint_dir(self, stage: int) -> Path:
+        return self.data_dir / f"stage-{stage}"
+
+
+@pytest.fixture
+def worker():
+    w = StageWorker(load_manifest("tiny"), STAGE)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def _honest(worker: StageWorker, round_no: int = 6):
+    g = torch.Generator().manual_seed(1)
+    n = worker.trainable_numel()
+    return round_no, torch.randn(n, generator=g) * 0.02, torch.randn(n, generator=g) * 1e-3
+
+
+def _record(peer: str, blob_state, **kw) -> NodeRecord:
+    round_no, anchor, momentum = blob_state
+    a, o = state_blob.digests(anchor, momentum)
+    fields = {"state": "active", "anchor_round": round_no, "anchor_digest": a, "outer_digest": o}
+    fields.update(kw)
+    return NodeRecord(run_id="r", peer_id=peer, stage=STAGE, **fields)
+
+
+def _serve(monkeypatch, blobs: dict[str, object]):
+    """fetch_state answers from `blobs`: bytes, an exception to raise, or "hang"."""
+    asked: list[str] = []
+
+    async def fetch_state(p2p, run_id, peer_id, stage, *, max_bytes, timeout, **_):
+        asked.append(peer_id)
+        blob = blobs[peer_id]
+        if blob == "hang":
+            await asyncio.sleep(3600)
+        if isinstance(blob, Exception):
+            raise blob
+        if len(blob) > max_bytes:
+            raise state_transfer.StateTransferError("over the bound")
+        return {"bytes": len(blob)}, blob
+
+    monkeypatch.setattr(state_transfer, "fetch_state", fetch_state)
+    return asked
+
+
+async def test_hostile_sources_are_rejected_and_the_attested_anchor_adopted(
+    worker, tmp_path, monkeypatch
+):
+    honest = _honest(worker)
+    round_no, anchor, momentum = honest
+    altered = anchor.clone()
+    altered[0] += 1.0
+    nan = anchor.clone()
+    nan[5] = float("nan")
+    blobs = {
+        "h-garbage": b"\x00" * 100,
+        "h-nan": state_blob.encode(round_no, nan, momentum),
+        "h-altered": state_blob.encode(round_no, altered, momentum),
+        "h-pickle": b"PK\x03\x04" + b"x" * 1000,
+        "honest-1": state_blob.encode(*honest),
+        "honest-2": state_blob.encode(*honest),
+    }
+    # Four liars attest the honest digest (so they are tried), claim to be idle and far
+    # ahead; six honest replicas are the strict majority of ten.
+    liars = [
+        _record(p, honest, queue=0, inner_step=10**9)
+        for p in ("h-garbage", "h-nan", "h-altered", "h-pickle")
+    ]
+    honest_records = [_record(f"honest-{i}", honest, queue=3) for i in range(1, 7)]
+    asked = _serve(monkeypatch, blobs)
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, liars + honest_records)
+    loaded = await joining.load_state(ctx, worker)
+    assert asked == ["h-altered", "h-garbage", "h-nan", "h-pickle", "honest-1"]
+    origin = loaded.origin
+    assert origin["kind"] == "replica" and origin["source"] == "honest-1"
+    assert set(origin["rejected"]) == {"h-garbage", "h-nan", "h-altered", "h-pickle"}
+    assert origin["anchor_digest"] == state_blob.digests(anchor, None)[0]
+    assert origin["momentum"] == "attested" and loaded.warming
+    assert torch.equal(loaded.outer["anchor"], anchor) and loaded.outer["round"] == round_no
+    weights = torch.cat([p.detach().reshape(-1) for p in worker.stage.parameters()])
+    assert torch.equal(weights, anchor)  # weights := the attested anchor
+    assert worker.optimizer.steps == 0  # fresh inner optimizer
+
+
+async def test_a_liar_alone_against_two_honest_replicas_is_never_asked(
+    worker, tmp_path, monkeypatch
+):
+    honest = _honest(worker)
+    fake = (99, honest[1] + 1, honest[2])
+    blobs = {"hostile": state_blob.encode(*fake), "p1": state_blob.encode(*honest)}
+    asked = _serve(monkeypatch, {**blobs, "p2": blobs["p1"]})
+    records = [_record("hostile", fake, inner_step=10**9, queue=0), _record("p1", honest)]
+    records.append(_record("p2", honest))
+    loaded = await joining.load_state(_Ctx(load_manifest("tiny"), tmp_path, records), worker)
+    assert asked == ["p1"] and loaded.origin["source"] == "p1"
+
+
+async def test_unattested_momentum_is_reset(worker, tmp_path, monkeypatch):
+    honest = _honest(worker)
+    _serve(monkeypatch, {"p1": state_blob.encode(*honest), "p2": state_blob.encode(*honest)})
+    records = [_record("p1", honest), _record("p2", honest, outer_digest="")]
+    loaded = await joining.load_state(_Ctx(load_manifest("tiny"), tmp_path, records), worker)
+    assert loaded.origin["momentum"] == "reset"
+    assert not loaded.outer["momentum"].any()
+
+
+async def test_own_checkpoint_wins_unless_a_majority_attests_a_newer_round(
+    worker, tmp_path, monkeypatch
+):
+    m = load_manifest("tiny")
+    honest = _honest(worker, round_no=6)
+    asked = _serve(monkeypatch, {"p1": state_blob.encode(*honest)})
+    state = worker.state_dict()
+    state["outer"] = {"round": 6, "anchor": honest[1], "momentum": honest[2]}
+    ckpt = dict(run_id=m.run_id, stage=STAGE, step=3, state=state, peer_id="me-joiner")
+    save_checkpoint(tmp_path / f"stage-{STAGE}", **ckpt)
+    # The only replica claims a huge inner step at the same round: the checkpoint wins.
+    records = [_record("p1", honest, inner_step=10**9)]
+    loaded = await joining.load_state(_Ctx(m, tmp_path, records), worker)
+    assert loaded.origin["kind"] == "checkpoint" and asked == []
+    # A majority attests round 7: fetched.
+    newer = (7, honest[1], honest[2])
+    asked = _serve(monkeypatch, {"p1": state_blob.encode(*newer)})
+    loaded = await joining.load_state(_Ctx(m, tmp_path, [_record("p1", newer)]), worker)
+    assert loaded.origin["kind"] == "replica" and asked == ["p1"]
+
+
+async def test_the_search_is_bounded_in_time_then_falls_back_to_init(
+    worker, tmp_path, monkeypatch, caplog
+):
+    honest = _honest(worker)
+    _serve(monkeypatch, {"p1": "hang"})
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, [_record("p1", honest)], deadline_s=1.0)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with caplog.at_level(logging.INFO):
+        loaded = await joining.load_state(ctx, worker)
+    assert loop.time() - started < 5
+    assert loaded.origin["kind"] == "init" and "p1" in loaded.origin["unavailable"]
+    assert "starting from the manifest's init" in caplog.text
+
+
+async def test_no_majority_falls_back_to_init_after_the_deadline(worker, tmp_path, monkeypatch):
+    honest = _honest(worker)
+    other = (6, honest[1] + 1, honest[2])
+    _serve(monkeypatch, {})
+    records = [_record("p1", honest), _record("p2", other)]
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, records, deadline_s=1.5)
+    loaded = await joining.load_state(ctx, worker)
+    assert loaded.origin["kind"] == "init" and loaded.outer is None
+
+
+async def test_a_source_one_round_ahead_makes_the_joiner_read_again(worker, tmp_path, monkeypatch):
+    old, new = _honest(worker, 6), _honest(worker, 7)
+    new = (7, new[1] + 0.5, new[2])
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, [_record("p1", old), _record("p2", old)])
+    reads = 0
+    original = ctx.fetch_records
+
+    async def fetch_records():
+        nonlocal reads
+        reads += 1
+        if reads > 1:  # the directory catches up with the round that ended
+            ctx.records = [_record("p1", new), _record("p2", new)]
+        return await original()
+
+    ctx.fetch_records = fetch_records
+    _serve(monkeypatch, {"p1": state_blob.encode(*new), "p2": state_blob.encode(*new)})
+    loaded = await joining.load_state(ctx, worker)
+    assert loaded.origin["kind"] == "replica" and loaded.outer["round"] == 7
+    assert loaded.origin["rejected"] == {}
+
+
+# ---- the replica's side ---------------------------------------------------------------
+
+
+async def test_concurrent_joiners_cost_one_serialization_per_round(monkeypatch):
+    from agora_node.node.outer import OuterState
+    from agora_node.node.rounds import OuterRounds
+
+    state = OuterState(torch.nn.Linear(8, 8), lr=0.7, momentum=0.9)
+    rounds = OuterRounds(
+        SimpleNamespace(state=state),
+        None,
+        inner_steps=1,
+        replica_rounds=list,
+        replica_count=lambda: 1,
+    )
+    encodes = []
+    real = state_blob.encode
+
+    def counting(*args):
+        encodes.append(args[0])
+        return real(*args)
+
+    monkeypatch.setattr(state_blob, "encode", counting)
+    results = await asyncio.gather(*(rounds.transfer_blob() for _ in range(8)))
+    assert encodes == [0] and len({id(blob) for _, blob, _ in results}) == 1
+    attested, blob, _ = results[0]
+    assert attested == rounds.attested and attested.anchor == state.digest()
+    assert attested.outer == state.digest(with_momentum=True)
+    # A round ends: the next request serializes the new state once.
+    state.anchor = state.anchor + 1
+    state.round = 1
+    rounds._epoch += 1
+    await asyncio.gather(*(rounds.transfer_blob() for _ in range(3)))
+    assert encodes == [0, 1] and rounds.attested.anchor == state.digest()
+
+
+class _FakeStream:
+    def __init__(self, request: bytes, hold: asyncio.Event | None = None) -> None:
+        from agora_node.comms import streams
+
+        self.reader = asyncio.StreamReader()
+        self.reader.feed_data(streams.KIND_DATA + len(request).to_bytes(8, "big") + request)
+        self.sent = bytearray()
+        self.hold = hold
+
+    def write(self, data) -> None:  # noqa: ANN001
+        self.sent += bytes(data)
+
+    async def drain(self) -> None:
+        if self.hold is not None:
+            await self.hold.wait()
+
+    def close(self) -> None:
+        pass
+
+
+async def test_state_handler_one_transfer_per_peer_and_a_send_deadline():
+    import json
+
+    from agora_node.comms import streams
+
+    handlers = {}
+
+    class _P2P:
+        async def add_binary_stream_handler(self, name, on_stream):  # noqa: ANN001
+            handlers[name] = on_stream
+
+    async def provider(stage: int):
+        return {"stage": stage}, b"x" * (3 * streams.CHUNK)
+
+    await state_transfer.serve_state(_P2P(), "run", provider, deadline_s=0.5)
+    (on_stream,) = handlers.values()
+    peer = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "peer-A"))
+    request = json.dumps({"stage": 1}).encode()
+    hold = asyncio.Event()  # the first joiner reads nothing: its drain blocks
+    first = _FakeStream(request, hold)
+    task = asyncio.create_task(on_stream(peer, first.reader, first))
+    while not first.sent:
+        await asyncio.sleep(0.01)
+    second = _FakeStream(request)
+    await on_stream(peer, second.reader, second)
+    assert second.sent[:1] == streams.KIND_ERROR and b"one state transfer per peer" in second.sent
+    await asyncio.wait_for(task, 5)  # cut by the send deadline, not left hanging
+    assert streams.KIND_END not in first.sent[-9:-8]
+    third = _FakeStream(request)  # the slot is free again
+    await on_stream(peer, third.reader, third)
+    assert third.sent[-9:-8] == streams.KIND_END
+
+
+async def test_a_busy_source_is_asked_again_a_liar_is_not(worker, tmp_path, monkeypatch):
+    honest = _honest(worker)
+    good = state_blob.encode(*honest)
+    answers = {"busy": [state_transfer.StateTransferError("busy"), good], "liar": [b"junk"]}
+    asked = []
+
+    async def fetch_state(p2p, run_id, peer_id, stage, *, max_bytes, timeout, **_):
+        asked.append(peer_id)
+        answer = answers[peer_id].pop(0) if len(answers[peer_id]) > 1 else answers[peer_id][0]
+        if isinstance(answer, Exception):
+            raise answer
+        return {}, answer
+
+    monkeypatch.setattr(state_transfer, "fetch_state", fetch_state)
+    records = [_record("busy", honest, queue=1), _record("liar", honest, queue=0)]
+    records.append(_record("third", honest, state="warming", anchor_digest=""))
+    loaded = await joining.load_state(_Ctx(load_manifest("tiny"), tmp_path, records), worker)
+    assert asked == ["liar", "busy", "busy"]
+    assert loaded.origin["source"] == "busy" and set(loaded.origin["rejected"]) == {"liar"}
+    assert set(loaded.origin["unavailable"]) == {"busy"}

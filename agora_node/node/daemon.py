@@ -31,6 +31,7 @@ from agora_node.comms.membership.messages import MemberMeta
 from agora_node.node import joining
 from agora_node.node.config import NodeConfig
 from agora_node.node.liveness import Liveness
+from agora_node.node.loops import Loops
 from agora_node.node.metrics import Metrics
 from agora_node.node.pipeline import PipelineStats
 from agora_node.node.service import ServiceContext, StageService, serve_endpoints
@@ -83,7 +84,7 @@ class Node:
         self.runs_seen: list[dict[str, str]] = []
         """Runs the swarm's run pointer announces (signed, fresh), for the status page."""
         self.stage: int | None = None  # announced while joining, then served
-        self._tasks: list[asyncio.Task] = []
+        self._loops = Loops(self._loop_failed, quiet=lambda: self.state == NodeState.LEAVING)
         self._status: StatusServer | None = None
         self._control = None
         self._snapshot: dict = {}
@@ -129,11 +130,11 @@ class Node:
             served=self.states_served,
         )
         await self._open_service(stage)
-        self._spawn(self._refresh_loop())
-        self._spawn(self._status_loop())
-        self._spawn(self._checkpoint_loop())
+        self._loops.spawn(self._refresh_loop())
+        self._loops.spawn(self._status_loop())
+        self._loops.spawn(self._checkpoint_loop())
         if cfg.stage == "auto" and cfg.rebalance_every_s > 0:
-            self._spawn(self._rebalance_loop())
+            self._loops.spawn(self._rebalance_loop())
         if cfg.control_socket:
             from agora_node.node.control import ControlServer
 
@@ -182,20 +183,9 @@ class Node:
     def _others(self) -> list[str]:
         return [r.peer_id for rs in self.view.values() for r in rs if r.peer_id != self.peer_id]
 
-    def _spawn(self, coro) -> asyncio.Task:  # noqa: ANN001
-        task = asyncio.create_task(coro)
-        task.add_done_callback(
-            lambda t: (
-                None if t.cancelled() or t.exception() is None else self._loop_failed(t.exception())
-            )
-        )
-        self._tasks.append(task)
-        return task
-
     def _loop_failed(self, exc: BaseException) -> None:
-        if self.state != NodeState.LEAVING:
-            log.error("background task failed: %r", exc, exc_info=exc)
-            self.stop_event.set()  # a node that lost a loop is broken: leave cleanly
+        log.error("background task failed: %r", exc, exc_info=exc)
+        self.stop_event.set()  # a node that lost a loop is broken: leave cleanly
 
     async def _refresh_loop(self) -> None:
         """Refresh our record and the manifest, and re-read the directory, every refresh_s."""
@@ -297,8 +287,7 @@ class Node:
         log.info("leaving: finishing in-flight micro-batches")
         self.state = NodeState.LEAVING
         self.stop_event.set()
-        for task in self._tasks:  # bookkeeping loops: nothing in them is worth waiting for
-            task.cancel()
+        self._loops.cancel()  # bookkeeping loops: nothing in them is worth waiting for
         cfg = self.config
         if self.service is not None:
             withdraw = self.directory.withdraw(node_record(self), ttl=cfg.record_ttl_s)

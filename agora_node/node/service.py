@@ -29,6 +29,7 @@ from agora_node.node import joining
 from agora_node.node.checkpoint import save_checkpoint
 from agora_node.node.config import NodeConfig
 from agora_node.node.head import Head, Sampler
+from agora_node.node.loops import Loops
 from agora_node.node.outer import OuterLoop
 from agora_node.node.pipeline import (
     Pipeline,
@@ -74,7 +75,12 @@ class ServiceContext:
 
 class StageService:
     def __init__(
-        self, ctx: ServiceContext, worker: StageWorker, rounds: OuterRounds, origin: dict
+        self,
+        ctx: ServiceContext,
+        worker: StageWorker,
+        rounds: OuterRounds,
+        origin: dict,
+        on_failure: Callable[[BaseException], None],
     ) -> None:
         self.ctx, self.worker, self.rounds = ctx, worker, rounds
         self.origin = origin
@@ -90,7 +96,7 @@ class StageService:
         )
         self.final_val_loss: float | None = None
         self._stop = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
+        self._loops = Loops(on_failure, quiet=self._stop.is_set)
         self._head: asyncio.Task | None = None
         self._rounds: asyncio.Task | None = None
 
@@ -133,22 +139,11 @@ class StageService:
             ],
             replica_count=lambda: len(ctx.peers_of(stage)) or 1,
         )
-        service = cls(ctx, worker, rounds, loaded.origin)
-        service._rounds = service._spawn(rounds.run(service._stop), on_failure)
+        service = cls(ctx, worker, rounds, loaded.origin, on_failure)
+        service._rounds = service._loops.spawn(rounds.run(service._stop))
         if worker.stage.is_first:
-            service._head = service._spawn(service._head_loop(), on_failure)
+            service._head = service._loops.spawn(service._head_loop())
         return service
-
-    def _spawn(self, coro, on_failure: Callable[[BaseException], None]) -> asyncio.Task:  # noqa: ANN001
-        task = asyncio.create_task(coro)
-
-        def done(t: asyncio.Task) -> None:
-            if not t.cancelled() and t.exception() is not None and not self._stop.is_set():
-                on_failure(t.exception())
-
-        task.add_done_callback(done)
-        self._tasks.append(task)
-        return task
 
     async def drain(self, timeout: float) -> None:
         """Stop taking micro-batches, let the head and the ones in flight finish.
@@ -168,9 +163,7 @@ class StageService:
 
     async def close(self) -> None:
         self._stop.set()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._loops.cancel_and_wait()
         await self.rounds.close()
         self.worker.close()
 

@@ -1,0 +1,36 @@
+"""Background loops of a node or a stage service: started, watched and cancelled together."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+
+class Loops:
+    """Tasks that must not die silently: a loop that raises calls `on_failure` (the owner
+    then leaves cleanly) unless `quiet()` says the failure is part of stopping."""
+
+    def __init__(
+        self, on_failure: Callable[[BaseException], None], quiet: Callable[[], bool]
+    ) -> None:
+        self.on_failure, self.quiet = on_failure, quiet
+        self.tasks: list[asyncio.Task] = []
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        task.add_done_callback(self._done)
+        self.tasks.append(task)
+        return task
+
+    def _done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and not self.quiet():
+            self.on_failure(task.exception())
+
+    def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+    async def cancel_and_wait(self) -> None:
+        self.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)

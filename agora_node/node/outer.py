@@ -57,6 +57,7 @@ from agora_node.comms.collective import (
     RoundView,
     WireFormat,
 )
+from agora_node.comms.collective.groups import Expect
 from agora_node.comms.collective.payload import max_frame_bytes
 from agora_node.protocol.codecs import Codec, from_name
 from agora_node.protocol.identity import Identity
@@ -341,11 +342,12 @@ class OuterLoop:
             await closer()
 
     # ---- the round --------------------------------------------------------------------------
-    async def begin_round(self, *, expect: int | None = None) -> None:
+    async def begin_round(self, *, expect: Expect = None) -> None:
         """Join round `state.round`; matchmaking and the anchor mix continue in the background.
 
-        expect: how many replicas of this stage the caller knows of (itself included);
-        when all of them have joined, the round closes without waiting for the window.
+        expect: the replicas of this stage the caller knows of (itself included), as peer
+        ids (or a count); a majority of them opens the round (groups.py) and when all of
+        them have joined, the round closes without waiting for the window.
         """
         if self._prep is not None:
             raise RuntimeError(f"round {self.state.round} already begun")
@@ -386,11 +388,12 @@ class OuterLoop:
         self._account(report)
         return report
 
-    async def opened_elsewhere(self) -> bool:
-        """Has another replica opened this round's matchmaking (a verified entry)?"""
-        return await self.matchmaker.opened_by_others(self.state.round)
+    async def opened_elsewhere(self, expect: Expect = None) -> bool:
+        """Have enough other replicas opened this round's matchmaking (verified entries) that
+        joining now completes a majority of the `expect` replicas (groups.py)?"""
+        return await self.matchmaker.opened_by_others(self.state.round, expect)
 
-    async def _prepare(self, round_no: int, expect: int | None) -> _Prep:
+    async def _prepare(self, round_no: int, expect: Expect) -> _Prep:
         digest = await asyncio.to_thread(self.state.digest, self.config.mix_momentum)
         view = await self.matchmaker.gather(
             round_no, digest=digest, warming=self.state.warming, expect=expect
@@ -411,7 +414,7 @@ class OuterLoop:
             anchor = await self._mix(anchor_plan, mixed, weight, self.anchor_encoder)
         return _Prep(view, delta_plan, anchor)
 
-    async def _prepare_or_alone(self, round_no: int, expect: int | None) -> _Prep:
+    async def _prepare_or_alone(self, round_no: int, expect: Expect) -> _Prep:
         try:
             return await self._prepare(round_no, expect)
         except Exception:  # a bug or a broken DHT must cost one round's mixing, not the node

@@ -132,6 +132,7 @@ class StageService:
                 if r.peer_id != ctx.peer_id and r.state == NodeState.ACTIVE
             ],
             replica_count=lambda: len(ctx.peers_of(stage)) or 1,
+            replica_ids=lambda: ctx.peers_of(stage),
         )
         service = cls(ctx, worker, rounds, loaded.origin)
         service._rounds = service._spawn(rounds.run(service._stop), on_failure)

@@ -101,7 +101,7 @@ class OuterConfig:
         cap = float(o.inner_steps * manifest.inner.local_batch * manifest.model.seq_len)
         fields = {"lr": o.lr, "momentum": o.momentum, "group_size": o.group_size, "codec": o.codec}
         fields.update(overrides)
-        aggregation = fields.get("aggregation", AggregationSpec())
+        aggregation = fields.get("aggregation", AggregationSpec(method=o.aggregation))
         fields["aggregation"] = replace(aggregation, max_weight=min(cap, aggregation.max_weight))
         return cls(**fields)
 
@@ -252,6 +252,8 @@ class RoundReport:
     """Root of the sum of squared CenteredClip radii of the spans this replica reduced."""
     repaired_spans: int
     """Spans whose owner failed and that this replica re-reduced as a backup."""
+    outliers: list[str] = field(default_factory=list)
+    """Members whose contribution this replica refused, as a reducer, for its norm."""
 
 
 @dataclass
@@ -453,10 +455,16 @@ class OuterLoop:
             self.transport,
             fmt=fmt,
             encoder=encoder,
-            aggregation=self.config.aggregation,
+            aggregation=self._aggregation(plan.phase),
             deadlines=self.config.deadlines,
         )
         return await run.run(flat, weight)
+
+    def _aggregation(self, phase: str) -> AggregationSpec:
+        """The delta mix refuses norms above an absolute bound too; anchors never (a mix
+        that refused every anchor would have nothing to start from)."""
+        spec = self.config.aggregation
+        return spec if phase == "delta" else replace(spec, max_norm=math.inf)
 
     # ---- state transfer and status ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -544,4 +552,5 @@ def _round_report(
         mixed_norm=float(mixed.norm()),
         clip_radius=math.sqrt(sum(r * r for r in radii)) if radii else None,
         repaired_spans=sum(o.stats.repaired_spans for o in outcomes),
+        outliers=sorted({p for o in outcomes for p in o.stats.outliers}),
     )

@@ -214,13 +214,14 @@ class AllReduce:
         if span.min_attempt > 0:  # a backup took the span over: it is no longer ours
             return
         own = self.state.own_part(me)
-        contributions = (
-            [own, *span.parts.values()] if own is not None else list(span.parts.values())
-        )
-        final = await self._aggregate_final(contributions, attempt=0)
+        senders = ([self.state.me] if own is not None else []) + list(span.parts)
+        contributions = ([own] if own is not None else []) + list(span.parts.values())
+        final = await self._aggregate_final(contributions, attempt=0, senders=senders)
         self.state.try_finalize(me, final)
 
-    async def _aggregate_final(self, contributions: list[Contribution], attempt: int) -> Final:
+    async def _aggregate_final(
+        self, contributions: list[Contribution], attempt: int, senders: list[str] | None = None
+    ) -> Final:
         def work() -> Final:
             agg = aggregate(
                 [c.value for c in contributions],
@@ -230,6 +231,10 @@ class AllReduce:
             frame = encode_result(agg.value, self.fmt)
             if agg.clip_radius is not None:
                 self.stats.clip_radii.append(agg.clip_radius)
+            for i in agg.refused:
+                self.stats.reject("norm out of range")
+                if senders is not None:
+                    self.stats.outliers.add(senders[i])
             return Final(frame, attempt, decode_span(frame, agg.value.numel()))
 
         return await asyncio.to_thread(work)
@@ -305,11 +310,12 @@ class AllReduce:
                 for m in others
             )
         )
-        finals, contributions = [], []
+        finals, contributions, senders = [], [], []
         own = self.state.own_part(j)
         if own is not None:
             contributions.append(own)
-        for reply in replies:
+            senders.append(self.state.me)
+        for member, reply in zip(others, replies, strict=True):
             if reply is None or reply.code not in (Code.FINAL, Code.CONTRIBUTION):
                 continue
             self.stats.bytes_received += len(reply.payload)
@@ -320,11 +326,12 @@ class AllReduce:
                 finals.append(decoded)
             elif reply.weight >= 0:
                 contributions.append(Contribution(reply.weight, decoded.value, reply.payload))
+                senders.append(member)
         if finals:  # someone already holds the span's value: re-issue exactly that
             best = max(finals, key=lambda f: f.attempt)
             final = Final(best.frame, attempt, best.value)
         elif contributions:
-            final = await self._aggregate_final(contributions, attempt)
+            final = await self._aggregate_final(contributions, attempt, senders)
         else:
             return
         if self.state.try_finalize(j, final):

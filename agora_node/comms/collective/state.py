@@ -93,6 +93,8 @@ class CollectiveStats:
     repaired_spans: int = 0
     fallback_spans: int = 0
     clip_radii: list[float] = field(default_factory=list)
+    outliers: set[str] = field(default_factory=set)
+    """Members whose contribution this member refused as a reducer for its norm."""
 
     def reject(self, reason: str) -> None:
         self.rejected[reason] += 1

@@ -253,7 +253,7 @@ async def test_a_query_about_an_unregistered_round_is_answered_with_a_promise() 
         await book.lookup(7, "delta", b"g", wait=0)
     header = Header(round=7, phase="delta", group_id=b"g", span=1, attempt=2)
     assert (await Responder(book).on_query("peer1", header)).code is Code.NOTHING
-    assert book.pending[(7, "delta", b"g")] == {1: 2}
+    assert book.pending[(7, "delta", b"g")] == {(1, "peer1"): 2}
     pushed = await Responder(book).on_push("peer1", header, b"")
     assert (pushed.code, pushed.reason) == (Code.REJECTED, "unknown round")
 

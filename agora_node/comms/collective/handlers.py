@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 
-from agora_node.comms.collective.payload import decode_span
+from agora_node.comms.collective.payload import decode_span, max_frame_bytes
 from agora_node.comms.collective.state import (
     Contribution,
     RoundBook,
@@ -24,6 +24,8 @@ from agora_node.comms.collective.wire import Code, Header, Reply, rejected
 from agora_node.compression import CodecError
 
 MAX_WAIT = 120.0  # a request never holds a handler longer than this, whatever it asks
+MEMBER_REFUSALS = ("not my span", "bad weight", "late")
+"""Refusals of a push from a member of the group (anything else: the sender is not one)."""
 
 
 class Responder:
@@ -42,13 +44,22 @@ class Responder:
             raise LookupError("bad span")
         return state
 
-    async def on_push(self, sender: str, header: Header, payload: bytes) -> Reply:
+    async def admit_push(self, sender: str, header: Header, total: int) -> Reply | None:
+        """Whether a push of `total` bytes may be read at all: None, or the refusal.
+
+        Transports call this on a push's first chunk, before buffering the rest, so a
+        non-member (or a member pushing the wrong span, too late or too much) costs one
+        chunk, not a full copy of the span."""
         try:
             state = await self._state(sender, header)
         except LookupError as exc:
             return rejected(str(exc))
+        return self._push_refusal(state, sender, header, total)
+
+    def _push_refusal(
+        self, state: RoundState, sender: str, header: Header, total: int
+    ) -> Reply | None:
         stats = state.stats
-        stats.bytes_received += len(payload)
         if header.span != state.my_index or header.attempt != 0:
             stats.reject("not my span")
             return rejected("not my span")
@@ -59,6 +70,21 @@ class Responder:
         if span.final is not None or span.min_attempt > 0 or state.reducing_done:
             stats.reject("late")
             return rejected("late")
+        if total > max_frame_bytes(state.plan.span_numel(header.span)):
+            state.refuse(sender, "oversized")
+            return rejected("oversized")
+        return None
+
+    async def on_push(self, sender: str, header: Header, payload: bytes) -> Reply:
+        try:
+            state = await self._state(sender, header)
+        except LookupError as exc:
+            return rejected(str(exc))
+        stats = state.stats
+        stats.bytes_received += len(payload)
+        refusal = self._push_refusal(state, sender, header, len(payload))
+        if refusal is not None:
+            return refusal
         try:
             value = await asyncio.to_thread(
                 decode_span, payload, state.plan.span_numel(header.span)
@@ -91,9 +117,11 @@ class Responder:
         try:
             state = await self._state(sender, header)
         except UnknownRoundError:
-            # answer as if registered: promise, so a late registration cannot reduce
+            # answer as if registered: promise, so a late registration cannot reduce. The
+            # book keeps who asked and applies the promise at registration only if that
+            # peer is the span's backup owner at that attempt (strangers' are dropped).
             self.book.promise_unregistered(
-                header.round, header.phase, header.group_id, header.span, header.attempt
+                header.round, header.phase, header.group_id, header.span, header.attempt, sender
             )
             return Reply(Code.NOTHING)
         except LookupError as exc:

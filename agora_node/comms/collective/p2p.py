@@ -22,7 +22,7 @@ from typing import AsyncIterator  # noqa: UP035
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
-from agora_node.comms.collective.handlers import Responder
+from agora_node.comms.collective.handlers import MEMBER_REFUSALS, Responder
 from agora_node.comms.collective.wire import Code, Header, Reply, rejected
 
 CHUNK_BYTES = 1 << 20
@@ -106,6 +106,13 @@ async def _read_reply(stream: AsyncIterator[CollectiveMessage], limit: int) -> R
     return Reply(Code(head.code), bytes(buf), head.attempt, head.weight, head.reason)
 
 
+async def _discard(stream: AsyncIterator[CollectiveMessage], left: int) -> None:
+    async for msg in stream:
+        left -= len(msg.data)
+        if left < 0:
+            return
+
+
 class CollectiveServicer(ServicerBase):
     """Hands requests to a Responder; refuses frames above `max_frame_bytes` while reading."""
 
@@ -118,12 +125,21 @@ class CollectiveServicer(ServicerBase):
         first = await anext(requests)
         if first.total > self.max_frame_bytes:
             return _reply_chunks(rejected("oversized"))[0]
+        sender = context.remote_id.to_base58()
+        # membership, span, lateness and size are checked on the first chunk: nothing more
+        # of a push that will be refused is read into memory
+        refusal = await self.responder.admit_push(sender, _header(first), first.total)
+        if refusal is not None:
+            if refusal.reason in MEMBER_REFUSALS:
+                # a member (late, say): read the rest without keeping it, so its client gets
+                # the answer rather than a broken stream it would take for a failure
+                await _discard(requests, first.total - len(first.data))
+            return _reply_chunks(refusal)[0]
         buf = bytearray(first.data)
         async for msg in requests:
             buf += msg.data
             if len(buf) > first.total:
                 return _reply_chunks(rejected("longer than announced"))[0]
-        sender = context.remote_id.to_base58()
         reply = await self.responder.on_push(sender, _header(first), bytes(buf))
         return _reply_chunks(reply)[0]
 

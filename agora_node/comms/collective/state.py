@@ -29,6 +29,8 @@ from torch import Tensor
 from agora_node.comms.collective.plan import GroupPlan
 
 LINGER_ROUNDS = 2  # a state is dropped this many rounds after its own
+AHEAD_ROUNDS = 2  # promises for unregistered collectives at most this many rounds ahead
+MAX_PENDING = 1024  # promises for unregistered collectives kept at most
 
 
 class UnknownRoundError(LookupError):
@@ -166,7 +168,12 @@ class RoundState:
 
 
 class RoundBook:
-    """The states of recent collectives of this member, looked up by RPC handlers."""
+    """The states of recent collectives of this member, looked up by RPC handlers.
+
+    Bounded: states are dropped LINGER_ROUNDS rounds after their own; promises for
+    collectives not registered yet are kept only for rounds near the latest registered
+    one, MAX_PENDING at most, and applied at registration only when the peer that asked
+    is the span's owner at the promised attempt (a stranger's promise is dropped)."""
 
     def __init__(self, me: str) -> None:
         self.me = me
@@ -174,8 +181,11 @@ class RoundBook:
         self.registered = Signal()
         self.unknown_rejections = Counter()
         # promises made before this member registered the group (it was a round late):
-        # (round, phase, group id) -> {span: attempt}, applied at registration
-        self.pending: dict[tuple[int, str, bytes], dict[int, int]] = {}
+        # (round, phase, group id) -> {(span, asker): attempt}, checked and applied at
+        # registration
+        self.pending: dict[tuple[int, str, bytes], dict[tuple[int, str], int]] = {}
+        self.latest: int | None = None
+        """The latest round registered."""
 
     def register(self, plan: GroupPlan) -> RoundState:
         key = (plan.round, plan.phase)
@@ -183,22 +193,47 @@ class RoundBook:
         if existing is not None and existing.plan.group_id == plan.group_id:
             return existing
         state = RoundState(plan, self.me)
-        for span, attempt in self.pending.pop((*key, plan.group_id), {}).items():
-            state.promise(span, attempt)
+        pending = self.pending.pop((*key, plan.group_id), {})
+        for (span, asker), attempt in pending.items():
+            legit = 0 <= span < plan.size and 0 < attempt < plan.size
+            if legit and asker == plan.owner(span, attempt) and asker != self.me:
+                state.promise(span, attempt)
+            else:
+                self.unknown_rejections["promise from a non-owner"] += 1
         self.states[key] = state
+        self.latest = plan.round if self.latest is None else max(self.latest, plan.round)
         for old in [k for k in self.states if k[0] < plan.round - LINGER_ROUNDS]:
             del self.states[old]
-        for old in [k for k in self.pending if k[0] < plan.round - LINGER_ROUNDS]:
-            del self.pending[old]
+        self._prune_pending()
         self.registered.fire()
         return state
 
+    def _prune_pending(self) -> None:
+        if self.latest is None:
+            return
+        lo, hi = self.latest - LINGER_ROUNDS, self.latest + AHEAD_ROUNDS
+        for old in [k for k in self.pending if not lo <= k[0] <= hi]:
+            del self.pending[old]
+
     def promise_unregistered(
-        self, round_no: int, phase: str, group_id: bytes, span: int, attempt: int
-    ) -> None:
-        """Remember a promise for a collective this member has not registered yet."""
+        self, round_no: int, phase: str, group_id: bytes, span: int, attempt: int, asker: str
+    ) -> bool:
+        """Remember a promise for a collective this member has not registered yet (False:
+        refused, the round is far from ours or the table is full)."""
+        if self.latest is not None and not (
+            self.latest - LINGER_ROUNDS <= round_no <= self.latest + AHEAD_ROUNDS
+        ):
+            self.unknown_rejections["promise for a distant round"] += 1
+            return False
+        spans = self.pending.get((round_no, phase, group_id))
+        if sum(len(v) for v in self.pending.values()) >= MAX_PENDING and (
+            spans is None or (span, asker) not in spans
+        ):
+            self.unknown_rejections["promise table full"] += 1
+            return False
         spans = self.pending.setdefault((round_no, phase, group_id), {})
-        spans[span] = max(attempt, spans.get(span, 0))
+        spans[(span, asker)] = max(attempt, spans.get((span, asker), 0))
+        return True
 
     async def lookup(self, round_no: int, phase: str, group_id: bytes, wait: float) -> RoundState:
         """The state a message is about, waiting up to `wait` s for it to be registered.

@@ -85,6 +85,10 @@ class OuterConfig:
     block: int = 256
     rotation_seed: int | None = 0
     aggregation: AggregationSpec = field(default_factory=AggregationSpec)
+    verify_results: bool = False
+    """Check each span's result against a second reducer before adopting it (verify.py):
+    every part travels twice. The daemon turns it on (from_manifest); every member of
+    a group must agree on it."""
     deadlines: Deadlines = field(default_factory=Deadlines)
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
 
@@ -99,7 +103,13 @@ class OuterConfig:
         """The manifest's outer settings; `overrides` replace any field (tests, benches)."""
         o = manifest.outer
         cap = float(o.inner_steps * manifest.inner.local_batch * manifest.model.seq_len)
-        fields = {"lr": o.lr, "momentum": o.momentum, "group_size": o.group_size, "codec": o.codec}
+        fields = {
+            "lr": o.lr,
+            "momentum": o.momentum,
+            "group_size": o.group_size,
+            "codec": o.codec,
+            "verify_results": True,
+        }
         fields.update(overrides)
         aggregation = fields.get("aggregation", AggregationSpec(method=o.aggregation))
         fields["aggregation"] = replace(aggregation, max_weight=min(cap, aggregation.max_weight))
@@ -254,6 +264,12 @@ class RoundReport:
     """Spans whose owner failed and that this replica re-reduced as a backup."""
     outliers: list[str] = field(default_factory=list)
     """Members whose contribution this replica refused, as a reducer, for its norm."""
+    mismatched: list[str] = field(default_factory=list)
+    """Span owners whose result failed the witness check (verify.py); not adopted."""
+    checked_spans: int = 0
+    """Spans fetched from their owner whose result the witness confirmed."""
+    unchecked_spans: int = 0
+    """Results adopted unchecked: their witness did not answer."""
 
 
 @dataclass
@@ -457,6 +473,7 @@ class OuterLoop:
             encoder=encoder,
             aggregation=self._aggregation(plan.phase),
             deadlines=self.config.deadlines,
+            verify=self.config.verify_results,
         )
         return await run.run(flat, weight)
 
@@ -553,4 +570,7 @@ def _round_report(
         clip_radius=math.sqrt(sum(r * r for r in radii)) if radii else None,
         repaired_spans=sum(o.stats.repaired_spans for o in outcomes),
         outliers=sorted({p for o in outcomes for p in o.stats.outliers}),
+        mismatched=sorted({p for o in outcomes for p in o.stats.mismatched}),
+        checked_spans=sum(o.stats.checked_spans for o in outcomes),
+        unchecked_spans=sum(o.stats.unchecked_spans for o in outcomes),
     )

@@ -1,14 +1,16 @@
-"""A stranger outside a collective's group cannot register anything in it (issue 10):
-promises, pushes and bookkeeping, transport-free (LocalNetwork)."""
+"""A stranger outside a collective's group cannot register anything in it, and a member
+owning a span cannot forge its result (issue 10); transport-free (LocalNetwork)."""
 
 import pytest
 import torch
 
 from agora_node.comms.collective import GroupPlan, LocalNetwork, RoundBook
 from agora_node.comms.collective.handlers import Responder
-from agora_node.comms.collective.payload import encode_result, plain_format
+from agora_node.comms.collective.payload import decode_span, encode_result, plain_format
+from agora_node.comms.collective.plan import span_bounds
 from agora_node.comms.collective.state import MAX_PENDING
-from agora_node.comms.collective.wire import Code, Header
+from agora_node.comms.collective.verify import sketch, sketches_match
+from agora_node.comms.collective.wire import Code, Header, Reply
 from tests.outer.helpers import all_equal, peers, random_values, run_group
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,3 +90,70 @@ async def test_a_push_is_refused_on_its_header_before_its_payload_is_read() -> N
     }
     for reason, reply in refusals.items():
         assert reply is not None and reply.code is Code.REJECTED and reply.reason == reason
+
+
+class Forging(Responder):
+    """A span owner that serves a forged result (its own reduction, sign-flipped and
+    tripled), naming the members it aggregated or not."""
+
+    def __init__(self, book: RoundBook, keep_mask: bool) -> None:
+        super().__init__(book)
+        self.keep_mask = keep_mask
+
+    async def on_fetch(self, sender, header):  # noqa: ANN001, ANN201
+        reply = await super().on_fetch(sender, header)
+        if reply.code is not Code.FINAL:
+            return reply
+        state = self.book.states[(header.round, header.phase)]
+        value = decode_span(reply.payload, state.plan.span_numel(header.span))
+        forged = encode_result(-3 * value, plain_format())
+        return Reply(
+            Code.FINAL, forged, reply.attempt, members=reply.members if self.keep_mask else b""
+        )
+
+
+@pytest.mark.parametrize("keep_mask", [True, False], ids=["names-parts", "names-none"])
+@pytest.mark.parametrize("n", [2, 4])
+async def test_a_forged_final_is_not_adopted(n: int, keep_mask: bool) -> None:
+    """main adopted a span owner's FINAL unchecked. Here every honest member finds that the
+    forger's value does not match the span's witness and keeps its own values for that
+    span instead; every other span is the honest mean."""
+    network = LocalNetwork()
+    for p in peers(n):
+        network.join(p)
+    forger = "peer1"
+    network.responders[forger] = Forging(network.responders[forger].book, keep_mask)
+    values = random_values(n, NUMEL, seed=5)
+    outs = await run_group(values, network=network, verify=True)
+    mean = sum(values.values()) / n
+    lo, hi = span_bounds(NUMEL, n, 64)[peers(n).index(forger)]
+    for p in (p for p in peers(n) if p != forger):
+        out = outs[p]
+        torch.testing.assert_close(out.value[:lo], mean[:lo], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.value[hi:], mean[hi:], atol=1e-5, rtol=0)
+        assert torch.equal(out.value[lo:hi], values[p][lo:hi])  # its own: nothing forged
+        assert forger in out.stats.mismatched and out.stats.rejected["result mismatch"] == 1
+        assert not out.consistent and out.stats.fallback_spans == 1
+
+
+async def test_verified_results_cost_no_mismatch_among_honest_members() -> None:
+    values = random_values(5, NUMEL, seed=6)
+    outs = await run_group(values, verify=True)
+    assert all_equal(outs)
+    for out in outs.values():
+        assert out.consistent and not out.stats.mismatched and out.stats.unchecked_spans == 0
+        assert out.stats.repaired_spans == 0
+    torch.testing.assert_close(outs["peer0"].value, sum(values.values()) / 5, atol=1e-5, rtol=0)
+
+
+def test_sketches_tell_a_forgery_from_quantization_noise() -> None:
+    g = torch.Generator().manual_seed(0)
+    value = torch.randn(100_000, generator=g)
+    noise = value + 0.002 * torch.randn(100_000, generator=g) * value.abs().max()
+    forged = value + 0.2 * value.norm() * torch.nn.functional.normalize(
+        torch.randn(100_000, generator=g), dim=0
+    )
+    for i in range(20):
+        nonce = i.to_bytes(16, "big")
+        assert sketches_match(sketch(value, nonce), sketch(noise, nonce), 0.05)
+        assert not sketches_match(sketch(value, nonce), sketch(forged, nonce), 0.05)

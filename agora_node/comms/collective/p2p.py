@@ -1,7 +1,8 @@
-"""The collective over hivemind P2P: one servicer, three RPCs, frames streamed in chunks.
+"""The collective over hivemind P2P: one servicer, four RPCs, frames streamed in chunks.
 
 Unary libp2p messages are capped at 4 MiB, so every frame travels as a stream of
-~1 MiB chunks: `push` streams in (one reply), `fetch` and `query` stream out. The
+~1 MiB chunks: `push` streams in (one reply), `fetch` and `query` stream out;
+`check` (a nonce in, a sketch of 72 bytes out) is unary. The
 message type is built at import time from a descriptor, so no generated _pb2 file
 or protoc run is needed. The sender's identity is the libp2p peer id of the
 connection (authenticated by libp2p's secure channel), never a field in the message.
@@ -23,6 +24,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
 from agora_node.comms.collective.handlers import MEMBER_REFUSALS, Responder
+from agora_node.comms.collective.verify import NONCE_BYTES
 from agora_node.comms.collective.wire import Code, Header, Reply, rejected
 
 CHUNK_BYTES = 1 << 20
@@ -42,6 +44,7 @@ def _message_class() -> type:
         ("data", f.TYPE_BYTES),
         ("total", f.TYPE_UINT64),
         ("reason", f.TYPE_STRING),
+        ("members", f.TYPE_BYTES),
     ]
     proto = descriptor_pb2.FileDescriptorProto(
         name="agora_collective.proto", package="agora.collective", syntax="proto3"
@@ -85,6 +88,7 @@ def _reply_chunks(reply: Reply) -> list[CollectiveMessage]:
         attempt=reply.attempt,
         weight=reply.weight,
         reason=reply.reason,
+        members=reply.members,
         total=len(data),
         data=bytes(data[:CHUNK_BYTES]),
     )
@@ -103,7 +107,9 @@ async def _read_reply(stream: AsyncIterator[CollectiveMessage], limit: int) -> R
             raise ValueError("reply longer than announced")
     if len(buf) != head.total:
         raise ValueError("reply shorter than announced")
-    return Reply(Code(head.code), bytes(buf), head.attempt, head.weight, head.reason)
+    return Reply(
+        Code(head.code), bytes(buf), head.attempt, head.weight, head.reason, bytes(head.members)
+    )
 
 
 async def _discard(stream: AsyncIterator[CollectiveMessage], left: int) -> None:
@@ -157,6 +163,15 @@ class CollectiveServicer(ServicerBase):
         for msg in _reply_chunks(reply):
             yield msg
 
+    async def rpc_check(self, request: CollectiveMessage, context: P2PContext) -> CollectiveMessage:
+        reply = await self.responder.on_check(
+            context.remote_id.to_base58(),
+            _header(request),
+            bytes(request.data[:NONCE_BYTES]),
+            bytes(request.members),
+        )
+        return _reply_chunks(reply)[0]
+
 
 class P2PTransport:
     """Calls other members' CollectiveServicer through a (replicated) hivemind P2P."""
@@ -191,3 +206,11 @@ class P2PTransport:
     async def query(self, peer: str, header: Header) -> Reply:
         stream = await self._stub(peer).rpc_query(_request(Code.QUERY, header))
         return await _read_reply(stream, self.max_frame_bytes)
+
+    async def check(self, peer: str, header: Header, nonce: bytes, members: bytes) -> Reply:
+        request = _request(Code.CHECK, header, nonce)
+        request.members = members
+        msg = await self._stub(peer).rpc_check(request)
+        if len(msg.data) > 1024:
+            raise ValueError("sketch reply too long")
+        return Reply(Code(msg.code), bytes(msg.data), msg.attempt, msg.weight, msg.reason)

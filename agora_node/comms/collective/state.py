@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -73,6 +73,8 @@ class Final:
     frame: bytes
     attempt: int
     value: Tensor
+    members: bytes = b""
+    """Bitmask over the plan's members whose parts the reducer aggregated (verify.py)."""
 
 
 @dataclass
@@ -82,6 +84,11 @@ class SpanState:
     """Members whose contribution was invalid: nothing more is expected from them."""
     final: Final | None = None
     min_attempt: int = 0
+    witness_parts: dict[str, Contribution] = field(default_factory=dict)
+    """Parts pushed to this member as the span's witness (verify.py)."""
+    witness_refused: set[str] = field(default_factory=set)
+    witness_closed: bool = False
+    """No more witness parts are taken (the witness has started checking)."""
 
 
 @dataclass
@@ -97,6 +104,12 @@ class CollectiveStats:
     clip_radii: list[float] = field(default_factory=list)
     outliers: set[str] = field(default_factory=set)
     """Members whose contribution this member refused as a reducer for its norm."""
+    mismatched: set[str] = field(default_factory=set)
+    """Owners whose result for their span failed the witness check (not adopted)."""
+    checked_spans: int = 0
+    """Results adopted after their witness confirmed them."""
+    unchecked_spans: int = 0
+    """Results adopted without a check (their witness did not answer)."""
 
     def reject(self, reason: str) -> None:
         self.rejected[reason] += 1
@@ -115,6 +128,8 @@ class RoundState:
         self.my_frames: list[bytes] | None = None
         self.my_values: list[Tensor] | None = None
         self.reducing_done = False
+        self.witness: Callable[[bytes, float], Awaitable[Tensor | None]] | None = None
+        """Set by this member's AllReduce when it runs with verification."""
 
     # ---- this member's own contribution -----------------------------------------
     def set_contribution(self, weight: float, frames: list[bytes], values: list[Tensor]) -> None:
@@ -139,10 +154,29 @@ class RoundState:
         self.changed.fire()
         return None
 
-    def refuse(self, sender: str, reason: str) -> None:
+    def refuse(self, sender: str, reason: str, span: int | None = None) -> None:
+        """Count an invalid part; nothing more is expected from `sender` (for `span`'s
+        witness copy if given, else for the own span)."""
         self.stats.reject(reason)
-        self.spans[self.my_index].refused.add(sender)
+        if span is None:
+            self.spans[self.my_index].refused.add(sender)
+        else:
+            self.spans[span].witness_refused.add(sender)
         self.changed.fire()
+
+    def witness_span(self) -> int | None:
+        """The span this member is the witness of (its backup owner at attempt 1)."""
+        return (self.my_index - 1) % self.plan.size if self.plan.size >= 2 else None
+
+    def add_witness_part(self, span: int, sender: str, contribution: Contribution) -> str | None:
+        state = self.spans[span]
+        if state.witness_closed:
+            return "late"
+        if sender in state.witness_parts:
+            return "duplicate"
+        state.witness_parts[sender] = contribution
+        self.changed.fire()
+        return None
 
     def try_finalize(self, span: int, final: Final) -> bool:
         """Adopt a value for `span` unless one is known or a later attempt was promised."""

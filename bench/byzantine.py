@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -173,7 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     manifest = load_manifest(args.manifest)
+    # H as run here, so that the reducers' weight cap is what H inner steps can process
+    manifest = dataclasses.replace(
+        manifest, outer=dataclasses.replace(manifest.outer, inner_steps=args.inner_steps)
+    )
     honest = asyncio.run(run(manifest, args, None))
+    if not args.json:
+        print(json.dumps({"honest_val_loss": round(honest["val_loss"], 4)}), flush=True)
     out = []
     for attack in args.attacks.split(","):
         attacked = asyncio.run(run(manifest, args, attack))
@@ -191,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         out.append(row)
         if not args.json:
-            print(json.dumps(row))
+            print(json.dumps(row), flush=True)
     if args.json:
         print(json.dumps(out))
     return 0

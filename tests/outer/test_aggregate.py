@@ -1,5 +1,6 @@
 """Aggregation rules: renormalized weighted mean, CenteredClip, trimmed mean."""
 
+import dataclasses
 import math
 
 import pytest
@@ -73,7 +74,7 @@ def test_trimmed_mean_weights_the_kept_values() -> None:
     spec = AggregationSpec(
         method=Aggregation.TRIMMED_MEAN, trim_fraction=0.25, max_norm_ratio=math.inf
     )
-    got = aggregate(xs, [1.0, 3.0, 1.0, 1.0], spec).value
+    got = aggregate(xs, [3.0, 3.0, 1.0, 3.0], spec).value
     torch.testing.assert_close(got, torch.tensor([(3 * 1.0 + 2.0) / 4]))
 
 
@@ -90,3 +91,17 @@ def test_contributions_with_out_of_range_norms_are_refused_and_counted() -> None
     # warming members (weight 0) are not counted towards the median
     zeros = [torch.zeros_like(xs[0])] * 3
     assert aggregate([*zeros, *xs[:2]], [0, 0, 0, 1, 1], AggregationSpec()).refused == ()
+
+
+def test_no_claim_weighs_more_than_the_median_claim() -> None:
+    xs = honest(4)
+    trim = AggregationSpec(method=Aggregation.TRIMMED_MEAN, trim_fraction=0.0)
+    out = aggregate(xs, [1.0, 1.0, 1.0, 1000.0], trim).value
+    torch.testing.assert_close(out, sum(xs) / 4)
+    # two claims: only the absolute cap applies (one cannot outvote the other)
+    spec = dataclasses.replace(trim, max_weight=10.0)
+    torch.testing.assert_close(aggregate(xs[:2], [1.0, 3.0], spec).value, (xs[0] + 3 * xs[1]) / 4)
+    # the weighted mean keeps token weighting exact (plain DiLoCo)
+    torch.testing.assert_close(
+        aggregate(xs[:3], [1.0, 1.0, 2.0], MEAN).value, (xs[0] + xs[1] + 2 * xs[2]) / 4
+    )

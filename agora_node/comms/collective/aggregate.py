@@ -17,7 +17,9 @@ contributions (only with three or more, so the median is not one of two), or
 above the absolute `max_norm`. A 1000x-scaled delta never reaches the mean.
 
 Weights are capped at `max_weight` here, by the reducer, since a sender's claim
-cannot be trusted. Contributions with weight 0 (warming newcomers) are ignored unless every weight
+cannot be trusted, and for the robust rules (with three or more claims) at the
+median claim, so one member claiming the most tokens it could have processed
+outweighs nobody (the weighted mean keeps exact token weighting: plain DiLoCo). Contributions with weight 0 (warming newcomers) are ignored unless every weight
 is 0, in which case all count equally (a group of newcomers still mixes).
 """
 
@@ -89,6 +91,11 @@ def aggregate(values: list[Tensor], weights: list[float], spec: AggregationSpec)
     if len(values) != len(weights):
         raise ValueError("one weight per value")
     capped = [min(float(w), spec.max_weight) for w in weights]
+    claims = sorted(w for w in capped if w > 0)
+    robust = spec.method is not Aggregation.MEAN
+    if robust and len(claims) >= 3:  # nobody weighs more than the median claim
+        median_claim = claims[(len(claims) - 1) // 2]
+        capped = [min(w, median_claim) for w in capped]
     live = [i for i, w in enumerate(capped) if w > 0] or list(range(len(values)))
     outliers = norm_outliers([values[i] for i in live], spec)
     refused = tuple(live[j] for j in sorted(outliers))

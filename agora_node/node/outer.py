@@ -57,6 +57,7 @@ from agora_node.comms.collective import (
     RoundView,
     WireFormat,
 )
+from agora_node.comms.collective.groups import Expect
 from agora_node.comms.collective.payload import max_frame_bytes
 from agora_node.protocol.codecs import Codec, from_name
 from agora_node.protocol.identity import Identity
@@ -84,6 +85,10 @@ class OuterConfig:
     block: int = 256
     rotation_seed: int | None = 0
     aggregation: AggregationSpec = field(default_factory=AggregationSpec)
+    verify_results: bool = False
+    """Check each span's result against a second reducer before adopting it (verify.py):
+    every part travels twice. The daemon turns it on (from_manifest); every member of
+    a group must agree on it."""
     deadlines: Deadlines = field(default_factory=Deadlines)
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
 
@@ -98,9 +103,15 @@ class OuterConfig:
         """The manifest's outer settings; `overrides` replace any field (tests, benches)."""
         o = manifest.outer
         cap = float(o.inner_steps * manifest.inner.local_batch * manifest.model.seq_len)
-        fields = {"lr": o.lr, "momentum": o.momentum, "group_size": o.group_size, "codec": o.codec}
+        fields = {
+            "lr": o.lr,
+            "momentum": o.momentum,
+            "group_size": o.group_size,
+            "codec": o.codec,
+            "verify_results": True,
+        }
         fields.update(overrides)
-        aggregation = fields.get("aggregation", AggregationSpec())
+        aggregation = fields.get("aggregation", AggregationSpec(method=o.aggregation))
         fields["aggregation"] = replace(aggregation, max_weight=min(cap, aggregation.max_weight))
         return cls(**fields)
 
@@ -251,6 +262,14 @@ class RoundReport:
     """Root of the sum of squared CenteredClip radii of the spans this replica reduced."""
     repaired_spans: int
     """Spans whose owner failed and that this replica re-reduced as a backup."""
+    outliers: list[str] = field(default_factory=list)
+    """Members whose contribution this replica refused, as a reducer, for its norm."""
+    mismatched: list[str] = field(default_factory=list)
+    """Span owners whose result failed the witness check (verify.py); not adopted."""
+    checked_spans: int = 0
+    """Spans fetched from their owner whose result the witness confirmed."""
+    unchecked_spans: int = 0
+    """Results adopted unchecked: their witness did not answer."""
 
 
 @dataclass
@@ -341,11 +360,12 @@ class OuterLoop:
             await closer()
 
     # ---- the round --------------------------------------------------------------------------
-    async def begin_round(self, *, expect: int | None = None) -> None:
+    async def begin_round(self, *, expect: Expect = None) -> None:
         """Join round `state.round`; matchmaking and the anchor mix continue in the background.
 
-        expect: how many replicas of this stage the caller knows of (itself included);
-        when all of them have joined, the round closes without waiting for the window.
+        expect: the replicas of this stage the caller knows of (itself included), as peer
+        ids (or a count); a majority of them opens the round (groups.py) and when all of
+        them have joined, the round closes without waiting for the window.
         """
         if self._prep is not None:
             raise RuntimeError(f"round {self.state.round} already begun")
@@ -386,11 +406,12 @@ class OuterLoop:
         self._account(report)
         return report
 
-    async def opened_elsewhere(self) -> bool:
-        """Has another replica opened this round's matchmaking (a verified entry)?"""
-        return await self.matchmaker.opened_by_others(self.state.round)
+    async def opened_elsewhere(self, expect: Expect = None) -> bool:
+        """Have enough other replicas opened this round's matchmaking (verified entries) that
+        joining now completes a majority of the `expect` replicas (groups.py)?"""
+        return await self.matchmaker.opened_by_others(self.state.round, expect)
 
-    async def _prepare(self, round_no: int, expect: int | None) -> _Prep:
+    async def _prepare(self, round_no: int, expect: Expect) -> _Prep:
         digest = await asyncio.to_thread(self.state.digest, self.config.mix_momentum)
         view = await self.matchmaker.gather(
             round_no, digest=digest, warming=self.state.warming, expect=expect
@@ -411,7 +432,7 @@ class OuterLoop:
             anchor = await self._mix(anchor_plan, mixed, weight, self.anchor_encoder)
         return _Prep(view, delta_plan, anchor)
 
-    async def _prepare_or_alone(self, round_no: int, expect: int | None) -> _Prep:
+    async def _prepare_or_alone(self, round_no: int, expect: Expect) -> _Prep:
         try:
             return await self._prepare(round_no, expect)
         except Exception:  # a bug or a broken DHT must cost one round's mixing, not the node
@@ -450,10 +471,17 @@ class OuterLoop:
             self.transport,
             fmt=fmt,
             encoder=encoder,
-            aggregation=self.config.aggregation,
+            aggregation=self._aggregation(plan.phase),
             deadlines=self.config.deadlines,
+            verify=self.config.verify_results,
         )
         return await run.run(flat, weight)
+
+    def _aggregation(self, phase: str) -> AggregationSpec:
+        """The delta mix refuses norms above an absolute bound too; anchors never (a mix
+        that refused every anchor would have nothing to start from)."""
+        spec = self.config.aggregation
+        return spec if phase == "delta" else replace(spec, max_norm=math.inf)
 
     # ---- state transfer and status ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -541,4 +569,8 @@ def _round_report(
         mixed_norm=float(mixed.norm()),
         clip_radius=math.sqrt(sum(r * r for r in radii)) if radii else None,
         repaired_spans=sum(o.stats.repaired_spans for o in outcomes),
+        outliers=sorted({p for o in outcomes for p in o.stats.outliers}),
+        mismatched=sorted({p for o in outcomes for p in o.stats.mismatched}),
+        checked_spans=sum(o.stats.checked_spans for o in outcomes),
+        unchecked_spans=sum(o.stats.unchecked_spans for o in outcomes),
     )

@@ -3,11 +3,14 @@
 `OuterLoop` (outer.py) knows how to run one round; this module decides when.
 Replicas of a stage stay in step without a coordinator:
 
-1. a round ends for every replica as soon as one of them has done its H inner
-   steps and opened the round's matchmaking (`round_should_end`): the others
-   join with the steps they have, weighted by their tokens;
+1. a round ends for every replica as soon as enough of the others have done
+   their H inner steps and opened the round's matchmaking that joining makes a
+   majority of the stage (one other in a stage of up to three, groups.py,
+   `round_should_end`): the others join with the steps they have, weighted by
+   their tokens;
 2. a replica whose round number fell behind the rounds its stage's active
-   replicas announce jumps to the largest of them (`target_round`);
+   replicas announce jumps to the highest round a strict majority of them
+   announce (`target_round`): one replica claiming a huge round moves nobody;
 3. the blocking part of a round (pseudo-gradient mix, Nesterov step, new
    weights) runs while the stage worker is frozen: inner steps wait, forwards
    and backwards go on, and the weights are read and written on the worker
@@ -36,9 +39,21 @@ KEPT_DIGESTS = 10
 
 
 def target_round(own: int, replica_rounds: Iterable[int]) -> int:
-    """The round to be in: the largest announced by this stage's active replicas, never
-    lower than the own one (a lagging replica catches up, nobody goes back)."""
-    return max([own, *replica_rounds])
+    """The round to be in: the highest round that a strict majority of this stage's other
+    active replicas announce (each announces its own round; r counts for every round <= r),
+    never lower than the own one (a lagging replica catches up, nobody goes back).
+
+    One replica's claim alone decides nothing: with m others, the answer is the
+    (m // 2 + 1)-th largest announced round, so a minority of liars announcing huge rounds
+    cannot drag honest replicas forward. Values that are not non-negative integers are
+    ignored. With one other replica its word is all there is (two cannot outvote one)."""
+    rounds = sorted(
+        (r for r in replica_rounds if isinstance(r, int) and not isinstance(r, bool) and r >= 0),
+        reverse=True,
+    )
+    if not rounds:
+        return own
+    return max(own, rounds[len(rounds) // 2])
 
 
 def round_should_end(steps_done: int, every: int, opened_elsewhere: bool) -> bool:
@@ -56,6 +71,8 @@ class OuterRounds:
 
     replica_rounds(): the outer rounds the stage's other active replicas announce.
     replica_count(): how many live replicas the stage has (this one included).
+    replica_ids(): their peer ids, when known (membership): then a round closes early
+    only once each of them has joined, not on a count that strangers' entries can fill.
     """
 
     def __init__(
@@ -66,8 +83,10 @@ class OuterRounds:
         inner_steps: int,
         replica_rounds: Callable[[], list[int]],
         replica_count: Callable[[], int],
+        replica_ids: Callable[[], list[str]] | None = None,
         poll_s: float = 0.5,
     ) -> None:
+        self.replica_ids = replica_ids
         self.outer, self.worker, self.every = outer, worker, inner_steps
         self.replica_rounds, self.replica_count, self.poll_s = (
             replica_rounds,
@@ -139,21 +158,27 @@ class OuterRounds:
             await self.attest()  # what the record announces (cached unless the state changed)
             while not stop.is_set():
                 done = self.worker.optimizer.steps - start_step
-                if round_should_end(
-                    done, self.every, done > 0 and await self.outer.opened_elsewhere()
-                ):
+                opened = done > 0 and await self.outer.opened_elsewhere(self._expect())
+                if round_should_end(done, self.every, opened):
                     break
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.poll_s)
             if stop.is_set():
                 return
-            await self.outer.begin_round(expect=self.replica_count())
+            await self.outer.begin_round(expect=self._expect())
             async with self._lock, self.worker.frozen() as weights:
                 tokens = self.worker.stats.trained_tokens - start_tokens
                 await self.outer.end_round(tokens=tokens, weights=weights)
                 self._epoch += 1
                 self._blob = None
             await self._note_digest()
+
+    def _expect(self) -> int | set[str]:
+        if self.replica_ids is not None:
+            ids = set(self.replica_ids()) | {self.outer.me}
+            if len(ids) >= self.replica_count():
+                return ids
+        return self.replica_count()
 
     def _catch_up(self) -> None:
         target = target_round(self.round, self.replica_rounds())

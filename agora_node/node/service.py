@@ -138,6 +138,7 @@ class StageService:
                 if r.peer_id != ctx.peer_id and r.state == NodeState.ACTIVE
             ],
             replica_count=lambda: len(ctx.peers_of(stage)) or 1,
+            replica_ids=lambda: ctx.peers_of(stage),
         )
         service = cls(ctx, worker, rounds, loaded.origin, on_failure)
         service._rounds = service._loops.spawn(rounds.run(service._stop))

@@ -25,6 +25,10 @@ BUILTIN_CORPORA = ("tinyshakespeare",)
 OPTIMIZERS = ("adamw", "muon")
 TOKENIZERS = ("bytes",)  # or a path ending in .json (HF tokenizers)
 DATA_FORMATS = ("text", "jsonl")
+AGGREGATIONS = ("centered_clip", "trimmed_mean", "mean")
+# Fields added after manifest version 1 with a default: left out of the canonical form
+# (and so of the run id) while they hold it, so existing runs keep their ids.
+CANONICAL_DEFAULTS = {("outer", "aggregation"): "centered_clip"}
 
 
 class ManifestError(ValueError):
@@ -157,9 +161,17 @@ class OuterSpec:
     """Replicas mixed per round; 0 means everyone (plain DiLoCo)."""
     codec: str = "int8"
     """Pseudo-gradient encoding on the wire."""
+    aggregation: str = "centered_clip"
+    """How a span's reducer combines the contributions: robust by default (docs/security.md)."""
 
     def __post_init__(self) -> None:
         _positive(self, "outer", "inner_steps", "lr")
+        if self.aggregation not in AGGREGATIONS:
+            _fail(
+                "outer.aggregation",
+                self.aggregation,
+                f"must be one of {', '.join(AGGREGATIONS)}",
+            )
         if not 0 <= self.momentum < 1:
             _fail("outer.momentum", self.momentum, "must be in [0, 1)")
         if self.group_size < 0:
@@ -230,7 +242,11 @@ class Manifest:
         return out
 
     def canonical_bytes(self) -> bytes:
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        out = self.to_dict()
+        for (table, name), default in CANONICAL_DEFAULTS.items():
+            if out[table].get(name) == default:
+                del out[table][name]
+        return json.dumps(out, sort_keys=True, separators=(",", ":")).encode()
 
     @property
     def run_id(self) -> str:

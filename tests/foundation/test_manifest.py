@@ -108,3 +108,16 @@ def test_stage_layers_cover_model():
     assert layers == list(range(m.model.n_layers))
     with pytest.raises(ManifestError, match="stage 6 does not exist"):
         m.stage_layers(6)
+
+
+def test_outer_aggregation_is_robust_by_default_validated_and_hashed_only_when_set():
+    m = load_manifest("tiny")
+    assert m.outer.aggregation == "centered_clip"
+    assert b"aggregation" not in m.canonical_bytes()  # existing run ids stay (pinned above)
+    for method in ("trimmed_mean", "mean"):
+        other = parse_manifest(m.to_toml().replace('"centered_clip"', f'"{method}"'))
+        assert other.outer.aggregation == method
+        assert other.run_id != m.run_id  # peers that aggregate differently do not mix
+        assert manifest_from_canonical(other.canonical_bytes()) == other
+    with pytest.raises(ManifestError, match=r"outer\.aggregation.*centered_clip, trimmed_mean"):
+        parse_manifest(m.to_toml().replace('"centered_clip"', '"median"'))

@@ -20,9 +20,20 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_target_round_catches_up_and_never_goes_back():
-    assert target_round(3, [1, 5, 2]) == 5
+    assert target_round(3, [5, 5, 2]) == 5  # two of three others are at 5
+    assert target_round(3, [6, 5, 5, 5]) == 5
+    assert target_round(3, [4]) == 4  # one other: its word is all there is
     assert target_round(3, []) == 3
     assert target_round(3, [0, 1]) == 3
+
+
+def test_one_replica_lying_about_its_round_moves_nobody():
+    """Catch-up follows what a strict majority of the other replicas announce, not the
+    largest claim (main jumped every replica to 10**9 on one record)."""
+    assert target_round(3, [3, 3, 3, 10**9]) == 3
+    assert target_round(3, [4, 4, 10**9]) == 4
+    assert target_round(3, [10**9, 10**9, 4, 4, 4]) == 4  # two liars of five
+    assert target_round(3, [3, -7, True, 2.5, 10**9, 3]) == 3  # junk values are ignored
 
 
 @pytest.mark.parametrize(

@@ -75,6 +75,9 @@ class FreezeAfterFirstPush:
     async def query(self, peer: str, header: Any) -> Any:
         return await self.inner.query(peer, header)
 
+    async def check(self, peer: str, header: Any, nonce: bytes) -> Any:
+        return await self.inner.check(peer, header, nonce)
+
 
 def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)

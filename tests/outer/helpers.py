@@ -41,6 +41,7 @@ async def run_group(
     before: dict[str, Callable[[], Awaitable[None]]] | None = None,
     round_no: int = 0,
     block: int = 64,
+    verify: bool = False,
 ) -> dict[str, Outcome]:
     """Run one collective among `values`' keys; members in `skip` register but never run,
     and a member in `before` first awaits its entry (to order events deterministically)."""
@@ -66,6 +67,7 @@ async def run_group(
             encoder=(encoders or {}).get(p) or PartEncoder(fmt),
             aggregation=aggregation or AggregationSpec(),
             deadlines=deadlines,
+            verify=verify,
         )
         return await run.run(values[p], (weights or {}).get(p, 1.0))
 

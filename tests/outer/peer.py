@@ -99,6 +99,9 @@ async def main(args: argparse.Namespace) -> None:
             clip_radius=report.clip_radius,
             rejected=report.rejected,
             repaired=report.repaired_spans,
+            checked=report.checked_spans,
+            unchecked=report.unchecked_spans,
+            mismatched=report.mismatched,
         )
     emit("done")
     await stdin.read()  # serve until the test closes stdin or kills us

@@ -253,6 +253,29 @@ async def test_a_query_about_an_unregistered_round_is_answered_with_a_promise() 
         await book.lookup(7, "delta", b"g", wait=0)
     header = Header(round=7, phase="delta", group_id=b"g", span=1, attempt=2)
     assert (await Responder(book).on_query("peer1", header)).code is Code.NOTHING
-    assert book.pending[(7, "delta", b"g")] == {1: 2}
+    assert book.pending[(7, "delta", b"g")] == {(1, "peer1"): 2}
     pushed = await Responder(book).on_push("peer1", header, b"")
     assert (pushed.code, pushed.reason) == (Code.REJECTED, "unknown round")
+
+
+@pytest.mark.parametrize("attack", ["scaled 1000x", "sign-flipped"])
+async def test_the_daemons_aggregation_bounds_one_byzantine_of_five(attack: str) -> None:
+    """With the aggregation the daemon builds from the manifest (main: plain mean), one
+    replica of five sending a 1000x or sign-flipped delta barely moves the honest result."""
+    from agora_node.node.outer import OuterConfig
+    from agora_node.stages.manifest_files import load_manifest
+
+    spec = OuterConfig.from_manifest(load_manifest("tiny")).aggregation
+    g = torch.Generator().manual_seed(11)
+    common = torch.randn(NUMEL, generator=g)
+    values = {p: common + 0.3 * torch.randn(NUMEL, generator=g) for p in peers(5)}
+    honest = sum(values[p] for p in peers(4)) / 4
+    values["peer4"] = values["peer4"] * (1000 if attack == "scaled 1000x" else -1)
+    outs = await run_group(values, aggregation=spec)
+    assert all_equal(outs)
+    for p in peers(4):
+        assert float((outs[p].value - honest).norm()) < 0.2 * float(honest.norm())
+    if attack == "scaled 1000x":  # refused by norm, and counted by the reducers
+        refused = sum(o.stats.rejected["norm out of range"] for o in outs.values())
+        assert refused >= 4
+        assert {p for o in outs.values() for p in o.stats.outliers} == {"peer4"}

@@ -3,6 +3,7 @@
 import asyncio
 import dataclasses
 import json
+import time
 
 import pytest
 
@@ -107,3 +108,87 @@ def test_unknown_fields_from_newer_peers_are_tolerated_and_bad_types_are_not() -
     ):
         with pytest.raises(EntryError):
             RoundEntry.verified(signed(bad), peer_id=me.peer_id, run_id="r", stage=0, round_no=1)
+
+
+# ---- one stranger's entry decides nothing (issue 10) ------------------------------------
+
+
+def test_one_entry_claiming_an_early_join_does_not_close_the_round() -> None:
+    """Closing needs a majority of the expected replicas: joined_at = 0 is just the earliest."""
+    entries = [entry("z", 0.0), entry("a", 100.0), entry("b", 101.0), entry("c", 102.0)]
+    assert close_view(entries[:2], window=10, settle=1, now=100.5, expect=3) is None
+    for expect in (3, 4, 5):  # peers whose membership views differ still agree
+        closed = close_view(entries, window=10, settle=1, now=112, expect=expect)
+        assert [e.peer_id for e in closed] == ["a", "b", "c", "z"]
+    # given the replicas' ids, a stranger's entry does not stand in for a missing replica
+    abc = {"a", "b", "c"}
+    assert close_view([entries[0], *entries[1:3]], window=10, settle=1, now=102, expect=abc) is None
+    assert close_view(entries, window=10, settle=1, now=102, expect=abc) is not None
+
+
+def test_without_a_quorum_the_round_closes_on_whoever_came_after_patience() -> None:
+    entries = [entry("a", 100.0)]
+    kw = {"window": 1, "settle": 1, "expect": 5, "since": 100.0, "patience": 20.0}
+    assert close_view(entries, now=110, **kw) is None
+    assert [e.peer_id for e in close_view(entries, now=121, **kw)] == ["a"]
+
+
+def _signed_entry(ident: Identity, round_no: int, joined_at: float, stage: int = 0) -> dict:
+    e = RoundEntry(
+        peer_id=ident.peer_id, run_id="r", stage=stage, round=round_no, joined_at=joined_at
+    )
+    return e.sign(ident)
+
+
+@pytest.mark.parametrize("joined_ago", [float("inf"), 1.0], ids=["joined_at=0", "1s-early"])
+async def test_an_early_joined_at_does_not_cut_honest_replicas_out(joined_ago: float) -> None:
+    """main closed every round at (earliest joined_at) + window: a signed entry claiming
+    joined_at = 0 left each honest replica in a round of the attacker alone."""
+    board, attacker = MemoryBoard(), Identity.generate()
+    joined = 0.0 if joined_ago == float("inf") else time.time() - joined_ago
+    await board.publish(
+        outer_round_key("r", 0, 7), attacker.peer_id, _signed_entry(attacker, 7, joined), 1e12
+    )
+    ids = [Identity.generate() for _ in range(3)]
+    makers = [Matchmaker(board, i, run_id="r", stage=0, config=QUICK) for i in ids]
+    replicas = {i.peer_id for i in ids}  # membership's live replicas of the stage
+    views = await asyncio.gather(*(m.gather(7, expect=replicas) for m in makers))
+    honest = {i.peer_id for i in ids}
+    assert len({tuple(v.peers) for v in views}) == 1  # everyone computed the same groups
+    assert honest <= set(views[0].peers)
+    assert all(set(v.group("delta", 0)) >= honest for v in views)
+
+
+async def test_entries_planted_for_future_rounds_are_ignored() -> None:
+    """Entries planted long before their round (main kept them 900 s and believed their
+    joined_at) or dated in the future change nobody's round."""
+    board, attacker = MemoryBoard(), Identity.generate()
+    now = time.time()
+    for round_no in range(8, 13):
+        for joined in (now - 300.0, now + 500.0):
+            key = outer_round_key("r", 0, round_no)
+            value = _signed_entry(attacker, round_no, joined)
+            await board.publish(key, attacker.peer_id, value, 1e12)
+            await board.publish(key, f"{attacker.peer_id}", value, 1e12)
+    ids = [Identity.generate() for _ in range(3)]
+    makers = [Matchmaker(board, i, run_id="r", stage=0, config=QUICK) for i in ids]
+    assert not await makers[0].opened_by_others(10, expect=3)
+    replicas = {i.peer_id for i in ids}
+    views = await asyncio.gather(*(m.gather(10, expect=replicas) for m in makers))
+    honest = sorted(i.peer_id for i in ids)
+    assert all(v.peers == honest for v in views)
+    assert all(m.ignored >= 1 for m in makers)
+
+
+async def test_one_other_entry_ends_nobodys_round_in_a_stage_of_five() -> None:
+    """A replica still doing inner steps joins once joining makes a majority, not on one
+    stranger's (valid, fresh) entry; main ended every replica's round on any entry."""
+    board = MemoryBoard()
+    me, attacker, honest = Identity.generate(), Identity.generate(), Identity.generate()
+    maker = Matchmaker(board, me, run_id="r", stage=0, config=QUICK)
+    key = outer_round_key("r", 0, 3)
+    await board.publish(key, attacker.peer_id, _signed_entry(attacker, 3, time.time()), 1e12)
+    assert not await maker.opened_by_others(3, expect=5)
+    assert await maker.opened_by_others(3, expect=2)  # two replicas: the other's word counts
+    await board.publish(key, honest.peer_id, _signed_entry(honest, 3, time.time()), 1e12)
+    assert await maker.opened_by_others(3, expect=5)  # joining now makes 3 of 5

@@ -51,6 +51,10 @@ def test_three_replicas_complete_rounds_with_equal_anchors() -> None:
             events = [p.expect("round", ROUND_TIMEOUT, round=r) for p in peers]
             assert all(e["consistent"] and e["finite"] and e["group"] == 3 for e in events)
             assert len({e["digest"] for e in events}) == 1, f"anchors differ after round {r}"
+            # every span fetched from its owner was confirmed by its witness (over libp2p
+            # for one span of each replica: the daemon's configuration verifies results)
+            assert all(e["checked"] == 2 and e["unchecked"] == 0 for e in events)
+            assert all(not e["mismatched"] for e in events)
 
 
 def test_survivors_finish_a_round_whose_member_was_killed_mid_mix() -> None:

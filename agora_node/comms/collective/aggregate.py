@@ -11,15 +11,22 @@
 - trimmed mean: per coordinate drop the k largest and k smallest values
   (k = floor(trim_fraction * n)), weighted mean of the rest.
 
+Before any of them, contributions whose L2 norm is out of range are refused (and
+counted): above `max_norm_ratio` times the median norm of the span's
+contributions (only with three or more, so the median is not one of two), or
+above the absolute `max_norm`. A 1000x-scaled delta never reaches the mean.
+
 Weights are capped at `max_weight` here, by the reducer, since a sender's claim
-cannot be trusted. Contributions with weight 0 (warming newcomers) are ignored unless every weight
+cannot be trusted, and for the robust rules (with three or more claims) at the
+median claim, so one member claiming the most tokens it could have processed
+outweighs nobody (the weighted mean keeps exact token weighting: plain DiLoCo). Contributions with weight 0 (warming newcomers) are ignored unless every weight
 is 0, in which case all count equally (a group of newcomers still mixes).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import torch
@@ -43,11 +50,17 @@ class AggregationSpec:
     trim_fraction: float = 0.2
     max_weight: float = math.inf
     """Cap on one contribution's weight (tokens a member could have processed in a round)."""
+    max_norm_ratio: float = 10.0
+    """Refuse a contribution whose norm exceeds this times the median norm (3+ of them)."""
+    max_norm: float = math.inf
+    """Refuse a contribution whose norm exceeds this, whatever the others send."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Aggregation(self.method))
         if self.clip_scale <= 0 or self.clip_iters < 1:
             raise ValueError("clip_scale must be > 0 and clip_iters >= 1")
+        if not self.max_norm_ratio > 1 or not self.max_norm > 0:
+            raise ValueError("max_norm_ratio must be > 1 and max_norm > 0")
         if not 0 <= self.trim_fraction < 0.5:
             raise ValueError("trim_fraction must be in [0, 0.5)")
 
@@ -57,6 +70,18 @@ class Aggregate:
     value: Tensor
     clip_radius: float | None = None
     """tau used by CenteredClip (None for the other methods)."""
+    refused: tuple[int, ...] = ()
+    """Indices of the contributions refused for an out-of-range norm."""
+
+
+def norm_outliers(values: list[Tensor], spec: AggregationSpec) -> set[int]:
+    """Indices of contributions whose norm is out of range (see the module docstring)."""
+    norms = [float(torch.linalg.vector_norm(v.float(), dtype=torch.float64)) for v in values]
+    limit = spec.max_norm
+    if len(norms) >= 3:
+        median = sorted(norms)[(len(norms) - 1) // 2]
+        limit = min(limit, spec.max_norm_ratio * median) if median > 0 else limit
+    return {i for i, n in enumerate(norms) if not n <= limit}
 
 
 def aggregate(values: list[Tensor], weights: list[float], spec: AggregationSpec) -> Aggregate:
@@ -66,19 +91,29 @@ def aggregate(values: list[Tensor], weights: list[float], spec: AggregationSpec)
     if len(values) != len(weights):
         raise ValueError("one weight per value")
     capped = [min(float(w), spec.max_weight) for w in weights]
-    kept = [(v, w) for v, w in zip(values, capped, strict=True) if w > 0]
-    if not kept:  # all newcomers: count everyone equally rather than produce nothing
-        kept = [(v, 1.0) for v in values]
+    claims = sorted(w for w in capped if w > 0)
+    robust = spec.method is not Aggregation.MEAN
+    if robust and len(claims) >= 3:  # nobody weighs more than the median claim
+        median_claim = claims[(len(claims) - 1) // 2]
+        capped = [min(w, median_claim) for w in capped]
+    live = [i for i, w in enumerate(capped) if w > 0] or list(range(len(values)))
+    outliers = norm_outliers([values[i] for i in live], spec)
+    refused = tuple(live[j] for j in sorted(outliers))
+    if len(refused) == len(live):  # nothing in range (only with an absolute bound): no update
+        return Aggregate(torch.zeros_like(values[0], dtype=torch.float32), None, refused)
+    kept = [(values[i], capped[i]) for i in live if i not in refused]
+    if all(w <= 0 for _, w in kept):  # all newcomers: count everyone equally
+        kept = [(v, 1.0) for v, _ in kept]
     if len(kept) == 1:
-        return Aggregate(kept[0][0].float().clone(), 0.0 if _clips(spec) else None)
+        return Aggregate(kept[0][0].float().clone(), 0.0 if _clips(spec) else None, refused)
     stacked = torch.stack([v.float() for v, _ in kept])
     w = torch.tensor([float(w) for _, w in kept], dtype=torch.float64)
     w = (w / w.sum()).to(torch.float32)
     if spec.method is Aggregation.CENTERED_CLIP:
-        return centered_clip(stacked, w, spec)
+        return replace(centered_clip(stacked, w, spec), refused=refused)
     if spec.method is Aggregation.TRIMMED_MEAN:
-        return Aggregate(trimmed_mean(stacked, w, spec.trim_fraction))
-    return Aggregate(weighted_mean(stacked, w))
+        return Aggregate(trimmed_mean(stacked, w, spec.trim_fraction), refused=refused)
+    return Aggregate(weighted_mean(stacked, w), refused=refused)
 
 
 def _clips(spec: AggregationSpec) -> bool:

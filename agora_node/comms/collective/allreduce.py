@@ -17,6 +17,19 @@ Protocol for one member of a group of n (plan.py gives the spans and owner chain
 4. If every owner of a span failed, the member keeps its own values for that span
    and reports the round as inconsistent.
 
+With `verify` (verify.py), each member also pushes its part of span j to the span's
+witness, its attempt-1 owner; a result fetched from the attempt-0 owner is adopted
+only if it matches the witness's reduction of the parts the result names (the
+witness compares directly, everyone else through a sketch under a nonce of its
+own). On a mismatch the member keeps its own values for that span (step 4): it
+cannot tell whether the owner or the witness lies, and handing the span to the
+witness would let a lying witness take it over. A lying member thus costs at most
+the mixing of two spans (inconsistent, repaired by the next anchor mix), never
+poisons one. A witness re-reducing a dead owner's span re-issues a value some
+member already holds only if it matches its own reduction. Results of later
+attempts, and results whose witness does not answer, are adopted unchecked
+(counted).
+
 Why survivors agree: a value for a span is only created by an owner that got no
 final from any member it asked, and every member it asked promised to refuse
 values of earlier attempts. So under crash failures, with live members answering
@@ -30,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -48,6 +62,15 @@ from agora_node.comms.collective.state import (
     Contribution,
     Final,
     RoundState,
+)
+from agora_node.comms.collective.verify import (
+    NONCE_BYTES,
+    mask_members,
+    members_mask,
+    parse_sketch,
+    sketch,
+    sketches_match,
+    values_match,
 )
 from agora_node.comms.collective.wire import Code, Header, Reply, Transport
 from agora_node.compression import CodecError
@@ -107,7 +130,11 @@ class AllReduce:
         encoder: PartEncoder,
         aggregation: AggregationSpec,
         deadlines: Deadlines,
+        verify: bool = False,
+        tolerance: float = 0.05,
     ) -> None:
+        self.verify, self.tolerance = verify and state.plan.size >= 2, tolerance
+        self._witnessed: dict[bytes, asyncio.Future] = {}
         self.state, self.transport = state, transport
         self.plan, self.stats = state.plan, state.stats
         self.fmt, self.encoder = fmt, encoder
@@ -131,6 +158,14 @@ class AllReduce:
             for j in range(self.plan.size)
             if j != me and self.state.final(j) is None
         ]
+        if self.verify:
+            pushes += [
+                asyncio.create_task(self._push(j, frames[j], witness=True))
+                for j in range(self.plan.size)
+                if self.plan.owner(j, 1) != self.state.me and self.state.final(j) is None
+            ]
+            self.state.witness = self._witness_value
+            self.state.changed.fire()
         reduce_task = asyncio.create_task(self._reduce_own())
         try:
             await asyncio.gather(*(self._resolve(j, reduce_task) for j in range(self.plan.size)))
@@ -180,10 +215,11 @@ class AllReduce:
         return None
 
     # ---- 1. push -------------------------------------------------------------------
-    async def _push(self, span: int, frame: bytes) -> None:
-        owner = self.plan.owner(span, 0)
+    async def _push(self, span: int, frame: bytes, witness: bool = False) -> None:
+        attempt = 1 if witness else 0
+        owner = self.plan.owner(span, attempt)
         wait = self._left(self._reduce_deadline())
-        header = self._header(span, weight=self.state.my_weight or 0.0, wait=wait)
+        header = self._header(span, attempt, weight=self.state.my_weight or 0.0, wait=wait)
         self.stats.bytes_sent += len(frame)
         reply = await self._call(
             owner, self.transport.push(owner, header, frame), wait + NETWORK_SLACK
@@ -214,13 +250,19 @@ class AllReduce:
         if span.min_attempt > 0:  # a backup took the span over: it is no longer ours
             return
         own = self.state.own_part(me)
-        contributions = (
-            [own, *span.parts.values()] if own is not None else list(span.parts.values())
-        )
-        final = await self._aggregate_final(contributions, attempt=0)
+        senders = ([self.state.me] if own is not None else []) + list(span.parts)
+        contributions = ([own] if own is not None else []) + list(span.parts.values())
+        final = await self._aggregate_final(contributions, attempt=0, senders=senders)
         self.state.try_finalize(me, final)
 
-    async def _aggregate_final(self, contributions: list[Contribution], attempt: int) -> Final:
+    async def _aggregate_final(
+        self,
+        contributions: list[Contribution],
+        attempt: int,
+        senders: list[str] | None = None,
+        *,
+        count: bool = True,
+    ) -> Final:
         def work() -> Final:
             agg = aggregate(
                 [c.value for c in contributions],
@@ -228,16 +270,98 @@ class AllReduce:
                 self.aggregation,
             )
             frame = encode_result(agg.value, self.fmt)
+            value = decode_span(frame, agg.value.numel())
+            mask = members_mask(self.plan.members, senders or [])
+            if not count:  # the witness's reduction: its owner counts
+                return Final(frame, attempt, value, mask)
             if agg.clip_radius is not None:
                 self.stats.clip_radii.append(agg.clip_radius)
-            return Final(frame, attempt, decode_span(frame, agg.value.numel()))
+            for i in agg.refused:
+                self.stats.reject("norm out of range")
+                if senders is not None:
+                    self.stats.outliers.add(senders[i])
+            return Final(frame, attempt, value, mask)
 
         return await asyncio.to_thread(work)
+
+    async def _witness_value(self, mask: bytes, wait: float) -> Tensor | None:
+        """This member's reduction, as the witness, of its span over the parts `mask` names
+        (None if the mask is not a majority including the owner, or a named part is
+        missing after `wait` s). Cached per mask: every member asks about the same one."""
+        j = self.state.witness_span()
+        named = mask_members(self.plan.members, mask)
+        owner = self.plan.owner(j, 0) if j is not None else None
+        if j is None or named is None or owner not in named:
+            return None
+        if len(named) < self.plan.size // 2 + 1:
+            return None
+        task = self._witnessed.get(mask)
+        if task is None:
+            task = asyncio.ensure_future(self._reduce_witnessed(j, named, wait))
+            self._witnessed[mask] = task
+        return await asyncio.shield(task)
+
+    async def _reduce_witnessed(self, j: int, named: list[str], wait: float) -> Tensor | None:
+        span = self.state.spans[j]
+        others = [m for m in named if m != self.state.me]
+
+        def delivered() -> bool:
+            return all(m in span.witness_parts for m in others)
+
+        if not await self.state.changed.wait_for(delivered, wait):
+            return None
+        own = self.state.own_part(j) if self.state.me in named else None
+        if self.state.me in named and own is None:
+            return None
+        senders = ([self.state.me] if own is not None else []) + others
+        contributions = ([own] if own is not None else []) + [span.witness_parts[m] for m in others]
+        final = await self._aggregate_final(contributions, 0, senders, count=False)
+        return final.value
+
+    async def _matches_witness(self, j: int, final: Final, owner: str) -> bool:
+        """Is the attempt-0 owner's result for span j what its witness computes over the
+        parts the owner names? (verify.py; True unchecked if the witness does not answer.)"""
+        witness = self.plan.owner(j, 1)
+        wait = max(0.0, self._left(self._attempt_deadline(0)))
+        named = mask_members(self.plan.members, final.members)
+        if named is None or owner not in named or len(named) < self.plan.size // 2 + 1:
+            ok = False  # a result must name its owner's part and a majority's
+        elif witness == self.state.me:
+            expected = await self._witness_value(final.members, wait)
+            ok = expected is not None and await asyncio.to_thread(
+                values_match, final.value, expected, self.tolerance
+            )
+        else:
+            nonce = os.urandom(NONCE_BYTES)
+            header = self._header(j, 0, wait=wait)
+            call = self.transport.check(witness, header, nonce, final.members)
+            reply = await self._call(witness, call, wait + NETWORK_SLACK)
+            if reply is None or reply.code not in (Code.SKETCH, Code.NOTHING):
+                self.stats.unchecked_spans += 1
+                return True
+            theirs = parse_sketch(reply.payload) if reply.code is Code.SKETCH else None
+            ok = theirs is not None and sketches_match(
+                await asyncio.to_thread(sketch, final.value, nonce), theirs, self.tolerance
+            )
+        if ok:
+            self.stats.checked_spans += 1
+        else:
+            self.stats.reject("result mismatch")
+            self.stats.mismatched.add(owner)
+            self.stats.failed_peers.add(owner)
+            log.warning(
+                "span %d of %s round %d: the result of %s does not match its witness's",
+                j,
+                self.plan.phase,
+                self.plan.round,
+                owner[-8:],
+            )
+        return ok
 
     # ---- 3. gather, escalating down the owner chain ---------------------------------
     async def _resolve(self, j: int, reduce_task: asyncio.Task) -> None:
         span, attempt = self.state.spans[j], 0
-        while span.final is None:
+        while span.final is None and j not in self.fallback:
             attempt = max(attempt, span.min_attempt)
             if attempt >= self.plan.size:
                 self._fall_back(j)
@@ -267,7 +391,12 @@ class AllReduce:
             return
         self.stats.bytes_received += len(reply.payload)
         final = await self._decode_final(reply, j)
-        if final is None or not self.state.try_finalize(j, final):
+        if final is None:
+            return
+        if self.verify and attempt == 0 and not await self._matches_witness(j, final, owner):
+            self._fall_back(j)  # neither the owner's value nor a takeover by the witness
+            return
+        if not self.state.try_finalize(j, final):
             self.stats.reject("stale result")
 
     async def _unless_superseded(self, j: int, attempt: int, call) -> Reply | None:
@@ -290,7 +419,7 @@ class AllReduce:
         except CodecError:
             self.stats.reject("malformed result")
             return None
-        return Final(reply.payload, reply.attempt, value)
+        return Final(reply.payload, reply.attempt, value, reply.members)
 
     async def _rereduce(self, j: int, attempt: int) -> None:
         """Become the owner of span j at `attempt` (see the module docstring)."""
@@ -305,11 +434,12 @@ class AllReduce:
                 for m in others
             )
         )
-        finals, contributions = [], []
+        finals, contributions, senders = [], [], []
         own = self.state.own_part(j)
         if own is not None:
             contributions.append(own)
-        for reply in replies:
+            senders.append(self.state.me)
+        for member, reply in zip(others, replies, strict=True):
             if reply is None or reply.code not in (Code.FINAL, Code.CONTRIBUTION):
                 continue
             self.stats.bytes_received += len(reply.payload)
@@ -320,11 +450,20 @@ class AllReduce:
                 finals.append(decoded)
             elif reply.weight >= 0:
                 contributions.append(Contribution(reply.weight, decoded.value, reply.payload))
+                senders.append(member)
+        if self.verify and attempt == 1 and finals:  # as the witness: only a value that matches
+            wait = max(0.0, self._left(self._attempt_deadline(attempt)) - base / 2)
+            checked = []
+            for f in finals:
+                expected = await self._witness_value(f.members, wait)
+                if expected is not None and values_match(f.value, expected, self.tolerance):
+                    checked.append(f)
+            finals = checked
         if finals:  # someone already holds the span's value: re-issue exactly that
             best = max(finals, key=lambda f: f.attempt)
-            final = Final(best.frame, attempt, best.value)
+            final = Final(best.frame, attempt, best.value, best.members)
         elif contributions:
-            final = await self._aggregate_final(contributions, attempt)
+            final = await self._aggregate_final(contributions, attempt, senders)
         else:
             return
         if self.state.try_finalize(j, final):

@@ -2,10 +2,21 @@
 
 A replica of stage k that reaches round t stores a small signed entry under the DHT
 key `agora/<run>/outer/<k>/<t>` (subkey: its peer id) and polls that key. The
-round's participant list is closed by a rule every peer evaluates the same way:
+round's participant list is closed by a rule every peer evaluates the same way,
+where q is a strict majority of the replicas the peer expects (`expect`, from
+membership; q = 1 when unknown):
 
-    t_close = (earliest joined_at among the entries) + window
+    t_open  = the q-th earliest joined_at among the entries (a majority has joined)
+    t_close = t_open + window
     participants = entries with joined_at <= t_close
+
+So no single entry decides when a round closes: an entry claiming joined_at = 0 is
+one of the q earliest at most, and t_open is still an honest replica's time. Reading
+is bounded by local clocks: an entry whose joined_at lies more than `max_skew`
+ahead of this peer's clock, or further back than the entries' `ttl` (planted long
+ago), is ignored, and at most `max_entries` entries are read. If fewer than q entries
+come within `patience` of this peer's own entry (replicas died since membership last
+saw them), the round closes on everyone seen (degraded: views may differ).
 
 A peer reads the key until its clock passes t_close + settle (time for stores to
 propagate), or until it sees `expect` participants (everyone it knows of), then
@@ -13,6 +24,10 @@ partitions the participants (plan.partition) into groups. Peers reading the same
 entries compute the same groups; a peer whose view differs ends up in a group the
 others do not recognize, is refused by them, and completes the round alone.
 A peer that arrives after t_close is alone for this round.
+
+A replica still doing inner steps ends its round once q - 1 other replicas have
+entered it (`opened_by_others`), which makes it the q-th: one entry alone ends
+nobody's round unless the stage has at most three replicas.
 
 Entries are signed with the Ed25519 key the peer id commits to and verified on
 read, so nobody can enter a round under another peer's id. They stay far below
@@ -26,6 +41,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -117,17 +133,59 @@ def _check_fields(body: Any) -> dict[str, Any]:
     return known
 
 
+Expect = int | Collection[str] | None
+"""The replicas a peer expects in a round: their peer ids (membership's live replicas of
+the stage, this peer included), or only their number (simulations; then any entries,
+a stranger's too, count towards closing early), or None (unknown: quorum 1)."""
+
+
+def expected_count(expect: Expect) -> int | None:
+    return expect if expect is None or isinstance(expect, int) else len(set(expect))
+
+
+def quorum(expect: Expect) -> int:
+    """Entries needed before a round opens: a strict majority of the expected replicas."""
+    n = expected_count(expect)
+    return 1 if n is None or n <= 1 else n // 2 + 1
+
+
 def close_view(
-    entries: list[RoundEntry], *, window: float, settle: float, now: float, expect: int | None
+    entries: list[RoundEntry],
+    *,
+    window: float,
+    settle: float,
+    now: float,
+    expect: Expect,
+    since: float | None = None,
+    patience: float = math.inf,
 ) -> list[RoundEntry] | None:
-    """The closed participant list, or None while it may still grow."""
+    """The closed participant list, or None while it may still grow.
+
+    The round closes early once everyone expected is there: every expected peer id (or,
+    given a count, that many entries). since: when this peer entered the round; after
+    `patience` more seconds without a quorum, the round closes on every entry seen."""
     if not entries:
         return None
-    t_close = min(e.joined_at for e in entries) + window
+    times = sorted(e.joined_at for e in entries)
+    q = quorum(expect)
+    if len(times) < q:
+        if since is not None and now >= since + patience:
+            return sorted(entries, key=lambda e: e.peer_id)
+        return None
+    t_close = times[q - 1] + window
     members = sorted((e for e in entries if e.joined_at <= t_close), key=lambda e: e.peer_id)
-    if expect is not None and len(members) >= expect:
+    if isinstance(expect, int):
+        everyone = len(members) >= expect
+    else:
+        everyone = expect is not None and set(expect) <= {e.peer_id for e in members}
+    if everyone:
         return members
     return members if now >= t_close + settle else None
+
+
+def fresh(entry: RoundEntry, *, now: float, ttl: float, max_skew: float) -> bool:
+    """Could this entry have been written by an honest peer with a clock near ours?"""
+    return now - ttl - max_skew <= entry.joined_at <= now + max_skew
 
 
 @dataclass(frozen=True)
@@ -169,8 +227,17 @@ class MatchmakingConfig:
     """Seconds after the first entry of a round during which others may still join it."""
     settle: float = 1.0
     poll_interval: float = 0.25
-    ttl: float = 900.0
-    """How long entries live in the DHT."""
+    ttl: float = 60.0
+    """How long entries live in the DHT; older joined_at values are ignored on read."""
+    max_skew: float = 2.0
+    """Clock skew tolerated between peers: entries further in the future are ignored."""
+    patience: float | None = None
+    """Seconds to wait for a quorum before closing on whoever came (default 4 windows)."""
+    max_entries: int = 256
+    """Entries read per round at most (a bounded view, whatever is stored)."""
+
+    def waited(self) -> float:
+        return 4 * self.window + self.settle if self.patience is None else self.patience
 
 
 class Matchmaker:
@@ -188,7 +255,7 @@ class Matchmaker:
         self.ignored = 0
 
     async def gather(
-        self, round_no: int, *, digest: str = "", warming: bool = False, expect: int | None = None
+        self, round_no: int, *, digest: str = "", warming: bool = False, expect: Expect = None
     ) -> RoundView:
         me = RoundEntry(
             peer_id=self.identity.peer_id,
@@ -215,28 +282,38 @@ class Matchmaker:
                 settle=cfg.settle,
                 now=time.time(),
                 expect=expect,
+                since=me.joined_at,
+                patience=cfg.waited(),
             )
             if closed is not None:
                 return RoundView(self.run_id, self.stage, round_no, me.peer_id, tuple(closed))
             await asyncio.sleep(cfg.poll_interval)
 
-    async def opened_by_others(self, round_no: int) -> bool:
-        """Has a peer other than this one entered round `round_no` (a verified entry)?"""
+    async def opened_by_others(self, round_no: int, expect: Expect = None) -> bool:
+        """Have enough other peers entered round `round_no` (verified, fresh entries) that
+        this one joining completes a quorum? One other is enough when `expect` is unknown."""
         key = outer_round_key(self.run_id, self.stage, round_no)
-        return any(e.peer_id != self.identity.peer_id for e in await self._read(key, round_no))
+        others = [e for e in await self._read(key, round_no) if e.peer_id != self.identity.peer_id]
+        return len(others) >= max(1, quorum(expect) - 1)
 
     async def _read(self, key: str, round_no: int) -> list[RoundEntry]:
         out = []
-        for peer, value in (await self.board.read(key)).items():
+        cfg, now = self.config, time.time()
+        stored = await self.board.read(key)
+        for peer, value in list(stored.items())[: cfg.max_entries]:
             try:
-                out.append(
-                    RoundEntry.verified(
-                        value, peer_id=peer, run_id=self.run_id, stage=self.stage, round_no=round_no
-                    )
+                entry = RoundEntry.verified(
+                    value, peer_id=peer, run_id=self.run_id, stage=self.stage, round_no=round_no
                 )
             except EntryError as exc:
                 self.ignored += 1
                 log.debug("ignored round entry under %s: %s", str(peer)[:16], exc)
+                continue
+            if not fresh(entry, now=now, ttl=cfg.ttl, max_skew=cfg.max_skew):
+                self.ignored += 1
+                log.debug("ignored round entry of %s: joined_at out of range", peer[:16])
+                continue
+            out.append(entry)
         return out
 
 

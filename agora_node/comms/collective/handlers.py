@@ -13,17 +13,20 @@ from __future__ import annotations
 import asyncio
 import math
 
-from agora_node.comms.collective.payload import decode_span
+from agora_node.comms.collective.payload import decode_span, max_frame_bytes
 from agora_node.comms.collective.state import (
     Contribution,
     RoundBook,
     RoundState,
     UnknownRoundError,
 )
+from agora_node.comms.collective.verify import NONCE_BYTES, mask_members, sketch_bytes
 from agora_node.comms.collective.wire import Code, Header, Reply, rejected
 from agora_node.compression import CodecError
 
 MAX_WAIT = 120.0  # a request never holds a handler longer than this, whatever it asks
+MEMBER_REFUSALS = ("not my span", "bad weight", "late")
+"""Refusals of a push from a member of the group (anything else: the sender is not one)."""
 
 
 class Responder:
@@ -42,6 +45,44 @@ class Responder:
             raise LookupError("bad span")
         return state
 
+    async def admit_push(self, sender: str, header: Header, total: int) -> Reply | None:
+        """Whether a push of `total` bytes may be read at all: None, or the refusal.
+
+        Transports call this on a push's first chunk, before buffering the rest, so a
+        non-member (or a member pushing the wrong span, too late or too much) costs one
+        chunk, not a full copy of the span."""
+        try:
+            state = await self._state(sender, header)
+        except LookupError as exc:
+            return rejected(str(exc))
+        return self._push_refusal(state, sender, header, total)
+
+    def _push_refusal(
+        self, state: RoundState, sender: str, header: Header, total: int
+    ) -> Reply | None:
+        stats = state.stats
+        witness = _for_witness(state, header)
+        own = header.span == state.my_index and header.attempt == 0
+        if not (own or witness):
+            stats.reject("not my span")
+            return rejected("not my span")
+        refused_span = header.span if witness else None
+        if not math.isfinite(header.weight) or header.weight < 0:
+            state.refuse(sender, "bad weight", refused_span)
+            return rejected("bad weight")
+        span = state.spans[header.span]
+        if witness:
+            late = span.witness_closed
+        else:
+            late = span.final is not None or span.min_attempt > 0 or state.reducing_done
+        if late:
+            stats.reject("late")
+            return rejected("late")
+        if total > max_frame_bytes(state.plan.span_numel(header.span)):
+            state.refuse(sender, "oversized", refused_span)
+            return rejected("oversized")
+        return None
+
     async def on_push(self, sender: str, header: Header, payload: bytes) -> Reply:
         try:
             state = await self._state(sender, header)
@@ -49,24 +90,21 @@ class Responder:
             return rejected(str(exc))
         stats = state.stats
         stats.bytes_received += len(payload)
-        if header.span != state.my_index or header.attempt != 0:
-            stats.reject("not my span")
-            return rejected("not my span")
-        if not math.isfinite(header.weight) or header.weight < 0:
-            state.refuse(sender, "bad weight")
-            return rejected("bad weight")
-        span = state.spans[header.span]
-        if span.final is not None or span.min_attempt > 0 or state.reducing_done:
-            stats.reject("late")
-            return rejected("late")
+        refusal = self._push_refusal(state, sender, header, len(payload))
+        if refusal is not None:
+            return refusal
         try:
             value = await asyncio.to_thread(
                 decode_span, payload, state.plan.span_numel(header.span)
             )
         except CodecError as exc:
-            state.refuse(sender, "malformed")
+            state.refuse(sender, "malformed", header.span if header.attempt == 1 else None)
             return rejected(f"malformed: {exc}")
-        reason = state.add_part(sender, Contribution(header.weight, value, payload))
+        contribution = Contribution(header.weight, value, payload)
+        if header.attempt == 1:  # admitted above as a copy for the span's witness
+            reason = state.add_witness_part(header.span, sender, contribution)
+        else:
+            reason = state.add_part(sender, contribution)
         if reason is not None:
             stats.reject(reason)
             return rejected(reason)
@@ -85,15 +123,41 @@ class Responder:
         if not ready or final is None:
             return Reply(Code.NOT_READY)
         state.stats.bytes_sent += len(final.frame)
-        return Reply(Code.FINAL, final.frame, attempt=final.attempt)
+        return Reply(Code.FINAL, final.frame, attempt=final.attempt, members=final.members)
+
+    async def on_check(
+        self, sender: str, header: Header, nonce: bytes, members: bytes = b""
+    ) -> Reply:
+        """A member asks this witness for a sketch of its reduction of a span over the
+        parts of `members` (verify.py)."""
+        try:
+            state = await self._state(sender, header)
+        except LookupError as exc:
+            return rejected(str(exc))
+        if state.witness_span() != header.span:
+            state.stats.reject("not the witness")
+            return rejected("not the witness")
+        if len(nonce) != NONCE_BYTES or mask_members(state.plan.members, members) is None:
+            return rejected("bad check")
+        wait = min(header.wait, MAX_WAIT)
+        await state.changed.wait_for(lambda: state.witness is not None, wait)
+        if state.witness is None:  # this member is not running the collective (yet)
+            return Reply(Code.NOT_READY)
+        value = await state.witness(members, wait)
+        if value is None:  # it lacks a part the result names: that result cannot stand
+            return Reply(Code.NOTHING)
+        payload = await asyncio.to_thread(sketch_bytes, value, nonce)
+        return Reply(Code.SKETCH, payload)
 
     async def on_query(self, sender: str, header: Header) -> Reply:
         try:
             state = await self._state(sender, header)
         except UnknownRoundError:
-            # answer as if registered: promise, so a late registration cannot reduce
+            # answer as if registered: promise, so a late registration cannot reduce. The
+            # book keeps who asked and applies the promise at registration only if that
+            # peer is the span's backup owner at that attempt (strangers' are dropped).
             self.book.promise_unregistered(
-                header.round, header.phase, header.group_id, header.span, header.attempt
+                header.round, header.phase, header.group_id, header.span, header.attempt, sender
             )
             return Reply(Code.NOTHING)
         except LookupError as exc:
@@ -105,10 +169,15 @@ class Responder:
         final = state.final(span)
         if final is not None:
             state.stats.bytes_sent += len(final.frame)
-            return Reply(Code.FINAL, final.frame, attempt=final.attempt)
+            return Reply(Code.FINAL, final.frame, attempt=final.attempt, members=final.members)
         state.promise(span, header.attempt)
         own = state.own_part(span)
         if own is None:
             return Reply(Code.NOTHING)
         state.stats.bytes_sent += len(own.frame)
         return Reply(Code.CONTRIBUTION, own.frame, weight=own.weight)
+
+
+def _for_witness(state: RoundState, header: Header) -> bool:
+    """Is this push a copy for this member as the span's witness?"""
+    return header.attempt == 1 and state.witness_span() == header.span

@@ -51,3 +51,9 @@ class LocalTransport:
         reply = await self.network.responder(self.me, peer).on_query(self.me, header)
         self.network.bytes_moved += len(reply.payload)
         return reply
+
+    async def check(self, peer: str, header: Header, nonce: bytes, members: bytes) -> Reply:
+        responder = self.network.responder(self.me, peer)
+        reply = await responder.on_check(self.me, header, nonce, members)
+        self.network.bytes_moved += len(reply.payload)
+        return reply

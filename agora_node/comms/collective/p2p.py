@@ -1,7 +1,8 @@
-"""The collective over hivemind P2P: one servicer, three RPCs, frames streamed in chunks.
+"""The collective over hivemind P2P: one servicer, four RPCs, frames streamed in chunks.
 
 Unary libp2p messages are capped at 4 MiB, so every frame travels as a stream of
-~1 MiB chunks: `push` streams in (one reply), `fetch` and `query` stream out. The
+~1 MiB chunks: `push` streams in (one reply), `fetch` and `query` stream out;
+`check` (a nonce in, a sketch of 72 bytes out) is unary. The
 message type is built at import time from a descriptor, so no generated _pb2 file
 or protoc run is needed. The sender's identity is the libp2p peer id of the
 connection (authenticated by libp2p's secure channel), never a field in the message.
@@ -22,7 +23,8 @@ from typing import AsyncIterator  # noqa: UP035
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
-from agora_node.comms.collective.handlers import Responder
+from agora_node.comms.collective.handlers import MEMBER_REFUSALS, Responder
+from agora_node.comms.collective.verify import NONCE_BYTES
 from agora_node.comms.collective.wire import Code, Header, Reply, rejected
 
 CHUNK_BYTES = 1 << 20
@@ -42,6 +44,7 @@ def _message_class() -> type:
         ("data", f.TYPE_BYTES),
         ("total", f.TYPE_UINT64),
         ("reason", f.TYPE_STRING),
+        ("members", f.TYPE_BYTES),
     ]
     proto = descriptor_pb2.FileDescriptorProto(
         name="agora_collective.proto", package="agora.collective", syntax="proto3"
@@ -85,6 +88,7 @@ def _reply_chunks(reply: Reply) -> list[CollectiveMessage]:
         attempt=reply.attempt,
         weight=reply.weight,
         reason=reply.reason,
+        members=reply.members,
         total=len(data),
         data=bytes(data[:CHUNK_BYTES]),
     )
@@ -103,7 +107,16 @@ async def _read_reply(stream: AsyncIterator[CollectiveMessage], limit: int) -> R
             raise ValueError("reply longer than announced")
     if len(buf) != head.total:
         raise ValueError("reply shorter than announced")
-    return Reply(Code(head.code), bytes(buf), head.attempt, head.weight, head.reason)
+    return Reply(
+        Code(head.code), bytes(buf), head.attempt, head.weight, head.reason, bytes(head.members)
+    )
+
+
+async def _discard(stream: AsyncIterator[CollectiveMessage], left: int) -> None:
+    async for msg in stream:
+        left -= len(msg.data)
+        if left < 0:
+            return
 
 
 class CollectiveServicer(ServicerBase):
@@ -118,12 +131,21 @@ class CollectiveServicer(ServicerBase):
         first = await anext(requests)
         if first.total > self.max_frame_bytes:
             return _reply_chunks(rejected("oversized"))[0]
+        sender = context.remote_id.to_base58()
+        # membership, span, lateness and size are checked on the first chunk: nothing more
+        # of a push that will be refused is read into memory
+        refusal = await self.responder.admit_push(sender, _header(first), first.total)
+        if refusal is not None:
+            if refusal.reason in MEMBER_REFUSALS:
+                # a member (late, say): read the rest without keeping it, so its client gets
+                # the answer rather than a broken stream it would take for a failure
+                await _discard(requests, first.total - len(first.data))
+            return _reply_chunks(refusal)[0]
         buf = bytearray(first.data)
         async for msg in requests:
             buf += msg.data
             if len(buf) > first.total:
                 return _reply_chunks(rejected("longer than announced"))[0]
-        sender = context.remote_id.to_base58()
         reply = await self.responder.on_push(sender, _header(first), bytes(buf))
         return _reply_chunks(reply)[0]
 
@@ -140,6 +162,15 @@ class CollectiveServicer(ServicerBase):
         reply = await self.responder.on_query(context.remote_id.to_base58(), _header(request))
         for msg in _reply_chunks(reply):
             yield msg
+
+    async def rpc_check(self, request: CollectiveMessage, context: P2PContext) -> CollectiveMessage:
+        reply = await self.responder.on_check(
+            context.remote_id.to_base58(),
+            _header(request),
+            bytes(request.data[:NONCE_BYTES]),
+            bytes(request.members),
+        )
+        return _reply_chunks(reply)[0]
 
 
 class P2PTransport:
@@ -175,3 +206,11 @@ class P2PTransport:
     async def query(self, peer: str, header: Header) -> Reply:
         stream = await self._stub(peer).rpc_query(_request(Code.QUERY, header))
         return await _read_reply(stream, self.max_frame_bytes)
+
+    async def check(self, peer: str, header: Header, nonce: bytes, members: bytes) -> Reply:
+        request = _request(Code.CHECK, header, nonce)
+        request.members = members
+        msg = await self._stub(peer).rpc_check(request)
+        if len(msg.data) > 1024:
+            raise ValueError("sketch reply too long")
+        return Reply(Code(msg.code), bytes(msg.data), msg.attempt, msg.weight, msg.reason)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -29,6 +29,8 @@ from torch import Tensor
 from agora_node.comms.collective.plan import GroupPlan
 
 LINGER_ROUNDS = 2  # a state is dropped this many rounds after its own
+AHEAD_ROUNDS = 2  # promises for unregistered collectives at most this many rounds ahead
+MAX_PENDING = 1024  # promises for unregistered collectives kept at most
 
 
 class UnknownRoundError(LookupError):
@@ -71,6 +73,8 @@ class Final:
     frame: bytes
     attempt: int
     value: Tensor
+    members: bytes = b""
+    """Bitmask over the plan's members whose parts the reducer aggregated (verify.py)."""
 
 
 @dataclass
@@ -80,6 +84,11 @@ class SpanState:
     """Members whose contribution was invalid: nothing more is expected from them."""
     final: Final | None = None
     min_attempt: int = 0
+    witness_parts: dict[str, Contribution] = field(default_factory=dict)
+    """Parts pushed to this member as the span's witness (verify.py)."""
+    witness_refused: set[str] = field(default_factory=set)
+    witness_closed: bool = False
+    """No more witness parts are taken (the witness has started checking)."""
 
 
 @dataclass
@@ -93,6 +102,14 @@ class CollectiveStats:
     repaired_spans: int = 0
     fallback_spans: int = 0
     clip_radii: list[float] = field(default_factory=list)
+    outliers: set[str] = field(default_factory=set)
+    """Members whose contribution this member refused as a reducer for its norm."""
+    mismatched: set[str] = field(default_factory=set)
+    """Owners whose result for their span failed the witness check (not adopted)."""
+    checked_spans: int = 0
+    """Results adopted after their witness confirmed them."""
+    unchecked_spans: int = 0
+    """Results adopted without a check (their witness did not answer)."""
 
     def reject(self, reason: str) -> None:
         self.rejected[reason] += 1
@@ -111,6 +128,8 @@ class RoundState:
         self.my_frames: list[bytes] | None = None
         self.my_values: list[Tensor] | None = None
         self.reducing_done = False
+        self.witness: Callable[[bytes, float], Awaitable[Tensor | None]] | None = None
+        """Set by this member's AllReduce when it runs with verification."""
 
     # ---- this member's own contribution -----------------------------------------
     def set_contribution(self, weight: float, frames: list[bytes], values: list[Tensor]) -> None:
@@ -135,10 +154,29 @@ class RoundState:
         self.changed.fire()
         return None
 
-    def refuse(self, sender: str, reason: str) -> None:
+    def refuse(self, sender: str, reason: str, span: int | None = None) -> None:
+        """Count an invalid part; nothing more is expected from `sender` (for `span`'s
+        witness copy if given, else for the own span)."""
         self.stats.reject(reason)
-        self.spans[self.my_index].refused.add(sender)
+        if span is None:
+            self.spans[self.my_index].refused.add(sender)
+        else:
+            self.spans[span].witness_refused.add(sender)
         self.changed.fire()
+
+    def witness_span(self) -> int | None:
+        """The span this member is the witness of (its backup owner at attempt 1)."""
+        return (self.my_index - 1) % self.plan.size if self.plan.size >= 2 else None
+
+    def add_witness_part(self, span: int, sender: str, contribution: Contribution) -> str | None:
+        state = self.spans[span]
+        if state.witness_closed:
+            return "late"
+        if sender in state.witness_parts:
+            return "duplicate"
+        state.witness_parts[sender] = contribution
+        self.changed.fire()
+        return None
 
     def try_finalize(self, span: int, final: Final) -> bool:
         """Adopt a value for `span` unless one is known or a later attempt was promised."""
@@ -164,7 +202,12 @@ class RoundState:
 
 
 class RoundBook:
-    """The states of recent collectives of this member, looked up by RPC handlers."""
+    """The states of recent collectives of this member, looked up by RPC handlers.
+
+    Bounded: states are dropped LINGER_ROUNDS rounds after their own; promises for
+    collectives not registered yet are kept only for rounds near the latest registered
+    one, MAX_PENDING at most, and applied at registration only when the peer that asked
+    is the span's owner at the promised attempt (a stranger's promise is dropped)."""
 
     def __init__(self, me: str) -> None:
         self.me = me
@@ -172,8 +215,11 @@ class RoundBook:
         self.registered = Signal()
         self.unknown_rejections = Counter()
         # promises made before this member registered the group (it was a round late):
-        # (round, phase, group id) -> {span: attempt}, applied at registration
-        self.pending: dict[tuple[int, str, bytes], dict[int, int]] = {}
+        # (round, phase, group id) -> {(span, asker): attempt}, checked and applied at
+        # registration
+        self.pending: dict[tuple[int, str, bytes], dict[tuple[int, str], int]] = {}
+        self.latest: int | None = None
+        """The latest round registered."""
 
     def register(self, plan: GroupPlan) -> RoundState:
         key = (plan.round, plan.phase)
@@ -181,22 +227,47 @@ class RoundBook:
         if existing is not None and existing.plan.group_id == plan.group_id:
             return existing
         state = RoundState(plan, self.me)
-        for span, attempt in self.pending.pop((*key, plan.group_id), {}).items():
-            state.promise(span, attempt)
+        pending = self.pending.pop((*key, plan.group_id), {})
+        for (span, asker), attempt in pending.items():
+            legit = 0 <= span < plan.size and 0 < attempt < plan.size
+            if legit and asker == plan.owner(span, attempt) and asker != self.me:
+                state.promise(span, attempt)
+            else:
+                self.unknown_rejections["promise from a non-owner"] += 1
         self.states[key] = state
+        self.latest = plan.round if self.latest is None else max(self.latest, plan.round)
         for old in [k for k in self.states if k[0] < plan.round - LINGER_ROUNDS]:
             del self.states[old]
-        for old in [k for k in self.pending if k[0] < plan.round - LINGER_ROUNDS]:
-            del self.pending[old]
+        self._prune_pending()
         self.registered.fire()
         return state
 
+    def _prune_pending(self) -> None:
+        if self.latest is None:
+            return
+        lo, hi = self.latest - LINGER_ROUNDS, self.latest + AHEAD_ROUNDS
+        for old in [k for k in self.pending if not lo <= k[0] <= hi]:
+            del self.pending[old]
+
     def promise_unregistered(
-        self, round_no: int, phase: str, group_id: bytes, span: int, attempt: int
-    ) -> None:
-        """Remember a promise for a collective this member has not registered yet."""
+        self, round_no: int, phase: str, group_id: bytes, span: int, attempt: int, asker: str
+    ) -> bool:
+        """Remember a promise for a collective this member has not registered yet (False:
+        refused, the round is far from ours or the table is full)."""
+        if self.latest is not None and not (
+            self.latest - LINGER_ROUNDS <= round_no <= self.latest + AHEAD_ROUNDS
+        ):
+            self.unknown_rejections["promise for a distant round"] += 1
+            return False
+        spans = self.pending.get((round_no, phase, group_id))
+        if sum(len(v) for v in self.pending.values()) >= MAX_PENDING and (
+            spans is None or (span, asker) not in spans
+        ):
+            self.unknown_rejections["promise table full"] += 1
+            return False
         spans = self.pending.setdefault((round_no, phase, group_id), {})
-        spans[span] = max(attempt, spans.get(span, 0))
+        spans[(span, asker)] = max(attempt, spans.get((span, asker), 0))
+        return True
 
     async def lookup(self, round_no: int, phase: str, group_id: bytes, wait: float) -> RoundState:
         """The state a message is about, waiting up to `wait` s for it to be registered.

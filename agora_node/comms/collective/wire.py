@@ -4,6 +4,10 @@
     fetch(FETCH) member -> span owner      FINAL(frame, attempt) | NOT_READY | REJECTED
     query(QUERY) backup owner -> member    FINAL(frame, attempt) | CONTRIBUTION(frame, weight)
                                            | NOTHING | REJECTED
+    check(CHECK, nonce + members mask)     SKETCH(sketch of the witness's value) | NOT_READY
+         member -> witness                 | NOTHING (lacks a part) | REJECTED     (verify.py)
+
+A PART with attempt 1 is a copy of the sender's part for the span's witness.
 
 `Transport` is the narrow interface the protocol driver talks through; `P2PTransport`
 (p2p.py) carries it over hivemind, `LocalTransport` (local.py) in-process for unit
@@ -28,6 +32,8 @@ class Code(IntEnum):
     QUERY = 7
     CONTRIBUTION = 8
     NOTHING = 9
+    CHECK = 10
+    SKETCH = 11
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,8 @@ class Reply:
     attempt: int = 0
     weight: float = 0.0
     reason: str = ""
+    members: bytes = b""
+    """FINAL: bitmask of the members whose parts the result aggregates (verify.py)."""
 
 
 class Transport(Protocol):
@@ -62,6 +70,8 @@ class Transport(Protocol):
     async def fetch(self, peer: str, header: Header) -> Reply: ...
 
     async def query(self, peer: str, header: Header) -> Reply: ...
+
+    async def check(self, peer: str, header: Header, nonce: bytes, members: bytes) -> Reply: ...
 
 
 def rejected(reason: str) -> Reply:

@@ -1,0 +1,159 @@
+"""A stranger outside a collective's group cannot register anything in it, and a member
+owning a span cannot forge its result (issue 10); transport-free (LocalNetwork)."""
+
+import pytest
+import torch
+
+from agora_node.comms.collective import GroupPlan, LocalNetwork, RoundBook
+from agora_node.comms.collective.handlers import Responder
+from agora_node.comms.collective.payload import decode_span, encode_result, plain_format
+from agora_node.comms.collective.plan import span_bounds
+from agora_node.comms.collective.state import MAX_PENDING
+from agora_node.comms.collective.verify import sketch, sketches_match
+from agora_node.comms.collective.wire import Code, Header, Reply
+from tests.outer.helpers import all_equal, peers, random_values, run_group
+
+pytestmark = pytest.mark.timeout(60)
+NUMEL = 3000
+
+
+def _plan(members: list[str], round_no: int = 0) -> GroupPlan:
+    return GroupPlan(round=round_no, phase="delta", members=tuple(members), numel=NUMEL, block=64)
+
+
+async def test_a_strangers_promises_do_not_force_members_into_fall_back() -> None:
+    """main applied any peer's promise at registration: a stranger who computed the group
+    id (public: it hashes the round's entries) made every member abandon its own span."""
+    members = peers(3)
+    network = LocalNetwork()
+    for p in members:
+        network.join(p)
+    plan = _plan(members)
+    for p in members:
+        for span in range(plan.size):
+            for attempt in range(1, plan.size):
+                header = Header(0, "delta", plan.group_id, span, attempt)
+                reply = await network.responders[p].on_query("stranger", header)
+                assert reply.code is Code.NOTHING  # it learns nothing either
+    values = random_values(3, NUMEL)
+    outs = await run_group(values, network=network)
+    assert all_equal(outs)
+    for out in outs.values():
+        assert out.consistent and out.stats.repaired_spans == 0 and out.stats.fallback_spans == 0
+    torch.testing.assert_close(outs["peer0"].value, sum(values.values()) / 3, atol=1e-5, rtol=0)
+    book = network.responders["peer0"].book
+    assert book.unknown_rejections["promise from a non-owner"] == plan.size  # one per span
+
+
+async def test_the_backup_owners_promise_still_holds() -> None:
+    """The promise a late registration must keep (a backup re-reduced the span) is kept."""
+    book, members = RoundBook("peer0"), peers(3)
+    plan = _plan(members)
+    backup = plan.owner(0, 1)
+    header = Header(0, "delta", plan.group_id, 0, 1)
+    assert (await Responder(book).on_query(backup, header)).code is Code.NOTHING
+    state = book.register(plan)
+    assert state.spans[0].min_attempt == 1
+
+
+async def test_round_bookkeeping_stays_bounded_whatever_strangers_send() -> None:
+    book = RoundBook("peer0")
+    responder = Responder(book)
+    for i in range(3 * MAX_PENDING):  # distinct rounds and groups: main kept every one
+        header = Header(i, "delta", i.to_bytes(16, "big"), 0, 1)
+        await responder.on_query("stranger", header)
+    assert sum(len(v) for v in book.pending.values()) <= MAX_PENDING
+    book.register(_plan(peers(3), round_no=10))
+    assert all(8 <= r <= 12 for r, _, _ in book.pending)  # pruned around the own round
+    far = Header(10**9, "anchor", b"x" * 16, 0, 1)
+    await responder.on_query("stranger", far)
+    assert all(r != 10**9 for r, _, _ in book.pending)
+
+
+async def test_a_push_is_refused_on_its_header_before_its_payload_is_read() -> None:
+    """Transports ask admit_push on the first chunk: a non-member, a wrong span or a frame
+    announced larger than its span can hold is refused without being buffered."""
+    members = peers(3)
+    book = RoundBook("peer0")
+    plan = _plan(members)
+    book.register(plan)
+    responder = Responder(book)
+    header = Header(0, "delta", plan.group_id, 0, 0, weight=1.0)
+    ok = encode_result(torch.zeros(plan.span_numel(0)), plain_format())
+    assert await responder.admit_push("peer1", header, len(ok)) is None
+    refusals = {
+        "not a member": await responder.admit_push("stranger", header, len(ok)),
+        "not my span": await responder.admit_push(
+            "peer1", Header(0, "delta", plan.group_id, 1, 0, weight=1.0), len(ok)
+        ),
+        "oversized": await responder.admit_push("peer2", header, 1 << 30),
+    }
+    for reason, reply in refusals.items():
+        assert reply is not None and reply.code is Code.REJECTED and reply.reason == reason
+
+
+class Forging(Responder):
+    """A span owner that serves a forged result (its own reduction, sign-flipped and
+    tripled), naming the members it aggregated or not."""
+
+    def __init__(self, book: RoundBook, keep_mask: bool) -> None:
+        super().__init__(book)
+        self.keep_mask = keep_mask
+
+    async def on_fetch(self, sender, header):  # noqa: ANN001, ANN201
+        reply = await super().on_fetch(sender, header)
+        if reply.code is not Code.FINAL:
+            return reply
+        state = self.book.states[(header.round, header.phase)]
+        value = decode_span(reply.payload, state.plan.span_numel(header.span))
+        forged = encode_result(-3 * value, plain_format())
+        return Reply(
+            Code.FINAL, forged, reply.attempt, members=reply.members if self.keep_mask else b""
+        )
+
+
+@pytest.mark.parametrize("keep_mask", [True, False], ids=["names-parts", "names-none"])
+@pytest.mark.parametrize("n", [2, 4])
+async def test_a_forged_final_is_not_adopted(n: int, keep_mask: bool) -> None:
+    """main adopted a span owner's FINAL unchecked. Here every honest member finds that the
+    forger's value does not match the span's witness and keeps its own values for that
+    span instead; every other span is the honest mean."""
+    network = LocalNetwork()
+    for p in peers(n):
+        network.join(p)
+    forger = "peer1"
+    network.responders[forger] = Forging(network.responders[forger].book, keep_mask)
+    values = random_values(n, NUMEL, seed=5)
+    outs = await run_group(values, network=network, verify=True)
+    mean = sum(values.values()) / n
+    lo, hi = span_bounds(NUMEL, n, 64)[peers(n).index(forger)]
+    for p in (p for p in peers(n) if p != forger):
+        out = outs[p]
+        torch.testing.assert_close(out.value[:lo], mean[:lo], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.value[hi:], mean[hi:], atol=1e-5, rtol=0)
+        assert torch.equal(out.value[lo:hi], values[p][lo:hi])  # its own: nothing forged
+        assert forger in out.stats.mismatched and out.stats.rejected["result mismatch"] == 1
+        assert not out.consistent and out.stats.fallback_spans == 1
+
+
+async def test_verified_results_cost_no_mismatch_among_honest_members() -> None:
+    values = random_values(5, NUMEL, seed=6)
+    outs = await run_group(values, verify=True)
+    assert all_equal(outs)
+    for out in outs.values():
+        assert out.consistent and not out.stats.mismatched and out.stats.unchecked_spans == 0
+        assert out.stats.repaired_spans == 0
+    torch.testing.assert_close(outs["peer0"].value, sum(values.values()) / 5, atol=1e-5, rtol=0)
+
+
+def test_sketches_tell_a_forgery_from_quantization_noise() -> None:
+    g = torch.Generator().manual_seed(0)
+    value = torch.randn(100_000, generator=g)
+    noise = value + 0.002 * torch.randn(100_000, generator=g) * value.abs().max()
+    forged = value + 0.2 * value.norm() * torch.nn.functional.normalize(
+        torch.randn(100_000, generator=g), dim=0
+    )
+    for i in range(20):
+        nonce = i.to_bytes(16, "big")
+        assert sketches_match(sketch(value, nonce), sketch(noise, nonce), 0.05)
+        assert not sketches_match(sketch(value, nonce), sketch(forged, nonce), 0.05)

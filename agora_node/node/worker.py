@@ -107,6 +107,10 @@ class StageWorker:
     ) -> None:
         self.manifest, self.index = manifest, index
         self.stage = Stage(manifest, index)
+        self.masters = [p for p in self.stage.parameters() if p.requires_grad]
+        """The trainable parameters the optimizer steps, taken before any forward: while a
+        forward runs, functional_call swaps version copies into the module, so reading
+        `stage.parameters()` from another thread then would return those copies."""
         self.optimizer = InnerOptimizer(self.stage, manifest.inner)
         self.micro_per_step = manifest.inner.local_batch // manifest.inner.micro_batch
         self.max_graphs, self.pending_ttl_s = max_graphs, pending_ttl_s
@@ -339,14 +343,14 @@ class StageWorker:
 
     def trainable_numel(self) -> int:
         """Values in the outer anchor of this stage (its trainable parameters, flat)."""
-        return sum(p.numel() for p in self.stage.parameters() if p.requires_grad)
+        return sum(p.numel() for p in self.masters)
 
     @torch.no_grad()
     def adopt_anchor(self, flat: Tensor) -> None:
         """Weights := an attested outer anchor (flat float32, checked by the caller), with a
         fresh inner optimizer: a stranger's moments cannot be attested (docs/security.md)."""
         self._check_thread()
-        params = [p for p in self.stage.parameters() if p.requires_grad]
+        params = self.masters
         if flat.numel() != sum(p.numel() for p in params):
             raise ValueError(
                 f"anchor has {flat.numel()} values, this stage {self.trainable_numel()}"
@@ -379,7 +383,7 @@ class WorkerWeights:
 
     def __init__(self, worker: StageWorker) -> None:
         self.worker, self.replaced = worker, False
-        self._params = [p for p in worker.stage.parameters() if p.requires_grad]
+        self._params = worker.masters  # never stage.parameters() here: see StageWorker.masters
 
     async def read(self) -> Tensor:
         return await self.worker.call(self._flat)

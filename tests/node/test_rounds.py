@@ -115,3 +115,33 @@ async def test_a_replica_behind_joins_the_round_another_opened():
         for worker, outer in replicas:
             await outer.close()
             worker.close()
+
+
+async def test_outer_writes_while_forwards_run_never_touch_their_weight_copies():
+    """Forwards go on while the worker is frozen; the outer step's weights must land in the
+    master parameters, never in the version copies a forward swapped into the module
+    (found in a demo: backward failed with 'modified by an inplace operation')."""
+    m = load_manifest("tiny")
+    worker = StageWorker(m, 0)
+    tokens = torch.randint(0, m.model.vocab_size, (2, m.model.seq_len + 1))
+    stop = asyncio.Event()
+
+    async def forwards() -> int:
+        n = 0
+        while not stop.is_set():
+            await worker.call(worker.forward, f"mb{n}", None, tokens)
+            n += 1
+        return n
+
+    try:
+        task = asyncio.create_task(forwards())
+        for _ in range(20):  # each entry builds WorkerWeights while a forward may be running
+            async with worker.frozen() as weights:
+                await weights.write(await weights.read() * 0.999)
+        stop.set()
+        n = await task
+        grad = torch.ones(2, m.model.seq_len, m.model.subspace_rank)
+        for i in range(n):  # every kept graph still backpropagates through its own copy
+            await worker.call(worker.backward, f"mb{i}", grad)
+    finally:
+        worker.close()

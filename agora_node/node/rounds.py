@@ -151,10 +151,9 @@ class OuterRounds:
             return self._blob
 
     async def run(self, stop: asyncio.Event) -> None:
+        start_step, start_tokens = self.worker.optimizer.steps, self.worker.stats.trained_tokens
         while not stop.is_set():
             self._catch_up()
-            start_step = self.worker.optimizer.steps
-            start_tokens = self.worker.stats.trained_tokens
             await self.attest()  # what the record announces (cached unless the state changed)
             while not stop.is_set():
                 done = self.worker.optimizer.steps - start_step
@@ -165,12 +164,15 @@ class OuterRounds:
                     await asyncio.wait_for(stop.wait(), self.poll_s)
             if stop.is_set():
                 return
+            if self._catch_up():  # the stage moved on while we trained: join its round
+                continue  # instead of a round its replicas have left (our steps count there)
             await self.outer.begin_round(expect=self._expect())
             async with self._lock, self.worker.frozen() as weights:
                 tokens = self.worker.stats.trained_tokens - start_tokens
                 await self.outer.end_round(tokens=tokens, weights=weights)
                 self._epoch += 1
                 self._blob = None
+            start_step, start_tokens = self.worker.optimizer.steps, self.worker.stats.trained_tokens
             await self._note_digest()
 
     def _expect(self) -> int | set[str]:
@@ -180,11 +182,14 @@ class OuterRounds:
                 return ids
         return self.replica_count()
 
-    def _catch_up(self) -> None:
+    def _catch_up(self) -> bool:
+        """Jump to the round the stage's replicas are in; whether the round changed."""
         target = target_round(self.round, self.replica_rounds())
-        if target > self.round:
-            log.info("outer round %d -> %d to meet this stage's replicas", self.round, target)
-            self.outer.state.round = target
+        if target <= self.round:
+            return False
+        log.info("outer round %d -> %d to meet this stage's replicas", self.round, target)
+        self.outer.state.round = target
+        return True
 
     async def _note_digest(self) -> None:
         attested = await self.attest()  # the same digest the record announces

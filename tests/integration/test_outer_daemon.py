@@ -28,7 +28,9 @@ def test_replicas_of_a_stage_agree_after_outer_rounds(swarm, tmp_path):
         # had already opened and mix its first round alone (known since attested state
         # transfer: docs/outer.md "Left open"); from the next round on they must agree.
         poll(
-            lambda: len(set(outer(a)["anchor_digests"]) & set(outer(b)["anchor_digests"])) >= 2,
+            lambda a=a, b=b: (
+                len(set(outer(a)["anchor_digests"]) & set(outer(b)["anchor_digests"])) >= 2
+            ),
             120,
             "two rounds both replicas completed",
         )

@@ -80,8 +80,9 @@ class OuterConfig:
     anchor_codec: str | None = None
     """Anchors on the wire; default fp32 with fp32 deltas, else bf16 (weights quantize badly)."""
     mix_momentum: bool = False
-    """Also average the outer momentum in the anchor mix. It halves replica disagreement in
-    tests but did not lower validation loss in bench/diloco.py (docs/outer.md), so it is off."""
+    """Also average the outer momentum in the anchor mix. It did not lower validation loss in
+    bench/diloco.py (docs/outer.md), so it is off here; the daemon turns it on
+    (from_manifest) because replicas whose momenta drifted apart never agree again without it."""
     block: int = 256
     rotation_seed: int | None = 0
     aggregation: AggregationSpec = field(default_factory=AggregationSpec)
@@ -109,6 +110,10 @@ class OuterConfig:
             "group_size": o.group_size,
             "codec": o.codec,
             "verify_results": True,
+            # Replicas whose momenta drifted apart (one mixed a round alone, e.g. at
+            # start-up) otherwise never hold equal anchors again; mixing the momentum
+            # with the anchor, which only happens when their digests differ, repairs it.
+            "mix_momentum": True,
         }
         fields.update(overrides)
         aggregation = fields.get("aggregation", AggregationSpec(method=o.aggregation))

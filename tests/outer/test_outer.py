@@ -183,3 +183,17 @@ def test_reset_to_weights_adopts_loaded_weights_as_the_anchor() -> None:
     loop.reset_to_weights()
     assert torch.equal(loop.state.pseudo_gradient(), torch.zeros(loop.state.numel))
     assert not loop.state.momentum.any()
+
+
+@pytest.mark.parametrize("mix_momentum", [False, True])
+def test_replicas_whose_momenta_drifted_apart_agree_again_only_when_momentum_is_mixed(
+    mix_momentum,
+):
+    """A replica that mixed a round alone (start-up) carries another momentum; from then
+    on its anchor differs after every round unless the anchor mix also mixes momenta
+    (what the daemon's OuterConfig.from_manifest turns on)."""
+    loops = swarm(2, config(mix_momentum=mix_momentum))
+    loops[1].state.momentum += 0.01  # the drift one lonely round leaves
+    asyncio.run(play_round(loops, 0, [500, 500]))
+    agree = torch.equal(loops[0].state.anchor, loops[1].state.anchor)
+    assert agree is mix_momentum

@@ -246,22 +246,7 @@ def verify_record(
     number's range (`limits`, default: bounds that hold for any run) and freshness
     against `now` (default: this host's clock).
     """
-    if (
-        not isinstance(value, dict)
-        or not isinstance(value.get("r"), bytes)
-        or not isinstance(value.get("s"), bytes)
-    ):
-        raise RecordError("not", "not a signed record")
-    data = value["r"]
-    if len(data) > MAX_RECORD_BYTES:
-        raise RecordError("oversized", "oversized record")
-    try:
-        # NaN / Infinity / -Infinity are not JSON; Python would parse them.
-        body = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        if isinstance(exc, RecordError):
-            raise
-        raise RecordError("record", "record is not JSON") from None
+    data, body = _signed_body(value, "record")
     if not isinstance(body, dict):
         raise RecordError("record", "record is not an object")
     record = _from_body(body)
@@ -275,6 +260,28 @@ def verify_record(
     if not verify(record.peer_id, data, value["s"]):
         raise RecordError("signature", "signature does not verify")
     return record
+
+
+def _signed_body(value: Any, what: str) -> tuple[bytes, Any]:
+    """The signed bytes of a `{"r": bytes, "s": bytes}` DHT value and their JSON body, with
+    size and number checks before anything else (the signature is checked by the caller)."""
+    if (
+        not isinstance(value, dict)
+        or not isinstance(value.get("r"), bytes)
+        or not isinstance(value.get("s"), bytes)
+    ):
+        raise RecordError("not", f"not a signed {what}")
+    data = value["r"]
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordError("oversized", f"oversized {what}")
+    try:
+        # NaN / Infinity / -Infinity are not JSON; Python would parse them.
+        body = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        if isinstance(exc, RecordError):
+            raise
+        raise RecordError("record", f"{what} is not JSON") from None
+    return data, body
 
 
 # ---- the run pointer -----------------------------------------------------------------
@@ -312,21 +319,7 @@ class RunPointer:
 
 def verify_run_pointer(value: Any, *, subkey: str, now: float | None = None) -> RunPointer:
     """Parse and check one run pointer entry; raises RecordError if it must be ignored."""
-    if (
-        not isinstance(value, dict)
-        or not isinstance(value.get("r"), bytes)
-        or not isinstance(value.get("s"), bytes)
-    ):
-        raise RecordError("not", "not a signed run pointer")
-    data = value["r"]
-    if len(data) > MAX_RECORD_BYTES:
-        raise RecordError("oversized", "oversized run pointer")
-    try:
-        body = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        if isinstance(exc, RecordError):
-            raise
-        raise RecordError("record", "run pointer is not JSON") from None
+    data, body = _signed_body(value, "run pointer")
     types = {
         "run_id": str,
         "name": str,

@@ -88,6 +88,33 @@ async def test_forged_entries_are_ignored_and_counted() -> None:
     assert maker.ignored >= 1
 
 
+class FlakyBoard(MemoryBoard):
+    """Refuses the first `failures` stores, as a loaded DHT sometimes does."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def publish(self, key: str, subkey: str, value: object, expiration: float) -> bool:
+        if self.failures > 0:
+            self.failures -= 1
+            return False
+        return await super().publish(key, subkey, value, expiration)
+
+
+async def test_a_refused_store_is_retried_within_the_window_not_mixed_alone() -> None:
+    board = FlakyBoard(failures=2)
+    ids = [Identity.generate() for _ in range(2)]
+    makers = [Matchmaker(board, i, run_id="r", stage=0, config=QUICK) for i in ids]
+    views = await asyncio.gather(*(m.gather(0, expect=2) for m in makers))
+    assert all(sorted(v.peers) == sorted(i.peer_id for i in ids) for v in views)
+    dead = FlakyBoard(failures=10**6)  # a DHT that never stores: alone, after the window
+    alone = Matchmaker(dead, ids[0], run_id="r", stage=0, config=QUICK)
+    started = time.monotonic()
+    view = await alone.gather(0, expect=2)
+    assert view.peers == [ids[0].peer_id] and time.monotonic() - started < 5 * QUICK.window
+
+
 def test_unknown_fields_from_newer_peers_are_tolerated_and_bad_types_are_not() -> None:
     me = Identity.generate()
     body = {"peer_id": me.peer_id, "run_id": "r", "stage": 0, "round": 1, "joined_at": 1.0}

@@ -268,9 +268,7 @@ class Matchmaker:
         )
         key = outer_round_key(self.run_id, self.stage, round_no)
         cfg = self.config
-        if not await self.board.publish(
-            key, me.peer_id, me.sign(self.identity), time.time() + cfg.ttl
-        ):
+        if not await self._publish(key, me):
             log.warning("could not publish round %d entry: mixing alone", round_no)
             return RoundView(self.run_id, self.stage, round_no, me.peer_id, (me,))
         while True:
@@ -287,6 +285,18 @@ class Matchmaker:
             )
             if closed is not None:
                 return RoundView(self.run_id, self.stage, round_no, me.peer_id, tuple(closed))
+            await asyncio.sleep(cfg.poll_interval)
+
+    async def _publish(self, key: str, me: RoundEntry) -> bool:
+        """Store my entry; a store the DHT refused or lost under load is retried until the
+        round's window has passed (one transient failure must not cost the round)."""
+        cfg, signed = self.config, me.sign(self.identity)
+        deadline = me.joined_at + cfg.window
+        while True:
+            if await self.board.publish(key, me.peer_id, signed, time.time() + cfg.ttl):
+                return True
+            if time.time() + cfg.poll_interval >= deadline:
+                return False
             await asyncio.sleep(cfg.poll_interval)
 
     async def opened_by_others(self, round_no: int, expect: Expect = None) -> bool:

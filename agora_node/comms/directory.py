@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from agora_node.comms.host import Host
 from agora_node.protocol.identity import Identity
@@ -53,8 +54,11 @@ class Directory:
         *,
         limits: RecordLimits | None = None,
         max_per_stage: int = MAX_RECORDS_PER_STAGE,
+        admit: Callable[[str], bool] | None = None,
     ) -> None:
         self.host, self.identity, self.run_id = host, identity, run_id
+        self.admit = admit
+        """A private swarm's allow list: records of other signers are never read (admit counts them)."""
         self.num_stages = num_stages
         self.limits = limits or RecordLimits(num_stages=num_stages)
         self.max_per_stage = max_per_stage
@@ -95,6 +99,8 @@ class Directory:
         verified, counted when refused, at most `max_per_stage` of them."""
         records = []
         for subkey, value in raw.items():
+            if self.admit is not None and not self.admit(str(subkey)):
+                continue  # verify_record binds the signer to the subkey: unlisted signer
             try:
                 record = verify_record(
                     value, run_id=self.run_id, peer_id=str(subkey), limits=self.limits, now=now
@@ -163,20 +169,28 @@ class RunChoiceError(RunDiscoveryError):
     """Several valid runs are served and nothing says which one: waiting will not help."""
 
 
-async def list_runs(host: Host, rejected: Counter[str] | None = None) -> list[RunPointer]:
+async def list_runs(
+    host: Host,
+    rejected: Counter[str] | None = None,
+    admit: Callable[[str], bool] | None = None,
+) -> list[RunPointer]:
     """The runs the swarm's run pointer announces: signed, fresh entries only, one per run
-    (forged ones are counted in `rejected` by reason and ignored)."""
+    (forged ones are counted in `rejected` by reason and ignored; with `admit`, only
+    pointers a listed peer signed)."""
     raw = await host.get(run_pointer_key())
     if not isinstance(raw, dict):
         return []
     now, runs = time.time(), []
     for subkey, value in raw.items():
         try:
-            runs.append(verify_run_pointer(value, subkey=str(subkey), now=now))
+            pointer = verify_run_pointer(value, subkey=str(subkey), now=now)
         except RecordError as exc:
             if rejected is not None:
                 rejected[f"run_pointer_{exc.reason}"] += 1
             log.debug("ignoring run pointer under %s: %s", str(subkey)[:16], exc)
+            continue
+        if admit is None or admit(pointer.publisher):
+            runs.append(pointer)
     return sorted(runs, key=lambda r: r.run_id)[:MAX_RUNS]
 
 

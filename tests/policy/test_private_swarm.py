@@ -58,9 +58,7 @@ async def test_round_entries_of_unlisted_keys_do_not_count_and_cannot_crowd_out(
     for ident in [*strangers, other]:  # strangers first: they would fill max_entries
         entry = RoundEntry(peer_id=ident.peer_id, run_id="r", stage=0, round=1, joined_at=now)
         await board.publish(key, ident.peer_id, entry.sign(ident), now + 60)
-    maker = Matchmaker(
-        board, me, run_id="r", stage=0, config=cfg, admit=allow.admit("round_entry")
-    )
+    maker = Matchmaker(board, me, run_id="r", stage=0, config=cfg, admit=allow.admit("round_entry"))
     assert await maker.opened_by_others(1)  # the listed peer's entry, read past the strangers
     view = await maker.gather(1, expect=[me.peer_id, other.peer_id])
     assert set(view.peers) == {me.peer_id, other.peer_id}

@@ -70,14 +70,13 @@ def test_listed_nodes_train_and_an_unlisted_node_is_turned_away(swarm, tmp_path)
     ]
     for node in listed:
         swarm.serving(node)
+    unlisted = swarm.join("u", "--stage", "1", "--identity-path", ids["u"][1])
     head = poll(
         lambda: (s := swarm.status(listed[0])) and s["microbatches"].get("ok", 0) > 0 and s,
         120,
         "the listed nodes training together",
     )
-    run_id = head["run_id"]
-
-    unlisted = swarm.join("u", "--stage", "1", "--identity-path", ids["u"][1])
+    _plant_round_entries(swarm, head["run_id"], ids["stranger"][0])
     assert unlisted.proc.wait(timeout=90) == 1
     me = ids["u"][0].peer_id
     lines = [line for line in swarm.log(unlisted).splitlines() if "admits only listed" in line]
@@ -89,7 +88,6 @@ def test_listed_nodes_train_and_an_unlisted_node_is_turned_away(swarm, tmp_path)
         for owner in owners
     ), lines
 
-    _plant_round_entries(swarm, run_id, ids["stranger"][0])
     poll(lambda: _refused(swarm, listed[0], "round_entry") > 0, 60, "round entries refused")
     for node in listed:
         assert _refused(swarm, node, "record") > 0  # the unlisted node's joining record

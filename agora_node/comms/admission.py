@@ -10,7 +10,8 @@ A joiner asks the peers it sees in the directory whether they admit it
 one line instead of waiting at step 0 for a pipeline that never answers. One
 refusal alone is not believed: in an open swarm a stranger could answer "refused"
 to every joiner. `Admission` decides: the node is refused once the peers that
-refused it outnumber those that admitted it.
+refused it outnumber those that admitted it. An admitted node asks again every
+minute, so one removed from the lists while running stops too.
 """
 
 from __future__ import annotations
@@ -80,36 +81,56 @@ async def ask(
     return (Verdict.ADMITTED if answer == ADMITTED else Verdict.UNKNOWN), ""
 
 
+RECHECK_S = 60.0
+"""An admitted node asks again this often: one removed from the lists learns it too."""
+
+
 @dataclass
 class Admission:
-    """What the peers asked so far said (pure bookkeeping; the node does the asking)."""
+    """What the peers asked said (pure bookkeeping; the node does the asking)."""
 
+    recheck_s: float = RECHECK_S
     verdicts: dict[str, Verdict] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)
+    asked_at: dict[str, float] = field(default_factory=dict)
 
-    def to_ask(self, peers: list[str], limit: int = 8) -> list[str]:
-        """Peers not asked yet, or that did not answer (at most `limit`)."""
-        fresh = [p for p in peers if self.verdicts.get(p, Verdict.UNKNOWN) == Verdict.UNKNOWN]
-        return sorted(set(fresh))[:limit]
+    def to_ask(self, peers: list[str], now: float, limit: int = 8) -> list[str]:
+        """Of `peers` (the directory's now), those never asked, without an answer, or
+        asked `recheck_s` ago (at most `limit`). Peers no longer seen are forgotten."""
+        seen = set(peers)
+        for gone in set(self.verdicts) - seen:
+            self.verdicts.pop(gone)
+            self.reasons.pop(gone, None)
+            self.asked_at.pop(gone, None)
+        due = [
+            p
+            for p in sorted(seen)
+            if self.verdicts.get(p, Verdict.UNKNOWN) == Verdict.UNKNOWN
+            or now - self.asked_at.get(p, now) >= self.recheck_s
+        ]
+        return due[:limit]
 
-    def note(self, peer: str, verdict: Verdict, reason: str = "") -> None:
-        self.verdicts[peer] = verdict
-        if reason:
+    def note(self, peer: str, verdict: Verdict, reason: str, now: float) -> None:
+        self.verdicts[peer], self.asked_at[peer] = verdict, now
+        if verdict == Verdict.REFUSED:
             self.reasons[peer] = reason
+        else:
+            self.reasons.pop(peer, None)
 
     def refusal(self) -> str | None:
         """The line to stop with once refusals outnumber admissions, else None."""
-        counts = {v: 0 for v in Verdict}
-        for verdict in self.verdicts.values():
-            counts[verdict] += 1
-        if counts[Verdict.REFUSED] == 0 or counts[Verdict.REFUSED] <= counts[Verdict.ADMITTED]:
+        refused = sum(v == Verdict.REFUSED for v in self.verdicts.values())
+        admitted = sum(v == Verdict.ADMITTED for v in self.verdicts.values())
+        if refused == 0 or refused <= admitted:
             return None
-        return next(iter(self.reasons.values()))
+        return self.reasons[min(self.reasons)]
 
 
-async def ask_all(p2p: P2P, run_id: str, peers: list[str], admission: Admission) -> str | None:
+async def ask_all(
+    p2p: P2P, run_id: str, peers: list[str], admission: Admission, now: float
+) -> str | None:
     """Ask `peers` at once, note the answers; the refusal to stop with, if any."""
     verdicts = await asyncio.gather(*(ask(p2p, run_id, peer) for peer in peers))
     for peer, (verdict, reason) in zip(peers, verdicts, strict=True):
-        admission.note(peer, verdict, reason)
+        admission.note(peer, verdict, reason, now)
     return admission.refusal()

@@ -169,28 +169,20 @@ class RunChoiceError(RunDiscoveryError):
     """Several valid runs are served and nothing says which one: waiting will not help."""
 
 
-async def list_runs(
-    host: Host,
-    rejected: Counter[str] | None = None,
-    admit: Callable[[str], bool] | None = None,
-) -> list[RunPointer]:
+async def list_runs(host: Host, rejected: Counter[str] | None = None) -> list[RunPointer]:
     """The runs the swarm's run pointer announces: signed, fresh entries only, one per run
-    (forged ones are counted in `rejected` by reason and ignored; with `admit`, only
-    pointers a listed peer signed)."""
+    (forged ones are counted in `rejected` by reason and ignored)."""
     raw = await host.get(run_pointer_key())
     if not isinstance(raw, dict):
         return []
     now, runs = time.time(), []
     for subkey, value in raw.items():
         try:
-            pointer = verify_run_pointer(value, subkey=str(subkey), now=now)
+            runs.append(verify_run_pointer(value, subkey=str(subkey), now=now))
         except RecordError as exc:
             if rejected is not None:
                 rejected[f"run_pointer_{exc.reason}"] += 1
             log.debug("ignoring run pointer under %s: %s", str(subkey)[:16], exc)
-            continue
-        if admit is None or admit(pointer.publisher):
-            runs.append(pointer)
     return sorted(runs, key=lambda r: r.run_id)[:MAX_RUNS]
 
 

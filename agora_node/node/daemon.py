@@ -225,7 +225,7 @@ class Node:
         while not self.stop_event.is_set():
             await self._publish()
             await publish_manifest(self.host, self.manifest, self.identity)
-            runs = await list_runs(self.host, self.directory.rejected, self._admit("run_pointer"))
+            runs = await list_runs(self.host, self.directory.rejected)
             self.runs_seen = [{"run_id": r.run_id, "name": r.name} for r in runs]
             self.view = await self.directory.fetch()
             if self.service is not None:
@@ -253,12 +253,15 @@ class Node:
         return self.allow.admit(what) if self.allow is not None else None
 
     async def _ask_admission(self) -> str | None:
-        """Ask the peers of the directory not asked yet whether they admit this node;
-        the refusal to stop with once most of those that answered refused."""
-        peers = self.admission.to_ask(self._others())
+        """Ask the directory's peers not asked yet (or not lately) whether they admit this
+        node; the refusal to stop with once most of those that answered refused."""
+        now = time.monotonic()
+        peers = self.admission.to_ask(self._others(), now)
         if not peers:
             return None
-        return await admission.ask_all(self.host.p2p, self.manifest.run_id, peers, self.admission)
+        return await admission.ask_all(
+            self.host.p2p, self.manifest.run_id, peers, self.admission, now
+        )
 
     async def _admission_loop(self) -> None:
         """Peers that appear later are asked too; the allow list is re-read when it changes."""

@@ -89,7 +89,7 @@ class Metrics:
         self.unlisted_refused = Counter(
             "agora_unlisted_refused",
             "Inputs refused because their peer is not on this node's --allow-keys list, by kind "
-            "(record, round_entry, stream, rpc, membership, admission, run_pointer).",
+            "(record, round_entry, stream, rpc, membership, admission).",
             ["what"],
             registry=r,
         )

@@ -83,15 +83,27 @@ def test_the_refusal_names_both_peers():
 
 
 def test_one_refusal_among_more_admissions_is_not_believed():
-    adm = Admission()
-    adm.note("p1", Verdict.REFUSED, "no")
-    adm.note("p2", Verdict.ADMITTED)
-    adm.note("p3", Verdict.UNKNOWN)
+    adm = Admission(recheck_s=60)
+    adm.note("p1", Verdict.REFUSED, "no from p1", now=0)
+    adm.note("p2", Verdict.ADMITTED, "", now=0)
+    adm.note("p3", Verdict.UNKNOWN, "", now=0)
     assert adm.refusal() is None  # a stranger in an open swarm cannot turn joiners away
-    assert adm.to_ask(["p1", "p2", "p3", "p4"]) == ["p3", "p4"]
-    adm.note("p4", Verdict.REFUSED, "no")
-    adm.note("p5", Verdict.REFUSED, "no")
-    assert adm.refusal() == "no"
+    assert adm.to_ask(["p1", "p2", "p3", "p4"], now=1) == ["p3", "p4"]
+    adm.note("p4", Verdict.REFUSED, "no from p4", now=1)
+    adm.note("p5", Verdict.REFUSED, "no from p5", now=1)
+    assert adm.refusal() == "no from p1"
+
+
+def test_admitted_peers_are_asked_again_and_gone_peers_forgotten():
+    adm = Admission(recheck_s=60)
+    adm.note("p1", Verdict.ADMITTED, "", now=0)
+    adm.note("p2", Verdict.ADMITTED, "", now=30)
+    assert adm.to_ask(["p1", "p2"], now=59) == []
+    assert adm.to_ask(["p1", "p2"], now=60) == ["p1"]  # removed from a list since? ask
+    adm.note("p1", Verdict.REFUSED, "removed", now=60)
+    assert adm.refusal() is None  # one refusal, one admission
+    adm.to_ask(["p1"], now=61)  # p2 left the directory: its old "admitted" no longer counts
+    assert adm.refusal() == "removed"
 
 
 def _write_list(*peer_ids: str) -> AllowList:

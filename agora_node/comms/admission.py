@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -104,11 +105,12 @@ class Admission:
             self.asked_at.pop(gone, None)
         due = [
             p
-            for p in sorted(seen)
+            for p in seen
             if self.verdicts.get(p, Verdict.UNKNOWN) == Verdict.UNKNOWN
             or now - self.asked_at.get(p, now) >= self.recheck_s
         ]
-        return due[:limit]
+        # never asked first, then the longest ago: peers that never answer cannot starve others
+        return sorted(due, key=lambda p: (self.asked_at.get(p, -math.inf), p))[:limit]
 
     def note(self, peer: str, verdict: Verdict, reason: str, now: float) -> None:
         self.verdicts[peer], self.asked_at[peer] = verdict, now

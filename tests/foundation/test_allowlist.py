@@ -88,7 +88,7 @@ def test_one_refusal_among_more_admissions_is_not_believed():
     adm.note("p2", Verdict.ADMITTED, "", now=0)
     adm.note("p3", Verdict.UNKNOWN, "", now=0)
     assert adm.refusal() is None  # a stranger in an open swarm cannot turn joiners away
-    assert adm.to_ask(["p1", "p2", "p3", "p4"], now=1) == ["p3", "p4"]
+    assert adm.to_ask(["p1", "p2", "p3", "p4"], now=1) == ["p4", "p3"]  # never asked first
     adm.note("p4", Verdict.REFUSED, "no from p4", now=1)
     adm.note("p5", Verdict.REFUSED, "no from p5", now=1)
     assert adm.refusal() == "no from p1"

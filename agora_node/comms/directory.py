@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from agora_node.comms.host import Host
 from agora_node.protocol.identity import Identity
@@ -53,8 +54,11 @@ class Directory:
         *,
         limits: RecordLimits | None = None,
         max_per_stage: int = MAX_RECORDS_PER_STAGE,
+        admit: Callable[[str], bool] | None = None,
     ) -> None:
         self.host, self.identity, self.run_id = host, identity, run_id
+        self.admit = admit
+        """A private swarm's allow list: records of other signers are never read (admit counts them)."""
         self.num_stages = num_stages
         self.limits = limits or RecordLimits(num_stages=num_stages)
         self.max_per_stage = max_per_stage
@@ -95,6 +99,8 @@ class Directory:
         verified, counted when refused, at most `max_per_stage` of them."""
         records = []
         for subkey, value in raw.items():
+            if self.admit is not None and not self.admit(str(subkey)):
+                continue  # verify_record binds the signer to the subkey: unlisted signer
             try:
                 record = verify_record(
                     value, run_id=self.run_id, peer_id=str(subkey), limits=self.limits, now=now

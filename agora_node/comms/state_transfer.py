@@ -48,6 +48,7 @@ async def serve_state(
     *,
     max_sends: int = MAX_SENDS,
     deadline_s: float = SEND_DEADLINE_S,
+    refuse: Callable[[str], str | None] | None = None,
 ) -> None:
     active: dict[str, int] = {}
 
@@ -75,7 +76,12 @@ async def serve_state(
             del active[remote]
 
     await streams.serve(
-        p2p, state_protocol(run_id), handler, max_request=4096, deadline_s=deadline_s
+        p2p,
+        state_protocol(run_id),
+        handler,
+        max_request=4096,
+        deadline_s=deadline_s,
+        refuse=refuse,
     )
 
 

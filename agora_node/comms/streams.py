@@ -21,6 +21,9 @@ from agora_node.comms import linkemu
 log = logging.getLogger(__name__)
 
 KIND_DATA, KIND_END, KIND_ERROR = b"D", b"E", b"X"
+KIND_REFUSED = b"R"
+"""Sent instead of reading the request: this peer does not take requests from the remote
+(a private swarm's allow list); the payload says so in one line."""
 _LEN_BYTES = 8
 DEFAULT_MAX_FRAME = 64 << 20
 CHUNK = 1 << 20
@@ -28,6 +31,10 @@ CHUNK = 1 << 20
 
 class StreamError(ConnectionError):
     """The remote side failed, answered with an error, or broke the framing."""
+
+
+class RefusedError(StreamError):
+    """The remote peer refused to serve us at all (we are not on its allow list)."""
 
 
 class SilentPeerError(StreamError):
@@ -51,7 +58,7 @@ async def read_frame(
     except asyncio.IncompleteReadError as exc:
         raise StreamError("stream closed by the remote peer") from exc
     kind, length = head[:1], int.from_bytes(head[1:], "big")
-    if kind not in (KIND_DATA, KIND_END, KIND_ERROR):
+    if kind not in (KIND_DATA, KIND_END, KIND_ERROR, KIND_REFUSED):
         raise StreamError(f"bad frame kind {kind!r}")
     if length > max_bytes:
         raise StreamError(f"frame of {length} bytes exceeds the limit of {max_bytes}")
@@ -68,6 +75,15 @@ def _close(writer: asyncio.StreamWriter) -> None:
         log.debug("closing a broken stream", exc_info=True)
 
 
+async def _discard_until_closed(reader: asyncio.StreamReader, timeout: float = 5.0) -> None:
+    """Read and drop what the remote sends until it closes: closing at once, with its
+    request unread, lost the frame just written (observed with hivemind's p2pd)."""
+    with contextlib.suppress(TimeoutError, ConnectionError):
+        async with asyncio.timeout(timeout):
+            while await reader.read(CHUNK):
+                pass
+
+
 # A handler gets (remote peer id, request bytes) and yields response frames.
 Handler = Callable[[str, bytes], AsyncIterator[bytes]]
 
@@ -79,13 +95,20 @@ async def serve(
     *,
     max_request: int = DEFAULT_MAX_FRAME,
     deadline_s: float | None = None,
+    refuse: Callable[[str], str | None] | None = None,
 ) -> None:
     """Register `handler` under protocol `name` on this node's libp2p daemon; with
-    `deadline_s`, a stream (request, handler and every write) is cut after that long."""
+    `deadline_s`, a stream (request, handler and every write) is cut after that long.
+    `refuse(remote peer id)`: a one-line refusal, sent before the request is read, or None."""
 
     async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         remote = info.peer_id.to_base58()
         try:
+            refusal = refuse(remote) if refuse is not None else None
+            if refusal is not None:
+                await write_frame(writer, KIND_REFUSED, refusal.encode()[:1000])
+                await _discard_until_closed(reader)
+                return
             async with asyncio.timeout(deadline_s):
                 kind, request = await read_frame(reader, max_request)
                 async for chunk in handler(remote, request):
@@ -138,6 +161,8 @@ async def request_stream(
                 raise SilentPeerError(f"{peer_id[-8:]} sent nothing for {timeout:.0f}s") from exc
             if kind == KIND_END:
                 return
+            if kind == KIND_REFUSED:
+                raise RefusedError(data.decode(errors="replace"))
             if kind == KIND_ERROR:
                 raise StreamError(f"{peer_id[-8:]} failed: {data.decode(errors='replace')}")
             yield data

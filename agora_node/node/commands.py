@@ -105,6 +105,7 @@ async def _dry_run(config) -> int:  # noqa: ANN001
     from agora_node.stages import placement
 
     identity = Identity.load_or_create(config.identity_path)
+    print(f"peer id: {identity.peer_id}", flush=True)  # what --allow-keys files list
     host = await Host.start(
         HostConfig(identity_path=config.identity_path, initial_peers=config.initial_peers)
     )

@@ -19,6 +19,7 @@ from agora_node.node import datadir
 from agora_node.node.errors import UsageError
 from agora_node.node.options import flag_of, option
 from agora_node.node.telemetry import check_url
+from agora_node.protocol.allowlist import AllowListError, read_allow_keys
 from agora_node.protocol.codecs import CODEC_NAMES, UnknownCodecError, from_name
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.records import DEFAULT_RECORD_TTL_S, MAX_RECORD_TTL_S
@@ -132,6 +133,12 @@ class NodeConfig:
         help="publish status and events to this MQTT broker, e.g. mqtt://127.0.0.1:1883 "
         "(needs the mqtt extra)",
     )
+    allow_keys: str = option(
+        "",
+        help="private swarm: a file of the peer ids (or hex Ed25519 public keys) allowed in, "
+        "one per line, this node's own included; everything from other keys is refused "
+        "(re-read when the file changes, or on SIGUSR1)",
+    )
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
@@ -159,6 +166,12 @@ class NodeConfig:
                 raise UsageError(f"--emulate-link: {exc}") from None
         if self.mqtt_url:
             check_url(self.mqtt_url)
+        if self.allow_keys:
+            self.allow_keys = str(Path(self.allow_keys).expanduser())
+            try:
+                read_allow_keys(self.allow_keys)
+            except AllowListError as exc:
+                raise UsageError(f"--allow-keys {exc}") from None
         data_dir = _data_dir(self.data_dir, self.identity_path, "identity.key")
         self.data_dir = str(data_dir)
         self.identity_path = _path_or(self.identity_path, data_dir / "identity.key")

@@ -11,6 +11,9 @@ Lifecycle (DESIGN.md "Joining, stage choice, leaving"):
      closing the service and opening the next;
   5. on SIGTERM/SIGINT/SIGHUP or `agora-node leave`: announce leaving, drain the
      service, checkpoint, withdraw the record, exit 0.
+A private swarm (`--allow-keys`): everything from unlisted peers is refused and
+counted; a node that the swarm's peers refuse stops with their one-line refusal
+(comms/admission.py) and exit code 1. SIGUSR1 re-reads the allow list.
 Everything slow runs in the stage worker's thread or in the DHT process; the
 event loop only routes, so the status page always answers.
 """
@@ -25,11 +28,13 @@ import signal
 import time
 from collections.abc import Awaitable
 
+from agora_node.comms import admission
 from agora_node.comms.directory import Directory, Snapshot, list_runs, publish_manifest
 from agora_node.comms.host import Host, HostConfig
 from agora_node.comms.membership.messages import MemberMeta
 from agora_node.node import joining
 from agora_node.node.config import NodeConfig
+from agora_node.node.errors import JoinError
 from agora_node.node.liveness import Liveness
 from agora_node.node.loops import Loops
 from agora_node.node.metrics import Metrics
@@ -38,6 +43,7 @@ from agora_node.node.service import ServiceContext, StageService, serve_endpoint
 from agora_node.node.snapshot import build_snapshot, node_record, progress_line, record_history
 from agora_node.node.status_server import History, StatusServer
 from agora_node.node.telemetry import Telemetry
+from agora_node.protocol.allowlist import AllowList, AllowListError
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.records import NodeState, RecordLimits
@@ -65,6 +71,17 @@ class Node:
         self.config = config
         self.identity = Identity.load_or_create(config.identity_path)
         self.peer_id = self.identity.peer_id
+        self.allow = AllowList(config.allow_keys) if config.allow_keys else None
+        if self.allow is not None and self.peer_id not in self.allow:
+            raise JoinError(
+                f"--allow-keys {config.allow_keys} does not list this node's own peer id "
+                f"{self.peer_id}: add it (or use another identity) to join this private swarm"
+            )
+        self.unlisted_refused: dict[str, int] = {}
+        """Inputs refused because their peer is not on the allow list, by kind."""
+        self.admission = admission.Admission()
+        self.refused: str | None = None
+        """Set when the swarm's peers refuse this node: the one line it stops with."""
         self.state = NodeState.JOINING
         self.started_at = time.time()
         self.metrics, self.history = Metrics(), History()
@@ -107,7 +124,12 @@ class Node:
         self.manifest = m = await joining.discover_manifest(self.host, cfg.manifest, cfg.run)
         log.info("joined run %s (%s): %d stages", m.run_id, m.run.name, m.num_stages)
         self.directory = Directory(
-            self.host, self.identity, m.run_id, m.num_stages, limits=RecordLimits.for_manifest(m)
+            self.host,
+            self.identity,
+            m.run_id,
+            m.num_stages,
+            limits=RecordLimits.for_manifest(m),
+            admit=self._admit("record"),
         )
         if cfg.stage == "auto":
             choice = await joining.settle_stage(
@@ -122,17 +144,24 @@ class Node:
         else:
             stage, self.stage_choice_reason = joining.fixed_stage(m, cfg.stage), "fixed by --stage"
             await self._announce_joining(stage)
+        self.view = await self.directory.fetch()
+        refusal = await self._ask_admission()
+        if refusal is not None:  # an unlisted node: say so now, not after waiting for state
+            raise JoinError(refusal)
         await serve_endpoints(
             self.host,
             m,
             serving=lambda: self.service,
             offering_state=lambda: self.service if self.state == NodeState.ACTIVE else None,
             served=self.states_served,
+            allow=self.allow,
+            me=self.peer_id,
         )
         await self._open_service(stage)
         self._loops.spawn(self._refresh_loop())
         self._loops.spawn(self._status_loop())
         self._loops.spawn(self._checkpoint_loop())
+        self._loops.spawn(self._admission_loop())
         if cfg.stage == "auto" and cfg.rebalance_every_s > 0:
             self._loops.spawn(self._rebalance_loop())
         if cfg.control_socket:
@@ -142,7 +171,9 @@ class Node:
             await self._control.start()
         self.state = NodeState.ACTIVE
         meta = MemberMeta(stage=stage, state=self.state.value)
-        await self.liveness.start(self.host, self.identity, m.run_id, self._others(), meta)
+        await self.liveness.start(
+            self.host, self.identity, m.run_id, self._others(), meta, self._admit("membership")
+        )
         await self._publish()
         log.info("stage %d active after %.1fs", stage, time.time() - self.started_at)
         self.telemetry.start()
@@ -169,6 +200,7 @@ class Node:
             fetch_records=self.directory.fetch,
             stats=self.stats,
             history=self.history,
+            allow=self.allow,
         )
         self.service = await StageService.open(ctx, stage, self._loop_failed)
 
@@ -211,6 +243,51 @@ class Node:
             for _ in range(count):
                 self.metrics.count_rejected_record(reason)
         self.directory.rejected.clear()
+        if self.allow is not None:
+            for what, count in self.allow.take_refused().items():
+                self.unlisted_refused[what] = self.unlisted_refused.get(what, 0) + count
+                self.metrics.count_unlisted_refused(what, count)
+
+    # ---- private swarms -------------------------------------------------------------------
+    def _admit(self, what: str):  # noqa: ANN202 - None or a peer id predicate
+        return self.allow.admit(what) if self.allow is not None else None
+
+    async def _ask_admission(self) -> str | None:
+        """Ask the directory's peers not asked yet (or not lately) whether they admit this
+        node; the refusal to stop with once most of those that answered refused."""
+        now = time.monotonic()
+        peers = self.admission.to_ask(self._others(), now)
+        if not peers:
+            return None
+        return await admission.ask_all(
+            self.host.p2p, self.manifest.run_id, peers, self.admission, now
+        )
+
+    async def _admission_loop(self) -> None:
+        """Peers that appear later are asked too; the allow list is re-read when it changes."""
+        while not self.stop_event.is_set():
+            await self._wait_stop(self.config.refresh_s)
+            if self.allow is not None:
+                self.reload_allow_keys(only_if_changed=True)
+            refusal = await self._ask_admission()
+            if refusal is not None and not self.stop_event.is_set():
+                self.refused = refusal
+                self.stop_event.set()
+
+    def reload_allow_keys(self, *, only_if_changed: bool = False) -> None:
+        """Re-read --allow-keys (SIGUSR1, or its file changed); a bad file keeps the old list."""
+        if self.allow is None:
+            return
+        try:
+            reload = self.allow.reload_if_changed if only_if_changed else self.allow.reload
+            if not reload():
+                return
+        except AllowListError as exc:
+            log.error("--allow-keys not reloaded: %s", exc)
+            return
+        log.info("--allow-keys reloaded: %d keys", len(self.allow.keys))
+        if self.peer_id not in self.allow:
+            log.warning("--allow-keys no longer lists this node (%s)", self.peer_id)
 
     async def _wait_stop(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -350,6 +427,7 @@ async def run_node(config: NodeConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # all mean: leave cleanly
         loop.add_signal_handler(sig, node.stop_event.set)
+    loop.add_signal_handler(signal.SIGUSR1, node.reload_allow_keys)
     try:
         await node.start()
         print(f"agora-node: serving stage {node.service.index} as {node.peer_id}", flush=True)
@@ -357,6 +435,8 @@ async def run_node(config: NodeConfig) -> int:
             f"agora-node: status page http://{config.status_host}:{node._status.port}/", flush=True
         )
         await node.stop_event.wait()
+        if node.refused is not None:  # nothing to hand over: the swarm ignores this node
+            raise JoinError(node.refused)
         await node.leave()
         return 0
     finally:

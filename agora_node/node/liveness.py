@@ -7,6 +7,7 @@ instead of a record TTL.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from agora_node.comms.host import Host
@@ -22,10 +23,22 @@ class Liveness:
         self._introduced: set[str] = set()
 
     async def start(
-        self, host: Host, identity: Identity, run_id: str, seeds: list[str], meta: MemberMeta
+        self,
+        host: Host,
+        identity: Identity,
+        run_id: str,
+        seeds: list[str],
+        meta: MemberMeta,
+        admit: Callable[[str], bool] | None = None,
     ) -> None:
+        """`admit`: a private swarm's allow list (messages and members of others are dropped)."""
         self.service = MembershipService(
-            host.p2p, identity, seeds=seeds, meta=meta, namespace=swim_namespace(run_id)
+            host.p2p,
+            identity,
+            seeds=seeds,
+            meta=meta,
+            namespace=swim_namespace(run_id),
+            admit=admit,
         )
         await self.service.start()
 

@@ -86,6 +86,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.unlisted_refused = Counter(
+            "agora_unlisted_refused",
+            "Inputs refused because their peer is not on this node's --allow-keys list, by kind "
+            "(record, round_entry, stream, rpc, membership, admission).",
+            ["what"],
+            registry=r,
+        )
         self.microbatches = Counter(
             "agora_microbatches",
             "Micro-batches handled by this node, by outcome.",
@@ -156,6 +163,10 @@ class Metrics:
     def count_rejected_record(self, reason: str) -> None:
         reason = _bounded(self._reasons, reason, MAX_REASONS)
         self.records_rejected.labels(reason=reason).inc()
+
+    def count_unlisted_refused(self, what: str, count: int) -> None:
+        """`what` comes from a fixed set in the code, never from a peer: no bound needed."""
+        self.unlisted_refused.labels(what=what).inc(count)
 
     def count_microbatch(
         self, result: str, latency_s: float | None = None, code: str | None = None

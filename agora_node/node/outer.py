@@ -37,6 +37,7 @@ import hashlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -59,6 +60,7 @@ from agora_node.comms.collective import (
 )
 from agora_node.comms.collective.groups import Expect
 from agora_node.comms.collective.payload import max_frame_bytes
+from agora_node.protocol.allowlist import AllowList
 from agora_node.protocol.codecs import Codec, from_name
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
@@ -298,6 +300,7 @@ class OuterLoop:
         book: RoundBook,
         transport: Any,
         board: Any,
+        admit: Callable[[str], bool] | None = None,
     ) -> None:
         self.state = OuterState(module, lr=config.lr, momentum=config.momentum)
         self.identity, self.me = identity, identity.peer_id
@@ -305,7 +308,7 @@ class OuterLoop:
         self.book, self.transport = book, transport
         self.namespace = outer_namespace(run_id, stage)
         self.matchmaker = Matchmaker(
-            board, identity, run_id=run_id, stage=stage, config=config.matchmaking
+            board, identity, run_id=run_id, stage=stage, config=config.matchmaking, admit=admit
         )
         self.delta_encoder = PartEncoder(config.delta_format())
         self.anchor_encoder = PartEncoder(config.anchor_format())
@@ -326,9 +329,11 @@ class OuterLoop:
         p2p: Any = None,
         stage: int | None = None,
         config: OuterConfig | None = None,
+        allow: AllowList | None = None,
     ) -> OuterLoop:
         """Serve the collective in the caller's event loop, on `p2p` (e.g. the node's Host.p2p)
-        or else on a replica of the DHT's libp2p daemon."""
+        or else on a replica of the DHT's libp2p daemon. `allow`: a private swarm's allow
+        list (round entries and collective RPCs of other peers are refused)."""
         from agora_node.comms.collective.groups import DHTBoard
         from agora_node.comms.collective.handlers import Responder
         from agora_node.comms.collective.p2p import CollectiveServicer, P2PTransport
@@ -342,7 +347,8 @@ class OuterLoop:
         limit = max_frame_bytes(sum(p.numel() for p in module.parameters()))
         book = RoundBook(identity.peer_id)
         namespace = outer_namespace(manifest.run_id, stage)
-        servicer = CollectiveServicer(Responder(book), limit)
+        rpc_admit = allow.admit("rpc") if allow is not None else None
+        servicer = CollectiveServicer(Responder(book, admit=rpc_admit), limit)
         await servicer.add_p2p_handlers(p2p, namespace=namespace)
         transport = P2PTransport(p2p, namespace=namespace, max_frame_bytes=limit)
         loop = cls(
@@ -354,6 +360,7 @@ class OuterLoop:
             book=book,
             transport=transport,
             board=DHTBoard(dht),
+            admit=allow.admit("round_entry") if allow is not None else None,
         )
         loop._closers.append(lambda: servicer.remove_p2p_handlers(p2p, namespace=namespace))
         return loop

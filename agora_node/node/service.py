@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agora_node.comms import state_transfer, streams
+from agora_node.comms import admission, state_transfer, streams
 from agora_node.comms.host import Host
 from agora_node.comms.pipeline_wire import Code, Status, error_response
 from agora_node.node import joining
@@ -39,6 +39,7 @@ from agora_node.node.pipeline import (
 from agora_node.node.rounds import OuterRounds
 from agora_node.node.status_server import History
 from agora_node.node.worker import StageWorker
+from agora_node.protocol.allowlist import AllowList
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import forward_protocol
@@ -64,6 +65,8 @@ class ServiceContext:
     """Read the directory now (async): {stage: [NodeRecord]}."""
     stats: PipelineStats
     history: History
+    allow: AllowList | None = None
+    """A private swarm's allow list (--allow-keys), None in an open swarm."""
 
     @property
     def peer_id(self) -> str:
@@ -120,6 +123,7 @@ class StageService:
                 ctx.manifest,
                 p2p=ctx.host.p2p,
                 stage=stage,
+                allow=ctx.allow,
             )
             if loaded.outer is not None:
                 outer.load_state_dict(loaded.outer, warming=loaded.warming)
@@ -239,10 +243,13 @@ async def serve_endpoints(
     serving: Callable[[], StageService | None],
     offering_state: Callable[[], StageService | None],
     served: list[dict],
+    allow: AllowList | None = None,
+    me: str = "",
 ) -> None:
     """Register the run's protocols once per node; each request goes to the service of the
     moment: `serving()` takes micro-batches, `offering_state()` sends its state to joiners
-    (None while joining, switching or leaving). `served` logs the states sent (last 20)."""
+    (None while joining, switching or leaving). `served` logs the states sent (last 20).
+    With `allow` (a private swarm), streams of unlisted peers get `me`'s refusal."""
 
     async def forward(remote: str, data: bytes):  # noqa: ANN202 - async generator
         service = serving()
@@ -269,7 +276,13 @@ async def serve_endpoints(
         return header, blob
 
     run_id = manifest.run_id
+    refuse = admission.refuser(allow, me, "stream")
     await streams.serve(
-        host.p2p, forward_protocol(run_id), forward, max_request=max_request_bytes(manifest)
+        host.p2p,
+        forward_protocol(run_id),
+        forward,
+        max_request=max_request_bytes(manifest),
+        refuse=refuse,
     )
-    await state_transfer.serve_state(host.p2p, run_id, state)
+    await state_transfer.serve_state(host.p2p, run_id, state, refuse=refuse)
+    await admission.serve_admission(host.p2p, run_id, admission.refuser(allow, me, "admission"))

@@ -84,7 +84,8 @@ class NodeStatus(TypedDict):
     bytes_received: dict[str, int]
     last_losses: list[float]  # most recent last, a few at most
     val_loss: float | None
-    # Also: records_rejected ({reason: count}, run_pointer_* for run pointer entries)
+    # Also: records_rejected ({reason: count}, run_pointer_* for run pointer entries),
+    # unlisted_refused ({what: count}: inputs from peers not on --allow-keys; {} in an open swarm)
     # and runs_seen ([{"run_id", "name"}]: the runs the swarm's signed run pointer announces).
 
 

@@ -59,6 +59,11 @@ def state_protocol(run_id: str) -> str:
     return f"/agora/{run_id}/state/2"  # 2: attested anchor state (protocol/state_blob.py)
 
 
+def admission_protocol(run_id: str) -> str:
+    """Stream protocol a joiner asks peers it sees "do you admit me?" (private swarms)."""
+    return f"/agora/{run_id}/admission/1"
+
+
 def telemetry_prefix(run_id: str, peer_id: str) -> str:
     """MQTT topic prefix of a node's telemetry (`/status`, `/events` below it)."""
     return f"agora/{run_id}/{peer_id}"

@@ -258,6 +258,7 @@ def test_dry_run_status_table_and_leave_through_the_control_api(swarm, tmp_path)
     )
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert "would serve stage" in dry.stdout and "total_bytes" in dry.stdout
+    assert "peer id: 12D3KooW" in dry.stdout  # what a private swarm's --allow-keys lists
 
     node = swarm.join("node", "--stage", "2")
     port = swarm.serving(node)

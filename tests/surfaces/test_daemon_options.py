@@ -6,7 +6,10 @@ without editing this file (add a sample value below if its text is validated).
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,23 @@ SAMPLES = {
     "mqtt_url": ["mqtt://127.0.0.1:1883", "mqtt://b.example:1884", "mqtts://b.example", "mqtt://h"],
 }
 JOIN_OPTIONS = options_of(NodeConfig)
+
+
+def _allow_files() -> list[str]:
+    """Four valid --allow-keys files (the option checks its file when it is resolved)."""
+    from agora_node.protocol.identity import Identity
+
+    folder = Path(tempfile.mkdtemp(prefix="agora-allow-keys-"))
+    atexit.register(shutil.rmtree, folder, True)
+    paths = []
+    for i in range(4):
+        path = folder / f"keys-{i}.txt"
+        path.write_text(Identity.generate().peer_id + "\n")
+        paths.append(str(path))
+    return paths
+
+
+SAMPLES["allow_keys"] = _allow_files()
 
 
 def samples(opt: Option) -> list[Any]:
@@ -133,6 +153,7 @@ INVALID = [
     ("emulate_link", "fast", "--emulate-link"),
     ("manifest", "nope-not-a-file", "not found"),
     ("mqtt_url", "http://127.0.0.1:1883", "--mqtt-url: 'http://127.0.0.1:1883' must start with"),
+    ("allow_keys", "/nonexistent/keys.txt", "--allow-keys /nonexistent/keys.txt: no such"),
 ]
 
 

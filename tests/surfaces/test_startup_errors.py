@@ -96,6 +96,13 @@ def _identity_path_under_a_file(tmp: Path) -> list[str]:
     return _join(tmp / "node", "--identity-path", str(tmp / "file" / "me.key"))
 
 
+def _own_id_not_listed(tmp: Path) -> list[str]:
+    from agora_node.protocol.identity import Identity
+
+    (tmp / "keys.txt").write_text(f"# somebody else\n{Identity.generate().peer_id}\n")
+    return _join(tmp / "node", "--allow-keys", str(tmp / "keys.txt"))
+
+
 CASES = {
     "data dir is a file": (_data_dir_is_a_file, "a file is in the way"),
     "data dir under a file": (_data_dir_under_a_file, "pass a --data-dir whose directory"),
@@ -103,6 +110,7 @@ CASES = {
     "disk full": (_disk_full, "No space left on device): free some space"),
     "damaged identity key": (_damaged_identity, "restore it from your backup"),
     "identity path not writable": (_identity_path_under_a_file, "pass a --identity-path"),
+    "own id not on --allow-keys": (_own_id_not_listed, "does not list this node's own peer id"),
 }
 
 

@@ -41,7 +41,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -249,9 +249,13 @@ class Matchmaker:
         run_id: str,
         stage: int,
         config: MatchmakingConfig,
+        admit: Callable[[str], bool] | None = None,
     ) -> None:
         self.board, self.identity = board, identity
         self.run_id, self.stage, self.config = run_id, stage, config
+        self.admit = admit
+        """A private swarm's allow list: entries of other signers are dropped (and counted
+        by `admit`) before the `max_entries` bound, so strangers cannot crowd listed peers out."""
         self.ignored = 0
 
     async def gather(
@@ -310,6 +314,8 @@ class Matchmaker:
         out = []
         cfg, now = self.config, time.time()
         stored = await self.board.read(key)
+        if self.admit is not None:  # the signature binds the entry to its subkey (verified)
+            stored = {p: v for p, v in stored.items() if self.admit(str(p))}
         for peer, value in list(stored.items())[: cfg.max_entries]:
             try:
                 entry = RoundEntry.verified(

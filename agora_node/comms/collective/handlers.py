@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 
 from agora_node.comms.collective.payload import decode_span, max_frame_bytes
 from agora_node.comms.collective.state import (
@@ -29,11 +30,19 @@ MEMBER_REFUSALS = ("not my span", "bad weight", "late")
 """Refusals of a push from a member of the group (anything else: the sender is not one)."""
 
 
+NOT_LISTED = "not listed"
+"""Refusal of every request from a peer a private swarm's allow list does not name."""
+
+
 class Responder:
-    def __init__(self, book: RoundBook) -> None:
+    def __init__(self, book: RoundBook, *, admit: Callable[[str], bool] | None = None) -> None:
         self.book = book
+        self.admit = admit
+        """A private swarm's allow list (counts what it refuses); None: an open swarm."""
 
     async def _state(self, sender: str, header: Header) -> RoundState:
+        if self.admit is not None and not self.admit(sender):
+            raise LookupError(NOT_LISTED)  # before any lookup: nothing is registered for it
         state = await self.book.lookup(
             header.round, header.phase, header.group_id, min(header.wait, MAX_WAIT)
         )

@@ -1,0 +1,138 @@
+"""Admission to a private swarm: refusing unlisted peers, and learning that we are one.
+
+A node started with `--allow-keys` refuses what unlisted peers send, by the peer id
+libp2p or a signature authenticates (records, round entries, streams, RPCs, SWIM).
+A refused stream gets one `KIND_REFUSED` frame before its request is read
+(streams.serve), so an unlisted peer learns why at once instead of retrying.
+
+A joiner asks the peers it sees in the directory whether they admit it
+(`ask`, over `admission_protocol`): an unlisted node stops with the refusal's
+one line instead of waiting at step 0 for a pipeline that never answers. One
+refusal alone is not believed: in an open swarm a stranger could answer "refused"
+to every joiner. `Admission` decides: the node is refused once the peers that
+refused it outnumber those that admitted it. An admitted node asks again every
+minute, so one removed from the lists while running stops too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from hivemind.p2p import P2P
+
+from agora_node.comms import streams
+from agora_node.protocol.allowlist import AllowList, refusal_message
+from agora_node.protocol.names import admission_protocol
+
+log = logging.getLogger(__name__)
+
+ASK_TIMEOUT_S = 3.0
+ADMITTED = b"admitted"
+
+Refuse = Callable[[str], str | None]
+"""remote peer id -> a one-line refusal, or None to serve it."""
+
+
+def refuser(allow: AllowList | None, me: str, what: str) -> Refuse | None:
+    """The `refuse` of a stream protocol: None (open swarm), or refuse unlisted peers,
+    counting each refusal under `what`."""
+    if allow is None:
+        return None
+
+    def refuse(remote: str) -> str | None:
+        return None if allow.check(remote, what) else refusal_message(remote, me)
+
+    return refuse
+
+
+async def serve_admission(p2p: P2P, run_id: str, refuse: Refuse | None) -> None:
+    """Answer "admitted" to listed peers (everyone in an open swarm); the rest are refused."""
+
+    async def handler(remote: str, request: bytes) -> AsyncIterator[bytes]:
+        yield ADMITTED
+
+    await streams.serve(p2p, admission_protocol(run_id), handler, max_request=64, refuse=refuse)
+
+
+class Verdict(enum.Enum):
+    ADMITTED = "admitted"
+    REFUSED = "refused"
+    UNKNOWN = "unknown"
+    """No answer (gone, slow, or a version without the protocol): counts for nothing."""
+
+
+async def ask(
+    p2p: P2P, run_id: str, peer: str, timeout: float = ASK_TIMEOUT_S
+) -> tuple[Verdict, str]:
+    """Does `peer` admit us? The verdict and, when refused, its one-line reason."""
+    try:
+        answer = await streams.request(
+            p2p, peer, admission_protocol(run_id), b"", timeout=timeout, max_response=2048
+        )
+    except streams.RefusedError as exc:
+        return Verdict.REFUSED, str(exc)
+    except streams.StreamError as exc:
+        log.debug("admission: no answer from %s: %s", peer[-8:], exc)
+        return Verdict.UNKNOWN, ""
+    return (Verdict.ADMITTED if answer == ADMITTED else Verdict.UNKNOWN), ""
+
+
+RECHECK_S = 60.0
+"""An admitted node asks again this often: one removed from the lists learns it too."""
+
+
+@dataclass
+class Admission:
+    """What the peers asked said (pure bookkeeping; the node does the asking)."""
+
+    recheck_s: float = RECHECK_S
+    verdicts: dict[str, Verdict] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    asked_at: dict[str, float] = field(default_factory=dict)
+
+    def to_ask(self, peers: list[str], now: float, limit: int = 8) -> list[str]:
+        """Of `peers` (the directory's now), those never asked, without an answer, or
+        asked `recheck_s` ago (at most `limit`). Peers no longer seen are forgotten."""
+        seen = set(peers)
+        for gone in set(self.verdicts) - seen:
+            self.verdicts.pop(gone)
+            self.reasons.pop(gone, None)
+            self.asked_at.pop(gone, None)
+        due = [
+            p
+            for p in seen
+            if self.verdicts.get(p, Verdict.UNKNOWN) == Verdict.UNKNOWN
+            or now - self.asked_at.get(p, now) >= self.recheck_s
+        ]
+        # never asked first, then the longest ago: peers that never answer cannot starve others
+        return sorted(due, key=lambda p: (self.asked_at.get(p, -math.inf), p))[:limit]
+
+    def note(self, peer: str, verdict: Verdict, reason: str, now: float) -> None:
+        self.verdicts[peer], self.asked_at[peer] = verdict, now
+        if verdict == Verdict.REFUSED:
+            self.reasons[peer] = reason
+        else:
+            self.reasons.pop(peer, None)
+
+    def refusal(self) -> str | None:
+        """The line to stop with once refusals outnumber admissions, else None."""
+        refused = sum(v == Verdict.REFUSED for v in self.verdicts.values())
+        admitted = sum(v == Verdict.ADMITTED for v in self.verdicts.values())
+        if refused == 0 or refused <= admitted:
+            return None
+        return self.reasons[min(self.reasons)]
+
+
+async def ask_all(
+    p2p: P2P, run_id: str, peers: list[str], admission: Admission, now: float
+) -> str | None:
+    """Ask `peers` at once, note the answers; the refusal to stop with, if any."""
+    verdicts = await asyncio.gather(*(ask(p2p, run_id, peer) for peer in peers))
+    for peer, (verdict, reason) in zip(peers, verdicts, strict=True):
+        admission.note(peer, verdict, reason, now)
+    return admission.refusal()

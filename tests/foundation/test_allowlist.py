@@ -1,0 +1,124 @@
+"""The allow-list file of a private swarm: parsing, clear errors, reloading, counting."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from agora_node.comms.admission import Admission, Verdict
+from agora_node.protocol.allowlist import (
+    AllowList,
+    AllowListError,
+    parse_allow_keys,
+    refusal_message,
+)
+from agora_node.protocol.identity import Identity
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_peer_ids_and_hex_public_keys_with_comments_and_blank_lines():
+    a, b = Identity.generate(), Identity.generate()
+    text = f"# the swarm\n\n{a.peer_id}   # node a\n  {b.public_raw.hex()}\n{a.peer_id}\n"
+    assert parse_allow_keys(text) == {a.peer_id, b.peer_id}
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "why"),
+    [
+        ("12D3KooWnotapeerid\n", 1, "neither an Ed25519 peer id"),
+        ("# ok\n\nQmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N\n", 3, "neither"),
+        ("{a} {a}\n", 1, "one key per line"),
+        ("{a}\n" + "ab" * 31 + "\n", 2, "neither"),  # 62 hex digits: not a key
+    ],
+)
+def test_a_bad_line_is_reported_as_file_and_line(text, line, why):
+    text = text.format(a=Identity.generate().peer_id)
+    with pytest.raises(AllowListError, match=f"^keys.txt:{line}: .*{why}"):
+        parse_allow_keys(text, "keys.txt")
+
+
+def test_an_empty_or_missing_file_is_an_error(tmp_path):
+    with pytest.raises(AllowListError, match="lists no key"):
+        parse_allow_keys("# nobody\n\n", "keys.txt")
+    with pytest.raises(AllowListError, match="no such allow-keys file"):
+        AllowList(tmp_path / "absent.txt")
+
+
+def test_check_counts_refusals_by_kind_and_take_resets():
+    a, b = Identity.generate(), Identity.generate()
+    allow = _write_list(a.peer_id)
+    assert allow.check(a.peer_id, "record")
+    assert not allow.check(b.peer_id, "record")
+    assert not allow.admit("stream")(b.peer_id)
+    assert allow.take_refused() == {"record": 1, "stream": 1}
+    assert allow.take_refused() == {}
+
+
+def test_reload_when_the_file_changes_and_a_bad_edit_keeps_the_old_list(tmp_path):
+    a, b = Identity.generate(), Identity.generate()
+    path = tmp_path / "keys.txt"
+    path.write_text(a.peer_id + "\n")
+    allow = AllowList(path)
+    assert not allow.reload_if_changed()  # unchanged: not re-read
+    path.write_text(f"{a.peer_id}\n{b.peer_id}\n")
+    _touch_later(path, 1)
+    assert allow.reload_if_changed() and b.peer_id in allow
+    path.write_text(f"{a.peer_id}\nbroken\n")
+    _touch_later(path, 2)
+    with pytest.raises(AllowListError, match=r"keys.txt:2: "):
+        allow.reload_if_changed()
+    assert allow.keys == {a.peer_id, b.peer_id}
+    assert not allow.reload_if_changed()  # a bad file is reported once, not on every check
+    path.write_text(f"{b.peer_id}\n")
+    _touch_later(path, 3)
+    assert allow.reload_if_changed() and a.peer_id not in allow
+
+
+def test_the_refusal_names_both_peers():
+    assert refusal_message("12D3KooWa", "12D3KooWb") == (
+        "this swarm admits only listed keys; 12D3KooWa is not on 12D3KooWb's list"
+    )
+
+
+def test_one_refusal_among_more_admissions_is_not_believed():
+    adm = Admission(recheck_s=60)
+    adm.note("p1", Verdict.REFUSED, "no from p1", now=0)
+    adm.note("p2", Verdict.ADMITTED, "", now=0)
+    adm.note("p3", Verdict.UNKNOWN, "", now=0)
+    assert adm.refusal() is None  # a stranger in an open swarm cannot turn joiners away
+    assert adm.to_ask(["p1", "p2", "p3", "p4"], now=1) == ["p4", "p3"]  # never asked first
+    adm.note("p4", Verdict.REFUSED, "no from p4", now=1)
+    adm.note("p5", Verdict.REFUSED, "no from p5", now=1)
+    assert adm.refusal() == "no from p1"
+
+
+def test_admitted_peers_are_asked_again_and_gone_peers_forgotten():
+    adm = Admission(recheck_s=60)
+    adm.note("p1", Verdict.ADMITTED, "", now=0)
+    adm.note("p2", Verdict.ADMITTED, "", now=30)
+    assert adm.to_ask(["p1", "p2"], now=59) == []
+    assert adm.to_ask(["p1", "p2"], now=60) == ["p1"]  # removed from a list since? ask
+    adm.note("p1", Verdict.REFUSED, "removed", now=60)
+    assert adm.refusal() is None  # one refusal, one admission
+    adm.to_ask(["p1"], now=61)  # p2 left the directory: its old "admitted" no longer counts
+    assert adm.refusal() == "removed"
+
+
+def _write_list(*peer_ids: str) -> AllowList:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write("\n".join(peer_ids) + "\n")
+    try:
+        return AllowList(f.name)
+    finally:
+        os.unlink(f.name)
+
+
+def _touch_later(path, seconds: int) -> None:  # noqa: ANN001
+    """Move the file's modification time `seconds` ahead (increasing per edit), so that edits
+    within one tick of a coarse filesystem clock still differ."""
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + seconds * 10**9))

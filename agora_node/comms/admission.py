@@ -7,11 +7,13 @@ A refused stream gets one `KIND_REFUSED` frame before its request is read
 
 A joiner asks the peers it sees in the directory whether they admit it
 (`ask`, over `admission_protocol`): an unlisted node stops with the refusal's
-one line instead of waiting at step 0 for a pipeline that never answers. One
-refusal alone is not believed: in an open swarm a stranger could answer "refused"
-to every joiner. `Admission` decides: the node is refused once the peers that
-refused it outnumber those that admitted it. An admitted node asks again every
-minute, so one removed from the lists while running stops too.
+one line instead of waiting at step 0 for a pipeline that never answers. Refusals
+are not counted against admissions: in an open swarm a stranger can publish as
+many records as it likes and answer "refused" from each, so outnumbering proves
+nothing. `Admission` decides: the node is refused only when every peer it sees has
+been asked, at least one refused, and none admitted it. A stranger cannot stop
+a joiner that any honest peer admits. An admitted node asks again every minute,
+so one removed from every list while running stops too.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class Admission:
     """What the peers asked said (pure bookkeeping; the node does the asking)."""
 
     recheck_s: float = RECHECK_S
+    seen: set[str] = field(default_factory=set)
     verdicts: dict[str, Verdict] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)
     asked_at: dict[str, float] = field(default_factory=dict)
@@ -98,7 +101,7 @@ class Admission:
     def to_ask(self, peers: list[str], now: float, limit: int = 8) -> list[str]:
         """Of `peers` (the directory's now), those never asked, without an answer, or
         asked `recheck_s` ago (at most `limit`). Peers no longer seen are forgotten."""
-        seen = set(peers)
+        seen = self.seen = set(peers)
         for gone in set(self.verdicts) - seen:
             self.verdicts.pop(gone)
             self.reasons.pop(gone, None)
@@ -120,11 +123,13 @@ class Admission:
             self.reasons.pop(peer, None)
 
     def refusal(self) -> str | None:
-        """The line to stop with once refusals outnumber admissions, else None."""
-        refused = sum(v == Verdict.REFUSED for v in self.verdicts.values())
-        admitted = sum(v == Verdict.ADMITTED for v in self.verdicts.values())
-        if refused == 0 or refused <= admitted:
+        """The line to stop with once every peer seen was asked, one refused and none
+        admitted us; else None (one admission outweighs any number of refusals)."""
+        verdicts = self.verdicts.values()
+        if Verdict.ADMITTED in verdicts or Verdict.REFUSED not in verdicts:
             return None
+        if self.seen - set(self.asked_at):
+            return None  # peers not asked yet may admit us
         return self.reasons[min(self.reasons)]
 
 

@@ -82,26 +82,40 @@ def test_the_refusal_names_both_peers():
     )
 
 
-def test_one_refusal_among_more_admissions_is_not_believed():
+def test_refusals_never_outweigh_an_admission():
+    """In an open swarm a stranger can publish many records and refuse from each: one
+    honest admission keeps the joiner, however many refuse."""
     adm = Admission(recheck_s=60)
+    peers = ["p1", "p2", "p3", "p4", "p5"]
+    assert adm.to_ask(peers, now=0) == peers
     adm.note("p1", Verdict.REFUSED, "no from p1", now=0)
     adm.note("p2", Verdict.ADMITTED, "", now=0)
     adm.note("p3", Verdict.UNKNOWN, "", now=0)
-    assert adm.refusal() is None  # a stranger in an open swarm cannot turn joiners away
-    assert adm.to_ask(["p1", "p2", "p3", "p4"], now=1) == ["p4", "p3"]  # never asked first
-    adm.note("p4", Verdict.REFUSED, "no from p4", now=1)
-    adm.note("p5", Verdict.REFUSED, "no from p5", now=1)
+    for sybil in ("p4", "p5"):
+        adm.note(sybil, Verdict.REFUSED, f"no from {sybil}", now=0)
+    assert adm.refusal() is None  # 3 refusals, 1 admission: kept
+
+
+def test_refused_only_when_every_peer_seen_was_asked_and_none_admitted():
+    adm = Admission(recheck_s=60)
+    assert adm.to_ask(["p1", "p2", "p3"], now=0, limit=2) == ["p1", "p2"]
+    adm.note("p1", Verdict.REFUSED, "no from p1", now=0)
+    adm.note("p2", Verdict.REFUSED, "no from p2", now=0)
+    assert adm.refusal() is None  # p3 not asked yet: it may admit us
+    assert adm.to_ask(["p1", "p2", "p3"], now=1) == ["p3"]  # never asked first
+    adm.note("p3", Verdict.UNKNOWN, "", now=1)  # no answer counts for nothing
     assert adm.refusal() == "no from p1"
 
 
 def test_admitted_peers_are_asked_again_and_gone_peers_forgotten():
     adm = Admission(recheck_s=60)
+    adm.to_ask(["p1", "p2"], now=0)
     adm.note("p1", Verdict.ADMITTED, "", now=0)
     adm.note("p2", Verdict.ADMITTED, "", now=30)
     assert adm.to_ask(["p1", "p2"], now=59) == []
     assert adm.to_ask(["p1", "p2"], now=60) == ["p1"]  # removed from a list since? ask
     adm.note("p1", Verdict.REFUSED, "removed", now=60)
-    assert adm.refusal() is None  # one refusal, one admission
+    assert adm.refusal() is None  # p2 still admits us
     adm.to_ask(["p1"], now=61)  # p2 left the directory: its old "admitted" no longer counts
     assert adm.refusal() == "removed"
 

@@ -26,6 +26,7 @@ import logging
 import random
 import signal
 import time
+from collections import deque
 from collections.abc import Awaitable
 
 from agora_node.comms import admission
@@ -51,6 +52,8 @@ from agora_node.stages import placement
 
 log = logging.getLogger(__name__)
 
+RECENT_STAGE_CHANGES = 20
+"""Stage choices and switches the status page lists (`Node.stage_changes`)."""
 STEP_S = 10.0
 """Deadline of each step of leaving and closing that talks to the network or children."""
 CHECKPOINT_S = 300.0
@@ -95,6 +98,8 @@ class Node:
         self.service: StageService | None = None
         self.liveness = Liveness()
         self.stage_choice_reason = ""
+        self.stage_changes: deque[dict] = deque(maxlen=RECENT_STAGE_CHANGES)
+        """This node's stage choice and later switches: {at, from, to, reason}, oldest first."""
         self.last_checkpoint: str | None = None
         self.states_served: list[dict] = []
         self.records_rejected: dict[str, int] = {}
@@ -148,6 +153,7 @@ class Node:
         refusal = await self._ask_admission()
         if refusal is not None:  # an unlisted node: say so now, not after waiting for state
             raise JoinError(refusal)
+        self._note_stage_change(None, stage, self.stage_choice_reason)
         await serve_endpoints(
             self.host,
             m,
@@ -340,6 +346,7 @@ class Node:
         if stage == self.service.index or self.state != NodeState.ACTIVE:
             return
         log.info("switching from stage %d to stage %d: %s", self.service.index, stage, reason)
+        self._note_stage_change(self.service.index, stage, reason)
         self.state = NodeState.WARMING  # routers skip us from the next directory read on
         self.liveness.announce(self.service.index, self.state.value)
         await self.directory.withdraw(node_record(self), ttl=self.config.record_ttl_s)
@@ -353,6 +360,9 @@ class Node:
         self.liveness.announce(stage, self.state.value)
         await self._publish()
         log.info("now serving stage %d", stage)
+
+    def _note_stage_change(self, old: int | None, new: int, reason: str) -> None:
+        self.stage_changes.append({"at": time.time(), "from": old, "to": new, "reason": reason})
 
     # ---- leaving --------------------------------------------------------------------------
     async def leave(self) -> None:

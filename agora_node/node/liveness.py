@@ -7,20 +7,42 @@ instead of a record TTL.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from agora_node.comms.host import Host
+from agora_node.comms.membership.members import MemberView
 from agora_node.comms.membership.messages import MemberMeta, Status
 from agora_node.comms.membership.p2p import MembershipService
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.names import swim_namespace
 
+RECENT_EVENTS = 50
+"""Membership events the status page lists (`Liveness.events`)."""
+_EVENT = {Status.SUSPECT: "suspected", Status.DEAD: "dead", Status.LEFT: "left"}
+
+
+def membership_event(previous: Status | None, view: MemberView) -> str | None:
+    """What a member's change of status means to an operator: "joined" (first seen
+    alive), "suspected", "dead", "left", "alive" (back from suspected or dead); None
+    when its status did not change."""
+    if previous == view.status:
+        return None
+    if view.status == Status.ALIVE:
+        return "joined" if previous is None else "alive"
+    return _EVENT.get(view.status)
+
 
 class Liveness:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.service: MembershipService | None = None
         self._introduced: set[str] = set()
+        self._clock = clock
+        self._last: dict[str, tuple[Status, int | None]] = {}
+        self.events: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
+        """Recent membership changes as this node saw them, oldest first."""
 
     async def start(
         self,
@@ -40,7 +62,26 @@ class Liveness:
             namespace=swim_namespace(run_id),
             admit=admit,
         )
+        self.service.subscribe(self.note)
         await self.service.start()
+
+    def note(self, view: MemberView) -> None:
+        """SWIM's listener: keep status changes and stage moves as events."""
+        previous = self._last.get(view.peer_id)
+        status, stage = previous or (None, None)
+        self._last[view.peer_id] = (view.status, view.meta.stage)
+        event = membership_event(status, view)
+        if event is None and stage is not None and stage >= 0 and view.meta.stage != stage:
+            event = "moved"
+        if event is not None:
+            self.events.append(
+                {
+                    "at": self._clock(),
+                    "peer_id": view.peer_id,
+                    "event": event,
+                    "stage": view.meta.stage,
+                }
+            )
 
     def introduce(self, peers: list[str]) -> None:
         """Peers the directory shows: SWIM probes the ones it has not met yet."""
@@ -82,4 +123,5 @@ class Liveness:
                 for m in self.service.members()
             ],
             "counters": self.service.counters,
+            "events": list(self.events),
         }

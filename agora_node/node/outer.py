@@ -37,6 +37,7 @@ import hashlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -67,6 +68,9 @@ from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import outer_namespace
 
 log = logging.getLogger(__name__)
+
+RECENT_ROUNDS = 20
+"""Rounds whose summary the status page lists (`OuterLoop.recent`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,6 +318,8 @@ class OuterLoop:
         self.anchor_encoder = PartEncoder(config.anchor_format())
         self.last_report: RoundReport | None = None
         self.totals = {"rounds": 0, "bytes_sent": 0, "bytes_received": 0, "seconds_blocked": 0.0}
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_ROUNDS)
+        """Summaries of the last rounds (`round_summary`), oldest first."""
         self._prep: asyncio.Task[_Prep] | None = None
         self._closers: list[Any] = []
 
@@ -523,11 +529,13 @@ class OuterLoop:
             "last_round": None
             if last is None
             else last.__dict__ | {"rejected": dict(last.rejected)},
+            "recent_rounds": list(self.recent),
             **self.totals,
         }
 
     def _account(self, report: RoundReport) -> None:
         self.last_report = report
+        self.recent.append(round_summary(report))
         self.totals["rounds"] += 1
         self.totals["bytes_sent"] += report.bytes_sent
         self.totals["bytes_received"] += report.bytes_received
@@ -542,6 +550,25 @@ class OuterLoop:
             report.seconds_blocked,
             "" if report.consistent else " | INCONSISTENT",
         )
+
+
+def round_summary(report: RoundReport, at: float | None = None) -> dict[str, Any]:
+    """What the status page lists of one round: who mixed, what it cost, whether the
+    results agreed (`consistent`), and the peers this replica had to distrust."""
+    return {
+        "round": report.round,
+        "at": time.time() if at is None else at,
+        "participants": report.participants,
+        "group": list(report.delta_group),
+        "anchor_mixed": report.anchor_mixed,
+        "consistent": report.consistent,
+        "bytes_sent": report.bytes_sent,
+        "bytes_received": report.bytes_received,
+        "seconds_blocked": report.seconds_blocked,
+        "failed_peers": list(report.failed_peers),
+        "outliers": list(report.outliers),
+        "mismatched": list(report.mismatched),
+    }
 
 
 def _round_report(

@@ -32,6 +32,7 @@ from agora_node.node.attestation import Attestation
 from agora_node.node.outer import OuterLoop
 from agora_node.node.worker import StageWorker
 from agora_node.protocol import state_blob
+from agora_node.protocol.records import NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,22 @@ def round_should_end(steps_done: int, every: int, opened_elsewhere: bool) -> boo
     """End the round after `every` inner steps, or once another replica opened it and
     this one has at least one step to contribute."""
     return steps_done >= every or (steps_done > 0 and opened_elsewhere)
+
+
+def anchor_agreement(
+    own: dict[int, str], others: dict[int, dict[str, str]]
+) -> dict[str, dict[str, list[str]]]:
+    """Per round this replica kept a digest of: which other replicas attested the same
+    anchor after it ("agree") and which another ("differ"). Replicas of a stage that
+    mixed their anchors hold the same one; a lasting "differ" means they drifted apart."""
+    out = {}
+    for round_no, digest in sorted(own.items()):
+        seen = others.get(round_no, {})
+        out[str(round_no)] = {
+            "agree": sorted(p for p, d in seen.items() if d == digest),
+            "differ": sorted(p for p, d in seen.items() if d != digest),
+        }
+    return out
 
 
 def _sha256(blob: bytes) -> str:
@@ -95,6 +112,8 @@ class OuterRounds:
         )
         self.anchor_digests: dict[int, str] = {}
         """Digest of the anchor after each recent round: the stage's replicas compare equal."""
+        self.replica_anchors: dict[int, dict[str, str]] = {}
+        """What the other replicas' records attested for those rounds: {round: {peer: digest}}."""
         self._lock = asyncio.Lock()
         self._epoch = 0
         """Bumped whenever the outer state changes (a round ended)."""
@@ -197,9 +216,29 @@ class OuterRounds:
         for old in sorted(self.anchor_digests)[:-KEPT_DIGESTS]:
             del self.anchor_digests[old]
 
+    def note_replica_anchors(self, records: Iterable[NodeRecord]) -> None:
+        """Remember the anchors other replicas attest for rounds this one kept a digest of
+        (their records show only their latest round, so earlier ones are kept here)."""
+        for r in records:
+            if (
+                r.peer_id != self.outer.me
+                and r.anchor_digest
+                and r.anchor_round in self.anchor_digests
+            ):
+                self.replica_anchors.setdefault(r.anchor_round, {})[r.peer_id] = r.anchor_digest
+        for old in [r for r in self.replica_anchors if r not in self.anchor_digests]:
+            del self.replica_anchors[old]
+
     def status(self) -> dict[str, Any]:
         status = self.outer.status()
         status["anchor_digests"] = {str(r): d for r, d in self.anchor_digests.items()}
+        agreement = anchor_agreement(self.anchor_digests, self.replica_anchors)
+        status["agreement"] = agreement
+        # The anchor a round produced is attested as the next round's (the counter moved on).
+        status["recent_rounds"] = [
+            {**r, "anchor_agreement": agreement.get(str(r["round"] + 1))}
+            for r in status.get("recent_rounds", [])
+        ]
         return status
 
     async def close(self) -> None:

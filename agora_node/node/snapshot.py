@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +40,28 @@ def progress_line(node: Node) -> str:
         f"rejected {stats.results['rejected']} | peers {sum(len(v) for v in node.view.values())} "
         f"| outer round {service.rounds.round}, blocked {service.rounds.outer.totals['seconds_blocked']:.0f}s "
         f"| rss {rss_bytes() / 2**20:.0f} MiB"
+        + (f" | waiting on {waiting}" if (waiting := node_waiting_on(node)) else "")
     )
+
+
+def waiting_on(stage: int, num_stages: int, live: Mapping[int, int]) -> str | None:
+    """What this stage cannot work without, from how many live replicas its neighbours
+    have: "stage 2 (no replica downstream)" and the like; None when both are served.
+    A micro-batch needs every stage, so an empty neighbour stalls this one."""
+    missing = []
+    if stage > 0 and not live.get(stage - 1):
+        missing.append(f"stage {stage - 1} (no replica upstream)")
+    if stage < num_stages - 1 and not live.get(stage + 1):
+        missing.append(f"stage {stage + 1} (no replica downstream)")
+    return ", ".join(missing) or None
+
+
+def node_waiting_on(node: Node) -> str | None:
+    if node.service is None or node.manifest is None:
+        return None
+    stage, n = node.service.index, node.manifest.num_stages
+    live = {s: len(node._peers_of(s)) for s in (stage - 1, stage + 1) if 0 <= s < n}
+    return waiting_on(stage, n, live)
 
 
 def rss_bytes() -> int:
@@ -61,6 +84,7 @@ def node_record(node: Node) -> NodeRecord:
         stage=node.stage,
         state=node.state.value,
         throughput=w.stats.throughput if w else 0.0,
+        utilization=w.stats.utilization if w else 0.0,
         queue=w.in_flight if w else 0,
         version=__version__,
         inner_step=w.optimizer.steps if w else 0,
@@ -75,11 +99,76 @@ def node_record(node: Node) -> NodeRecord:
 
 
 def record_history(node: Node) -> None:
-    """One point per status refresh for the dashboard's plots."""
+    """One point per status refresh for the dashboard's plots; the anchors the stage's
+    other replicas attest, for the rounds' agreement."""
     if node.stats.losses:
         node.history.add("loss", node.stats.losses[-1])
     if node.service is not None:
         node.history.add("throughput", node.service.worker.stats.throughput)
+        node.service.rounds.note_replica_anchors(node.view.get(node.service.index, []))
+
+
+def flags_by_peer(rounds: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """How often each peer failed ("failed"), sent an outlier ("outlier") or a result the
+    witness refuted ("mismatched") in this replica's recent outer rounds."""
+    out: dict[str, Counter] = {}
+    for r in rounds:
+        for field, name in (
+            ("failed_peers", "failed"),
+            ("outliers", "outlier"),
+            ("mismatched", "mismatched"),
+        ):
+            for peer in r.get(field) or ():
+                out.setdefault(peer, Counter())[name] += 1
+    return {peer: dict(counts) for peer, counts in out.items()}
+
+
+def peer_views(node: Node, outer: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The directory by stage, each record with what this node knows of the peer:
+    SWIM's verdict, rounds mixed together, bytes exchanged, flags, anchor agreement."""
+    m = node.manifest
+    sent, received = node.metrics.bytes_by_peer()
+    swim = {v["peer_id"]: v["status"] for v in (node.liveness.status().get("view") or [])}
+    rounds = outer.get("recent_rounds") or []
+    together = Counter(p for r in rounds for p in r.get("group") or ())
+    flags = flags_by_peer(rounds)
+    own = {int(r): d for r, d in (outer.get("anchor_digests") or {}).items()}
+    my_stage = node.service.index if node.service else None
+
+    def anchor_agrees(r: NodeRecord) -> bool | None:
+        if r.stage != my_stage or r.peer_id == node.peer_id or r.anchor_round not in own:
+            return None
+        return r.anchor_digest == own[r.anchor_round]
+
+    return [
+        {
+            "stage": s,
+            "peers": [
+                {
+                    "peer_id": r.peer_id,
+                    "state": r.state,
+                    "throughput": r.throughput,
+                    "utilization": r.utilization,
+                    "queue": r.queue,
+                    "inner_step": r.inner_step,
+                    "outer_step": r.outer_step,
+                    "tokens_seen": r.tokens_seen,
+                    "pinned": bool(r.pinned),
+                    "version": r.version,
+                    "updated_at": r.issued_at,
+                    "is_self": r.peer_id == node.peer_id,
+                    "swim": "self" if r.peer_id == node.peer_id else swim.get(r.peer_id),
+                    "rounds_together": together.get(r.peer_id, 0),
+                    "bytes_sent": sent.get(r.peer_id, 0),
+                    "bytes_received": received.get(r.peer_id, 0),
+                    "flags": flags.get(r.peer_id, {}),
+                    "anchor_agrees": anchor_agrees(r),
+                }
+                for r in node.view.get(s, [])
+            ],
+        }
+        for s in range(m.num_stages if m else 0)
+    ]
 
 
 def build_snapshot(node: Node) -> dict[str, Any]:
@@ -87,6 +176,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
     w = service.worker if service else None
     p = service.pipeline if service else None
     sent, received = node.metrics.bytes_by_peer()
+    outer = service.rounds.status() if service else {}
     return {
         "snapshot_at": time.time(),
         "node": {
@@ -99,8 +189,10 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "started_at": node.started_at,
             "inner_step": w.optimizer.steps if w else 0,
             "outer_step": service.rounds.round if service else 0,
-            "outer": service.rounds.status() if service else {},
+            "outer": outer,
             "members": node.liveness.status(),
+            "stage_changes": list(node.stage_changes),
+            "waiting_on": node_waiting_on(node),
             "tokens_seen": w.stats.tokens if w else 0,
             "throughput": w.stats.throughput if w else 0.0,
             "compute_rate": w.stats.compute_rate if w else 0.0,
@@ -129,25 +221,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "completed_tokens_per_s": stats.events.completed_tokens_per_s(),
             "rejected_codes": stats.rejected_codes,
         },
-        "stages": [
-            {
-                "stage": s,
-                "peers": [
-                    {
-                        "peer_id": r.peer_id,
-                        "state": r.state,
-                        "throughput": r.throughput,
-                        "queue": r.queue,
-                        "outer_step": r.outer_step,
-                        "version": r.version,
-                        "updated_at": r.issued_at,
-                        "is_self": r.peer_id == node.peer_id,
-                    }
-                    for r in node.view.get(s, [])
-                ],
-            }
-            for s in range(m.num_stages if m else 0)
-        ],
+        "stages": peer_views(node, outer),
         "config": config_dict(node.config),
         "history": node.history.as_dict(),
     }

@@ -46,16 +46,26 @@ HISTORY_SERIES = ("loss", "val_loss", "throughput")
 
 
 class PeerView(TypedDict):
-    """One directory entry as this node sees it."""
+    """One directory entry as this node sees it (the record, then this node's own view)."""
 
     peer_id: str
     state: str  # joining | warming | active | leaving
     throughput: float  # announced compute rate: tokens per compute-second, each micro-batch once
+    utilization: float  # announced fraction of wall time computing (0..1; 0 from older peers)
     queue: int  # micro-batches waiting or in flight there
+    inner_step: int
     outer_step: int
+    tokens_seen: int  # tokens it trained, as announced
+    pinned: bool  # its operator fixed its stage (--stage N)
     version: str
     updated_at: float  # unix time (this node's clock) the entry was last refreshed
     is_self: bool
+    swim: str | None  # SWIM's verdict here: alive | suspect | dead | left | self | None (unknown)
+    rounds_together: int  # of this node's recent outer rounds, those it mixed in
+    bytes_sent: int  # micro-batch bytes this node sent it (outer rounds: `outer`)
+    bytes_received: int
+    flags: dict[str, int]  # {"failed" | "outlier" | "mismatched": recent rounds}, empty if none
+    anchor_agrees: bool | None  # same stage: its attested anchor equals ours for that round
 
 
 class StageView(TypedDict):
@@ -84,6 +94,14 @@ class NodeStatus(TypedDict):
     bytes_received: dict[str, int]
     last_losses: list[float]  # most recent last, a few at most
     val_loss: float | None
+    outer: dict[str, Any]  # this stage's rounds: totals, "last_round", "recent_rounds"
+    # ([{round, at, participants, group, anchor_mixed, consistent, bytes_sent,
+    # bytes_received, seconds_blocked, failed_peers, outliers, mismatched}], oldest
+    # first) and "agreement" ({round: {"agree": [peer], "differ": [peer]}})
+    members: dict[str, Any]  # SWIM: "view", "counters", "events" ([{at, peer_id,
+    # event: joined | suspected | dead | left | alive | moved, stage}], oldest first)
+    stage_changes: list[dict[str, Any]]  # [{at, from, to, reason}]: the choice, then switches
+    waiting_on: str | None  # "stage 2 (no replica downstream)" when a neighbour stage is empty
     # Also: records_rejected ({reason: count}, run_pointer_* for run pointer entries),
     # unlisted_refused ({what: count}: inputs from peers not on --allow-keys; {} in an open swarm)
     # and runs_seen ([{"run_id", "name"}]: the runs the swarm's signed run pointer announces).

@@ -106,6 +106,9 @@ class NodeRecord:
     """Digest of this replica's outer anchor (OuterState.digest()); "" attests nothing."""
     outer_digest: str = ""
     """Digest of anchor and outer momentum (OuterState.digest(with_momentum=True))."""
+    utilization: float = 0.0
+    """Fraction of wall time this node computed over the last minute (0..1): with the
+    compute rate, tells a slow node from an idle one. Shown on status pages only."""
 
     def canonical_bytes(self) -> bytes:
         body = {k: v for k, v in asdict(self).items() if k != "extra"}
@@ -182,8 +185,10 @@ class RecordLimits:
 
     def check(self, record: NodeRecord) -> None:
         """Raise RecordError("nonfinite" / "range") for a number no real node announces."""
-        if not isinstance(record.throughput, int) and not math.isfinite(record.throughput):
-            raise RecordError("nonfinite", f"throughput {record.throughput} is not finite")
+        for name in ("throughput", "utilization"):
+            value = getattr(record, name)
+            if not isinstance(value, int) and not math.isfinite(value):
+                raise RecordError("nonfinite", f"{name} {value} is not finite")
         if not isinstance(record.issued_at, int) and not math.isfinite(record.issued_at):
             raise RecordError("nonfinite", f"issued_at {record.issued_at} is not finite")
         if not isinstance(record.ttl, int) and not math.isfinite(record.ttl):
@@ -191,6 +196,7 @@ class RecordLimits:
         bounds = (
             ("stage", record.stage, 0, self.num_stages - 1),
             ("throughput", record.throughput, 0, self.throughput_cap(record.stage)),
+            ("utilization", record.utilization, 0, 1),
             ("queue", record.queue, 0, MAX_QUEUE),
             ("inner_step", record.inner_step, 0, MAX_STEP),
             ("outer_step", record.outer_step, 0, MAX_STEP),

@@ -1,13 +1,38 @@
-"""/metrics of a training swarm: every node's counters move, parsed as Prometheus parses them."""
+"""A training swarm's operator surfaces: every node's /metrics counters move, parsed as
+Prometheus parses them, and the dashboard, rendered in headless Chromium, shows the
+swarm. The tests share one swarm (two stages, two replicas each)."""
 
+import signal
 import urllib.request
+from dataclasses import dataclass
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.harness import poll, small_manifest
+from agora_node.node.demo import Child
+from tests.chromium import dump_dom, need_chromium, screenshot
+from tests.integration.harness import TestSwarm, poll, small_manifest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+@dataclass
+class Training:
+    swarm: TestSwarm
+    nodes: list[Child]
+    ports: list[int]
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("training-swarm")
+    swarm = TestSwarm(workdir)
+    try:
+        swarm.bootstrap(small_manifest(workdir / "two.toml", stages=2, layers=2, inner_steps=3))
+        nodes = [swarm.join(f"node-{i}", "--stage", str(s)) for i, s in enumerate([0, 0, 1, 1])]
+        yield Training(swarm, nodes, [swarm.serving(node) for node in nodes])
+    finally:
+        swarm.stop(grace_s=10)  # SIGTERM, then SIGKILL of every process group, by pid
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float] | None:
@@ -39,11 +64,8 @@ def moved(m: dict | None) -> bool:
     )
 
 
-def test_every_nodes_metrics_move_in_a_training_swarm(swarm, tmp_path):
-    manifest = small_manifest(tmp_path / "two.toml", stages=2, layers=2, inner_steps=3)
-    swarm.bootstrap(manifest)
-    nodes = [swarm.join(f"node-{i}", "--stage", str(s)) for i, s in enumerate([0, 0, 1, 1])]
-    ports = [swarm.serving(node) for node in nodes]
+def test_every_nodes_metrics_move_in_a_training_swarm(training):
+    swarm, nodes, ports = training.swarm, training.nodes, training.ports
     scrapes = poll(
         lambda: (s := [scrape(p) for p in ports]) and all(moved(m) for m in s) and s,
         240,
@@ -61,3 +83,43 @@ def test_every_nodes_metrics_move_in_a_training_swarm(swarm, tmp_path):
     heads = scrapes[:2]
     assert all(m[("agora_completed_tokens_total", ())] > 0 for m in heads)
     assert all(m[("agora_completed_tokens_per_s", ())] > 0 for m in heads)
+
+
+def test_dashboard_shows_the_swarm_in_chromium(training, tmp_path):
+    """Last in this module: it stops one node so that the page has a departure to show."""
+    browser = need_chromium()
+    swarm, node, port = training.swarm, training.nodes[0], training.ports[0]
+
+    def events(status: dict) -> list[dict]:
+        return (status.get("members") or {}).get("events") or []
+
+    def mixed(status: dict) -> bool:
+        rounds = (status.get("outer") or {}).get("recent_rounds") or []
+        return any(len(r["group"]) >= 2 for r in rounds)
+
+    poll(lambda: mixed(swarm.status(node) or {}), 120, "an outer round with a partner")
+    peers = poll(lambda: (p := swarm.peers(node)) and len(p) == 4 and p, 30, "all 4 peers")
+    leaver = swarm.status(training.nodes[3])["peer_id"]
+    swarm.kill(training.nodes[3], signal.SIGTERM)
+    status = poll(
+        lambda: (
+            (s := swarm.status(node))
+            and any(e["event"] == "left" and e["peer_id"] == leaver for e in events(s))
+            and s
+        ),
+        60,
+        "node-3's departure among node-0's membership events",
+    )
+    url = f"http://127.0.0.1:{port}/"
+    dom = dump_dom(browser, url, tmp_path)
+
+    assert 'data-stage="0"' in dom and 'data-stage="1"' in dom
+    stayed = [p["peer_id"] for p in peers if p["peer_id"] != leaver]
+    assert len(stayed) == 3 and all(f'data-peer="{p}"' in dom for p in stayed)
+    assert status["peer_id"] in dom and "(this node)" in dom
+    assert "data-round=" in dom and "2 of " in dom  # a completed round with a partner
+    assert 'class="ev-joined"' in dom and 'class="ev-left"' in dom
+    assert "fixed by --stage" in dom  # why this node serves its stage
+    assert "tok per compute-s" in dom and "no peer in the directory yet" not in dom
+    png = screenshot(browser, url, tmp_path / "dashboard.png")
+    print(f"dashboard screenshot: {png}")

@@ -33,6 +33,16 @@ def make_snapshot(state: str = "active") -> dict[str, Any]:
             "version": "0.1.0",
             "updated_at": now - 4,
             "is_self": is_self,
+            "utilization": 0.42,
+            "inner_step": 120,
+            "tokens_seen": 65536,
+            "pinned": False,
+            "swim": "self" if is_self else "alive",
+            "rounds_together": 0 if is_self else 2,
+            "bytes_sent": 1000,
+            "bytes_received": 2000,
+            "flags": {},
+            "anchor_agrees": None,
         }
 
     return {
@@ -56,6 +66,38 @@ def make_snapshot(state: str = "active") -> dict[str, Any]:
             "bytes_received": {OTHER_ID: 2000},
             "last_losses": [3.9, 3.812],
             "val_loss": 3.901,
+            "outer": {
+                "outer_round": 3,
+                "rounds": 2,
+                "bytes_sent": 5000,
+                "seconds_blocked": 1.5,
+                "recent_rounds": [
+                    {
+                        "round": r,
+                        "at": now - 60 + 20 * r,
+                        "participants": 2,
+                        "group": [SELF_ID, OTHER_ID],
+                        "anchor_mixed": r == 1,
+                        "consistent": True,
+                        "bytes_sent": 2500,
+                        "bytes_received": 2500,
+                        "seconds_blocked": 0.75,
+                        "failed_peers": [],
+                        "outliers": [],
+                        "mismatched": [],
+                        "anchor_agreement": {"agree": [OTHER_ID], "differ": []},
+                    }
+                    for r in (1, 2)
+                ],
+            },
+            "members": {
+                "events": [
+                    {"at": now - 50, "peer_id": OTHER_ID, "event": "joined", "stage": 0},
+                    {"at": now - 5, "peer_id": "12D3KooWLeaver", "event": "left", "stage": 1},
+                ]
+            },
+            "stage_changes": [{"at": now - 300, "from": None, "to": 1, "reason": "least capacity"}],
+            "waiting_on": "stage 2 (no replica downstream)",
         },
         "stages": [
             {"stage": 0, "peers": [peer(OTHER_ID, False)]},

@@ -49,6 +49,7 @@ async def fetch_page_and_data(url: str) -> tuple[str, dict]:
 
 async def test_dashboard_renders_and_escapes(status_server, daemon: FakeDaemon, tmp_path: Path):
     daemon.current["stages"][0]["peers"][0].update(peer_id=HOSTILE, state="<b>bad</b>")
+    daemon.current["node"]["members"]["events"][0].update(peer_id=HOSTILE, event="<b>x</b>")
     html, data = await fetch_page_and_data(status_server.url)
     script = re.search(r"<script nonce=\"[^\"]+\">(.*)</script>", html, re.S).group(1)
     harness = tmp_path / "dashboard.js"
@@ -68,3 +69,14 @@ async def test_dashboard_renders_and_escapes(status_server, daemon: FakeDaemon, 
     assert "<img" not in swarm and "<b>" not in swarm
     assert "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in swarm
     assert swarm.count("<polyline") == 0 and dom["plots"]["innerHTML"].count("<polyline") == 2
+    assert "swim alive" in swarm and "util 42 %" in swarm
+
+    rounds = dom["rounds"]["innerHTML"]
+    assert rounds.count("data-round=") == 2 and "results agree" in rounds
+    assert "anchor same as 1/1 replica(s)" in rounds and "mixed" in rounds
+    events, stages = dom["events"]["innerHTML"], dom["stages"]["innerHTML"]
+    assert "ev-left" in events and "<b>" not in events and "&lt;b&gt;x&lt;/b&gt;" in events
+    assert "chose 1" in stages and "least capacity" in stages
+    assert "65,536" in dom["contrib"]["innerHTML"]
+    assert dom["waiting"]["textContent"] == "waiting on stage 2 (no replica downstream)"
+    assert dom["waiting"]["style"] == {"display": "block"}

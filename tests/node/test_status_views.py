@@ -1,0 +1,105 @@
+"""What the status page shows, decided without a network: membership events, anchor
+agreement, what a stage waits on, peers flagged in outer rounds, round summaries."""
+
+from types import SimpleNamespace
+
+from agora_node.comms.membership.members import MemberView
+from agora_node.comms.membership.messages import MemberMeta, Status
+from agora_node.node.liveness import RECENT_EVENTS, Liveness, membership_event
+from agora_node.node.outer import round_summary
+from agora_node.node.rounds import anchor_agreement
+from agora_node.node.snapshot import flags_by_peer, waiting_on
+
+
+def view(status: Status, stage: int = 1, peer: str = "B") -> MemberView:
+    return MemberView(peer, status, 0, MemberMeta(stage=stage, state="active"), 0.0)
+
+
+def test_membership_events_name_each_status_change_once():
+    assert membership_event(None, view(Status.ALIVE)) == "joined"
+    assert membership_event(Status.ALIVE, view(Status.SUSPECT)) == "suspected"
+    assert membership_event(Status.SUSPECT, view(Status.ALIVE)) == "alive"
+    assert membership_event(Status.SUSPECT, view(Status.DEAD)) == "dead"
+    assert membership_event(Status.ALIVE, view(Status.LEFT)) == "left"
+    assert membership_event(Status.ALIVE, view(Status.ALIVE)) is None
+
+
+def test_liveness_keeps_recent_events_with_times_and_stage_moves():
+    now = iter(range(1000))
+    live = Liveness(clock=lambda: float(next(now)))
+    live.note(view(Status.ALIVE, stage=-1))  # joining: no stage yet
+    live.note(view(Status.ALIVE, stage=2))  # chose stage 2: not a move
+    live.note(view(Status.ALIVE, stage=3))  # moved
+    live.note(view(Status.SUSPECT, stage=3))
+    live.note(view(Status.DEAD, stage=3))
+    assert [(e["at"], e["event"], e["stage"]) for e in live.events] == [
+        (0.0, "joined", -1),
+        (1.0, "moved", 3),
+        (2.0, "suspected", 3),
+        (3.0, "dead", 3),
+    ]
+    for i in range(2 * RECENT_EVENTS):
+        live.note(view(Status.ALIVE, peer=f"P{i}"))
+    assert (
+        len(live.events) == RECENT_EVENTS
+        and live.events[-1]["peer_id"] == f"P{2 * RECENT_EVENTS - 1}"
+    )
+
+
+def test_anchor_agreement_per_kept_round():
+    own = {4: "aa", 5: "bb"}
+    others = {5: {"X": "bb", "Y": "cc"}, 9: {"X": "zz"}}
+    assert anchor_agreement(own, others) == {
+        "4": {"agree": [], "differ": []},
+        "5": {"agree": ["X"], "differ": ["Y"]},
+    }
+
+
+def test_waiting_on_names_the_empty_neighbour_stage():
+    assert waiting_on(0, 3, {1: 2}) is None
+    assert waiting_on(0, 3, {1: 0}) == "stage 1 (no replica downstream)"
+    assert waiting_on(2, 3, {1: 0}) == "stage 1 (no replica upstream)"
+    assert waiting_on(1, 3, {0: 0, 2: 0}) == (
+        "stage 0 (no replica upstream), stage 2 (no replica downstream)"
+    )
+    assert waiting_on(0, 1, {}) is None  # a one-stage run needs nobody
+
+
+def report(**fields) -> SimpleNamespace:
+    base = dict(
+        round=7,
+        participants=3,
+        delta_group=("A", "B"),
+        anchor_mixed=True,
+        consistent=False,
+        bytes_sent=10,
+        bytes_received=12,
+        seconds_blocked=0.5,
+        failed_peers=["C"],
+        outliers=["B"],
+        mismatched=[],
+    )
+    return SimpleNamespace(**(base | fields))
+
+
+def test_round_summaries_and_the_peers_they_flag():
+    first = round_summary(report(), at=100.0)
+    assert first == {
+        "round": 7,
+        "at": 100.0,
+        "participants": 3,
+        "group": ["A", "B"],
+        "anchor_mixed": True,
+        "consistent": False,
+        "bytes_sent": 10,
+        "bytes_received": 12,
+        "seconds_blocked": 0.5,
+        "failed_peers": ["C"],
+        "outliers": ["B"],
+        "mismatched": [],
+    }
+    second = round_summary(report(round=8, failed_peers=[], mismatched=["B"]), at=110.0)
+    assert flags_by_peer([first, second]) == {
+        "C": {"failed": 1},
+        "B": {"outlier": 2, "mismatched": 1},
+    }

@@ -128,6 +128,8 @@ class Node:
             serving=lambda: self.service,
             offering_state=lambda: self.service if self.state == NodeState.ACTIVE else None,
             served=self.states_served,
+            config=cfg.pipeline,
+            on_refuse=self.metrics.count_refused,
         )
         await self._open_service(stage)
         self._loops.spawn(self._refresh_loop())
@@ -142,7 +144,14 @@ class Node:
             await self._control.start()
         self.state = NodeState.ACTIVE
         meta = MemberMeta(stage=stage, state=self.state.value)
-        await self.liveness.start(self.host, self.identity, m.run_id, self._others(), meta)
+        await self.liveness.start(
+            self.host,
+            self.identity,
+            m.run_id,
+            self._others(),
+            meta,
+            on_refuse=self.metrics.count_refused,
+        )
         await self._publish()
         log.info("stage %d active after %.1fs", stage, time.time() - self.started_at)
         self.telemetry.start()

@@ -7,6 +7,7 @@ instead of a record TTL.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from agora_node.comms.host import Host
@@ -15,17 +16,31 @@ from agora_node.comms.membership.p2p import MembershipService
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.names import swim_namespace
 
+MAX_INTRODUCED = 8192
+"""Peers remembered as introduced (a forgotten one is merely introduced again)."""
+
 
 class Liveness:
     def __init__(self) -> None:
         self.service: MembershipService | None = None
-        self._introduced: set[str] = set()
+        self._introduced: dict[str, None] = {}  # bounded: oldest forgotten first
 
     async def start(
-        self, host: Host, identity: Identity, run_id: str, seeds: list[str], meta: MemberMeta
+        self,
+        host: Host,
+        identity: Identity,
+        run_id: str,
+        seeds: list[str],
+        meta: MemberMeta,
+        on_refuse: Callable[[str, str], None] | None = None,
     ) -> None:
         self.service = MembershipService(
-            host.p2p, identity, seeds=seeds, meta=meta, namespace=swim_namespace(run_id)
+            host.p2p,
+            identity,
+            seeds=seeds,
+            meta=meta,
+            namespace=swim_namespace(run_id),
+            on_refuse=on_refuse,
         )
         await self.service.start()
 
@@ -34,7 +49,9 @@ class Liveness:
         fresh = [p for p in peers if p not in self._introduced]
         if fresh and self.service is not None:
             self.service.join(fresh)
-            self._introduced.update(fresh)
+            self._introduced.update(dict.fromkeys(fresh))
+            for old in list(self._introduced)[: max(0, len(self._introduced) - MAX_INTRODUCED)]:
+                del self._introduced[old]
 
     def gone(self) -> set[str]:
         """Peers declared dead or that left (faster than record expiry)."""

@@ -37,6 +37,7 @@ import hashlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -326,12 +327,15 @@ class OuterLoop:
         p2p: Any = None,
         stage: int | None = None,
         config: OuterConfig | None = None,
+        on_refuse: Callable[[str, str], None] | None = None,
     ) -> OuterLoop:
         """Serve the collective in the caller's event loop, on `p2p` (e.g. the node's Host.p2p)
         or else on a replica of the DHT's libp2p daemon."""
         from agora_node.comms.collective.groups import DHTBoard
         from agora_node.comms.collective.handlers import Responder
+        from agora_node.comms.collective.p2p import LIMITS as COLLECTIVE_LIMITS
         from agora_node.comms.collective.p2p import CollectiveServicer, P2PTransport
+        from agora_node.comms.guard import Guard
 
         stage = getattr(module, "index", 0) if stage is None else stage
         if p2p is None:
@@ -342,7 +346,8 @@ class OuterLoop:
         limit = max_frame_bytes(sum(p.numel() for p in module.parameters()))
         book = RoundBook(identity.peer_id)
         namespace = outer_namespace(manifest.run_id, stage)
-        servicer = CollectiveServicer(Responder(book), limit)
+        guard = Guard("collective", COLLECTIVE_LIMITS, on_refuse=on_refuse)
+        servicer = CollectiveServicer(Responder(book), limit, guard=guard)
         await servicer.add_p2p_handlers(p2p, namespace=namespace)
         transport = P2PTransport(p2p, namespace=namespace, max_frame_bytes=limit)
         loop = cls(

@@ -85,7 +85,8 @@ class NodeStatus(TypedDict):
     last_losses: list[float]  # most recent last, a few at most
     val_loss: float | None
     # Also: records_rejected ({reason: count}, run_pointer_* for run pointer entries)
-    # and runs_seen ([{"run_id", "name"}]: the runs the swarm's signed run pointer announces).
+    # and runs_seen ([{"run_id", "name"}]: the runs the swarm's signed run pointer announces),
+    # requests_refused ({protocol: {reason: count}}: what handlers' guards refused or cut).
 
 
 class Snapshot(TypedDict):

@@ -36,8 +36,10 @@ class SilentPeerError(StreamError):
 
 
 async def write_frame(writer: asyncio.StreamWriter, kind: bytes, payload: bytes = b"") -> None:
-    await linkemu.transmit(len(payload) + 1 + _LEN_BYTES)
+    # the header leaves at once and the payload after the emulated link's delay, as on a
+    # real link, so a reader's header deadline does not count a shaped uplink's queue
     writer.write(kind + len(payload).to_bytes(_LEN_BYTES, "big"))
+    await linkemu.transmit(len(payload) + 1 + _LEN_BYTES)
     view = memoryview(payload)
     for offset in range(0, len(view), CHUNK):
         writer.write(view[offset : offset + CHUNK])
@@ -114,7 +116,9 @@ async def serve(
                     await guard.drain(write_frame(writer, KIND_DATA, chunk), len(chunk), remote)
                 await guard.drain(write_frame(writer, KIND_END), 0, remote)
         except Refused as exc:
-            log.debug("stream %s from %s: %s", name, remote[-8:], exc)
+            # admission refusals can come by the thousand (counted, not logged one by one)
+            level = logging.DEBUG if exc.reason in ADMISSION else logging.INFO
+            log.log(level, "stream %s from %s: %s", name, remote[-8:], exc)
             if exc.reason in ADMISSION:  # nothing was read: say why, briefly
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(write_frame(writer, KIND_ERROR, str(exc).encode()), 1.0)

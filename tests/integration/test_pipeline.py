@@ -37,6 +37,9 @@ def test_swarm_matches_reference_trainer_at_equal_token_budget(swarm):
         "swarm final validation loss",
     )
     swarm_loss = head["final_val_loss"]
+    # honest load is never refused by a handler's guard (comms/guard.py)
+    refused = [(swarm.status(n) or {}).get("requests_refused") for n in nodes]
+    assert refused == [{}] * len(nodes), refused
     ref = LocalTrainer(m, LocalTrainConfig(steps=steps, eval_every=10**6, eval_samples=16))
     ref_loss = ref.run(report=lambda _: None).val_losses[-1][1]
     print(f"val loss after {budget} tokens: swarm {swarm_loss:.4f}, train-local {ref_loss:.4f}")

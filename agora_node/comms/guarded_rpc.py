@@ -124,7 +124,8 @@ def _stream_handler(  # noqa: ANN202 - p2pd's stream handler type
                     work = respond(method(request, context), writer, remote)
                     await _unless_closed(work, reader)
         except Refused as exc:
-            log.debug("%s from %s: %s", name, remote[-8:], exc)
+            level = logging.DEBUG if exc.reason in ADMISSION else logging.INFO
+            log.log(level, "%s from %s: %s", name, remote[-8:], exc)
             if exc.reason in ADMISSION:
                 await _send_error(writer, str(exc))
         except (ConnectionError, asyncio.IncompleteReadError, _EndOfStream):

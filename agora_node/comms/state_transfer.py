@@ -3,8 +3,8 @@
 The server serializes one consistent copy per outer state (cached, one at a
 time, off the worker thread: OuterRounds.transfer_blob) and streams it in
 1 MiB frames after a JSON header that gives the size and sha256. Each joiner
-may hold one transfer at a time, a few at most run together, and each has an
-overall deadline. The client refuses a header announcing more than the bound
+may hold one transfer at a time, a few at most run together, each has read,
+drain and overall deadlines (`LIMITS`, enforced by comms/guard.py). The client refuses a header announcing more than the bound
 the stage's parameter count gives (before it buffers anything) and checks the
 sha256 (integrity only: authenticity comes from the replicas' attestations,
 joining.load_state), and reports progress as it goes.
@@ -12,6 +12,7 @@ joining.load_state), and reports progress as it goes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -21,15 +22,22 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from hivemind.p2p import P2P
 
 from agora_node.comms import streams
+from agora_node.comms.guard import Guard, Limits
 from agora_node.protocol.names import state_protocol
 
 log = logging.getLogger(__name__)
 
 MAX_STATE_BYTES = 16 << 30
 """Absolute ceiling; callers pass the stage's own bound (state_blob.max_bytes)."""
-MAX_SENDS = 4
-"""Transfers a replica serves at once (each joiner at most one)."""
 SEND_DEADLINE_S = 600.0
+LIMITS = Limits(
+    max_streams=4,  # transfers a replica serves at once
+    max_streams_per_peer=1,  # each joiner one at a time
+    rate_per_s=1.0,  # a joiner asks a source at most once per pass (STATE_POLL_S apart)
+    burst=5,
+    read_deadline_s=10.0,
+    deadline_s=SEND_DEADLINE_S,
+)
 
 
 class StateTransferError(RuntimeError):
@@ -46,42 +54,28 @@ async def serve_state(
     run_id: str,
     provider: SnapshotProvider,
     *,
-    max_sends: int = MAX_SENDS,
     deadline_s: float = SEND_DEADLINE_S,
     refuse: Callable[[str], str | None] | None = None,
+    on_refuse: Callable[[str, str], None] | None = None,
 ) -> None:
-    active: dict[str, int] = {}
+    limits = dataclasses.replace(LIMITS, deadline_s=deadline_s)
 
     async def handler(remote: str, request: bytes) -> AsyncIterator[bytes]:
         try:
             stage = int(json.loads(request)["stage"])
         except (ValueError, KeyError, TypeError) as exc:
             raise StateTransferError(f"bad state request: {exc}") from None
-        if remote in active:
-            raise StateTransferError("one state transfer per peer at a time")
-        if len(active) >= max_sends:
-            raise StateTransferError(f"busy: {len(active)} state transfers in progress")
-        active[remote] = stage
-        try:
-            header, blob = await provider(stage)
-            header = {"sha256": hashlib.sha256(blob).hexdigest(), **header, "bytes": len(blob)}
-            log.info(
-                "sending stage %d state (%.1f MiB) to %s", stage, len(blob) / 2**20, remote[-8:]
-            )
-            yield json.dumps(header).encode()
-            view = memoryview(blob)
-            for offset in range(0, len(view), streams.CHUNK):
-                yield bytes(view[offset : offset + streams.CHUNK])
-        finally:
-            del active[remote]
+        header, blob = await provider(stage)
+        header = {"sha256": hashlib.sha256(blob).hexdigest(), **header, "bytes": len(blob)}
+        log.info("sending stage %d state (%.1f MiB) to %s", stage, len(blob) / 2**20, remote[-8:])
+        yield json.dumps(header).encode()
+        view = memoryview(blob)
+        for offset in range(0, len(view), streams.CHUNK):
+            yield bytes(view[offset : offset + streams.CHUNK])
 
+    guard = Guard("state", limits, on_refuse=on_refuse)
     await streams.serve(
-        p2p,
-        state_protocol(run_id),
-        handler,
-        max_request=4096,
-        deadline_s=deadline_s,
-        refuse=refuse,
+        p2p, state_protocol(run_id), handler, max_request=4096, guard=guard, refuse=refuse
     )
 
 

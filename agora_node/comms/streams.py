@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from hivemind.p2p import P2P, PeerID
 
 from agora_node.comms import linkemu
+from agora_node.comms.guard import ADMISSION, Guard, Refused
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,10 @@ class SilentPeerError(StreamError):
 
 
 async def write_frame(writer: asyncio.StreamWriter, kind: bytes, payload: bytes = b"") -> None:
-    await linkemu.transmit(len(payload) + 1 + _LEN_BYTES)
+    # the header leaves at once and the payload after the emulated link's delay, as on a
+    # real link, so a reader's header deadline does not count a shaped uplink's queue
     writer.write(kind + len(payload).to_bytes(_LEN_BYTES, "big"))
+    await linkemu.transmit(len(payload) + 1 + _LEN_BYTES)
     view = memoryview(payload)
     for offset in range(0, len(view), CHUNK):
         writer.write(view[offset : offset + CHUNK])
@@ -53,19 +56,38 @@ async def write_frame(writer: asyncio.StreamWriter, kind: bytes, payload: bytes 
 async def read_frame(
     reader: asyncio.StreamReader, max_bytes: int = DEFAULT_MAX_FRAME
 ) -> tuple[bytes, bytes]:
+    kind, length = _parse_head(await _read_exactly(reader, 1 + _LEN_BYTES, "stream closed"))
+    if length > max_bytes:
+        raise StreamError(f"frame of {length} bytes exceeds the limit of {max_bytes}")
+    return kind, await _read_exactly(reader, length, "stream closed mid-frame")
+
+
+async def _read_exactly(reader: asyncio.StreamReader, n: int, what: str) -> bytes:
     try:
-        head = await reader.readexactly(1 + _LEN_BYTES)
+        return await reader.readexactly(n)
     except asyncio.IncompleteReadError as exc:
-        raise StreamError("stream closed by the remote peer") from exc
+        raise StreamError(f"{what} by the remote peer") from exc
+
+
+def _parse_head(head: bytes) -> tuple[bytes, int]:
     kind, length = head[:1], int.from_bytes(head[1:], "big")
     if kind not in (KIND_DATA, KIND_END, KIND_ERROR, KIND_REFUSED):
         raise StreamError(f"bad frame kind {kind!r}")
-    if length > max_bytes:
-        raise StreamError(f"frame of {length} bytes exceeds the limit of {max_bytes}")
-    try:
-        return kind, await reader.readexactly(length)
-    except asyncio.IncompleteReadError as exc:
-        raise StreamError("stream closed mid-frame") from exc
+    return kind, length
+
+
+async def read_request(
+    reader: asyncio.StreamReader, max_bytes: int, guard: Guard, remote: str
+) -> bytes:
+    """A server reads one request frame: its header within the read deadline, a length
+    above `max_bytes` refused before the body is read, the body within the read
+    deadline plus its bytes at the guard's slowest rate."""
+    head = await guard.read(_read_exactly(reader, 1 + _LEN_BYTES, "stream closed"), 0, remote)
+    _, length = _parse_head(head)
+    guard.check_size(length, max_bytes, remote)
+    return await guard.read(
+        _read_exactly(reader, length, "stream closed mid-frame"), length, remote
+    )
 
 
 def _close(writer: asyncio.StreamWriter) -> None:
@@ -94,37 +116,45 @@ async def serve(
     handler: Handler,
     *,
     max_request: int = DEFAULT_MAX_FRAME,
-    deadline_s: float | None = None,
+    guard: Guard | None = None,
     refuse: Callable[[str], str | None] | None = None,
 ) -> None:
-    """Register `handler` under protocol `name` on this node's libp2p daemon; with
-    `deadline_s`, a stream (request, handler and every write) is cut after that long.
-    `refuse(remote peer id)`: a one-line refusal, sent before the request is read, or None."""
+    """Register `handler` under protocol `name` on this node's libp2p daemon, behind
+    `guard` (comms/guard.py): admission by the authenticated remote peer id, the read
+    deadline, a drain deadline per write and an overall deadline. `refuse(remote peer
+    id)`: a private swarm's one-line refusal, sent before the request is read, or None."""
+    guard = guard or Guard(name)
 
     async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        remote = info.peer_id.to_base58()
+        remote = info.peer_id.to_base58()  # authenticated by libp2p's secure channel
         try:
             refusal = refuse(remote) if refuse is not None else None
             if refusal is not None:
                 await write_frame(writer, KIND_REFUSED, refusal.encode()[:1000])
                 await _discard_until_closed(reader)
                 return
-            async with asyncio.timeout(deadline_s):
-                kind, request = await read_frame(reader, max_request)
+            async with guard.serving(remote):
+                request = await read_request(reader, max_request, guard, remote)
                 async for chunk in handler(remote, request):
-                    await write_frame(writer, KIND_DATA, chunk)
-                await write_frame(writer, KIND_END)
-        except TimeoutError:
-            log.warning("stream %s to %s cut at its %.0fs deadline", name, remote[-8:], deadline_s)
+                    await guard.drain(write_frame(writer, KIND_DATA, chunk), len(chunk), remote)
+                await guard.drain(write_frame(writer, KIND_END), 0, remote)
+        except Refused as exc:
+            # admission refusals can come by the thousand (counted, not logged one by one)
+            level = logging.DEBUG if exc.reason in ADMISSION else logging.INFO
+            log.log(level, "stream %s from %s: %s", name, remote[-8:], exc)
+            if exc.reason in ADMISSION:  # nothing was read: say why, briefly
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(write_frame(writer, KIND_ERROR, str(exc).encode()), 1.0)
         except StreamError as exc:
             log.debug("stream %s from %s: %s", name, remote[-8:], exc)
         except (ConnectionError, asyncio.IncompleteReadError):
             log.debug("stream %s from %s broke", name, remote[-8:])
         except Exception as exc:
             log.exception("handler %s failed for %s", name, remote[-8:])
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                await write_frame(
-                    writer, KIND_ERROR, f"{type(exc).__name__}: {exc}".encode()[:1000]
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    write_frame(writer, KIND_ERROR, f"{type(exc).__name__}: {exc}".encode()[:1000]),
+                    guard.limits.drain_deadline_s,
                 )
         finally:
             _close(writer)

@@ -162,6 +162,8 @@ class Node:
             served=self.states_served,
             allow=self.allow,
             me=self.peer_id,
+            config=cfg.pipeline,
+            on_refuse=self.metrics.count_refused,
         )
         await self._open_service(stage)
         self._loops.spawn(self._refresh_loop())
@@ -178,7 +180,13 @@ class Node:
         self.state = NodeState.ACTIVE
         meta = MemberMeta(stage=stage, state=self.state.value)
         await self.liveness.start(
-            self.host, self.identity, m.run_id, self._others(), meta, self._admit("membership")
+            self.host,
+            self.identity,
+            m.run_id,
+            self._others(),
+            meta,
+            self._admit("membership"),
+            on_refuse=self.metrics.count_refused,
         )
         await self._publish()
         log.info("stage %d active after %.1fs", stage, time.time() - self.started_at)

@@ -35,10 +35,14 @@ def membership_event(previous: Status | None, view: MemberView) -> str | None:
     return _EVENT.get(view.status)
 
 
+MAX_INTRODUCED = 8192
+"""Peers remembered as introduced (a forgotten one is merely introduced again)."""
+
+
 class Liveness:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.service: MembershipService | None = None
-        self._introduced: set[str] = set()
+        self._introduced: dict[str, None] = {}  # bounded: oldest forgotten first
         self._clock = clock
         self._last: dict[str, tuple[Status, int | None]] = {}
         self.events: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
@@ -52,6 +56,7 @@ class Liveness:
         seeds: list[str],
         meta: MemberMeta,
         admit: Callable[[str], bool] | None = None,
+        on_refuse: Callable[[str, str], None] | None = None,
     ) -> None:
         """`admit`: a private swarm's allow list (messages and members of others are dropped)."""
         self.service = MembershipService(
@@ -61,6 +66,7 @@ class Liveness:
             meta=meta,
             namespace=swim_namespace(run_id),
             admit=admit,
+            on_refuse=on_refuse,
         )
         self.service.subscribe(self.note)
         await self.service.start()
@@ -88,7 +94,9 @@ class Liveness:
         fresh = [p for p in peers if p not in self._introduced]
         if fresh and self.service is not None:
             self.service.join(fresh)
-            self._introduced.update(fresh)
+            self._introduced.update(dict.fromkeys(fresh))
+            for old in list(self._introduced)[: max(0, len(self._introduced) - MAX_INTRODUCED)]:
+                del self._introduced[old]
 
     def gone(self) -> set[str]:
         """Peers declared dead or that left (faster than record expiry)."""

@@ -7,7 +7,8 @@ Two kinds of numbers live here:
 - events, counted once as they happen, here and nowhere else: the pipeline
   reports micro-batch outcomes and latencies, payload bytes, injected and
   completed tokens (`count_microbatch`, `add_bytes`, `count_injected`,
-  `count_completed`), the daemon rejected records. Each event moves the
+  `count_completed`), the daemon rejected records, the handlers' guards refused
+  requests (`count_refused`). Each event moves the
   Prometheus counter and the tally the status JSON reads (`microbatch_counts`,
   `bytes_by_peer`, `completed_tokens_per_s`, ...), so the two cannot disagree;
 - levels and the counters other objects already keep (the outer loop's round
@@ -68,6 +69,7 @@ class Metrics:
         # Own tallies, because reading a Counter back needs prometheus_client internals.
         self._outcomes = dict.fromkeys(MICROBATCH_RESULTS, 0)
         self._rejected_codes: dict[str, int] = {}
+        self._refused: dict[str, dict[str, int]] = {}
         self.injected_tokens = 0
         """Tokens this node (a head) put into the pipeline."""
         self.completed_tokens = 0
@@ -91,6 +93,13 @@ class Metrics:
             "Inputs refused because their peer is not on this node's --allow-keys list, by kind "
             "(record, round_entry, stream, rpc, membership, admission).",
             ["what"],
+            registry=r,
+        )
+        self.requests_refused = Counter(
+            "agora_requests_refused",
+            "Requests refused or cut by a handler's guard (admission, deadlines, size), "
+            "by protocol and reason.",
+            ["protocol", "reason"],
             registry=r,
         )
         self.microbatches = Counter(
@@ -167,6 +176,17 @@ class Metrics:
     def count_unlisted_refused(self, what: str, count: int) -> None:
         """`what` comes from a fixed set in the code, never from a peer: no bound needed."""
         self.unlisted_refused.labels(what=what).inc(count)
+
+    def count_refused(self, protocol: str, reason: str) -> None:
+        """A guard (comms/guard.py) refused or cut a request of `protocol` for `reason`.
+        Both labels come from small fixed sets (protocol names and guard.Reason)."""
+        self.requests_refused.labels(protocol=protocol, reason=reason).inc()
+        by_reason = self._refused.setdefault(protocol, {})
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+
+    def refused_counts(self) -> dict[str, dict[str, int]]:
+        """Refused requests by protocol and reason, for the status snapshot."""
+        return {protocol: dict(reasons) for protocol, reasons in self._refused.items()}
 
     def count_microbatch(
         self, result: str, latency_s: float | None = None, code: str | None = None

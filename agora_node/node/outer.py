@@ -336,13 +336,16 @@ class OuterLoop:
         stage: int | None = None,
         config: OuterConfig | None = None,
         allow: AllowList | None = None,
+        on_refuse: Callable[[str, str], None] | None = None,
     ) -> OuterLoop:
         """Serve the collective in the caller's event loop, on `p2p` (e.g. the node's Host.p2p)
         or else on a replica of the DHT's libp2p daemon. `allow`: a private swarm's allow
         list (round entries and collective RPCs of other peers are refused)."""
         from agora_node.comms.collective.groups import DHTBoard
         from agora_node.comms.collective.handlers import Responder
+        from agora_node.comms.collective.p2p import LIMITS as COLLECTIVE_LIMITS
         from agora_node.comms.collective.p2p import CollectiveServicer, P2PTransport
+        from agora_node.comms.guard import Guard
 
         stage = getattr(module, "index", 0) if stage is None else stage
         if p2p is None:
@@ -354,7 +357,8 @@ class OuterLoop:
         book = RoundBook(identity.peer_id)
         namespace = outer_namespace(manifest.run_id, stage)
         rpc_admit = allow.admit("rpc") if allow is not None else None
-        servicer = CollectiveServicer(Responder(book, admit=rpc_admit), limit)
+        guard = Guard("collective", COLLECTIVE_LIMITS, on_refuse=on_refuse)
+        servicer = CollectiveServicer(Responder(book, admit=rpc_admit), limit, guard=guard)
         await servicer.add_p2p_handlers(p2p, namespace=namespace)
         transport = P2PTransport(p2p, namespace=namespace, max_frame_bytes=limit)
         loop = cls(

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from agora_node.comms import streams
+from agora_node.comms.guard import Limits
 from agora_node.comms.pipeline_wire import (
     Code,
     ForwardHeader,
@@ -46,6 +47,24 @@ from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import forward_protocol
 
 log = logging.getLogger(__name__)
+
+
+def forward_limits(config: PipelineConfig) -> Limits:
+    """What the forward protocol allows (comms/guard.py). Honest senders never reach these:
+    a node holds `max_queue` micro-batches and answers BUSY beyond, so stream caps only
+    replace that answer by a refusal; a stream legitimately lasts as long as this hop's
+    retries downstream (`deadline_s`) plus the last try (opening it and waiting for its
+    answer: up to twice `hop_timeout_s`). A micro-batch cut there is forgotten by the
+    worker after its pending ttl, like any other that never completed."""
+    return Limits(
+        max_streams=max(64, 4 * config.max_queue),
+        max_streams_per_peer=max(8, 2 * config.max_queue),
+        rate_per_s=200.0,
+        burst=400.0,
+        read_deadline_s=10.0,
+        drain_deadline_s=30.0,
+        deadline_s=config.deadline_s + 2 * config.hop_timeout_s,
+    )
 
 
 def max_request_bytes(manifest: Manifest) -> int:

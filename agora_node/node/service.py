@@ -23,17 +23,19 @@ from pathlib import Path
 from typing import Any
 
 from agora_node.comms import admission, state_transfer, streams
+from agora_node.comms.guard import Guard
 from agora_node.comms.host import Host
 from agora_node.comms.pipeline_wire import Code, Status, error_response
 from agora_node.node import joining
 from agora_node.node.checkpoint import save_checkpoint
-from agora_node.node.config import NodeConfig
+from agora_node.node.config import NodeConfig, PipelineConfig
 from agora_node.node.head import Head, Sampler
 from agora_node.node.loops import Loops
 from agora_node.node.outer import OuterLoop
 from agora_node.node.pipeline import (
     Pipeline,
     PipelineStats,
+    forward_limits,
     max_request_bytes,
 )
 from agora_node.node.rounds import OuterRounds
@@ -124,6 +126,7 @@ class StageService:
                 p2p=ctx.host.p2p,
                 stage=stage,
                 allow=ctx.allow,
+                on_refuse=ctx.stats.events.count_refused,
             )
             if loaded.outer is not None:
                 outer.load_state_dict(loaded.outer, warming=loaded.warming)
@@ -245,10 +248,13 @@ async def serve_endpoints(
     served: list[dict],
     allow: AllowList | None = None,
     me: str = "",
+    config: PipelineConfig,
+    on_refuse: Callable[[str, str], None] | None = None,
 ) -> None:
     """Register the run's protocols once per node; each request goes to the service of the
     moment: `serving()` takes micro-batches, `offering_state()` sends its state to joiners
     (None while joining, switching or leaving). `served` logs the states sent (last 20).
+    Both protocols sit behind a Guard (comms/guard.py) whose refusals go to `on_refuse`.
     With `allow` (a private swarm), streams of unlisted peers get `me`'s refusal."""
 
     async def forward(remote: str, data: bytes):  # noqa: ANN202 - async generator
@@ -282,7 +288,8 @@ async def serve_endpoints(
         forward_protocol(run_id),
         forward,
         max_request=max_request_bytes(manifest),
+        guard=Guard("forward", forward_limits(config), on_refuse=on_refuse),
         refuse=refuse,
     )
-    await state_transfer.serve_state(host.p2p, run_id, state, refuse=refuse)
+    await state_transfer.serve_state(host.p2p, run_id, state, refuse=refuse, on_refuse=on_refuse)
     await admission.serve_admission(host.p2p, run_id, admission.refuser(allow, me, "admission"))

@@ -214,6 +214,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "states_served": node.states_served,
             "records_rejected": node.records_rejected,
             "unlisted_refused": node.unlisted_refused,
+            "requests_refused": node.metrics.refused_counts(),
             "runs_seen": node.runs_seen,
             "final_val_loss": service.final_val_loss if service else None,
             "injected_tokens": stats.events.injected_tokens,

@@ -104,7 +104,8 @@ class NodeStatus(TypedDict):
     waiting_on: str | None  # "stage 2 (no replica downstream)" when a neighbour stage is empty
     # Also: records_rejected ({reason: count}, run_pointer_* for run pointer entries),
     # unlisted_refused ({what: count}: inputs from peers not on --allow-keys; {} in an open swarm)
-    # and runs_seen ([{"run_id", "name"}]: the runs the swarm's signed run pointer announces).
+    # runs_seen ([{"run_id", "name"}]: the runs the swarm's signed run pointer announces)
+    # and requests_refused ({protocol: {reason: count}}: what handlers' guards refused or cut).
 
 
 class Snapshot(TypedDict):

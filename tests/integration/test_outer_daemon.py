@@ -39,3 +39,6 @@ def test_replicas_of_a_stage_agree_after_outer_rounds(swarm, tmp_path):
         assert all(da[r] == db[r] for r in common), (da, db)
         last = outer(a)["last_round"]
         assert last["consistent"] and len(last["delta_group"]) == 2, last
+    # honest load (pipeline, state copies, outer rounds, SWIM) is never refused by a guard
+    refused = {n.name: (swarm.status(n) or {}).get("requests_refused") for n in nodes}
+    assert all(r == {} for r in refused.values()), refused

@@ -3,11 +3,14 @@ replica mid-training, and rejects garbage without touching its weights."""
 
 import asyncio
 import math
+import time
 
 import pytest
 import torch
 
 from agora_node.compression import ActivationCodec, Codec, QuantizedTensor, encode_frame
+from agora_node.node.config import PipelineConfig
+from agora_node.node.pipeline import forward_limits
 from agora_node.stages.manifest_files import load_manifest
 from tests.integration.harness import TestSwarm, poll
 
@@ -37,6 +40,9 @@ def test_swarm_matches_reference_trainer_at_equal_token_budget(swarm):
         "swarm final validation loss",
     )
     swarm_loss = head["final_val_loss"]
+    # honest load is never refused by a handler's guard (comms/guard.py)
+    refused = [(swarm.status(n) or {}).get("requests_refused") for n in nodes]
+    assert refused == [{}] * len(nodes), refused
     ref = LocalTrainer(m, LocalTrainConfig(steps=steps, eval_every=10**6, eval_samples=16))
     ref_loss = ref.run(report=lambda _: None).val_losses[-1][1]
     print(f"val loss after {budget} tokens: swarm {swarm_loss:.4f}, train-local {ref_loss:.4f}")
@@ -70,7 +76,19 @@ def test_killing_a_middle_replica_mid_training_loses_only_in_flight_work(swarm):
     assert dropped <= 2, dropped  # at most what was in flight (one inner step's worth: 2)
 
 
-async def _send_raw(initial_peers, target: str, payloads: list[bytes], key_path) -> list[bytes]:
+async def _send_raw(
+    initial_peers,
+    target: str,
+    payloads: list[bytes],
+    key_path,
+    silent: int = 0,
+    expect_refused: int = 0,
+) -> tuple[list[bytes], int]:
+    """Send each payload as one request; then open `silent` streams that send nothing
+    (closed once `expect_refused` of them were answered, or after 10 s): (replies,
+    refusals seen)."""
+    from hivemind.p2p import PeerID
+
     from agora_node.comms import streams
     from agora_node.comms.host import Host, HostConfig
     from agora_node.protocol.identity import Identity
@@ -78,13 +96,32 @@ async def _send_raw(initial_peers, target: str, payloads: list[bytes], key_path)
 
     Identity.load_or_create(key_path)
     host = await Host.start(HostConfig(identity_path=str(key_path), initial_peers=initial_peers))
+    writers = []
     try:
-        run_id = load_manifest("tiny").run_id
-        return [
-            await streams.request(host.p2p, target, forward_protocol(run_id), p, timeout=30)
-            for p in payloads
-        ]
+        name = forward_protocol(load_manifest("tiny").run_id)
+        replies = [await streams.request(host.p2p, target, name, p, timeout=30) for p in payloads]
+        readers = []
+        for _ in range(silent):
+            _, reader, writer = await host.p2p.call_binary_stream_handler(
+                PeerID.from_base58(target), name
+            )
+            readers.append(reader)
+            writers.append(writer)
+        # the refused ones are answered at once, the admitted ones hang until closed
+        reads = [asyncio.ensure_future(r.read()) for r in readers]
+        deadline = time.monotonic() + 10
+        while sum(t.done() for t in reads) < expect_refused and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        refused = sum(
+            t.done() and t.result()[:1] == streams.KIND_ERROR and b"peer_streams" in t.result()
+            for t in reads
+        )
+        for t in reads:
+            t.cancel()
+        return replies, refused
     finally:
+        for writer in writers:
+            writer.close()
         await host.shutdown()
 
 
@@ -134,8 +171,16 @@ def test_malformed_microbatches_are_rejected_counted_and_harmless(swarm, tmp_pat
     run_id, target = status["run_id"], status["peer_id"]
     steps_before = status["inner_step"]
     payloads = _malformed_payloads(run_id)
-    replies = asyncio.run(
-        _send_raw(swarm.initial_peers, target, list(payloads.values()), tmp_path / "sender.key")
+    cap = forward_limits(PipelineConfig()).max_streams_per_peer
+    replies, refused = asyncio.run(
+        _send_raw(
+            swarm.initial_peers,
+            target,
+            list(payloads.values()),
+            tmp_path / "sender.key",
+            silent=cap + 4,
+            expect_refused=4,
+        )
     )
     codes = {}
     for name, data in zip(payloads, replies, strict=True):
@@ -158,5 +203,8 @@ def test_malformed_microbatches_are_rejected_counted_and_harmless(swarm, tmp_pat
         "rejections counted",
     )
     assert after["state"] == "active" and node.proc.poll() is None  # still serving
+    # streams beyond the per-peer cap were refused, counted and shown (comms/guard.py)
+    assert refused == 4
+    assert after["requests_refused"] == {"forward": {"peer_streams": 4}}
     # Weights untouched: they change only in an inner step, and none ran.
     assert after["inner_step"] == steps_before == 0

@@ -294,7 +294,7 @@ async def test_state_handler_one_transfer_per_peer_and_a_send_deadline():
         await asyncio.sleep(0.01)
     second = _FakeStream(request)
     await on_stream(peer, second.reader, second)
-    assert second.sent[:1] == streams.KIND_ERROR and b"one state transfer per peer" in second.sent
+    assert second.sent[:1] == streams.KIND_ERROR and b"peer_streams" in second.sent
     await asyncio.wait_for(task, 5)  # cut by the send deadline, not left hanging
     assert streams.KIND_END not in first.sent[-9:-8]
     third = _FakeStream(request)  # the slot is free again

@@ -29,6 +29,7 @@ def live_series() -> set[str]:
     m = Metrics()
     m.count_microbatch("rejected", latency_s=0.1, code="bad_frame")
     m.count_rejected_record("bad_signature")
+    m.count_refused("forward", "rate")
     m.count_injected(64)
     m.count_completed(64)
     m.add_bytes("peer", sent=1, received=1)

@@ -117,3 +117,13 @@ def test_compute_rate_and_utilization_are_labelled_levels():
     s = samples(m)
     assert s[("agora_compute_rate_tokens_per_s", ())] == 1234.5  # the record's throughput
     assert s[("agora_utilization_ratio", ())] == 0.25
+
+
+def test_refused_requests_are_counted_by_protocol_and_reason():
+    m = Metrics()
+    m.count_refused("forward", "rate")
+    m.count_refused("forward", "rate")
+    m.count_refused("state", "read_deadline")
+    key = ("agora_requests_refused_total", (("protocol", "forward"), ("reason", "rate")))
+    assert samples(m)[key] == 2
+    assert m.refused_counts() == {"forward": {"rate": 2}, "state": {"read_deadline": 1}}

@@ -21,11 +21,13 @@ from __future__ import annotations
 from typing import AsyncIterator  # noqa: UP035
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, PeerID
 
-from agora_node.comms.collective.handlers import MEMBER_REFUSALS, Responder
+from agora_node.comms.collective.handlers import MAX_WAIT, MEMBER_REFUSALS, Responder
 from agora_node.comms.collective.verify import NONCE_BYTES
 from agora_node.comms.collective.wire import Code, Header, Reply, rejected
+from agora_node.comms.guard import Guard, Limits
+from agora_node.comms.guarded_rpc import GuardedServicer
 
 CHUNK_BYTES = 1 << 20
 
@@ -119,11 +121,33 @@ async def _discard(stream: AsyncIterator[CollectiveMessage], left: int) -> None:
             return
 
 
-class CollectiveServicer(ServicerBase):
-    """Hands requests to a Responder; refuses frames above `max_frame_bytes` while reading."""
+LIMITS = Limits(
+    # a member has a few requests open to another per phase (its pushes, fetches, checks
+    # and queries to that member, two phases may overlap): far below these
+    max_streams=256,
+    max_streams_per_peer=32,
+    rate_per_s=100.0,
+    burst=400.0,
+    read_deadline_s=10.0,
+    drain_deadline_s=30.0,
+    deadline_s=MAX_WAIT + 180.0,  # the longest wait a request may ask, then its transfer
+)
+MAX_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
+"""One request message: a chunk and the header fields."""
 
-    def __init__(self, responder: Responder, max_frame_bytes: int) -> None:
+
+class CollectiveServicer(GuardedServicer):
+    """Hands requests to a Responder; refuses frames above `max_frame_bytes` while reading.
+    Registered behind a Guard (comms/guarded_rpc.py): admission by the remote peer id,
+    deadlines, request messages capped at MAX_MESSAGE_BYTES."""
+
+    max_message = MAX_MESSAGE_BYTES
+
+    def __init__(
+        self, responder: Responder, max_frame_bytes: int, *, guard: Guard | None = None
+    ) -> None:
         self.responder, self.max_frame_bytes = responder, max_frame_bytes
+        self.guard = guard or Guard("collective", LIMITS)
 
     async def rpc_push(
         self, requests: AsyncIterator[CollectiveMessage], context: P2PContext

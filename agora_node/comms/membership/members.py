@@ -136,6 +136,16 @@ class MemberTable:
         """Members declared dead (not left) and not yet forgotten."""
         return [p for p in self._gone if self.by_id[p].status == Status.DEAD]
 
+    def evict_gone(self) -> str | None:
+        """Forget the member that went first of those dead or left (to make room); its id,
+        or None."""
+        if not self._gone:
+            return None
+        peer = next(iter(self._gone))
+        del self.by_id[peer]
+        del self._gone[peer]
+        return peer
+
     def reap(self, horizon: float) -> list[str]:
         """Forget members dead or left since before `horizon`; return their ids."""
         old = [p for p in self._gone if self.by_id[p].since < horizon]

@@ -21,8 +21,10 @@ import time
 from collections.abc import Callable, Iterable
 
 from google.protobuf.wrappers_pb2 import BytesValue
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, PeerID
 
+from agora_node.comms.guard import Guard, Limits
+from agora_node.comms.guarded_rpc import GuardedServicer
 from agora_node.comms.membership.messages import MemberMeta
 from agora_node.comms.membership.settings import MembershipSettings
 from agora_node.comms.membership.signing import Ed25519Verifier
@@ -33,11 +35,24 @@ from agora_node.protocol.names import STANDALONE_SWIM_NAMESPACE
 logger = logging.getLogger(__name__)
 
 
-class MembershipServicer(ServicerBase):
-    """Hands every received message to `deliver(sender_peer_id, data)`."""
+LIMITS = Limits(
+    # one honest member sends another a few messages per probe interval (ping, ack,
+    # ping-req, gossip); push-pulls are rarer; every message is handled at once
+    max_streams=256,
+    max_streams_per_peer=8,
+    rate_per_s=50.0,
+    burst=100.0,
+    deadline_s=5.0,
+)
 
-    def __init__(self, deliver: Callable[[str, bytes], None]) -> None:
+
+class MembershipServicer(GuardedServicer):
+    """Hands every received message to `deliver(sender_peer_id, data)`, behind a Guard
+    (admission by the authenticated remote peer id; comms/guarded_rpc.py)."""
+
+    def __init__(self, deliver: Callable[[str, bytes], None], guard: Guard | None = None) -> None:
         self._deliver = deliver
+        self.guard = guard or Guard("membership", LIMITS)
 
     async def rpc_gossip(self, request: BytesValue, context: P2PContext) -> BytesValue:
         self._deliver(context.remote_id.to_base58(), request.value)
@@ -70,6 +85,7 @@ class MembershipService:
         send_timeout_s: float | None = None,
         max_in_flight: int = 256,
         admit: Callable[[str], bool] | None = None,
+        on_refuse: Callable[[str, str], None] | None = None,
     ) -> None:
         if p2p.peer_id.to_base58() != identity.peer_id:
             raise ValueError("the P2P host must run with the membership identity's key")
@@ -83,7 +99,9 @@ class MembershipService:
         self._listeners: list[Callable[[MemberView], None]] = []
         self._in_flight: set[asyncio.Task] = set()
         self._machine: Membership | None = None
-        self._servicer = MembershipServicer(self._deliver)
+        self._servicer = MembershipServicer(
+            self._deliver, Guard("membership", LIMITS, on_refuse=on_refuse)
+        )
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.send_failures = 0

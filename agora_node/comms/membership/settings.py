@@ -48,6 +48,11 @@ class MembershipSettings:
     """Dead and left members are remembered this long, so stale news cannot resurrect them."""
     max_awareness: int = 8
     """Lifeguard local-health multiplier cap: timeouts stretch by up to this factor."""
+    max_members: int = 8192
+    """Other members remembered at most (identities are free): when full, a new one takes
+    the place of the member dead or gone longest, or is dropped if every one is live."""
+    max_relays: int = 1024
+    """Ping-reqs carried out for others at once; more are dropped (each lives ~2 nack delays)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.probe_timeout_s < self.probe_interval_s:
@@ -58,6 +63,8 @@ class MembershipSettings:
             raise ValueError("indirect_checks and gossip_fanout must be >= 0")
         if self.suspicion_mult <= 0 or self.suspicion_max_mult < 1:
             raise ValueError("need suspicion_mult > 0 and suspicion_max_mult >= 1")
+        if self.max_members < 1 or self.max_relays < 0:
+            raise ValueError("need max_members >= 1 and max_relays >= 0")
         if self.retransmit_mult < 1 or self.max_piggyback < 1 or self.max_awareness < 1:
             raise ValueError("retransmit_mult, max_piggyback and max_awareness must be >= 1")
         for name in ("gossip_interval_s", "push_pull_interval_s", "reconnect_interval_s"):

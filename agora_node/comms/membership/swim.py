@@ -45,9 +45,13 @@ COUNTERS = (
     "sent", "sent_bytes", "received", "received_bytes",
     "dropped_malformed", "dropped_unsigned", "dropped_bad_signature", "dropped_replay",
     "dropped_not_admitted", "dropped_bad_item_signature", "stale_items",
+    "dropped_table_full", "dropped_relays_full",
     "probes", "probe_failures", "probes_inconclusive", "indirect_probes",
     "suspicions", "confirmations", "declared_dead", "refutations", "push_pulls",
 )  # fmt: skip
+
+_KEPT_SEEDS = 8
+"""Seeds never dropped when the seed list is full: the first ones, given at start."""
 
 # timer kinds
 _PROBE, _PROBE_TIMEOUT, _PROBE_END, _SUSPICION, _NACK, _GOSSIP, _PUSH_PULL, _RECONNECT = range(8)
@@ -108,7 +112,7 @@ class Membership:
         self._record = self._sign_item(Status.ALIVE, self.peer_id, 0, meta=self._meta)
         self._leaving = False
         self._gossip = GossipQueue()
-        self._replay = ReplayGuard()
+        self._replay = ReplayGuard(max_senders=2 * self.settings.max_members)
         self._timers = TimerQueue()
         self._seq = seq_start
         self._probe_seq = 0
@@ -179,6 +183,10 @@ class Membership:
         healed partitions."""
         fresh = [s for s in dict.fromkeys(seeds) if s != self.peer_id and s not in self._seeds]
         self._seeds.extend(fresh)
+        # bounded like the table: the first seeds (the ones given at start) are kept
+        excess = len(self._seeds) - self.settings.max_members
+        if excess > 0:
+            del self._seeds[_KEPT_SEEDS : _KEPT_SEEDS + excess]
         for seed in fresh:
             self._send_push_pull(seed, reply=False)
 
@@ -386,6 +394,9 @@ class Membership:
         target = env.target
         if target is None or target == self.peer_id or target == origin:
             return
+        if len(self._relays) >= self.settings.max_relays:
+            self.counters["dropped_relays_full"] += 1
+            return
         seq = self._next_probe_seq()
         self._relays[seq] = _Relay(origin, env.probe_seq, target, now)
         self._send(target, MsgKind.PING, wire.probe_body(seq))
@@ -527,6 +538,8 @@ class Membership:
             return
         if not self._verified(item):
             return
+        if member is None and not self._make_room():
+            return
         if action == "confirm":
             assert member is not None and member.suspicion is not None
             self._confirm(member.suspicion, item)
@@ -540,6 +553,18 @@ class Membership:
             self._apply_record(member, item, now)
         if gossip:
             self._spread(item.subject, item.raw, item.kind)
+
+    def _make_room(self) -> bool:
+        """Room for one more member: the table is bounded (identities are free), so a full
+        one forgets the member gone longest, and takes nobody new while all are live."""
+        if len(self._members.by_id) < self.settings.max_members:
+            return True
+        evicted = self._members.evict_gone()
+        if evicted is None:
+            self.counters["dropped_table_full"] += 1
+            return False
+        self._replay.forget(evicted)
+        return True
 
     def _correct(self, sender: str, member: Member, item: Item) -> None:
         """The sender relays an accusation we know to be outdated (the member has

@@ -119,6 +119,12 @@ class NodeConfig:
     eval_every_s: float = option(
         60.0, name="eval_every", help="seconds between validation losses (stage 0)"
     )
+    ban_s: float = option(
+        600.0,
+        name="ban",
+        help="seconds a peer caught sending outlier, forged or non-finite values is ignored "
+        "(routing, outer rounds, state transfer)",
+    )
     eval_samples: int = 16
     drain_timeout_s: float = 30.0
     max_tokens: int = option(
@@ -149,7 +155,7 @@ class NodeConfig:
             raise UsageError(
                 f"--run {self.run} and --manifest (run id {self.manifest.run_id}) disagree"
             )
-        _at_least(self, 0, "threads", "max_tokens", "rebalance_every_s", "status_port")
+        _at_least(self, 0, "threads", "max_tokens", "rebalance_every_s", "status_port", "ban_s")
         if self.status_port > 65535:
             raise UsageError(f"--status-port must be at most 65535, not {self.status_port}")
         if self.emulate_link:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from agora_node.comms.routing import FailureKind, Router, RouterConfig
 from agora_node.compression import ActivationCodec, CodecError, NonFiniteError
 from agora_node.node.config import PipelineConfig
 from agora_node.node.metrics import Metrics
+from agora_node.node.suspects import NormWatch, Reason, Suspects
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import forward_protocol
@@ -52,6 +54,13 @@ def max_request_bytes(manifest: Manifest) -> int:
     """The largest forward request a node of this run accepts (checked before reading it)."""
     m = manifest.model
     return 4096 + m.seq_len * manifest.inner.micro_batch * (4 * (m.d_model + 1))
+
+
+def _number(value: object) -> float:
+    """A reply's loss as a float; NaN for anything that is not a number (refused if training)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return math.nan
 
 
 class PipelineStats:
@@ -91,6 +100,7 @@ class Pipeline:
         peers_of: Callable[[int], list[str]],
         config: PipelineConfig,
         stats: PipelineStats | None = None,
+        suspects: Suspects | None = None,
     ) -> None:
         self.manifest, self.worker, self.p2p, self.peer_id = manifest, worker, p2p, peer_id
         self.peers_of, self.config = peers_of, config
@@ -104,6 +114,10 @@ class Pipeline:
         self._router = Router(RouterConfig(tokens_per_item=m.inner.micro_batch * m.model.seq_len))
         self._idle = asyncio.Event()
         self._idle.set()
+        self.suspects = suspects if suspects is not None else Suspects(me=peer_id)
+        """Peers caught sending non-finite or outlier values: routed around while banned."""
+        self._activation_norms = NormWatch()
+        self._gradient_norms = NormWatch()
 
     @property
     def stage(self) -> int:
@@ -131,7 +145,12 @@ class Pipeline:
         started = time.monotonic()
         try:
             header, tokens, c_in = await self._admit(data)
+            if header.train and not await self._plausible(c_in, self._activation_norms):
+                self.suspects.flag(remote, Reason.PIPELINE_OUTLIER, "activations: norm outlier")
+                raise WireError(Code.BAD_PAYLOAD, "activation norm far above the recent ones")
         except WireError as exc:
+            if exc.code == Code.NON_FINITE:
+                self.suspects.flag(remote, Reason.NONFINITE, "sent non-finite activations")
             busy = exc.code in (Code.OVERLOADED, Code.LEAVING, Code.NOT_READY, Code.WRONG_STAGE)
             if not busy:
                 self.events.count_microbatch("rejected", code=exc.code.value)
@@ -215,6 +234,11 @@ class Pipeline:
         payload = b"" if grad is None else await self.worker.call(self.codec.encode, grad)
         return encode_response(ResponseHeader(status=Status.OK.value, loss=loss), payload)
 
+    async def _plausible(self, values: torch.Tensor, watch: NormWatch) -> bool:
+        """Is this tensor's norm within `watch`'s bound of the recent ones (suspects.py)?"""
+        norm = await self.worker.call(lambda: float(torch.linalg.vector_norm(values.float())))
+        return not watch.outlier(norm)
+
     def update_view(self, records: list) -> None:
         """Announced throughput, queue and state of peers, for routing."""
         self._router.update_announced(records)
@@ -229,7 +253,9 @@ class Pipeline:
         tried: set[str] = set()
         while time.monotonic() < deadline:
             candidates = [p for p in self.peers_of(header.stage) if p != self.peer_id]
-            peer = self._router.choose(candidates, time.monotonic(), exclude=tried)
+            trusted = [p for p in candidates if not self.suspects.is_banned(p)]
+            # banned replicas only when the stage has nobody else (their replies are checked)
+            peer = self._router.choose(trusted or candidates, time.monotonic(), exclude=tried)
             if peer is None:
                 if not self.accepting:  # leaving: finish what can finish, don't wait for new peers
                     return None
@@ -268,11 +294,16 @@ class Pipeline:
             latency = time.monotonic() - now
             self._router.on_success(peer, latency, time.monotonic())
             grad = None
+            loss = _number(reply.loss)
             if header.train:
+                if not math.isfinite(loss):
+                    return self._refuse(peer, Reason.NONFINITE, f"loss {loss}")
                 grad = await self._decode_grad(peer, grad_payload, header)
                 if grad is None:
                     return None
-            return (float(reply.loss) if reply.loss is not None else float("nan"), grad)
+                if not await self._plausible(grad, self._gradient_norms):
+                    return self._refuse(peer, Reason.PIPELINE_OUTLIER, "gradient: norm outlier")
+            return (loss, grad)
         if reply.status == Status.REJECTED.value:
             self._router.on_failure(peer, time.monotonic(), FailureKind.REJECTED)
             log.warning(
@@ -295,7 +326,15 @@ class Pipeline:
         except CodecError as exc:
             self._router.on_failure(peer, time.monotonic(), FailureKind.ERROR)
             log.warning("bad gradient from %s: %s", peer[-8:], exc)
+            if isinstance(exc, NonFiniteError):
+                self.suspects.flag(peer, Reason.NONFINITE, "returned a non-finite gradient")
             return None
+
+    def _refuse(self, peer: str, reason: Reason, evidence: str) -> None:
+        """A reply that must not be used: ban its sender, try another replica."""
+        self._router.on_failure(peer, time.monotonic(), FailureKind.ERROR)
+        self.suspects.flag(peer, reason, evidence)
+        log.warning("refused the reply of %s: %s", peer[-8:], evidence)
 
     def _count_bytes(self, peer: str, *, sent: int = 0, received: int = 0) -> None:
         self.events.add_bytes(peer, sent=sent, received=received)

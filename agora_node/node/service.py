@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from agora_node.node.pipeline import (
 )
 from agora_node.node.rounds import OuterRounds
 from agora_node.node.status_server import History
+from agora_node.node.suspects import Suspects
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
@@ -64,6 +65,8 @@ class ServiceContext:
     """Read the directory now (async): {stage: [NodeRecord]}."""
     stats: PipelineStats
     history: History
+    suspects: Suspects = field(default_factory=Suspects)
+    """Peers this node banned: routed around, their parts and claims ignored."""
 
     @property
     def peer_id(self) -> str:
@@ -93,6 +96,7 @@ class StageService:
             ctx.peers_of,
             ctx.config.pipeline,
             stats=ctx.stats,
+            suspects=ctx.suspects,
         )
         self.final_val_loss: float | None = None
         self._stop = asyncio.Event()
@@ -120,6 +124,7 @@ class StageService:
                 ctx.manifest,
                 p2p=ctx.host.p2p,
                 stage=stage,
+                suspects=ctx.suspects,
             )
             if loaded.outer is not None:
                 outer.load_state_dict(loaded.outer, warming=loaded.warming)
@@ -135,7 +140,9 @@ class StageService:
             replica_rounds=lambda: [
                 r.outer_step
                 for r in ctx.records_of(stage)
-                if r.peer_id != ctx.peer_id and r.state == NodeState.ACTIVE
+                if r.peer_id != ctx.peer_id
+                and r.state == NodeState.ACTIVE
+                and not ctx.suspects.is_banned(r.peer_id)  # a banned peer's round moves nobody
             ],
             replica_count=lambda: len(ctx.peers_of(stage)) or 1,
             replica_ids=lambda: ctx.peers_of(stage),

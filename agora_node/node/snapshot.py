@@ -127,6 +127,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "completed_tokens": stats.events.completed_tokens,
             "completed_tokens_per_s": stats.events.completed_tokens_per_s(),
             "rejected_codes": stats.rejected_codes,
+            "suspects": node.suspects.status(),
         },
         "stages": [
             {

@@ -86,6 +86,8 @@ class NodeStatus(TypedDict):
     val_loss: float | None
     # Also: records_rejected ({reason: count}, run_pointer_* for run pointer entries)
     # and runs_seen ([{"run_id", "name"}]: the runs the swarm's signed run pointer announces).
+    # suspects: {"ban_s", "banned": [{"peer", "reason", "evidence", "flags", "flagged_s_ago",
+    # "ban_left_s"}], "flagged_total": {reason: count}} (node/suspects.py).
 
 
 class Snapshot(TypedDict):

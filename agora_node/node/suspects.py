@@ -36,8 +36,9 @@ class Reason(StrEnum):
     """A span result it produced (or witnessed) failed the witness check."""
     NONFINITE = "nonfinite"
     """It sent non-finite activations, gradients or loss in the pipeline."""
-    GRADIENT_OUTLIER = "gradient_outlier"
-    """It returned a gradient whose norm is far above the recent ones (`NormWatch`)."""
+    PIPELINE_OUTLIER = "pipeline_outlier"
+    """It sent activations or returned a gradient whose norm is far above the recent ones
+    (`NormWatch`)."""
 
 
 @dataclass

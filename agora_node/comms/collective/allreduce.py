@@ -255,7 +255,7 @@ class AllReduce:
             return
         own = self.state.own_part(me)
         parts = {m: c for m, c in span.parts.items() if m not in self.ignore}
-        for member in span.parts.keys() - parts.keys():
+        for member in self.ignore.intersection(others):
             self.stats.reject("banned sender")
             self.stats.ignored.add(member)
         senders = ([self.state.me] if own is not None else []) + list(parts)

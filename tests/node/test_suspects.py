@@ -133,3 +133,17 @@ async def test_peers_that_agree_on_a_ban_compute_the_same_groups_without_the_ban
     assert all(v.excluded == (bad,) for v in views)
     assert len({v.group("delta", 0) for v in honest}) == 1 and len(honest[0].group("delta", 0)) == 4
     assert views[4].group("delta", 0) == (bad,)  # the excluded peer mixes alone
+
+
+async def test_a_banned_peers_entry_does_not_open_a_round_for_others() -> None:
+    board = MemoryBoard()
+    me, bad = Identity.generate(), Identity.generate()
+    mine = Matchmaker(board, me, run_id="r", stage=0, config=QUICK)
+    theirs = Matchmaker(board, bad, run_id="r", stage=0, config=QUICK)
+    gathering = asyncio.create_task(theirs.gather(7, expect=1))
+    try:
+        await asyncio.wait_for(gathering, 10)
+        assert await mine.opened_by_others(7, expect=3)
+        assert not await mine.opened_by_others(7, expect=3, ignore={bad.peer_id})
+    finally:
+        gathering.cancel()

@@ -52,9 +52,19 @@ class PipelineConfig:
     activation_codec: str = option(
         "bf16", help="boundary activations on the wire: " + ", ".join(CODEC_NAMES)
     )
+    canary_every: int = 64
+    """Every n-th training micro-batch this node sends, the same input also goes, as a
+    forward-only probe, to `canary_replicas` replicas of the next stage; one whose output
+    departs from the strict majority is flagged (node/canary.py). 0: never."""
+    canary_replicas: int = 3
+    canary_tolerance: float = 0.5
+    """Relative distance (||a - b|| / max norm) within which two replicas' outputs agree;
+    replicas drift apart by their inner steps since the last outer round."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "max_in_flight")
+        _at_least(self, 0, "max_in_flight", "canary_every")
+        if self.canary_replicas < 3:
+            raise UsageError("canary_replicas must be at least 3 (a strict majority of 2 is both)")
         _check_codec(self.activation_codec)
 
 

@@ -36,6 +36,9 @@ class Reason(StrEnum):
     """A span result it produced (or witnessed) failed the witness check."""
     NONFINITE = "nonfinite"
     """It sent non-finite activations, gradients or loss in the pipeline."""
+    CANARY = "canary"
+    """Its output for a canary micro-batch departed from the strict majority of the
+    stage's replicas probed with the same input (canary.py)."""
     PIPELINE_OUTLIER = "pipeline_outlier"
     """It sent activations or returned a gradient whose norm is far above the recent ones
     (`NormWatch`)."""

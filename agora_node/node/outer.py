@@ -59,7 +59,7 @@ from agora_node.comms.collective import (
 )
 from agora_node.comms.collective.groups import MAX_FLAGS, Expect
 from agora_node.comms.collective.payload import max_frame_bytes
-from agora_node.node.suspects import Reason, Suspects
+from agora_node.node.suspects import ROUND_EVIDENCE, Reason, Suspects
 from agora_node.protocol.codecs import Codec, from_name
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
@@ -451,7 +451,7 @@ class OuterLoop:
             digest=digest,
             warming=self.state.warming,
             expect=expect,
-            flags=self.suspects.newest_banned(MAX_FLAGS),
+            flags=self.suspects.newest_banned(MAX_FLAGS, ROUND_EVIDENCE),
         )
         g = self.config.group_size
         delta_group, anchor_group = view.group("delta", g), view.group("anchor", g)

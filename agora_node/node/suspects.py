@@ -21,7 +21,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -42,6 +42,10 @@ class Reason(StrEnum):
     PIPELINE_OUTLIER = "pipeline_outlier"
     """It sent activations or returned a gradient whose norm is far above the recent ones
     (`NormWatch`)."""
+
+
+ROUND_EVIDENCE = (Reason.NORM_OUTLIER, Reason.MISMATCH)
+"""What a replica saw in its own stage's outer rounds: the reasons its round entries name."""
 
 
 @dataclass
@@ -96,11 +100,12 @@ class Suspects:
         now = self.clock()
         return frozenset(p for p, f in self._flags.items() if f.until > now)
 
-    def newest_banned(self, limit: int) -> list[str]:
-        """At most `limit` banned peers, the most recently flagged first (round entries)."""
+    def newest_banned(self, limit: int, reasons: Collection[Reason] = tuple(Reason)) -> list[str]:
+        """At most `limit` peers banned now whose last flag has one of `reasons`, the most
+        recently flagged first (round entries name only outer-round evidence)."""
         now = self.clock()
-        live = sorted((f for f in self._flags.values() if f.until > now), key=lambda f: -f.until)
-        return [f.peer for f in live[:limit]]
+        live = [f for f in self._flags.values() if f.until > now and f.reason in reasons]
+        return [f.peer for f in sorted(live, key=lambda f: -f.until)[:limit]]
 
     def _bound(self, now: float) -> None:
         for peer in [p for p, f in self._flags.items() if f.until <= now]:

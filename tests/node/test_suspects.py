@@ -7,7 +7,7 @@ import pytest
 
 from agora_node.comms.collective import Matchmaker, MatchmakingConfig, MemoryBoard, RoundEntry
 from agora_node.comms.collective.groups import MAX_FLAGS, EntryError, excluded
-from agora_node.node.suspects import NormWatch, Reason, Suspects
+from agora_node.node.suspects import ROUND_EVIDENCE, NormWatch, Reason, Suspects
 from agora_node.protocol.identity import Identity
 
 pytestmark = pytest.mark.timeout(30)
@@ -64,6 +64,14 @@ def test_the_ledger_is_bounded_and_forgets_the_soonest_to_expire() -> None:
         s.flag(f"p{i}", Reason.NORM_OUTLIER)
     assert len(s.banned()) == 8 and s.is_banned("p999") and not s.is_banned("p0")
     assert s.newest_banned(3) == ["p999", "p998", "p997"]
+
+
+def test_round_entries_name_only_peers_banned_on_round_evidence() -> None:
+    s = Suspects()
+    s.flag("next-stage", Reason.CANARY)
+    s.flag("same-stage", Reason.NORM_OUTLIER)
+    assert s.newest_banned(8, ROUND_EVIDENCE) == ["same-stage"]
+    assert sorted(s.newest_banned(8)) == ["next-stage", "same-stage"]
 
 
 def test_a_ban_period_must_be_finite() -> None:

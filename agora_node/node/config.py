@@ -10,6 +10,7 @@ internal settings.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,8 @@ class NodeConfig:
                 f"--run {self.run} and --manifest (run id {self.manifest.run_id}) disagree"
             )
         _at_least(self, 0, "threads", "max_tokens", "rebalance_every_s", "status_port", "ban_s")
+        if not math.isfinite(self.ban_s):
+            raise UsageError(f"--ban must be a finite number of seconds, not {self.ban_s}")
         if self.status_port > 65535:
             raise UsageError(f"--status-port must be at most 65535, not {self.status_port}")
         if self.emulate_link:

@@ -133,6 +133,8 @@ INVALID = [
     ("emulate_link", "fast", "--emulate-link"),
     ("manifest", "nope-not-a-file", "not found"),
     ("mqtt_url", "http://127.0.0.1:1883", "--mqtt-url: 'http://127.0.0.1:1883' must start with"),
+    ("ban", "-5", "--ban must be at least 0"),
+    ("ban", "inf", "--ban must be a finite number"),
 ]
 
 

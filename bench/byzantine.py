@@ -15,10 +15,14 @@ as the daemon does (`OuterConfig.from_manifest`: the manifest's aggregation,
 CenteredClip by default, norm screening, verified results), one group of everyone.
 `undefended` repeats the attack with what main did (plain mean, no norm screen,
 no result check). Printed per attack: val_loss (mean over the honest replicas of
-their own model; `honest` is the all-honest run), whether an honest replica
-flagged the attacker (refused its contribution for its norm, or its span's result
-at the witness check) and after how many seconds, and whether the honest replicas'
-anchors are equal at the end. `--json` prints one line: a list of those objects.
+their own model; `honest` is the all-honest run), whether an honest replica's
+suspects ledger (node/suspects.py) banned the attacker (it refused its contribution
+for its norm, or its span's result failed the witness check) and after how many
+seconds, by how many honest replicas (`flagged_by`), in how many of the rounds after
+that first ban the honest replicas' groups left it out (`excluded_rounds` of
+`rounds_after_flag`: a strict majority of round entries must name it) or at least one
+reducer dropped its parts (`ignored_rounds`), and whether the honest replicas' anchors
+are equal at the end. `--json` prints one line: a list of those objects.
 
 Lying about round numbers and join times is covered by tests (tests/outer/test_groups.py,
 tests/node/test_rounds.py), not here.
@@ -47,6 +51,7 @@ from agora_node.comms.collective import (  # noqa: E402
     MemoryBoard,
 )
 from agora_node.node.outer import ModuleWeights, OuterConfig, OuterLoop, OuterState  # noqa: E402
+from agora_node.node.suspects import Suspects  # noqa: E402
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer  # noqa: E402
 from agora_node.protocol.identity import Identity  # noqa: E402
 from agora_node.protocol.manifest import Manifest  # noqa: E402
@@ -127,6 +132,7 @@ async def run(
             book=network.join(ident.peer_id),
             transport=network.transport(ident.peer_id),
             board=board,
+            suspects=Suspects(me=ident.peer_id, ban_s=args.ban_s),
         )
         trainers.append(t)
         loops.append(loop)
@@ -136,6 +142,7 @@ async def run(
         weights[bad] = ByzantineWeights(loops[bad].state, attack, seed=args.seed)
     honest = [k for k in range(r) if k != bad]
     started, flagged_after = time.perf_counter(), None
+    after = {"rounds": 0, "excluded": 0, "ignored": 0}
     for _ in range(rounds):
         for loop in loops:
             await loop.begin_round(expect=r)
@@ -147,15 +154,27 @@ async def run(
                 for lp, c, w in zip(loops, claims, weights, strict=True)
             )
         )
-        if bad is not None and flagged_after is None:
-            suspect = loops[bad].me
-            if any(suspect in reports[k].outliers + reports[k].mismatched for k in honest):
-                flagged_after = time.perf_counter() - started
+        if bad is None:
+            continue
+        suspect = loops[bad].me
+        if flagged_after is not None:  # a round that began after the first ban
+            after["rounds"] += 1
+            after["excluded"] += all(suspect in reports[k].excluded for k in honest)
+            after["ignored"] += any(suspect in reports[k].ignored for k in honest)
+        elif any(loops[k].suspects.is_banned(suspect) for k in honest):
+            flagged_after = time.perf_counter() - started
     digests = {loops[k].state.digest() for k in honest}
+    flagged_by = (
+        0 if bad is None else sum(loops[k].suspects.is_banned(loops[bad].me) for k in honest)
+    )
     return {
         "val_loss": sum(trainers[k].evaluate() for k in honest) / len(honest),
         "flagged": flagged_after is not None,
         "flagged_after_s": None if flagged_after is None else round(flagged_after, 1),
+        "flagged_by": flagged_by,
+        "rounds_after_flag": after["rounds"],
+        "excluded_rounds": after["excluded"],
+        "ignored_rounds": after["ignored"],
         "anchors_equal": len(digests) == 1,
         "rounds": rounds,
     }
@@ -171,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attacks", default=",".join(ATTACKS))
     p.add_argument("--no-undefended", action="store_true", help="skip main's behaviour")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ban-s", type=float, default=600.0, help="ban period of the suspects ledger")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     manifest = load_manifest(args.manifest)
@@ -192,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
             "val_loss": val,
             "flagged": attacked["flagged"],
             "flagged_after_s": attacked["flagged_after_s"],
+            "flagged_by": attacked["flagged_by"],
+            "rounds_after_flag": attacked["rounds_after_flag"],
+            "excluded_rounds": attacked["excluded_rounds"],
+            "ignored_rounds": attacked["ignored_rounds"],
             "anchors_equal": attacked["anchors_equal"],
             "attack": attack,
             "rounds": attacked["rounds"],

@@ -73,6 +73,10 @@ class ForwardHeader:
     """False: forward only (validation), no gradient comes back."""
     origin: str = ""
     version: int = WIRE_VERSION
+    probe: bool = False
+    """A canary (node/canary.py): forward at this stage only and answer with its output
+    (the loss at the last stage). Sent with train=False, so a peer that does not know
+    the field runs a validation forward and answers without a payload."""
 
 
 @dataclass(kw_only=True)

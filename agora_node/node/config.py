@@ -10,6 +10,7 @@ internal settings.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,9 +54,19 @@ class PipelineConfig:
     activation_codec: str = option(
         "bf16", help="boundary activations on the wire: " + ", ".join(CODEC_NAMES)
     )
+    canary_every: int = 64
+    """Every n-th training micro-batch this node sends, the same input also goes, as a
+    forward-only probe, to `canary_replicas` replicas of the next stage; one whose output
+    departs from the strict majority is flagged (node/canary.py). 0: never."""
+    canary_replicas: int = 3
+    canary_tolerance: float = 0.5
+    """Relative distance (||a - b|| / max norm) within which two replicas' outputs agree;
+    replicas drift apart by their inner steps since the last outer round."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "max_in_flight")
+        _at_least(self, 0, "max_in_flight", "canary_every")
+        if self.canary_replicas < 3:
+            raise UsageError("canary_replicas must be at least 3 (a strict majority of 2 is both)")
         _check_codec(self.activation_codec)
 
 
@@ -120,6 +131,12 @@ class NodeConfig:
     eval_every_s: float = option(
         60.0, name="eval_every", help="seconds between validation losses (stage 0)"
     )
+    ban_s: float = option(
+        600.0,
+        name="ban",
+        help="seconds a peer caught sending outlier, forged or non-finite values is ignored "
+        "(routing, outer rounds, state transfer)",
+    )
     eval_samples: int = 16
     drain_timeout_s: float = 30.0
     max_tokens: int = option(
@@ -156,7 +173,9 @@ class NodeConfig:
             raise UsageError(
                 f"--run {self.run} and --manifest (run id {self.manifest.run_id}) disagree"
             )
-        _at_least(self, 0, "threads", "max_tokens", "rebalance_every_s", "status_port")
+        _at_least(self, 0, "threads", "max_tokens", "rebalance_every_s", "status_port", "ban_s")
+        if not math.isfinite(self.ban_s):
+            raise UsageError(f"--ban must be a finite number of seconds, not {self.ban_s}")
         if self.status_port > 65535:
             raise UsageError(f"--status-port must be at most 65535, not {self.status_port}")
         if self.emulate_link:

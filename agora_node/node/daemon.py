@@ -43,6 +43,7 @@ from agora_node.node.pipeline import PipelineStats
 from agora_node.node.service import ServiceContext, StageService, serve_endpoints
 from agora_node.node.snapshot import build_snapshot, node_record, progress_line, record_history
 from agora_node.node.status_server import History, StatusServer
+from agora_node.node.suspects import Suspects
 from agora_node.node.telemetry import Telemetry
 from agora_node.protocol.allowlist import AllowList, AllowListError
 from agora_node.protocol.identity import Identity
@@ -89,6 +90,8 @@ class Node:
         self.started_at = time.time()
         self.metrics, self.history = Metrics(), History()
         self.stats = PipelineStats(self.metrics)  # pipelines report to the node's one event sink
+        self.suspects = Suspects(me=self.peer_id, ban_s=config.ban_s)
+        """Peers this node caught misbehaving; outlives stage services (node/suspects.py)."""
         self.stop_event = asyncio.Event()
         self.manifest: Manifest | None = None
         self.host: Host | None = None
@@ -215,6 +218,7 @@ class Node:
             stats=self.stats,
             history=self.history,
             allow=self.allow,
+            suspects=self.suspects,
         )
         self.service = await StageService.open(ctx, stage, self._loop_failed)
 

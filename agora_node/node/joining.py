@@ -152,7 +152,8 @@ async def load_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState:
         if plan.majority is not None and plan.majority != last:
             stale.clear()  # the stage moved on: sources behind before may hold it now
             last = plan.majority
-        plan = attestation.plan_sources(replicas, exclude=set(rejected) | stale)
+        banned = ctx.suspects.banned()  # counted in the majority, never asked for bytes
+        plan = attestation.plan_sources(replicas, exclude=set(rejected) | stale | banned)
         if found is not None and not attestation.prefer_replicas(plan, checkpoint_round):
             break  # no majority attests a round newer than the own checkpoint's
         if plan.majority is not None and not plan.sources and not stale:

@@ -35,9 +35,10 @@ from prometheus_client import (
     Info,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from agora_node.node.rates import RateWindow
+from agora_node.node.suspects import Reason
 
 STATES = ("joining", "warming", "active", "leaving")
 MICROBATCH_RESULTS = ("ok", "dropped", "rejected")
@@ -270,7 +271,11 @@ class Metrics:
         for entry in snapshot.get("stages", []):
             alive = sum(1 for p in entry.get("peers", []) if p.get("state") != "leaving")
             self.peers_alive.labels(stage=str(entry["stage"])).set(alive)
-        self._kept.update(node.get("outer") or {}, (node.get("members") or {}).get("counters", {}))
+        self._kept.update(
+            node.get("outer") or {},
+            (node.get("members") or {}).get("counters", {}),
+            node.get("suspects") or {},
+        )
 
     def render(self) -> bytes:
         """The prometheus text exposition of this registry."""
@@ -286,9 +291,16 @@ class _KeptCounters:
         self._outer: Mapping[str, Any] = {}
         self._members: Mapping[str, int] = {}
         self._events: set[str] = set()
+        self._suspects: Mapping[str, Any] = {}
 
-    def update(self, outer: Mapping[str, Any], members: Mapping[str, int]) -> None:
+    def update(
+        self,
+        outer: Mapping[str, Any],
+        members: Mapping[str, int],
+        suspects: Mapping[str, Any] | None = None,
+    ) -> None:
         self._outer, self._members = dict(outer), dict(members)
+        self._suspects = dict(suspects or {})
 
     def collect(self) -> Iterator[Metric]:
         outer = self._outer
@@ -309,6 +321,23 @@ class _KeptCounters:
             outer.get("seconds_blocked", 0.0),
         )
         yield from self._membership()
+        yield from self._flags()
+
+    def _flags(self) -> Iterator[Metric]:
+        flagged = CounterMetricFamily(
+            "agora_peers_flagged",
+            "Peers this node flagged (banned), by reason (docs/security.md).",
+            labels=["reason"],
+        )
+        for reason in Reason:  # every reason from the start, so rate() works
+            total = (self._suspects.get("flagged_total") or {}).get(reason.value, 0)
+            flagged.add_metric([reason.value], total)
+        banned = GaugeMetricFamily(
+            "agora_peers_banned",
+            "Peers this node ignores now (routing, rounds, state) until their ban ends.",
+            value=len(self._suspects.get("banned") or []),
+        )
+        yield from (flagged, banned)
 
     def _membership(self) -> Iterator[Metric]:
         members = self._members

@@ -59,8 +59,9 @@ from agora_node.comms.collective import (
     RoundView,
     WireFormat,
 )
-from agora_node.comms.collective.groups import Expect
+from agora_node.comms.collective.groups import MAX_FLAGS, Expect
 from agora_node.comms.collective.payload import max_frame_bytes
+from agora_node.node.suspects import ROUND_EVIDENCE, Reason, Suspects
 from agora_node.protocol.allowlist import AllowList
 from agora_node.protocol.codecs import Codec, from_name
 from agora_node.protocol.identity import Identity
@@ -281,6 +282,12 @@ class RoundReport:
     """Spans fetched from their owner whose result the witness confirmed."""
     unchecked_spans: int = 0
     """Results adopted unchecked: their witness did not answer."""
+    mismatch_witnesses: list[str] = field(default_factory=list)
+    """Witnesses of those spans (other than this replica): either side may have lied."""
+    excluded: list[str] = field(default_factory=list)
+    """Participants left out of the round: a majority of the entries named them banned."""
+    ignored: list[str] = field(default_factory=list)
+    """Members whose parts this replica, as a reducer, dropped: it had banned them."""
 
 
 @dataclass
@@ -305,8 +312,12 @@ class OuterLoop:
         transport: Any,
         board: Any,
         admit: Callable[[str], bool] | None = None,
+        suspects: Suspects | None = None,
     ) -> None:
         self.state = OuterState(module, lr=config.lr, momentum=config.momentum)
+        self.suspects = suspects if suspects is not None else Suspects(me=identity.peer_id)
+        """Peers this replica caught (its own, or the node's shared ledger): named in its
+        round entries, their parts dropped when it reduces (docs/security.md)."""
         self.identity, self.me = identity, identity.peer_id
         self.run_id, self.stage, self.config = run_id, stage, config
         self.book, self.transport = book, transport
@@ -337,6 +348,7 @@ class OuterLoop:
         config: OuterConfig | None = None,
         allow: AllowList | None = None,
         on_refuse: Callable[[str, str], None] | None = None,
+        suspects: Suspects | None = None,
     ) -> OuterLoop:
         """Serve the collective in the caller's event loop, on `p2p` (e.g. the node's Host.p2p)
         or else on a replica of the DHT's libp2p daemon. `allow`: a private swarm's allow
@@ -371,6 +383,7 @@ class OuterLoop:
             transport=transport,
             board=DHTBoard(dht),
             admit=allow.admit("round_entry") if allow is not None else None,
+            suspects=suspects,
         )
         loop._closers.append(lambda: servicer.remove_p2p_handlers(p2p, namespace=namespace))
         return loop
@@ -426,17 +439,36 @@ class OuterLoop:
             self.config, self.state.numel, round_no, prep, outcome, (delta, mixed), started, waited
         )
         self._account(report)
+        self._flag(report)
         return report
+
+    def _flag(self, report: RoundReport) -> None:
+        """Ban what this replica saw itself: parts it refused for their norm, results that
+        failed the witness check (owner and, when not this replica, the witness)."""
+        where = f"outer round {report.round}"
+        for peer in report.outliers:
+            self.suspects.flag(peer, Reason.NORM_OUTLIER, f"{where}: part refused for its norm")
+        for peer in report.mismatched:
+            self.suspects.flag(peer, Reason.MISMATCH, f"{where}: its span result failed the check")
+        for peer in report.mismatch_witnesses:
+            self.suspects.flag(peer, Reason.MISMATCH, f"{where}: witness of a failed span check")
 
     async def opened_elsewhere(self, expect: Expect = None) -> bool:
         """Have enough other replicas opened this round's matchmaking (verified entries) that
-        joining now completes a majority of the `expect` replicas (groups.py)?"""
-        return await self.matchmaker.opened_by_others(self.state.round, expect)
+        joining now completes a majority of the `expect` replicas (groups.py)? Entries of
+        banned peers do not count."""
+        return await self.matchmaker.opened_by_others(
+            self.state.round, expect, ignore=self.suspects.banned()
+        )
 
     async def _prepare(self, round_no: int, expect: Expect) -> _Prep:
         digest = await asyncio.to_thread(self.state.digest, self.config.mix_momentum)
         view = await self.matchmaker.gather(
-            round_no, digest=digest, warming=self.state.warming, expect=expect
+            round_no,
+            digest=digest,
+            warming=self.state.warming,
+            expect=expect,
+            flags=self.suspects.newest_banned(MAX_FLAGS, ROUND_EVIDENCE),
         )
         g = self.config.group_size
         delta_group, anchor_group = view.group("delta", g), view.group("anchor", g)
@@ -496,6 +528,7 @@ class OuterLoop:
             aggregation=self._aggregation(plan.phase),
             deadlines=self.config.deadlines,
             verify=self.config.verify_results,
+            ignore=self.suspects.banned(),
         )
         return await run.run(flat, weight)
 
@@ -616,4 +649,7 @@ def _round_report(
         mismatched=sorted({p for o in outcomes for p in o.stats.mismatched}),
         checked_spans=sum(o.stats.checked_spans for o in outcomes),
         unchecked_spans=sum(o.stats.unchecked_spans for o in outcomes),
+        mismatch_witnesses=sorted({p for o in outcomes for p in o.stats.mismatch_witnesses}),
+        excluded=list(prep.view.excluded),
+        ignored=sorted({p for o in outcomes for p in o.stats.ignored}),
     )

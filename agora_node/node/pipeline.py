@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import random
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -40,8 +42,10 @@ from agora_node.comms.pipeline_wire import (
 )
 from agora_node.comms.routing import FailureKind, Router, RouterConfig
 from agora_node.compression import ActivationCodec, CodecError, NonFiniteError
+from agora_node.node.canary import departing
 from agora_node.node.config import PipelineConfig
 from agora_node.node.metrics import Metrics
+from agora_node.node.suspects import NormWatch, Reason, Suspects
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import forward_protocol
@@ -71,6 +75,13 @@ def max_request_bytes(manifest: Manifest) -> int:
     """The largest forward request a node of this run accepts (checked before reading it)."""
     m = manifest.model
     return 4096 + m.seq_len * manifest.inner.micro_batch * (4 * (m.d_model + 1))
+
+
+def _number(value: object) -> float:
+    """A reply's loss as a float; NaN for anything that is not a number (refused if training)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return math.nan
 
 
 class PipelineStats:
@@ -110,6 +121,7 @@ class Pipeline:
         peers_of: Callable[[int], list[str]],
         config: PipelineConfig,
         stats: PipelineStats | None = None,
+        suspects: Suspects | None = None,
     ) -> None:
         self.manifest, self.worker, self.p2p, self.peer_id = manifest, worker, p2p, peer_id
         self.peers_of, self.config = peers_of, config
@@ -123,6 +135,13 @@ class Pipeline:
         self._router = Router(RouterConfig(tokens_per_item=m.inner.micro_batch * m.model.seq_len))
         self._idle = asyncio.Event()
         self._idle.set()
+        self.suspects = suspects if suspects is not None else Suspects(me=peer_id)
+        """Peers caught sending non-finite or outlier values: routed around while banned."""
+        self._activation_norms = NormWatch()
+        self._gradient_norms = NormWatch()
+        self._sent_for_training = 0
+        self._canaries: set[asyncio.Task] = set()
+        self.canary_counts = {"sent": 0, "compared": 0, "flagged": 0}
 
     @property
     def stage(self) -> int:
@@ -150,12 +169,19 @@ class Pipeline:
         started = time.monotonic()
         try:
             header, tokens, c_in = await self._admit(data)
+            if header.train and not await self._plausible(c_in, self._activation_norms):
+                self.suspects.flag(remote, Reason.PIPELINE_OUTLIER, "activations: norm outlier")
+                raise WireError(Code.BAD_PAYLOAD, "activation norm far above the recent ones")
         except WireError as exc:
+            if exc.code == Code.NON_FINITE:
+                self.suspects.flag(remote, Reason.NONFINITE, "sent non-finite activations")
             busy = exc.code in (Code.OVERLOADED, Code.LEAVING, Code.NOT_READY, Code.WRONG_STAGE)
             if not busy:
                 self.events.count_microbatch("rejected", code=exc.code.value)
                 log.info("rejected micro-batch from %s: %s (%s)", remote[-8:], exc.code.value, exc)
             return error_response(Status.BUSY if busy else Status.REJECTED, exc.code, str(exc))
+        if header.probe:
+            return await self._answer_probe(tokens, c_in)
         if not header.train:
             return await self._answer_eval(header, tokens, c_in)
         if self.worker.stage.is_last:
@@ -229,10 +255,23 @@ class Pipeline:
             )
         return encode_response(ResponseHeader(status=Status.OK.value, loss=reply[0]))
 
+    async def _answer_probe(self, tokens: torch.Tensor, c_in: torch.Tensor) -> bytes:
+        """A canary: this stage's output for the input, nothing downstream (canary.py)."""
+        out = await self.worker.call(self.worker.forward_eval, c_in, tokens)
+        if self.worker.stage.is_last:
+            return encode_response(ResponseHeader(status=Status.OK.value, loss=out))
+        payload = await self.worker.call(self.codec.encode, out)
+        return encode_response(ResponseHeader(status=Status.OK.value), payload)
+
     async def _ok(self, loss: float, grad: torch.Tensor | None) -> bytes:
         self.stats.losses.append(loss)
         payload = b"" if grad is None else await self.worker.call(self.codec.encode, grad)
         return encode_response(ResponseHeader(status=Status.OK.value, loss=loss), payload)
+
+    async def _plausible(self, values: torch.Tensor, watch: NormWatch) -> bool:
+        """Is this tensor's norm within `watch`'s bound of the recent ones (suspects.py)?"""
+        norm = await self.worker.call(lambda: float(torch.linalg.vector_norm(values.float())))
+        return not watch.outlier(norm)
 
     def update_view(self, records: list) -> None:
         """Announced throughput, queue and state of peers, for routing."""
@@ -243,12 +282,19 @@ class Pipeline:
         self, header: ForwardHeader, tokens: torch.Tensor, c: torch.Tensor
     ) -> tuple[float, torch.Tensor | None] | None:
         """Deliver to a replica of `header.stage`, retrying others; (loss, grad) or None if it can't."""
-        payload = encode_forward(header, tokens, await self.worker.call(self.codec.encode, c))
+        encoded = await self.worker.call(self.codec.encode, c)
+        payload = encode_forward(header, tokens, encoded)
+        if header.train and self._canary_due():
+            task = asyncio.create_task(self._canary(header, tokens, encoded))
+            self._canaries.add(task)
+            task.add_done_callback(self._canaries.discard)
         deadline = time.monotonic() + self.config.deadline_s
         tried: set[str] = set()
         while time.monotonic() < deadline:
             candidates = [p for p in self.peers_of(header.stage) if p != self.peer_id]
-            peer = self._router.choose(candidates, time.monotonic(), exclude=tried)
+            trusted = [p for p in candidates if not self.suspects.is_banned(p)]
+            # banned replicas only when the stage has nobody else (their replies are checked)
+            peer = self._router.choose(trusted or candidates, time.monotonic(), exclude=tried)
             if peer is None:
                 if not self.accepting:  # leaving: finish what can finish, don't wait for new peers
                     return None
@@ -287,11 +333,16 @@ class Pipeline:
             latency = time.monotonic() - now
             self._router.on_success(peer, latency, time.monotonic())
             grad = None
+            loss = _number(reply.loss)
             if header.train:
+                if not math.isfinite(loss):
+                    return self._refuse(peer, Reason.NONFINITE, f"loss {loss}")
                 grad = await self._decode_grad(peer, grad_payload, header)
                 if grad is None:
                     return None
-            return (float(reply.loss) if reply.loss is not None else float("nan"), grad)
+                if not await self._plausible(grad, self._gradient_norms):
+                    return self._refuse(peer, Reason.PIPELINE_OUTLIER, "gradient: norm outlier")
+            return (loss, grad)
         if reply.status == Status.REJECTED.value:
             self._router.on_failure(peer, time.monotonic(), FailureKind.REJECTED)
             log.warning(
@@ -314,7 +365,71 @@ class Pipeline:
         except CodecError as exc:
             self._router.on_failure(peer, time.monotonic(), FailureKind.ERROR)
             log.warning("bad gradient from %s: %s", peer[-8:], exc)
+            if isinstance(exc, NonFiniteError):
+                self.suspects.flag(peer, Reason.NONFINITE, "returned a non-finite gradient")
             return None
+
+    def _refuse(self, peer: str, reason: Reason, evidence: str) -> None:
+        """A reply that must not be used: ban its sender, try another replica."""
+        self._router.on_failure(peer, time.monotonic(), FailureKind.ERROR)
+        self.suspects.flag(peer, reason, evidence)
+        log.warning("refused the reply of %s: %s", peer[-8:], evidence)
+
+    # ---- canaries (canary.py) ------------------------------------------------------------
+    def _canary_due(self) -> bool:
+        every = self.config.canary_every
+        self._sent_for_training += 1
+        return every > 0 and self._sent_for_training % every == 0
+
+    async def _canary(self, header: ForwardHeader, tokens: torch.Tensor, encoded: bytes) -> None:
+        """Probe several replicas of `header.stage` with one input; flag who departs."""
+        replicas = [p for p in self.peers_of(header.stage) if p != self.peer_id]
+        trusted = [p for p in replicas if not self.suspects.is_banned(p)]
+        chosen = random.sample(trusted, min(len(trusted), self.config.canary_replicas))
+        if len(chosen) < 3:
+            return
+        probe = ForwardHeader(
+            **{**header.__dict__, "mb_id": f"{header.mb_id}/canary", "train": False, "probe": True}
+        )
+        payload = encode_forward(probe, tokens, encoded)
+        self.canary_counts["sent"] += 1
+        answers = await asyncio.gather(*(self._probe(p, probe, payload) for p in chosen))
+        outputs = {p: a for p, a in zip(chosen, answers, strict=True) if a is not None}
+        if len(outputs) < 3:
+            return
+        self.canary_counts["compared"] += 1
+        tolerance = self.config.canary_tolerance
+        for peer in await asyncio.to_thread(departing, outputs, tolerance):
+            self.canary_counts["flagged"] += 1
+            evidence = f"stage {header.stage}: output departs from the majority of {len(outputs)}"
+            self.suspects.flag(peer, Reason.CANARY, evidence)
+            log.warning("canary: replica %s %s", peer[-8:], evidence)
+
+    async def _probe(self, peer: str, header: ForwardHeader, payload: bytes) -> torch.Tensor | None:
+        """The replica's output for a canary, or None if it gave none (busy, old, gone)."""
+        try:
+            data = await streams.request(
+                self.p2p,
+                peer,
+                forward_protocol(self.manifest.run_id),
+                payload,
+                timeout=self.config.hop_timeout_s,
+            )
+            self._count_bytes(peer, sent=len(payload), received=len(data))
+            reply, out = decode_response(data)
+        except (streams.StreamError, WireError):
+            return None
+        if reply.status != Status.OK.value:
+            return None
+        if header.stage == self.manifest.num_stages - 1:  # the last stage answers its loss
+            return torch.tensor([_number(reply.loss)])
+        if not len(out):
+            return None  # a peer without probes answered a validation forward
+        shape = (header.batch, header.seq, header.width)
+        try:
+            return await self.worker.call(self.codec.decode, out, shape)
+        except CodecError:
+            return torch.tensor([math.nan])  # garbage: far from everyone
 
     def _count_bytes(self, peer: str, *, sent: int = 0, received: int = 0) -> None:
         self.events.add_bytes(peer, sent=sent, received=received)
@@ -322,6 +437,8 @@ class Pipeline:
     async def drain(self, timeout: float) -> bool:
         """Stop accepting new micro-batches and wait for the ones being served."""
         self.accepting = False
+        for task in list(self._canaries):
+            task.cancel()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from agora_node.node.pipeline import (
 )
 from agora_node.node.rounds import OuterRounds
 from agora_node.node.status_server import History
+from agora_node.node.suspects import Suspects
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.allowlist import AllowList
 from agora_node.protocol.identity import Identity
@@ -69,6 +70,8 @@ class ServiceContext:
     history: History
     allow: AllowList | None = None
     """A private swarm's allow list (--allow-keys), None in an open swarm."""
+    suspects: Suspects = field(default_factory=Suspects)
+    """Peers this node banned: routed around, their parts and claims ignored."""
 
     @property
     def peer_id(self) -> str:
@@ -98,6 +101,7 @@ class StageService:
             ctx.peers_of,
             ctx.config.pipeline,
             stats=ctx.stats,
+            suspects=ctx.suspects,
         )
         self.final_val_loss: float | None = None
         self._stop = asyncio.Event()
@@ -127,6 +131,7 @@ class StageService:
                 stage=stage,
                 allow=ctx.allow,
                 on_refuse=ctx.stats.events.count_refused,
+                suspects=ctx.suspects,
             )
             if loaded.outer is not None:
                 outer.load_state_dict(loaded.outer, warming=loaded.warming)
@@ -142,7 +147,9 @@ class StageService:
             replica_rounds=lambda: [
                 r.outer_step
                 for r in ctx.records_of(stage)
-                if r.peer_id != ctx.peer_id and r.state == NodeState.ACTIVE
+                if r.peer_id != ctx.peer_id
+                and r.state == NodeState.ACTIVE
+                and not ctx.suspects.is_banned(r.peer_id)  # a banned peer's round moves nobody
             ],
             replica_count=lambda: len(ctx.peers_of(stage)) or 1,
             replica_ids=lambda: ctx.peers_of(stage),

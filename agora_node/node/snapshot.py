@@ -221,6 +221,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "completed_tokens": stats.events.completed_tokens,
             "completed_tokens_per_s": stats.events.completed_tokens_per_s(),
             "rejected_codes": stats.rejected_codes,
+            "suspects": node.suspects.status(),
         },
         "stages": peer_views(node, outer),
         "config": config_dict(node.config),

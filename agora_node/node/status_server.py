@@ -106,6 +106,8 @@ class NodeStatus(TypedDict):
     # unlisted_refused ({what: count}: inputs from peers not on --allow-keys; {} in an open swarm)
     # runs_seen ([{"run_id", "name"}]: the runs the swarm's signed run pointer announces)
     # and requests_refused ({protocol: {reason: count}}: what handlers' guards refused or cut).
+    # suspects: {"ban_s", "banned": [{"peer", "reason", "evidence", "flags", "flagged_s_ago",
+    # "ban_left_s"}], "flagged_total": {reason: count}} (node/suspects.py).
 
 
 class Snapshot(TypedDict):

@@ -13,6 +13,7 @@ import torch
 from agora_node.comms import state_transfer
 from agora_node.node import joining
 from agora_node.node.checkpoint import save_checkpoint
+from agora_node.node.suspects import Reason, Suspects
 from agora_node.node.worker import StageWorker
 from agora_node.protocol import state_blob
 from agora_node.protocol.records import NodeRecord
@@ -31,6 +32,7 @@ class _Ctx:
     deadline_s: float = 10.0
     peer_id: str = "me-joiner"
     host: object = field(default_factory=lambda: SimpleNamespace(p2p=None))
+    suspects: Suspects = field(default_factory=Suspects)
 
     @property
     def config(self):
@@ -118,6 +120,7 @@ async def test_hostile_sources_are_rejected_and_the_attested_anchor_adopted(
     assert set(origin["rejected"]) == {"h-garbage", "h-nan", "h-altered", "h-pickle"}
     assert origin["anchor_digest"] == state_blob.digests(anchor, None)[0]
     assert origin["momentum"] == "attested" and loaded.warming
+
     assert torch.equal(loaded.outer["anchor"], anchor) and loaded.outer["round"] == round_no
     weights = torch.cat([p.detach().reshape(-1) for p in worker.stage.parameters()])
     assert torch.equal(weights, anchor)  # weights := the attested anchor
@@ -322,3 +325,15 @@ async def test_a_busy_source_is_asked_again_a_liar_is_not(worker, tmp_path, monk
     assert asked == ["liar", "busy", "busy"]
     assert loaded.origin["source"] == "busy" and set(loaded.origin["rejected"]) == {"liar"}
     assert set(loaded.origin["unavailable"]) == {"busy"}
+
+
+async def test_a_banned_replica_is_never_asked_for_state(worker, tmp_path, monkeypatch):
+    honest = _honest(worker)
+    blobs = {p: state_blob.encode(*honest) for p in ("banned", "honest-1", "honest-2")}
+    records = [_record("banned", honest, queue=0), _record("honest-1", honest, queue=5)]
+    records.append(_record("honest-2", honest, queue=5))
+    asked = _serve(monkeypatch, blobs)
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, records)
+    ctx.suspects.flag("banned", Reason.MISMATCH, "test")
+    loaded = await joining.load_state(ctx, worker)
+    assert "banned" not in asked and loaded.origin["source"].startswith("honest")

@@ -42,6 +42,7 @@ async def run_group(
     round_no: int = 0,
     block: int = 64,
     verify: bool = False,
+    ignore: dict[str, frozenset[str]] | None = None,
 ) -> dict[str, Outcome]:
     """Run one collective among `values`' keys; members in `skip` register but never run,
     and a member in `before` first awaits its entry (to order events deterministically)."""
@@ -68,6 +69,7 @@ async def run_group(
             aggregation=aggregation or AggregationSpec(),
             deadlines=deadlines,
             verify=verify,
+            ignore=(ignore or {}).get(p, frozenset()),
         )
         return await run.run(values[p], (weights or {}).get(p, 1.0))
 

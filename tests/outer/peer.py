@@ -89,6 +89,7 @@ async def main(args: argparse.Namespace) -> None:
         emit(
             "round",
             round=r,
+            peer=identity.peer_id,
             digest=loop.state.digest(),
             finite=bool(torch.isfinite(weights).all()),
             consistent=report.consistent,
@@ -102,6 +103,10 @@ async def main(args: argparse.Namespace) -> None:
             checked=report.checked_spans,
             unchecked=report.unchecked_spans,
             mismatched=report.mismatched,
+            outliers=report.outliers,
+            excluded=report.excluded,
+            ignored=report.ignored,
+            banned=sorted(loop.suspects.banned()),
         )
     emit("done")
     await stdin.read()  # serve until the test closes stdin or kills us

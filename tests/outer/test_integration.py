@@ -108,3 +108,22 @@ def test_centered_clip_bounds_a_member_sending_1000x(tmp_path: Path) -> None:
     plain_mean = sum(d["delta"] for d in data) / 3
     assert float((plain_mean - honest_mean).norm()) > 50 * radius  # what an unclipped mean does
     assert float((mixed - honest_mean).norm()) <= radius
+
+
+def test_a_member_sending_1000x_is_flagged_then_left_out_of_the_next_round() -> None:
+    """Round 0: both honest reducers refuse the 1000x part and ban its sender. Round 1:
+    their entries name it, 2 of 3 is a strict majority, so every replica (the attacker
+    too) leaves it out; the honest pair mixes alone together and their anchors stay equal."""
+    args = [["--rounds", "2", "--seed", str(i), "--codec", "fp32"] for i in range(3)]
+    args[2] += ["--scale", "1000"]
+    with replicas(args) as peers:
+        first = [p.expect("round", ROUND_TIMEOUT, round=0) for p in peers]
+        second = [p.expect("round", ROUND_TIMEOUT, round=1) for p in peers]
+    bad = first[2]["peer"]
+    assert all(e["outliers"] == [bad] and e["banned"] == [bad] for e in first[:2])
+    assert all(e["excluded"] == [bad] for e in second)
+    honest = second[:2]
+    assert all(e["group"] == 2 and e["consistent"] and e["finite"] for e in honest)
+    assert second[2]["group"] == 1  # the attacker computed the same exclusion: alone
+    assert len({e["digest"] for e in honest}) == 1
+    assert len({e["digest"] for e in first}) == 1  # round 0 was still whole and equal

@@ -154,6 +154,8 @@ INVALID = [
     ("manifest", "nope-not-a-file", "not found"),
     ("mqtt_url", "http://127.0.0.1:1883", "--mqtt-url: 'http://127.0.0.1:1883' must start with"),
     ("allow_keys", "/nonexistent/keys.txt", "--allow-keys /nonexistent/keys.txt: no such"),
+    ("ban", "-5", "--ban must be at least 0"),
+    ("ban", "inf", "--ban must be a finite number"),
 ]
 
 

@@ -127,3 +127,24 @@ def test_refused_requests_are_counted_by_protocol_and_reason():
     key = ("agora_requests_refused_total", (("protocol", "forward"), ("reason", "rate")))
     assert samples(m)[key] == 2
     assert m.refused_counts() == {"forward": {"rate": 2}, "state": {"read_deadline": 1}}
+
+
+def test_flagged_peers_and_bans_come_from_the_snapshot():
+    from agora_node.node.suspects import Reason, Suspects
+
+    suspects = Suspects(me="me")
+    suspects.flag("bad", Reason.NORM_OUTLIER, "outer round 3")
+    suspects.flag("bad", Reason.NORM_OUTLIER, "outer round 4")
+    suspects.flag("worse", Reason.NONFINITE, "loss nan")
+    snap = make_snapshot()
+    snap["node"]["suspects"] = suspects.status()
+    m = Metrics()
+    m.update_from_snapshot(snap)
+    s = samples(m)
+    assert s[("agora_peers_flagged_total", (("reason", "norm_outlier"),))] == 2
+    assert s[("agora_peers_flagged_total", (("reason", "nonfinite"),))] == 1
+    assert s[("agora_peers_flagged_total", (("reason", "mismatch"),))] == 0
+    assert s[("agora_peers_banned", ())] == 2
+    empty = Metrics()
+    empty.update_from_snapshot(make_snapshot())  # a snapshot without the field: zeros
+    assert samples(empty)[("agora_peers_banned", ())] == 0

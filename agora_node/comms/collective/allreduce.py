@@ -132,8 +132,12 @@ class AllReduce:
         deadlines: Deadlines,
         verify: bool = False,
         tolerance: float = 0.05,
+        ignore: frozenset[str] = frozenset(),
     ) -> None:
         self.verify, self.tolerance = verify and state.plan.size >= 2, tolerance
+        self.ignore = ignore
+        """Members whose parts this member drops as the reducer of its span (peers it
+        banned); the result names the parts it used, so its witness agrees."""
         self._witnessed: dict[bytes, asyncio.Future] = {}
         self.state, self.transport = state, transport
         self.plan, self.stats = state.plan, state.stats
@@ -241,7 +245,7 @@ class AllReduce:
         others = [m for m in self.plan.members if m != self.state.me]
 
         def delivered() -> bool:
-            heard = span.parts.keys() | span.refused | self.stats.failed_peers
+            heard = span.parts.keys() | span.refused | self.stats.failed_peers | self.ignore
             pending = [m for m in others if m not in heard]
             return not pending or span.min_attempt > 0
 
@@ -250,8 +254,12 @@ class AllReduce:
         if span.min_attempt > 0:  # a backup took the span over: it is no longer ours
             return
         own = self.state.own_part(me)
-        senders = ([self.state.me] if own is not None else []) + list(span.parts)
-        contributions = ([own] if own is not None else []) + list(span.parts.values())
+        parts = {m: c for m, c in span.parts.items() if m not in self.ignore}
+        for member in self.ignore.intersection(others):
+            self.stats.reject("banned sender")
+            self.stats.ignored.add(member)
+        senders = ([self.state.me] if own is not None else []) + list(parts)
+        contributions = ([own] if own is not None else []) + list(parts.values())
         final = await self._aggregate_final(contributions, attempt=0, senders=senders)
         self.state.try_finalize(me, final)
 
@@ -348,6 +356,8 @@ class AllReduce:
         else:
             self.stats.reject("result mismatch")
             self.stats.mismatched.add(owner)
+            if witness != self.state.me:
+                self.stats.mismatch_witnesses.add(witness)
             self.stats.failed_peers.add(owner)
             log.warning(
                 "span %d of %s round %d: the result of %s does not match its witness's",

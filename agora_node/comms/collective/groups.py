@@ -29,6 +29,12 @@ A replica still doing inner steps ends its round once q - 1 other replicas have
 entered it (`opened_by_others`), which makes it the q-th: one entry alone ends
 nobody's round unless the stage has at most three replicas.
 
+An entry also names up to `MAX_FLAGS` peers its author has banned (node/suspects.py:
+caught sending outlier or forged values). A peer named by a strict majority of the
+closed participants' entries is left out of the round (`excluded`): every peer reading
+the same entries leaves out the same peers, so groups stay the same everywhere, and
+a minority cannot remove anyone. The excluded peer's own view lacks it: it mixes alone.
+
 Entries are signed with the Ed25519 key the peer id commits to and verified on
 read, so nobody can enter a round under another peer's id. They stay far below
 the 8 KiB limit of hivemind DHT values.
@@ -51,6 +57,9 @@ from agora_node.protocol.names import outer_round_key
 
 log = logging.getLogger(__name__)
 MAX_ENTRY_BYTES = 1024
+MAX_FLAGS = 8
+"""Peers one entry may name as banned (8 peer ids keep an entry under MAX_ENTRY_BYTES)."""
+MAX_PEER_ID_CHARS = 64
 
 
 class EntryError(ValueError):
@@ -67,6 +76,8 @@ class RoundEntry:
     digest: str = ""
     """Hash of the peer's anchor: a group whose anchors all agree skips the anchor mix."""
     warming: bool = False
+    flags: tuple[str, ...] = ()
+    """Peers its author has banned (node/suspects.py); older peers ignore the field."""
 
     @classmethod
     def _from_body(cls, body: Any) -> RoundEntry:
@@ -113,6 +124,7 @@ _FIELD_TYPES = {
     "joined_at": (int, float),
     "digest": str,
     "warming": bool,
+    "flags": list,
 }
 
 
@@ -123,14 +135,32 @@ def _check_fields(body: Any) -> dict[str, Any]:
     known = {k: v for k, v in body.items() if k in _FIELD_TYPES}
     for key, kind in _FIELD_TYPES.items():
         value = known.get(key)
-        if key in ("digest", "warming") and value is None:
+        if key in ("digest", "warming", "flags") and value is None:
             continue
         bad_bool = isinstance(value, bool) and kind is not bool
         if not isinstance(value, kind) or bad_bool:
             raise EntryError(f"field {key} missing or of type {type(value).__name__}")
     if not math.isfinite(known["joined_at"]):
         raise EntryError("joined_at is not finite")
+    flags = known.get("flags", [])
+    if len(flags) > MAX_FLAGS or not all(
+        isinstance(f, str) and 0 < len(f) <= MAX_PEER_ID_CHARS for f in flags
+    ):
+        raise EntryError("flags are not a short list of peer ids")
+    known["flags"] = tuple(dict.fromkeys(flags))
     return known
+
+
+def excluded(entries: Collection[RoundEntry]) -> frozenset[str]:
+    """Participants named as banned by a strict majority of the entries (each entry one
+    vote per peer, its own name not counted): the same set for everyone reading them."""
+    votes: dict[str, int] = {}
+    for e in entries:
+        for peer in e.flags:
+            if peer != e.peer_id:
+                votes[peer] = votes.get(peer, 0) + 1
+    present = {e.peer_id for e in entries}
+    return frozenset(p for p, n in votes.items() if p in present and 2 * n > len(entries))
 
 
 Expect = int | Collection[str] | None
@@ -197,6 +227,8 @@ class RoundView:
     round: int
     me: str
     entries: tuple[RoundEntry, ...]
+    excluded: tuple[str, ...] = ()
+    """Participants left out because a majority of the entries named them (`excluded`)."""
 
     @property
     def peers(self) -> list[str]:
@@ -259,8 +291,16 @@ class Matchmaker:
         self.ignored = 0
 
     async def gather(
-        self, round_no: int, *, digest: str = "", warming: bool = False, expect: Expect = None
+        self,
+        round_no: int,
+        *,
+        digest: str = "",
+        warming: bool = False,
+        expect: Expect = None,
+        flags: Collection[str] = (),
     ) -> RoundView:
+        """Enter round `round_no` and return its closed view, less the peers a majority
+        of the entries name in their `flags` (this peer names `flags`)."""
         me = RoundEntry(
             peer_id=self.identity.peer_id,
             run_id=self.run_id,
@@ -269,6 +309,7 @@ class Matchmaker:
             joined_at=time.time(),
             digest=digest,
             warming=warming,
+            flags=tuple(flags)[:MAX_FLAGS],
         )
         key = outer_round_key(self.run_id, self.stage, round_no)
         cfg = self.config
@@ -288,7 +329,15 @@ class Matchmaker:
                 patience=cfg.waited(),
             )
             if closed is not None:
-                return RoundView(self.run_id, self.stage, round_no, me.peer_id, tuple(closed))
+                out = excluded(closed)
+                if out:
+                    log.info(
+                        "round %d leaves out %s (a majority banned them)", round_no, sorted(out)
+                    )
+                kept = tuple(e for e in closed if e.peer_id not in out)
+                return RoundView(
+                    self.run_id, self.stage, round_no, me.peer_id, kept, tuple(sorted(out))
+                )
             await asyncio.sleep(cfg.poll_interval)
 
     async def _publish(self, key: str, me: RoundEntry) -> bool:
@@ -303,11 +352,15 @@ class Matchmaker:
                 return False
             await asyncio.sleep(cfg.poll_interval)
 
-    async def opened_by_others(self, round_no: int, expect: Expect = None) -> bool:
+    async def opened_by_others(
+        self, round_no: int, expect: Expect = None, ignore: Collection[str] = ()
+    ) -> bool:
         """Have enough other peers entered round `round_no` (verified, fresh entries) that
-        this one joining completes a quorum? One other is enough when `expect` is unknown."""
+        this one joining completes a quorum? One other is enough when `expect` is unknown.
+        Entries of `ignore` (peers this one banned) do not count."""
         key = outer_round_key(self.run_id, self.stage, round_no)
-        others = [e for e in await self._read(key, round_no) if e.peer_id != self.identity.peer_id]
+        skip = {self.identity.peer_id, *ignore}
+        others = [e for e in await self._read(key, round_no) if e.peer_id not in skip]
         return len(others) >= max(1, quorum(expect) - 1)
 
     async def _read(self, key: str, round_no: int) -> list[RoundEntry]:

@@ -106,6 +106,10 @@ class CollectiveStats:
     """Members whose contribution this member refused as a reducer for its norm."""
     mismatched: set[str] = field(default_factory=set)
     """Owners whose result for their span failed the witness check (not adopted)."""
+    mismatch_witnesses: set[str] = field(default_factory=set)
+    """Witnesses of those spans, when another member than this one: either may have lied."""
+    ignored: set[str] = field(default_factory=set)
+    """Members whose parts this member, as a reducer, dropped (`AllReduce(ignore=...)`)."""
     checked_spans: int = 0
     """Results adopted after their witness confirmed them."""
     unchecked_spans: int = 0

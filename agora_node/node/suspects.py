@@ -1,0 +1,156 @@
+"""Who this node caught misbehaving, and until when it ignores them: the suspects ledger.
+
+A peer is flagged only on evidence this node saw itself (never on another peer's
+word): an outer-round contribution it refused as a reducer for its norm, a span
+result that failed the witness check, a micro-batch whose activations, gradient
+or loss were not finite, or a gradient whose norm was far above the recent ones
+(`NormWatch`). A flag bans the peer for `ban_s` seconds (a new flag restarts the
+period). What a ban does is decided by its users (docs/security.md, "Flagging
+and bans"): the router skips the peer, the reducer drops its parts, catch-up and
+state transfer ignore its claims, and its id goes into this node's round entries,
+where a strict majority of a round's entrants naming it leaves it out of the round
+for everyone (groups.py, `excluded`).
+
+Pure: the clock is injected; the ledger is bounded (`max_peers`, the entries that
+expire first are forgotten first), so a flood of identities cannot grow it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from enum import StrEnum
+
+DEFAULT_BAN_S = 600.0
+MAX_EVIDENCE = 120
+
+
+class Reason(StrEnum):
+    NORM_OUTLIER = "norm_outlier"
+    """Its outer contribution was refused by this node, as a reducer, for its norm."""
+    MISMATCH = "mismatch"
+    """A span result it produced (or witnessed) failed the witness check."""
+    NONFINITE = "nonfinite"
+    """It sent non-finite activations, gradients or loss in the pipeline."""
+    CANARY = "canary"
+    """Its output for a canary micro-batch departed from the strict majority of the
+    stage's replicas probed with the same input (canary.py)."""
+    PIPELINE_OUTLIER = "pipeline_outlier"
+    """It sent activations or returned a gradient whose norm is far above the recent ones
+    (`NormWatch`)."""
+
+
+ROUND_EVIDENCE = (Reason.NORM_OUTLIER, Reason.MISMATCH)
+"""What a replica saw in its own stage's outer rounds: the reasons its round entries name."""
+
+
+@dataclass
+class Flag:
+    peer: str
+    reason: Reason
+    evidence: str
+    since: float
+    until: float
+    count: int = 1
+
+
+class Suspects:
+    """Flags with a ban period; `is_banned` answers for the moment of the call."""
+
+    def __init__(
+        self,
+        *,
+        me: str = "",
+        ban_s: float = DEFAULT_BAN_S,
+        max_peers: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not (ban_s >= 0 and math.isfinite(ban_s)):
+            raise ValueError(f"ban period must be finite and >= 0, not {ban_s}")
+        self.me, self.ban_s, self.max_peers, self.clock = me, ban_s, max_peers, clock
+        self._flags: dict[str, Flag] = {}
+        self.flagged_total: dict[str, int] = {r.value: 0 for r in Reason}
+        """Flags raised since start, by reason (a peer flagged twice counts twice)."""
+
+    def flag(self, peer: str, reason: Reason, evidence: str = "") -> bool:
+        """Ban `peer` for `ban_s` from now; True if it was not banned before."""
+        if not peer or peer == self.me:
+            return False
+        now = self.clock()
+        self.flagged_total[reason.value] += 1
+        old = self._flags.get(peer)
+        fresh = old is None or old.until <= now
+        count = 1 if fresh else old.count + 1
+        since = now if fresh else old.since
+        self._flags[peer] = Flag(
+            peer, reason, evidence[:MAX_EVIDENCE], since, now + self.ban_s, count
+        )
+        self._bound(now)
+        return fresh
+
+    def is_banned(self, peer: str) -> bool:
+        f = self._flags.get(peer)
+        return f is not None and f.until > self.clock()
+
+    def banned(self) -> frozenset[str]:
+        now = self.clock()
+        return frozenset(p for p, f in self._flags.items() if f.until > now)
+
+    def newest_banned(self, limit: int, reasons: Collection[Reason] = tuple(Reason)) -> list[str]:
+        """At most `limit` peers banned now whose last flag has one of `reasons`, the most
+        recently flagged first (round entries name only outer-round evidence)."""
+        now = self.clock()
+        live = [f for f in self._flags.values() if f.until > now and f.reason in reasons]
+        return [f.peer for f in sorted(live, key=lambda f: -f.until)[:limit]]
+
+    def _bound(self, now: float) -> None:
+        for peer in [p for p, f in self._flags.items() if f.until <= now]:
+            del self._flags[peer]
+        while len(self._flags) > self.max_peers:
+            del self._flags[min(self._flags.values(), key=lambda f: f.until).peer]
+
+    def status(self) -> dict:
+        """For the status page: the peers banned now, and the totals by reason."""
+        now = self.clock()
+        self._bound(now)
+        return {
+            "ban_s": self.ban_s,
+            "banned": [
+                {
+                    "peer": f.peer,
+                    "reason": f.reason.value,
+                    "evidence": f.evidence,
+                    "flags": f.count,
+                    "flagged_s_ago": round(now - f.since, 1),
+                    "ban_left_s": round(f.until - now, 1),
+                }
+                for f in sorted(self._flags.values(), key=lambda f: f.since)
+            ],
+            "flagged_total": dict(self.flagged_total),
+        }
+
+
+class NormWatch:
+    """Is a norm an outlier against the recent ones? (pipeline gradients, activations)
+
+    Keeps the last `window` norms it accepted; a norm above `factor` x their median
+    is an outlier (and is not added), once `min_samples` are known. Before that,
+    nothing is an outlier: a node cannot judge from a handful of micro-batches."""
+
+    def __init__(self, *, factor: float = 100.0, window: int = 64, min_samples: int = 16) -> None:
+        self.factor, self.min_samples = factor, min_samples
+        self._norms: deque[float] = deque(maxlen=window)
+
+    def outlier(self, norm: float) -> bool:
+        if not math.isfinite(norm):
+            return True
+        if len(self._norms) >= self.min_samples:
+            median = statistics.median(self._norms)
+            if norm > self.factor * max(median, 1e-12):
+                return True
+        self._norms.append(norm)
+        return False

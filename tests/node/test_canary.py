@@ -1,0 +1,111 @@
+"""Canary micro-batches (node/canary.py): who departs from the strict majority, the probe
+answer of a stage, and a sender flagging a replica whose output departs (no network)."""
+
+import asyncio
+
+import pytest
+import torch
+
+from agora_node.comms import streams
+from agora_node.comms.pipeline_wire import (
+    ForwardHeader,
+    ResponseHeader,
+    Status,
+    decode_forward,
+    decode_response,
+    encode_forward,
+    encode_response,
+)
+from agora_node.node.canary import departing, distance
+from agora_node.node.pipeline import Pipeline, PipelineConfig
+from agora_node.node.suspects import Reason
+from agora_node.node.worker import StageWorker
+from agora_node.stages.manifest_files import load_manifest
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_the_replica_far_from_an_agreeing_majority_departs() -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    near = {"a": x, "b": x * 1.02, "c": x + 0.01}
+    assert departing(near, 0.1) == []
+    assert departing({**near, "d": -x}, 0.1) == ["d"]
+    assert departing({"a": x, "b": x * 1.02, "c": x * 10}, 0.1) == ["c"]
+    assert departing({"a": x, "b": x * 1.02, "c": torch.full_like(x, float("nan"))}, 0.1) == ["c"]
+    # two colluders agreeing with each other are still far from the honest majority
+    liars = {"x": x * 5, "y": x * 5.01}
+    assert departing({**near, **liars}, 0.1) == ["x", "y"]
+    # no strict majority agrees: nobody is flagged; with two answers, nobody either
+    assert departing({"a": x, "b": -x, "c": 3 * x}, 0.1) == []
+    assert departing({"a": x, "b": -x}, 0.1) == []
+    assert distance(x, x[:10]) == float("inf")
+
+
+def _stage_pipeline(stage: int, peers: list[str], **config) -> Pipeline:
+    m = load_manifest("tiny")
+    worker = StageWorker(m, stage)
+    return Pipeline(m, worker, None, "me", lambda s: list(peers), PipelineConfig(**config))
+
+
+def _inputs(p: Pipeline, stage: int):
+    m = p.manifest
+    b, s, w = m.inner.micro_batch, m.model.seq_len, p.worker.stage.boundary_width
+    header = ForwardHeader(run_id=m.run_id, mb_id="x", stage=stage, batch=b, seq=s, width=w)
+    tokens = torch.randint(0, m.model.vocab_size, (b, s + 1), generator=torch.Generator())
+    return header, tokens, torch.randn(b, s, w) * 0.1
+
+
+def test_a_probe_is_answered_with_the_stages_output_and_nothing_downstream() -> None:
+    p = _stage_pipeline(1, [])
+    try:
+        header, tokens, c = _inputs(p, 1)
+        probe = ForwardHeader(**{**header.__dict__, "train": False, "probe": True})
+        data = encode_forward(probe, tokens, p.codec.encode(c))
+
+        async def ask() -> bytes:
+            return b"".join([chunk async for chunk in p.handle("prober", data)])
+
+        reply, payload = decode_response(asyncio.run(ask()))
+        assert reply.status == Status.OK.value
+        out = p.codec.decode(payload, (header.batch, header.seq, header.width))
+        expected = p.worker.forward_eval(c, tokens)
+        assert torch.allclose(out, expected, atol=0.05, rtol=0.05)
+        assert p.worker.in_flight == 0  # nothing kept for a backward
+    finally:
+        p.worker.close()
+
+
+def test_a_sender_flags_the_replica_whose_canary_output_departs(monkeypatch) -> None:
+    p = _stage_pipeline(0, ["good-1", "good-2", "bad"], canary_every=1)
+    try:
+        header, tokens, c = _inputs(p, 1)
+        truth = torch.randn(header.batch, header.seq, header.width)
+        outputs = {"good-1": truth, "good-2": truth * 1.01, "bad": -truth}
+        probes: list[str] = []
+
+        async def request(p2p, peer, protocol, payload, *, timeout):  # noqa: ANN001, ANN202
+            sent, _, _ = decode_forward(payload)
+            if sent.probe:
+                probes.append(peer)
+                return encode_response(
+                    ResponseHeader(status=Status.OK.value), p.codec.encode(outputs[peer])
+                )
+            grad = torch.zeros(header.batch, header.seq, header.width)
+            return encode_response(
+                ResponseHeader(status=Status.OK.value, loss=2.0), p.codec.encode(grad)
+            )
+
+        monkeypatch.setattr(streams, "request", request)
+
+        async def go() -> None:
+            assert await p.send(header, tokens, c) is not None
+            await asyncio.wait_for(asyncio.gather(*p._canaries), 30)
+
+        asyncio.run(go())
+        assert sorted(probes) == ["bad", "good-1", "good-2"]
+        assert p.suspects.banned() == {"bad"}
+        (row,) = p.suspects.status()["banned"]
+        assert row["reason"] == Reason.CANARY.value
+        assert p.canary_counts == {"sent": 1, "compared": 1, "flagged": 1}
+    finally:
+        p.worker.close()

@@ -1,0 +1,157 @@
+"""The suspects ledger (node/suspects.py) and the round-exclusion rule (groups.excluded):
+pure, with an injected clock."""
+
+import asyncio
+
+import pytest
+
+from agora_node.comms.collective import Matchmaker, MatchmakingConfig, MemoryBoard, RoundEntry
+from agora_node.comms.collective.groups import MAX_FLAGS, EntryError, excluded
+from agora_node.node.suspects import ROUND_EVIDENCE, NormWatch, Reason, Suspects
+from agora_node.protocol.identity import Identity
+
+pytestmark = pytest.mark.timeout(30)
+QUICK = MatchmakingConfig(window=0.3, settle=0.1, poll_interval=0.02)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_flag_bans_for_the_ban_period_and_then_expires() -> None:
+    clock = Clock()
+    s = Suspects(me="me", ban_s=60, clock=clock)
+    assert s.flag("bad", Reason.NORM_OUTLIER, "round 3")
+    assert s.is_banned("bad") and not s.is_banned("good")
+    clock.now += 59
+    assert s.is_banned("bad")
+    clock.now += 2
+    assert not s.is_banned("bad") and s.banned() == frozenset()
+    assert s.status()["banned"] == []
+    assert s.flagged_total["norm_outlier"] == 1  # the total stays
+
+
+def test_a_new_flag_restarts_the_ban_and_counts() -> None:
+    clock = Clock()
+    s = Suspects(ban_s=60, clock=clock)
+    s.flag("bad", Reason.NONFINITE)
+    clock.now += 50
+    assert not s.flag("bad", Reason.MISMATCH)  # already banned
+    clock.now += 50
+    assert s.is_banned("bad")
+    (row,) = s.status()["banned"]
+    assert row["flags"] == 2 and row["reason"] == "mismatch" and row["flagged_s_ago"] == 100
+    assert s.flagged_total == {
+        r.value: (1 if r in (Reason.NONFINITE, Reason.MISMATCH) else 0) for r in Reason
+    }
+
+
+def test_nobody_flags_itself_or_an_empty_id() -> None:
+    s = Suspects(me="me")
+    assert not s.flag("me", Reason.NORM_OUTLIER) and not s.flag("", Reason.NORM_OUTLIER)
+    assert s.banned() == frozenset() and sum(s.flagged_total.values()) == 0
+
+
+def test_the_ledger_is_bounded_and_forgets_the_soonest_to_expire() -> None:
+    clock = Clock()
+    s = Suspects(ban_s=100, max_peers=8, clock=clock)
+    for i in range(1000):
+        clock.now += 0.01
+        s.flag(f"p{i}", Reason.NORM_OUTLIER)
+    assert len(s.banned()) == 8 and s.is_banned("p999") and not s.is_banned("p0")
+    assert s.newest_banned(3) == ["p999", "p998", "p997"]
+
+
+def test_round_entries_name_only_peers_banned_on_round_evidence() -> None:
+    s = Suspects()
+    s.flag("next-stage", Reason.CANARY)
+    s.flag("same-stage", Reason.NORM_OUTLIER)
+    assert s.newest_banned(8, ROUND_EVIDENCE) == ["same-stage"]
+    assert sorted(s.newest_banned(8)) == ["next-stage", "same-stage"]
+
+
+def test_a_ban_period_must_be_finite() -> None:
+    with pytest.raises(ValueError):
+        Suspects(ban_s=float("inf"))
+
+
+def test_norm_watch_flags_only_far_outliers_once_it_has_seen_enough() -> None:
+    w = NormWatch(factor=100, window=64, min_samples=16)
+    assert not w.outlier(1e6)  # nothing to compare with yet
+    w = NormWatch(factor=100, window=64, min_samples=16)
+    for i in range(16):
+        assert not w.outlier(1.0 + 0.01 * i)
+    assert not w.outlier(50.0)
+    assert w.outlier(1000.0) and w.outlier(float("nan")) and w.outlier(float("inf"))
+
+
+def entry(peer: str, flags: tuple[str, ...] = ()) -> RoundEntry:
+    return RoundEntry(peer_id=peer, run_id="r", stage=0, round=1, joined_at=1.0, flags=flags)
+
+
+def test_a_strict_majority_of_entries_excludes_a_peer_and_a_minority_does_not() -> None:
+    honest = [entry(p, ("x",)) for p in "abc"]
+    assert excluded([*honest, entry("x"), entry("y")]) == {"x"}  # 3 of 5
+    assert excluded([*honest[:2], entry("c"), entry("x")]) == frozenset()  # 2 of 4
+    liars = [entry("x", ("a",)), entry("y", ("a",))]
+    assert excluded([*liars, entry("a"), entry("b"), entry("c")]) == frozenset()
+    # self-accusation does not count; absent peers are not "excluded"
+    assert excluded([entry("a", ("a",)), entry("b", ("a",))]) == frozenset()
+    assert excluded([entry("a", ("z",)), entry("b", ("z",))]) == frozenset()
+
+
+def test_entry_flags_are_signed_bounded_and_optional() -> None:
+    me = Identity.generate()
+    e = RoundEntry(
+        peer_id=me.peer_id, run_id="r", stage=0, round=1, joined_at=1.0, flags=("12D3KooWx",)
+    )
+    back = RoundEntry.verified(e.sign(me), peer_id=me.peer_id, run_id="r", stage=0, round_no=1)
+    assert back == e
+    too_many = RoundEntry(
+        peer_id=me.peer_id,
+        run_id="r",
+        stage=0,
+        round=1,
+        joined_at=1.0,
+        flags=tuple(f"p{i}" for i in range(MAX_FLAGS + 1)),
+    )
+    with pytest.raises(EntryError):
+        RoundEntry.verified(too_many.sign(me), peer_id=me.peer_id, run_id="r", stage=0, round_no=1)
+
+
+async def test_peers_that_agree_on_a_ban_compute_the_same_groups_without_the_banned() -> None:
+    board = MemoryBoard()
+    ids = [Identity.generate() for _ in range(5)]
+    bad = ids[4].peer_id
+    makers = [Matchmaker(board, i, run_id="r", stage=0, config=QUICK) for i in ids]
+    # three of five name the bad peer; one honest peer missed it (it never saw the outlier)
+    flags = [(bad,), (bad,), (bad,), (), ()]
+    views = await asyncio.wait_for(
+        asyncio.gather(
+            *(m.gather(2, expect=5, flags=f) for m, f in zip(makers, flags, strict=True))
+        ),
+        20,
+    )
+    honest = views[:4]
+    assert len({tuple(v.peers) for v in honest}) == 1 and bad not in honest[0].peers
+    assert all(v.excluded == (bad,) for v in views)
+    assert len({v.group("delta", 0) for v in honest}) == 1 and len(honest[0].group("delta", 0)) == 4
+    assert views[4].group("delta", 0) == (bad,)  # the excluded peer mixes alone
+
+
+async def test_a_banned_peers_entry_does_not_open_a_round_for_others() -> None:
+    board = MemoryBoard()
+    me, bad = Identity.generate(), Identity.generate()
+    mine = Matchmaker(board, me, run_id="r", stage=0, config=QUICK)
+    theirs = Matchmaker(board, bad, run_id="r", stage=0, config=QUICK)
+    gathering = asyncio.create_task(theirs.gather(7, expect=1))
+    try:
+        await asyncio.wait_for(gathering, 10)
+        assert await mine.opened_by_others(7, expect=3)
+        assert not await mine.opened_by_others(7, expect=3, ignore={bad.peer_id})
+    finally:
+        gathering.cancel()

@@ -92,7 +92,7 @@ class RoundEntry:
             raise EntryError("signature does not verify")
         try:
             body = json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # signed "[[[[..." nests too deep
             raise EntryError(f"malformed entry: {exc}") from None
         entry = cls._from_body(body)
         if (entry.peer_id, entry.run_id, entry.stage, entry.round) != (

@@ -137,8 +137,24 @@ class Pipeline:
                 self.events.count_microbatch("rejected", code=exc.code.value)
                 log.info("rejected micro-batch from %s: %s (%s)", remote[-8:], exc.code.value, exc)
             return error_response(Status.BUSY if busy else Status.REJECTED, exc.code, str(exc))
-        if not header.train:
-            return await self._answer_eval(header, tokens, c_in)
+        try:
+            if not header.train:
+                return await self._answer_eval(header, tokens, c_in)
+            return await self._answer_train(remote, header, tokens, c_in, started)
+        except NonFiniteError as exc:
+            # finite but huge input can overflow inside this stage: answer, never raise
+            self.events.count_microbatch("rejected", code=Code.NON_FINITE.value)
+            log.info("micro-batch from %s overflowed this stage: %s", remote[-8:], exc)
+            return error_response(Status.REJECTED, Code.NON_FINITE, str(exc))
+
+    async def _answer_train(
+        self,
+        remote: str,
+        header: ForwardHeader,
+        tokens: torch.Tensor,
+        c_in: torch.Tensor,
+        started: float,
+    ) -> bytes:
         if self.worker.stage.is_last:
             loss, grad = await self.worker.call(
                 self.worker.forward_backward_last, c_in, tokens, header.loss_scale
@@ -148,7 +164,11 @@ class Pipeline:
         mb_id = f"{remote}/{header.mb_id}"
         c_out = await self.worker.call(self.worker.forward, mb_id, c_in, tokens)
         downstream = ForwardHeader(**{**header.__dict__, "stage": self.stage + 1})
-        reply = await self.send(downstream, tokens, c_out)
+        try:
+            reply = await self.send(downstream, tokens, c_out)
+        except NonFiniteError:
+            await self.worker.call(self.worker.discard, mb_id)
+            raise
         if reply is None:
             await self.worker.call(self.worker.discard, mb_id)
             self.events.count_microbatch("dropped")
@@ -189,11 +209,16 @@ class Pipeline:
         tokens = decode_tokens(raw_tokens, header.batch, header.seq, m.model.vocab_size)
         shape = (header.batch, header.seq, width)
         try:
-            c_in = await self.worker.call(self.codec.decode, payload, shape)
+            c_in = await self.worker.call(self._decode, payload, shape)
         except CodecError as exc:
             code = Code.NON_FINITE if isinstance(exc, NonFiniteError) else Code.BAD_PAYLOAD
             raise WireError(code, str(exc)) from None
         return header, tokens, c_in
+
+    def _decode(self, payload: memoryview, shape: tuple[int, int, int]) -> torch.Tensor:
+        # frames are self-describing: a float16 one decodes, and then fails in the stage's
+        # float32 matmuls outside any handler's except
+        return self.codec.decode(payload, shape, expected_dtype=torch.float32)
 
     async def _answer_eval(
         self, header: ForwardHeader, tokens: torch.Tensor, c_in: torch.Tensor
@@ -291,7 +316,7 @@ class Pipeline:
     ) -> torch.Tensor | None:
         shape = (header.batch, header.seq, header.width)
         try:
-            return await self.worker.call(self.codec.decode, payload, shape)
+            return await self.worker.call(self._decode, payload, shape)
         except CodecError as exc:
             self._router.on_failure(peer, time.monotonic(), FailureKind.ERROR)
             log.warning("bad gradient from %s: %s", peer[-8:], exc)

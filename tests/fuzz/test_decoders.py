@@ -514,8 +514,12 @@ _ENTRY = RoundEntry(peer_id=ALICE.peer_id, run_id="run", stage=1, round=4, joine
 _ENTRY_BODY = json.loads(_ENTRY.canonical_bytes())
 
 
+_NULL_DIGEST = json.dumps({**_ENTRY_BODY, "digest": None}).encode()
+
+
 @FUZZ
 @given(signed_values(_ENTRY_BODY))
+@example({"r": _NULL_DIGEST, "s": ALICE.sign(_NULL_DIGEST)})  # was kept with digest None
 def test_round_entries(value: object) -> None:
     try:
         entry = RoundEntry.verified(value, peer_id=ALICE.peer_id, run_id="run", stage=1, round_no=4)

@@ -120,7 +120,8 @@ def _check_fields(body: Any) -> dict[str, Any]:
     """Known fields with the right types; unknown fields (newer peers) are ignored."""
     if not isinstance(body, dict):
         raise EntryError("entry is not an object")
-    known = {k: v for k, v in body.items() if k in _FIELD_TYPES}
+    # an optional field sent as null takes its default (it never reaches the entry as None)
+    known = {k: v for k, v in body.items() if k in _FIELD_TYPES and v is not None}
     for key, kind in _FIELD_TYPES.items():
         value = known.get(key)
         if key in ("digest", "warming") and value is None:

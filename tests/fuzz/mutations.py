@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 
 _CI_EXAMPLES = 40
 EXAMPLES = int(os.environ.get("AGORA_FUZZ_EXAMPLES", _CI_EXAMPLES))
+TIMEOUT_S = max(300, EXAMPLES // 4)
+"""Per test (pytest-timeout): a hang fails the test; the full run gets a quarter second an example."""
 
 FUZZ = settings(
     max_examples=EXAMPLES,

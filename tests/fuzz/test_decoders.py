@@ -70,13 +70,14 @@ from agora_node.stages.manifest_files import load_manifest
 from tests.fuzz.mutations import (
     FUZZ,
     HUGE_INTS,
+    TIMEOUT_S,
     deep_json,
     field_edits,
     json_values,
     mutated,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(TIMEOUT_S)
 
 ALICE = Identity(Ed25519PrivateKey.from_private_bytes(bytes(range(32))))
 NOW = 1_700_000_000.0

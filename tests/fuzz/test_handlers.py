@@ -25,7 +25,7 @@ from agora_node.comms import state_transfer, streams
 from agora_node.comms.collective import GroupPlan, RoundBook
 from agora_node.comms.collective.groups import Matchmaker, MatchmakingConfig, MemoryBoard
 from agora_node.comms.collective.handlers import Responder
-from agora_node.comms.collective.p2p import CollectiveMessage, CollectiveServicer
+from agora_node.comms.collective.p2p import CollectiveMessage, CollectiveServicer, _read_reply
 from agora_node.comms.collective.payload import WireFormat, encode_result, max_frame_bytes
 from agora_node.comms.collective.wire import Code, Header, Reply
 from agora_node.comms.directory import Directory
@@ -47,7 +47,7 @@ from agora_node.protocol.manifest import parse_manifest
 from agora_node.protocol.names import outer_round_key
 from agora_node.protocol.records import NodeRecord
 from agora_node.stages.manifest_files import load_manifest
-from tests.fuzz.mutations import FUZZ, HUGE_INTS, ODD_FLOATS, field_edits, mutated
+from tests.fuzz.mutations import FUZZ, HUGE_INTS, ODD_FLOATS, TIMEOUT_S, field_edits, mutated
 from tests.fuzz.test_decoders import (
     ALICE,
     ENVELOPES,
@@ -57,7 +57,7 @@ from tests.fuzz.test_decoders import (
     signed_values,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(TIMEOUT_S)
 
 
 def _small_manifest():
@@ -449,3 +449,24 @@ def test_directory_reads_never_raise(data: st.DataObject) -> None:
     kept = directory.keep(1, raw, now=_RECORD_BODY["issued_at"])
     assert all(r.stage == 1 and r.peer_id == ALICE.peer_id for r in kept)
     assert len(kept) + sum(directory.rejected.values()) == len(raw)
+
+
+@FUZZ
+@given(collective_messages(), st.lists(st.binary(max_size=300), max_size=3))
+def test_collective_replies_are_read_within_their_bound(
+    first: CollectiveMessage, more: list[bytes]
+) -> None:
+    """The client side of fetch and query (p2p._read_reply): a reply or ValueError (the
+    driver counts the peer as failed), never more than `limit` bytes buffered."""
+    limit = max_frame_bytes(NUMEL)
+
+    async def stream():
+        yield first
+        for data in more:
+            yield CollectiveMessage(data=data)
+
+    try:
+        reply = asyncio.run(_read_reply(stream(), limit))
+    except ValueError:
+        return
+    assert isinstance(reply.code, Code) and len(reply.payload) == first.total <= limit

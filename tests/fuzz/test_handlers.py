@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 
 from agora_node.comms import state_transfer, streams
@@ -155,6 +155,7 @@ def test_the_forward_handler_answers_every_request(last_stage: StageWorker, data
     chunks = asyncio.run(_serve(pipeline, data))
     assert len(chunks) == 1
     reply, grad = decode_response(chunks[0])
+    event(f"{reply.status} {reply.code}")
     assert reply.status in (Status.OK, Status.REJECTED, Status.BUSY)
     if reply.status == Status.OK and len(grad):
         batch = json.loads(data[4 : 4 + int.from_bytes(data[:4], "little")])["batch"]

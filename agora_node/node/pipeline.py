@@ -159,8 +159,9 @@ class Pipeline:
             loss, grad = await self.worker.call(
                 self.worker.forward_backward_last, c_in, tokens, header.loss_scale
             )
+            answer = await self._ok(loss, grad)  # raises NonFiniteError before counting "ok"
             self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
-            return await self._ok(loss, grad)
+            return answer
         mb_id = f"{remote}/{header.mb_id}"
         c_out = await self.worker.call(self.worker.forward, mb_id, c_in, tokens)
         downstream = ForwardHeader(**{**header.__dict__, "stage": self.stage + 1})
@@ -177,8 +178,9 @@ class Pipeline:
             )
         loss, grad_out = reply
         grad_in = await self.worker.call(self.worker.backward, mb_id, grad_out)
+        answer = await self._ok(loss, grad_in)  # raises NonFiniteError before counting "ok"
         self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
-        return await self._ok(loss, grad_in)
+        return answer
 
     async def _admit(self, data: bytes) -> tuple[ForwardHeader, torch.Tensor, torch.Tensor]:
         header, raw_tokens, payload = decode_forward(data)

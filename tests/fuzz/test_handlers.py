@@ -15,6 +15,7 @@ import math
 import random
 import time
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -32,14 +33,19 @@ from agora_node.comms.directory import Directory
 from agora_node.comms.membership.messages import MemberMeta
 from agora_node.comms.membership.signing import Ed25519Verifier, null_verify
 from agora_node.comms.membership.swim import Membership
+from agora_node.comms.pipeline_wire import Code as Code_
 from agora_node.comms.pipeline_wire import (
     ForwardHeader,
+    ResponseHeader,
     Status,
     decode_response,
     encode_forward,
+    encode_response,
     encode_tokens,
+    error_response,
 )
 from agora_node.compression import ActivationCodec, Codec
+from agora_node.node import pipeline as pipeline_module
 from agora_node.node.config import PipelineConfig
 from agora_node.node.pipeline import Pipeline
 from agora_node.node.worker import StageWorker
@@ -60,18 +66,18 @@ from tests.fuzz.test_decoders import (
 pytestmark = pytest.mark.timeout(TIMEOUT_S)
 
 
-def _small_manifest():
+def _small_manifest(stages: int = 2):
     """tiny, shrunk so that a forward and backward of one micro-batch take milliseconds."""
     text = load_manifest("tiny").to_toml()
     for old, new in [
         ("d_model = 256", "d_model = 32"),
-        ("n_layers = 8", "n_layers = 2"),
+        ("n_layers = 8", f"n_layers = {stages}"),
         ("n_heads = 8", "n_heads = 2"),
         ("n_kv_heads = 4", "n_kv_heads = 1"),
         ("ffn_dim = 704", "ffn_dim = 64"),
         ("seq_len = 128", "seq_len = 8"),
         ("subspace_rank = 32", "subspace_rank = 4"),
-        ("count = 4", "count = 2"),
+        ("count = 4", f"count = {stages}"),
         ("micro_batch = 8", "micro_batch = 2"),
         ("local_batch = 16", "local_batch = 2"),
     ]:
@@ -162,6 +168,80 @@ def test_the_forward_handler_answers_every_request(last_stage: StageWorker, data
         ActivationCodec().decode(grad, (batch, SEQ, WIDTH))
     assert pipeline.active_requests == 0
     assert all(bool(torch.isfinite(p).all()) for p in last_stage.masters)
+
+
+# ---- a middle stage: the replies of the stage below (node/pipeline.py, _try_peer) ---------
+
+MIDDLE = _small_manifest(stages=3)
+_GRAD = torch.randn(2, SEQ, WIDTH, generator=torch.Generator().manual_seed(7))
+DOWNSTREAM_REPLIES = [
+    encode_response(ResponseHeader(status="ok", loss=2.0), ActivationCodec().encode(_GRAD)),
+    encode_response(
+        ResponseHeader(status="ok", loss=1.5), ActivationCodec(mode="int8").encode(_GRAD)
+    ),
+    error_response(Status.BUSY, Code_.OVERLOADED, "full"),
+]
+_OK_REPLY = {"status": "ok", "code": "", "message": "", "loss": 2.0, "stats": {}}
+
+
+@st.composite
+def downstream_replies(draw: st.DrawFn) -> bytes:
+    how = draw(st.sampled_from(["bytes", "fields", "gradient"]))
+    if how == "bytes":
+        return draw(mutated(DOWNSTREAM_REPLIES))
+    header = json.dumps(_OK_REPLY).encode()
+    grad = ActivationCodec(mode="fp32").encode(_GRAD)
+    if how == "fields":
+        header = json.dumps(draw(field_edits(_OK_REPLY))).encode()
+    else:
+        grad = draw(st.one_of(frame_edits([grad]), mutated([grad, *FRAMES], seal=seal_frame)))
+    return b"".join((len(header).to_bytes(4, "little"), header, bytes(4), grad))
+
+
+@pytest.fixture(scope="module")
+def middle_stage():
+    worker = StageWorker(MIDDLE, 1)
+    try:
+        yield worker
+    finally:
+        worker.close()
+
+
+async def _no_sleep(_seconds: float) -> None:
+    return None
+
+
+@FUZZ
+@given(downstream_replies())
+def test_a_middle_stage_answers_whatever_the_stage_below_replies(
+    middle_stage: StageWorker, reply: bytes
+) -> None:
+    """Stage 1 of 3 forwards a valid micro-batch; the replica of stage 2 answers with fuzzed
+    bytes. The middle stage answers its caller and keeps no graph and finite weights."""
+    header = ForwardHeader(run_id=MIDDLE.run_id, mb_id="m", stage=1, batch=2, seq=SEQ, width=WIDTH)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (2, SEQ + 1), generator=g)
+    request = encode_forward(
+        header, tokens, ActivationCodec().encode(torch.randn(2, SEQ, WIDTH, generator=g))
+    )
+    config = PipelineConfig(deadline_s=0.01, hop_timeout_s=1.0)
+    pipeline = Pipeline(MIDDLE, middle_stage, None, "me", lambda s: ["below"], config)
+
+    async def below(*_args, **_kwargs) -> bytes:
+        return reply
+
+    with (
+        mock.patch.object(streams, "request", below),
+        mock.patch.object(pipeline_module.asyncio, "sleep", _no_sleep),
+    ):
+        chunks = asyncio.run(_serve(pipeline, request))
+    answer, grad = decode_response(chunks[0])
+    event(f"{answer.status} {answer.code}")
+    assert len(chunks) == 1 and answer.status in set(Status)
+    if answer.status == Status.OK:
+        ActivationCodec().decode(grad, (2, SEQ, WIDTH))
+    assert middle_stage.in_flight == 0
+    assert all(bool(torch.isfinite(p).all()) for p in middle_stage.masters)
 
 
 # ---- the collective's handlers (comms/collective/handlers.py, p2p.py) -------------------

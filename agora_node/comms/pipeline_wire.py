@@ -104,7 +104,7 @@ def _unpack(data: bytes) -> tuple[dict, bytes, memoryview]:
         raise WireError(Code.BAD_HEADER, f"header length {head_len} is invalid")
     try:
         header = json.loads(bytes(view[4 : 4 + head_len]))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: "[[[[..."
         raise WireError(Code.BAD_HEADER, "header is not JSON") from None
     if not isinstance(header, dict):
         raise WireError(Code.BAD_HEADER, "header is not an object")
@@ -124,6 +124,8 @@ def encode_tokens(tokens: torch.Tensor) -> bytes:
 def decode_tokens(data: bytes, batch: int, seq: int, vocab: int) -> torch.Tensor:
     if not data or data[0] not in (2, 4):
         raise WireError(Code.BAD_TOKENS, "unknown token width")
+    if batch < 1 or seq < 0:  # batch 0 would let any seq through to the reshape
+        raise WireError(Code.BAD_TOKENS, f"token shape [{batch}, {seq} + 1] is invalid")
     dtype = np.int16 if data[0] == 2 else np.int32
     expected = batch * (seq + 1) * data[0]
     if len(data) - 1 != expected:
@@ -171,6 +173,20 @@ def decode_response(data: bytes) -> tuple[ResponseHeader, memoryview]:
         Status(header.status)
     except (TypeError, ValueError) as exc:
         raise WireError(Code.BAD_HEADER, f"response header: {exc}") from None
+    if not isinstance(header.code, str) or not isinstance(header.message, str):
+        raise WireError(Code.BAD_HEADER, "response code and message must be strings")
+    if not isinstance(header.stats, dict):
+        raise WireError(Code.BAD_HEADER, "response stats must be an object")
+    loss = header.loss
+    if loss is not None:
+        # the sender adds it to its statistics: a string or a 400-digit integer must not
+        # raise there (non-finite floats are the peer's loss as reported, and kept)
+        if isinstance(loss, bool) or not isinstance(loss, int | float):
+            raise WireError(Code.BAD_HEADER, f"loss = {loss!r:.40} is not a number")
+        try:
+            header.loss = float(loss)
+        except OverflowError:
+            raise WireError(Code.BAD_HEADER, "loss does not fit a float") from None
     return header, payload
 
 

@@ -63,7 +63,7 @@ async def serve_state(
     async def handler(remote: str, request: bytes) -> AsyncIterator[bytes]:
         try:
             stage = int(json.loads(request)["stage"])
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
             raise StateTransferError(f"bad state request: {exc}") from None
         header, blob = await provider(stage)
         header = {"sha256": hashlib.sha256(blob).hexdigest(), **header, "bytes": len(blob)}
@@ -135,7 +135,8 @@ def _parse_header(frame: bytes, max_bytes: int = MAX_STATE_BYTES) -> dict:
     try:
         header = json.loads(frame)
         size, sha = int(header["bytes"]), str(header["sha256"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
+        # OverflowError: "bytes": 1e999; RecursionError: a deeply nested "[[[[..."
         raise StateTransferError(f"bad state header: {exc}") from None
     if not 0 <= size <= min(max_bytes, MAX_STATE_BYTES) or len(sha) != 64:
         raise StateTransferError(f"implausible state header: {size} bytes (limit {max_bytes})")

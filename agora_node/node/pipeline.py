@@ -180,20 +180,41 @@ class Pipeline:
                 self.events.count_microbatch("rejected", code=exc.code.value)
                 log.info("rejected micro-batch from %s: %s (%s)", remote[-8:], exc.code.value, exc)
             return error_response(Status.BUSY if busy else Status.REJECTED, exc.code, str(exc))
-        if header.probe:
-            return await self._answer_probe(tokens, c_in)
-        if not header.train:
-            return await self._answer_eval(header, tokens, c_in)
+        try:
+            if header.probe:
+                return await self._answer_probe(tokens, c_in)
+            if not header.train:
+                return await self._answer_eval(header, tokens, c_in)
+            return await self._answer_train(remote, header, tokens, c_in, started)
+        except NonFiniteError as exc:
+            # finite but huge input can overflow inside this stage: answer, never raise
+            self.events.count_microbatch("rejected", code=Code.NON_FINITE.value)
+            log.info("micro-batch from %s overflowed this stage: %s", remote[-8:], exc)
+            return error_response(Status.REJECTED, Code.NON_FINITE, str(exc))
+
+    async def _answer_train(
+        self,
+        remote: str,
+        header: ForwardHeader,
+        tokens: torch.Tensor,
+        c_in: torch.Tensor,
+        started: float,
+    ) -> bytes:
         if self.worker.stage.is_last:
             loss, grad = await self.worker.call(
                 self.worker.forward_backward_last, c_in, tokens, header.loss_scale
             )
+            answer = await self._ok(loss, grad)  # raises NonFiniteError before counting "ok"
             self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
-            return await self._ok(loss, grad)
+            return answer
         mb_id = f"{remote}/{header.mb_id}"
         c_out = await self.worker.call(self.worker.forward, mb_id, c_in, tokens)
         downstream = ForwardHeader(**{**header.__dict__, "stage": self.stage + 1})
-        reply = await self.send(downstream, tokens, c_out)
+        try:
+            reply = await self.send(downstream, tokens, c_out)
+        except NonFiniteError:
+            await self.worker.call(self.worker.discard, mb_id)
+            raise
         if reply is None:
             await self.worker.call(self.worker.discard, mb_id)
             self.events.count_microbatch("dropped")
@@ -202,8 +223,9 @@ class Pipeline:
             )
         loss, grad_out = reply
         grad_in = await self.worker.call(self.worker.backward, mb_id, grad_out)
+        answer = await self._ok(loss, grad_in)  # raises NonFiniteError before counting "ok"
         self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
-        return await self._ok(loss, grad_in)
+        return answer
 
     async def _admit(self, data: bytes) -> tuple[ForwardHeader, torch.Tensor, torch.Tensor]:
         header, raw_tokens, payload = decode_forward(data)
@@ -234,11 +256,16 @@ class Pipeline:
         tokens = decode_tokens(raw_tokens, header.batch, header.seq, m.model.vocab_size)
         shape = (header.batch, header.seq, width)
         try:
-            c_in = await self.worker.call(self.codec.decode, payload, shape)
+            c_in = await self.worker.call(self._decode, payload, shape)
         except CodecError as exc:
             code = Code.NON_FINITE if isinstance(exc, NonFiniteError) else Code.BAD_PAYLOAD
             raise WireError(code, str(exc)) from None
         return header, tokens, c_in
+
+    def _decode(self, payload: memoryview, shape: tuple[int, int, int]) -> torch.Tensor:
+        # frames are self-describing: a float16 one decodes, and then fails in the stage's
+        # float32 matmuls outside any handler's except
+        return self.codec.decode(payload, shape, expected_dtype=torch.float32)
 
     async def _answer_eval(
         self, header: ForwardHeader, tokens: torch.Tensor, c_in: torch.Tensor
@@ -321,14 +348,17 @@ class Pipeline:
                 payload,
                 timeout=self.config.hop_timeout_s,
             )
-            self._count_bytes(peer, received=len(data))
-            reply, grad_payload = decode_response(data)
-        except (streams.StreamError, WireError) as exc:
+        except streams.StreamError as exc:
             silent = isinstance(exc, streams.SilentPeerError)
             kind = FailureKind.TIMEOUT if silent else FailureKind.ERROR
             self._router.on_failure(peer, time.monotonic(), kind)
             log.info("stage %d replica %s failed: %s", header.stage, peer[-8:], exc)
             return None
+        self._count_bytes(peer, received=len(data))
+        try:
+            reply, grad_payload = decode_response(data)
+        except WireError as exc:
+            return self._refuse(peer, Reason.MALFORMED, f"reply: {exc}")
         if reply.status == Status.OK.value:
             latency = time.monotonic() - now
             self._router.on_success(peer, latency, time.monotonic())
@@ -361,7 +391,7 @@ class Pipeline:
     ) -> torch.Tensor | None:
         shape = (header.batch, header.seq, header.width)
         try:
-            return await self.worker.call(self.codec.decode, payload, shape)
+            return await self.worker.call(self._decode, payload, shape)
         except CodecError as exc:
             self._router.on_failure(peer, time.monotonic(), FailureKind.ERROR)
             log.warning("bad gradient from %s: %s", peer[-8:], exc)

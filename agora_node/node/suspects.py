@@ -39,6 +39,9 @@ class Reason(StrEnum):
     CANARY = "canary"
     """Its output for a canary micro-batch departed from the strict majority of the
     stage's replicas probed with the same input (canary.py)."""
+    MALFORMED = "malformed"
+    """It answered a micro-batch with a reply that does not decode (its header's types,
+    its frames): streams are authenticated, so the bytes are the peer's own."""
     PIPELINE_OUTLIER = "pipeline_outlier"
     """It sent activations or returned a gradient whose norm is far above the recent ones
     (`NormWatch`)."""

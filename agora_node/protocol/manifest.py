@@ -319,7 +319,7 @@ def manifest_from_canonical(data: bytes) -> Manifest:
     """Inverse of canonical_bytes (used when a manifest is fetched from the swarm)."""
     try:
         raw = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ManifestError(f"manifest from the swarm is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ManifestError("manifest from the swarm is not a table")

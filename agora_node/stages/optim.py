@@ -8,6 +8,8 @@ one-step gradient delay of an asynchronous pipeline far better than AdamW.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -59,6 +61,8 @@ class InnerOptimizer:
     def __init__(self, module: nn.Module, spec: InnerSpec) -> None:
         self.spec = spec
         self.steps = 0
+        self.skipped = 0
+        """Steps skipped because the gradient norm was not finite."""
         decay, no_decay, hidden = [], [], []
         for name, p in module.named_parameters():
             if not p.requires_grad:
@@ -90,6 +94,11 @@ class InnerOptimizer:
     def step(self) -> float:
         """Clip, step every optimizer at the warm-up-scaled lr; returns the gradient norm."""
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec.grad_clip)
+        if not math.isfinite(float(norm)):
+            # an overflow somewhere in the accumulated micro-batches (a peer's finite but
+            # huge activation or gradient can cause one): skip rather than write NaN weights
+            self.skipped += 1
+            return float(norm)
         scale = self.lr_scale()
         for opt, base in zip(self.optimizers, self._base_lrs, strict=True):
             for group, lr in zip(opt.param_groups, base, strict=True):

@@ -59,9 +59,12 @@ def _shape(pipeline: Pipeline) -> tuple[int, int, int]:
     return (m.inner.micro_batch, m.model.seq_len, m.model.d_model)
 
 
-@pytest.mark.parametrize("loss", [float("nan"), "NaN", None])
+@pytest.mark.parametrize(
+    ("loss", "reason"),
+    [(float("nan"), Reason.NONFINITE), (None, Reason.NONFINITE), ("NaN", Reason.MALFORMED)],
+)
 def test_a_non_finite_loss_bans_the_replica_and_the_batch_goes_elsewhere(
-    pipeline, monkeypatch, loss
+    pipeline, monkeypatch, loss, reason
 ):
     grad = torch.ones(_shape(pipeline))
     pipeline._router.on_success("bad", 0.001, 0.0)  # it answers fast: preferred
@@ -70,7 +73,7 @@ def test_a_non_finite_loss_bans_the_replica_and_the_batch_goes_elsewhere(
     assert first is not None and first[0] == 2.5 and second[0] == 2.5
     assert pipeline.suspects.is_banned("bad") and asked.count("bad") == 1
     (row,) = pipeline.suspects.status()["banned"]
-    assert row["reason"] == Reason.NONFINITE.value
+    assert row["reason"] == reason.value
 
 
 def test_a_gradient_norm_outlier_bans_the_replica(pipeline, monkeypatch):

@@ -103,7 +103,7 @@ class RoundEntry:
             raise EntryError("signature does not verify")
         try:
             body = json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # signed "[[[[..." nests too deep
             raise EntryError(f"malformed entry: {exc}") from None
         entry = cls._from_body(body)
         if (entry.peer_id, entry.run_id, entry.stage, entry.round) != (
@@ -132,7 +132,8 @@ def _check_fields(body: Any) -> dict[str, Any]:
     """Known fields with the right types; unknown fields (newer peers) are ignored."""
     if not isinstance(body, dict):
         raise EntryError("entry is not an object")
-    known = {k: v for k, v in body.items() if k in _FIELD_TYPES}
+    # an optional field sent as null takes its default (it never reaches the entry as None)
+    known = {k: v for k, v in body.items() if k in _FIELD_TYPES and v is not None}
     for key, kind in _FIELD_TYPES.items():
         value = known.get(key)
         if key in ("digest", "warming", "flags") and value is None:

@@ -1,5 +1,6 @@
 """The joiner's strict decoder of a replica's state (protocol/state_blob.py)."""
 
+import os
 import struct
 
 import pytest
@@ -121,7 +122,7 @@ def _blobs(draw) -> bytes:
 
 
 @settings(
-    max_examples=10_000,
+    max_examples=max(500, int(os.environ.get("AGORA_FUZZ_EXAMPLES", 0))),  # tests/fuzz/mutations.py
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

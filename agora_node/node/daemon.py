@@ -45,6 +45,7 @@ from agora_node.node.snapshot import build_snapshot, node_record, progress_line,
 from agora_node.node.status_server import History, StatusServer
 from agora_node.node.suspects import Suspects
 from agora_node.node.telemetry import Telemetry
+from agora_node.node.waits import SAMPLE_S, Waits
 from agora_node.protocol.allowlist import AllowList, AllowListError
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
@@ -76,6 +77,8 @@ class Node:
         self.identity = Identity.load_or_create(config.identity_path)
         self.peer_id = self.identity.peer_id
         self.allow = AllowList(config.allow_keys) if config.allow_keys else None
+        self.waits = Waits()
+        """Where the stage's wall time went over the last progress interval."""
         if self.allow is not None and self.peer_id not in self.allow:
             raise JoinError(
                 f"--allow-keys {config.allow_keys} does not list this node's own peer id "
@@ -171,6 +174,7 @@ class Node:
         await self._open_service(stage)
         self._loops.spawn(self._refresh_loop())
         self._loops.spawn(self._status_loop())
+        self._loops.spawn(self._sample_waits())
         self._loops.spawn(self._checkpoint_loop())
         self._loops.spawn(self._admission_loop())
         if cfg.stage == "auto" and cfg.rebalance_every_s > 0:
@@ -252,6 +256,8 @@ class Node:
             self._sync_rejections()
             if time.monotonic() - progress_at >= 10:
                 progress_at = time.monotonic()
+                if self.service is not None:
+                    self.waits.take(self.service.rounds.outer.totals["seconds_blocked"])
                 log.info(progress_line(self))
             await self._wait_stop(self.config.refresh_s)
 
@@ -414,6 +420,14 @@ class Node:
     def snapshot(self) -> dict:
         """The status page's data (status_server.Snapshot), as the status loop last built it."""
         return self._snapshot or build_snapshot(self)
+
+    async def _sample_waits(self) -> None:
+        """Where the stage's time goes (node/waits.py), sampled for the progress line."""
+        while not self.stop_event.is_set():
+            if self.service is not None:
+                worker = self.service.worker
+                self.waits.sample(computing=worker.calls_open > 0, awaiting=worker.in_flight > 0)
+            await self._wait_stop(SAMPLE_S)
 
     async def _status_loop(self) -> None:
         while not self.stop_event.is_set():

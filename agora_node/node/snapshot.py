@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agora_node import __version__
+from agora_node.node.waits import describe
 from agora_node.protocol.records import NodeRecord
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ def progress_line(node: Node) -> str:
         f"rejected {stats.results['rejected']} | peers {sum(len(v) for v in node.view.values())} "
         f"| outer round {service.rounds.round}, blocked {service.rounds.outer.totals['seconds_blocked']:.0f}s "
         f"| rss {rss_bytes() / 2**20:.0f} MiB"
+        + (f" | time {describe(node.waits.last, w.index)}" if node.waits.last else "")
         + (f" | waiting on {waiting}" if (waiting := node_waiting_on(node)) else "")
     )
 
@@ -193,6 +195,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "members": node.liveness.status(),
             "stage_changes": list(node.stage_changes),
             "waiting_on": node_waiting_on(node),
+            "time_split": node.waits.last,
             "tokens_seen": w.stats.tokens if w else 0,
             "throughput": w.stats.throughput if w else 0.0,
             "compute_rate": w.stats.compute_rate if w else 0.0,

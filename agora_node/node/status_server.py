@@ -102,6 +102,9 @@ class NodeStatus(TypedDict):
     # event: joined | suspected | dead | left | alive | moved, stage}], oldest first)
     stage_changes: list[dict[str, Any]]  # [{at, from, to, reason}]: the choice, then switches
     waiting_on: str | None  # "stage 2 (no replica downstream)" when a neighbour stage is empty
+    time_split: dict[str, float]  # the last progress interval's shares of wall time: "compute",
+    # "downstream" (forwards awaiting gradients), "idle" (beyond stage 0: waiting on
+    # upstream), "outer" (blocked in outer rounds); node/waits.py. {} before the first
     # Also: records_rejected ({reason: count}, run_pointer_* for run pointer entries),
     # unlisted_refused ({what: count}: inputs from peers not on --allow-keys; {} in an open swarm)
     # runs_seen ([{"run_id", "name"}]: the runs the swarm's signed run pointer announces)

@@ -115,6 +115,8 @@ class StageWorker:
         self.micro_per_step = manifest.inner.local_batch // manifest.inner.micro_batch
         self.max_graphs, self.pending_ttl_s = max_graphs, pending_ttl_s
         self.stats = WorkerStats()
+        self.calls_open = 0
+        """Calls running or queued on the worker thread (node/waits.py samples it)."""
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{index}")
         self._pending: dict[str, _Pending] = {}
         self._finished_since_step = 0
@@ -131,7 +133,11 @@ class StageWorker:
     async def call(self, fn, *args: Any) -> Any:  # noqa: ANN001
         """Run fn(*args) on the worker thread."""
         self._threaded = True
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self.calls_open += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        finally:
+            self.calls_open -= 1
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

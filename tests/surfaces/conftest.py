@@ -98,6 +98,7 @@ def make_snapshot(state: str = "active") -> dict[str, Any]:
             },
             "stage_changes": [{"at": now - 300, "from": None, "to": 1, "reason": "least capacity"}],
             "waiting_on": "stage 2 (no replica downstream)",
+            "time_split": {"compute": 0.4, "downstream": 0.5, "idle": 0.1, "outer": 0.03},
         },
         "stages": [
             {"stage": 0, "peers": [peer(OTHER_ID, False)]},

@@ -16,7 +16,17 @@ from tests.integration.harness import poll, small_manifest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 
-@pytest.mark.parametrize("attack", ["altered", "nan", "garbage"])
+# "altered" is the hard case (well-formed, finite, only the attestation tells); NaN and
+# garbage are refused by the decoder (tests/node/test_state_loading.py, tests/fuzz) and
+# run here with -m slow, to keep the default suite within its budget.
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "altered",
+        pytest.param("nan", marks=pytest.mark.slow),
+        pytest.param("garbage", marks=pytest.mark.slow),
+    ],
+)
 def test_joiner_rejects_a_hostile_source_and_adopts_the_attested_anchor(swarm, tmp_path, attack):
     manifest = small_manifest(tmp_path / "one.toml", stages=1, layers=2, inner_steps=3)
     swarm.bootstrap(manifest)
@@ -68,15 +78,13 @@ def test_joiner_rejects_a_hostile_source_and_adopts_the_attested_anchor(swarm, t
     # rejects it; in one clean-clone CI run the joiner's plan did not reach it first (cause
     # not found yet), and adopting the honest anchor is the guarantee under test.
     tried_hostile = hostile_id in origin["rejected"]
-    # The adopted anchor is the one the honest replicas hold for that round.
+    # The adopted anchor is one an honest replica holds for that round (the strict
+    # majority that attested it has at least one honest member; honest replicas may hold
+    # different anchors for a round one of them mixed alone, as on a loaded CI machine).
     round_no = str(origin["anchor_round"])
-    for node in honest:
-        digests = outer(node)["anchor_digests"]
-        if round_no in digests:
-            assert digests[round_no] == origin["anchor_digest"], (round_no, digests, origin)
-            break
-    else:
-        pytest.fail(f"no honest replica recorded round {round_no}: {origin}")
+    held = {outer(n)["anchor_digests"].get(round_no) for n in honest} - {None}
+    assert held, f"no honest replica recorded round {round_no}: {origin}"
+    assert origin["anchor_digest"] in held, (round_no, held, origin)
     # Finite weights: the joiner trains on them and its losses are numbers.
     losses = poll(
         lambda: (swarm.status(joiner) or {}).get("last_losses"), 120, "the joiner's losses"

@@ -336,18 +336,22 @@ class Pipeline:
             tried.add(peer)
         return None
 
+    async def _request(self, peer: str, payload: bytes) -> bytes:
+        """One forward request to `peer`, its answer within a hop's timeout."""
+        return await streams.request(
+            self.p2p,
+            peer,
+            forward_protocol(self.manifest.run_id),
+            payload,
+            timeout=self.config.hop_timeout_s,
+        )
+
     async def _try_peer(self, peer: str, header: ForwardHeader, payload: bytes):  # noqa: ANN202
         now = time.monotonic()
         self._router.on_sent(peer, now)
         self._count_bytes(peer, sent=len(payload))
         try:
-            data = await streams.request(
-                self.p2p,
-                peer,
-                forward_protocol(self.manifest.run_id),
-                payload,
-                timeout=self.config.hop_timeout_s,
-            )
+            data = await self._request(peer, payload)
         except streams.StreamError as exc:
             silent = isinstance(exc, streams.SilentPeerError)
             kind = FailureKind.TIMEOUT if silent else FailureKind.ERROR
@@ -438,13 +442,7 @@ class Pipeline:
     async def _probe(self, peer: str, header: ForwardHeader, payload: bytes) -> torch.Tensor | None:
         """The replica's output for a canary, or None if it gave none (busy, old, gone)."""
         try:
-            data = await streams.request(
-                self.p2p,
-                peer,
-                forward_protocol(self.manifest.run_id),
-                payload,
-                timeout=self.config.hop_timeout_s,
-            )
+            data = await self._request(peer, payload)
             self._count_bytes(peer, sent=len(payload), received=len(data))
             reply, out = decode_response(data)
         except (streams.StreamError, WireError):

@@ -29,7 +29,6 @@ import time
 from collections import deque
 from collections.abc import Awaitable
 
-from agora_node.comms import admission
 from agora_node.comms.directory import Directory, Snapshot, list_runs, publish_manifest
 from agora_node.comms.host import Host, HostConfig
 from agora_node.comms.membership.messages import MemberMeta
@@ -40,13 +39,13 @@ from agora_node.node.liveness import Liveness
 from agora_node.node.loops import Loops
 from agora_node.node.metrics import Metrics
 from agora_node.node.pipeline import PipelineStats
+from agora_node.node.private import Admittance
 from agora_node.node.service import ServiceContext, StageService, serve_endpoints
 from agora_node.node.snapshot import build_snapshot, node_record, progress_line, record_history
 from agora_node.node.status_server import History, StatusServer
 from agora_node.node.suspects import Suspects
 from agora_node.node.telemetry import Telemetry
 from agora_node.node.waits import SAMPLE_S, Waits
-from agora_node.protocol.allowlist import AllowList, AllowListError
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.records import NodeState, RecordLimits
@@ -76,17 +75,10 @@ class Node:
         self.config = config
         self.identity = Identity.load_or_create(config.identity_path)
         self.peer_id = self.identity.peer_id
-        self.allow = AllowList(config.allow_keys) if config.allow_keys else None
+        self.admittance = Admittance(config.allow_keys, self.peer_id)
+        """The allow list (private swarms) and what the swarm's peers answered about us."""
         self.waits = Waits()
         """Where the stage's wall time went over the last progress interval."""
-        if self.allow is not None and self.peer_id not in self.allow:
-            raise JoinError(
-                f"--allow-keys {config.allow_keys} does not list this node's own peer id "
-                f"{self.peer_id}: add it (or use another identity) to join this private swarm"
-            )
-        self.unlisted_refused: dict[str, int] = {}
-        """Inputs refused because their peer is not on the allow list, by kind."""
-        self.admission = admission.Admission()
         self.refused: str | None = None
         """Set when the swarm's peers refuse this node: the one line it stops with."""
         self.state = NodeState.JOINING
@@ -166,7 +158,7 @@ class Node:
             serving=lambda: self.service,
             offering_state=lambda: self.service if self.state == NodeState.ACTIVE else None,
             served=self.states_served,
-            allow=self.allow,
+            allow=self.admittance.allow,
             me=self.peer_id,
             config=cfg.pipeline,
             on_refuse=self.metrics.count_refused,
@@ -221,7 +213,7 @@ class Node:
             fetch_records=self.directory.fetch,
             stats=self.stats,
             history=self.history,
-            allow=self.allow,
+            allow=self.admittance.allow,
             suspects=self.suspects,
         )
         self.service = await StageService.open(ctx, stage, self._loop_failed)
@@ -267,51 +259,25 @@ class Node:
             for _ in range(count):
                 self.metrics.count_rejected_record(reason)
         self.directory.rejected.clear()
-        if self.allow is not None:
-            for what, count in self.allow.take_refused().items():
-                self.unlisted_refused[what] = self.unlisted_refused.get(what, 0) + count
-                self.metrics.count_unlisted_refused(what, count)
+        for what, count in self.admittance.take_refused().items():
+            self.metrics.count_unlisted_refused(what, count)
 
     # ---- private swarms -------------------------------------------------------------------
     def _admit(self, what: str):  # noqa: ANN202 - None or a peer id predicate
-        return self.allow.admit(what) if self.allow is not None else None
+        return self.admittance.admit(what)
 
     async def _ask_admission(self) -> str | None:
-        """Ask the directory's peers not asked yet (or not lately) whether they admit this
-        node; the refusal to stop with once most of those that answered refused."""
-        now = time.monotonic()
-        peers = self.admission.to_ask(self._others(), now)
-        if not peers:
-            return None
-        return await admission.ask_all(
-            self.host.p2p, self.manifest.run_id, peers, self.admission, now
-        )
+        return await self.admittance.ask(self.host.p2p, self.manifest.run_id, self._others())
 
     async def _admission_loop(self) -> None:
         """Peers that appear later are asked too; the allow list is re-read when it changes."""
         while not self.stop_event.is_set():
             await self._wait_stop(self.config.refresh_s)
-            if self.allow is not None:
-                self.reload_allow_keys(only_if_changed=True)
+            self.admittance.reload(only_if_changed=True)
             refusal = await self._ask_admission()
             if refusal is not None and not self.stop_event.is_set():
                 self.refused = refusal
                 self.stop_event.set()
-
-    def reload_allow_keys(self, *, only_if_changed: bool = False) -> None:
-        """Re-read --allow-keys (SIGUSR1, or its file changed); a bad file keeps the old list."""
-        if self.allow is None:
-            return
-        try:
-            reload = self.allow.reload_if_changed if only_if_changed else self.allow.reload
-            if not reload():
-                return
-        except AllowListError as exc:
-            log.error("--allow-keys not reloaded: %s", exc)
-            return
-        log.info("--allow-keys reloaded: %d keys", len(self.allow.keys))
-        if self.peer_id not in self.allow:
-            log.warning("--allow-keys no longer lists this node (%s)", self.peer_id)
 
     async def _wait_stop(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -463,7 +429,7 @@ async def run_node(config: NodeConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # all mean: leave cleanly
         loop.add_signal_handler(sig, node.stop_event.set)
-    loop.add_signal_handler(signal.SIGUSR1, node.reload_allow_keys)
+    loop.add_signal_handler(signal.SIGUSR1, node.admittance.reload)
     try:
         await node.start()
         print(f"agora-node: serving stage {node.service.index} as {node.peer_id}", flush=True)

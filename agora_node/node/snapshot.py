@@ -216,7 +216,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "state_origin": service.origin if service else {},
             "states_served": node.states_served,
             "records_rejected": node.records_rejected,
-            "unlisted_refused": node.unlisted_refused,
+            "unlisted_refused": node.admittance.refused_counts,
             "requests_refused": node.metrics.refused_counts(),
             "runs_seen": node.runs_seen,
             "final_val_loss": service.final_val_loss if service else None,

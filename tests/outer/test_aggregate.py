@@ -181,3 +181,13 @@ def test_the_direction_decision_does_not_depend_on_the_order_of_parts() -> None:
     perm = [3, 0, 4, 2, 1]
     assert loo_cosines([xs[i] for i in perm]) == [cos[i] for i in perm]
     assert loo_cosines(xs, chunk=1000) == pytest.approx(cos, abs=1e-12)
+
+
+def test_the_min_max_network_sorts_columns_exactly() -> None:
+    from agora_node.comms.collective.aggregate import _sorted_columns
+
+    g = torch.Generator().manual_seed(1)
+    for m in range(1, 11):
+        x = torch.randn(m, 257, generator=g, dtype=torch.float64)
+        x[:, :5] = 0.0  # ties
+        assert torch.equal(torch.stack(_sorted_columns(list(x))), x.sort(dim=0).values)

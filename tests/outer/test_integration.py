@@ -113,7 +113,7 @@ def test_centered_clip_bounds_a_member_sending_1000x(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("scale", "refusal"), [("1000", "outliers"), ("-1", "direction_outliers")])
-def test_a_member_sending_1000x_is_flagged_then_left_out_of_the_next_round(
+def test_a_member_sending_1000x_or_flipped_is_flagged_then_left_out_of_the_next_round(
     scale: str, refusal: str
 ) -> None:
     """Round 0: both honest reducers refuse the 1000x part (for its norm) or the

@@ -123,7 +123,9 @@ class OuterConfig:
             "mix_momentum": True,
         }
         fields.update(overrides)
-        aggregation = fields.get("aggregation", AggregationSpec(method=o.aggregation))
+        aggregation = fields.get(
+            "aggregation", AggregationSpec(method=o.aggregation, min_cosine=o.min_cosine)
+        )
         fields["aggregation"] = replace(aggregation, max_weight=min(cap, aggregation.max_weight))
         return cls(**fields)
 
@@ -276,6 +278,8 @@ class RoundReport:
     """Spans whose owner failed and that this replica re-reduced as a backup."""
     outliers: list[str] = field(default_factory=list)
     """Members whose contribution this replica refused, as a reducer, for its norm."""
+    direction_outliers: list[str] = field(default_factory=list)
+    """Members whose contribution this replica refused, as a reducer, for its direction."""
     mismatched: list[str] = field(default_factory=list)
     """Span owners whose result failed the witness check (verify.py); not adopted."""
     checked_spans: int = 0
@@ -443,11 +447,14 @@ class OuterLoop:
         return report
 
     def _flag(self, report: RoundReport) -> None:
-        """Ban what this replica saw itself: parts it refused for their norm, results that
+        """Ban what this replica saw itself: parts it refused for their norm or direction, results that
         failed the witness check (owner and, when not this replica, the witness)."""
         where = f"outer round {report.round}"
         for peer in report.outliers:
             self.suspects.flag(peer, Reason.NORM_OUTLIER, f"{where}: part refused for its norm")
+        for peer in report.direction_outliers:
+            evidence = f"{where}: part refused for its direction"
+            self.suspects.flag(peer, Reason.DIRECTION_OUTLIER, evidence)
         for peer in report.mismatched:
             self.suspects.flag(peer, Reason.MISMATCH, f"{where}: its span result failed the check")
         for peer in report.mismatch_witnesses:
@@ -533,10 +540,11 @@ class OuterLoop:
         return await run.run(flat, weight)
 
     def _aggregation(self, phase: str) -> AggregationSpec:
-        """The delta mix refuses norms above an absolute bound too; anchors never (a mix
-        that refused every anchor would have nothing to start from)."""
+        """The delta mix refuses norms above an absolute bound and directions away from the
+        others' too; anchors never (a mix that refused every anchor would have nothing to
+        start from, and weights all point the same way)."""
         spec = self.config.aggregation
-        return spec if phase == "delta" else replace(spec, max_norm=math.inf)
+        return spec if phase == "delta" else replace(spec, max_norm=math.inf, min_cosine=-1.0)
 
     # ---- state transfer and status ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -604,6 +612,7 @@ def round_summary(report: RoundReport, at: float | None = None) -> dict[str, Any
         "seconds_blocked": report.seconds_blocked,
         "failed_peers": list(report.failed_peers),
         "outliers": list(report.outliers),
+        "direction_outliers": list(report.direction_outliers),
         "mismatched": list(report.mismatched),
     }
 
@@ -646,6 +655,7 @@ def _round_report(
         clip_radius=math.sqrt(sum(r * r for r in radii)) if radii else None,
         repaired_spans=sum(o.stats.repaired_spans for o in outcomes),
         outliers=sorted({p for o in outcomes for p in o.stats.outliers}),
+        direction_outliers=sorted({p for o in outcomes for p in o.stats.direction_outliers}),
         mismatched=sorted({p for o in outcomes for p in o.stats.mismatched}),
         checked_spans=sum(o.stats.checked_spans for o in outcomes),
         unchecked_spans=sum(o.stats.unchecked_spans for o in outcomes),

@@ -111,13 +111,15 @@ def record_history(node: Node) -> None:
 
 
 def flags_by_peer(rounds: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
-    """How often each peer failed ("failed"), sent an outlier ("outlier") or a result the
-    witness refuted ("mismatched") in this replica's recent outer rounds."""
+    """How often each peer failed ("failed"), sent a part refused for its norm ("outlier")
+    or its direction ("direction_outlier"), or a result the witness refuted ("mismatched")
+    in this replica's recent outer rounds."""
     out: dict[str, Counter] = {}
     for r in rounds:
         for field, name in (
             ("failed_peers", "failed"),
             ("outliers", "outlier"),
+            ("direction_outliers", "direction_outlier"),
             ("mismatched", "mismatched"),
         ):
             for peer in r.get(field) or ():

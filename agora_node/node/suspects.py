@@ -1,7 +1,8 @@
 """Who this node caught misbehaving, and until when it ignores them: the suspects ledger.
 
 A peer is flagged only on evidence this node saw itself (never on another peer's
-word): an outer-round contribution it refused as a reducer for its norm, a span
+word): an outer-round contribution it refused as a reducer for its norm or its
+direction, a span
 result that failed the witness check, a micro-batch whose activations, gradient
 or loss were not finite, or a gradient whose norm was far above the recent ones
 (`NormWatch`). A flag bans the peer for `ban_s` seconds (a new flag restarts the
@@ -32,6 +33,9 @@ MAX_EVIDENCE = 120
 class Reason(StrEnum):
     NORM_OUTLIER = "norm_outlier"
     """Its outer contribution was refused by this node, as a reducer, for its norm."""
+    DIRECTION_OUTLIER = "direction_outlier"
+    """Its outer contribution was refused by this node, as a reducer, for pointing away
+    from the others' (its cosine with their median at most `min_cosine`)."""
     MISMATCH = "mismatch"
     """A span result it produced (or witnessed) failed the witness check."""
     NONFINITE = "nonfinite"
@@ -47,7 +51,7 @@ class Reason(StrEnum):
     (`NormWatch`)."""
 
 
-ROUND_EVIDENCE = (Reason.NORM_OUTLIER, Reason.MISMATCH)
+ROUND_EVIDENCE = (Reason.NORM_OUTLIER, Reason.DIRECTION_OUTLIER, Reason.MISMATCH)
 """What a replica saw in its own stage's outer rounds: the reasons its round entries name."""
 
 

@@ -28,7 +28,14 @@ DATA_FORMATS = ("text", "jsonl")
 AGGREGATIONS = ("centered_clip", "trimmed_mean", "mean")
 # Fields added after manifest version 1 with a default: left out of the canonical form
 # (and so of the run id) while they hold it, so existing runs keep their ids.
-CANONICAL_DEFAULTS = {("outer", "aggregation"): "centered_clip"}
+DEFAULT_MIN_COSINE = 0.1
+"""Reducers refuse a pseudo-gradient part whose cosine with the others' median is at most
+this: honest ones measured on tiny were never below 0.64, a random direction is about
+1/sqrt(numel) (docs/security.md, "Flagging and bans")."""
+CANONICAL_DEFAULTS = {
+    ("outer", "aggregation"): "centered_clip",
+    ("outer", "min_cosine"): DEFAULT_MIN_COSINE,
+}
 
 
 class ManifestError(ValueError):
@@ -163,9 +170,15 @@ class OuterSpec:
     """Pseudo-gradient encoding on the wire."""
     aggregation: str = "centered_clip"
     """How a span's reducer combines the contributions: robust by default (docs/security.md)."""
+    min_cosine: float = DEFAULT_MIN_COSINE
+    """A reducer refuses a pseudo-gradient part whose cosine with the median of the others'
+    (3+ parts) is at most this; -1 turns the check off. Run-wide: a span's owner and its
+    witness must refuse the same parts."""
 
     def __post_init__(self) -> None:
         _positive(self, "outer", "inner_steps", "lr")
+        if not -1 <= self.min_cosine < 1:
+            _fail("outer.min_cosine", self.min_cosine, "must be in [-1, 1) (-1: off)")
         if self.aggregation not in AGGREGATIONS:
             _fail(
                 "outer.aggregation",

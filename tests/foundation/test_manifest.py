@@ -121,3 +121,17 @@ def test_outer_aggregation_is_robust_by_default_validated_and_hashed_only_when_s
         assert manifest_from_canonical(other.canonical_bytes()) == other
     with pytest.raises(ManifestError, match=r"outer\.aggregation.*centered_clip, trimmed_mean"):
         parse_manifest(m.to_toml().replace('"centered_clip"', '"median"'))
+
+
+def test_outer_min_cosine_is_on_by_default_validated_and_hashed_only_when_set():
+    from agora_node.node.outer import OuterConfig
+
+    m = load_manifest("tiny")
+    assert m.outer.min_cosine == 0.1 == OuterConfig.from_manifest(m).aggregation.min_cosine
+    assert b"min_cosine" not in m.canonical_bytes()  # existing run ids stay (pinned above)
+    off = parse_manifest(m.to_toml().replace("min_cosine = 0.1", "min_cosine = -1.0"))
+    assert off.outer.min_cosine == -1.0 and off.run_id != m.run_id
+    assert OuterConfig.from_manifest(off).aggregation.min_cosine == -1.0
+    assert manifest_from_canonical(off.canonical_bytes()) == off
+    with pytest.raises(ManifestError, match=r"outer\.min_cosine"):
+        parse_manifest(m.to_toml().replace("min_cosine = 0.1", "min_cosine = 1.5"))

@@ -77,6 +77,7 @@ def report(**fields) -> SimpleNamespace:
         seconds_blocked=0.5,
         failed_peers=["C"],
         outliers=["B"],
+        direction_outliers=[],
         mismatched=[],
     )
     return SimpleNamespace(**(base | fields))
@@ -96,10 +97,14 @@ def test_round_summaries_and_the_peers_they_flag():
         "seconds_blocked": 0.5,
         "failed_peers": ["C"],
         "outliers": ["B"],
+        "direction_outliers": [],
         "mismatched": [],
     }
-    second = round_summary(report(round=8, failed_peers=[], mismatched=["B"]), at=110.0)
+    second = round_summary(
+        report(round=8, failed_peers=[], mismatched=["B"], direction_outliers=["D"]), at=110.0
+    )
     assert flags_by_peer([first, second]) == {
         "C": {"failed": 1},
         "B": {"outlier": 2, "mismatched": 1},
+        "D": {"direction_outlier": 1},
     }

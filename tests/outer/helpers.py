@@ -79,8 +79,11 @@ async def run_group(
 
 
 def random_values(n: int, numel: int, seed: int = 0, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Like honest pseudo-gradients: a shared direction plus each member's own noise
+    (independent vectors agree on nothing, and the direction check would refuse some)."""
     g = torch.Generator().manual_seed(seed)
-    return {p: torch.randn(numel, generator=g) * scale for p in peers(n)}
+    common = torch.randn(numel, generator=g)
+    return {p: (common + torch.randn(numel, generator=g)) * scale for p in peers(n)}
 
 
 def all_equal(outs: dict[str, Outcome]) -> bool:

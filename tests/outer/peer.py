@@ -41,11 +41,15 @@ from tests.outer.harness import (  # noqa: E402
 )
 
 
-def inner_steps(loop: OuterLoop, seed: int, scale: float) -> None:
-    g = torch.Generator().manual_seed(seed)
+def inner_steps(loop: OuterLoop, seed: int, round_no: int, scale: float) -> None:
+    """Like training: a step shared by every replica (seeded by the round) plus its own
+    noise; `scale` -1 is a sign-flipped replica, 1000 a scaled one."""
+    shared = torch.Generator().manual_seed(10**6 + round_no)
+    own = torch.Generator().manual_seed(1000 * seed + round_no)
     with torch.no_grad():
         for p in loop.state.params:
-            p.add_(scale * 1e-3 * torch.randn(p.shape, generator=g))
+            step = torch.randn(p.shape, generator=shared) + torch.randn(p.shape, generator=own)
+            p.add_(scale * 1e-3 * step)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -72,7 +76,7 @@ async def main(args: argparse.Namespace) -> None:
     await stdin.readline()  # "go"
     for r in range(args.rounds):
         await loop.begin_round(expect=args.expect)
-        inner_steps(loop, seed=1000 * args.seed + r, scale=args.scale)
+        inner_steps(loop, seed=args.seed, round_no=r, scale=args.scale)
         if r == args.stall_round:
             loop.transport = FreezeAfterFirstPush(loop.transport)
         if r == args.hold_round:
@@ -104,6 +108,7 @@ async def main(args: argparse.Namespace) -> None:
             unchecked=report.unchecked_spans,
             mismatched=report.mismatched,
             outliers=report.outliers,
+            direction_outliers=report.direction_outliers,
             excluded=report.excluded,
             ignored=report.ignored,
             banned=sorted(loop.suspects.banned()),

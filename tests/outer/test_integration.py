@@ -4,7 +4,9 @@
 - one replica SIGKILLed inside the blocking mix: the other two finish that round
   within its deadline, with equal and finite weights;
 - a replica whose delta is 1000x: CenteredClip keeps the mixed delta within the
-  clip radius of the honest mean.
+  clip radius of the honest mean;
+- a replica whose delta is 1000x or sign-flipped: refused and flagged in round 0, left
+  out of round 1 by everyone.
 """
 
 from __future__ import annotations
@@ -110,17 +112,23 @@ def test_centered_clip_bounds_a_member_sending_1000x(tmp_path: Path) -> None:
     assert float((mixed - honest_mean).norm()) <= radius
 
 
-def test_a_member_sending_1000x_is_flagged_then_left_out_of_the_next_round() -> None:
-    """Round 0: both honest reducers refuse the 1000x part and ban its sender. Round 1:
-    their entries name it, 2 of 3 is a strict majority, so every replica (the attacker
-    too) leaves it out; the honest pair mixes alone together and their anchors stay equal."""
+@pytest.mark.parametrize(("scale", "refusal"), [("1000", "outliers"), ("-1", "direction_outliers")])
+def test_a_member_sending_1000x_or_flipped_is_flagged_then_left_out_of_the_next_round(
+    scale: str, refusal: str
+) -> None:
+    """Round 0: both honest reducers refuse the 1000x part (for its norm) or the
+    sign-flipped one (for its direction) and ban its sender. Round 1: their entries name
+    it, 2 of 3 is a strict majority, so every replica (the attacker too) leaves it out;
+    the honest pair mixes alone together and their anchors stay equal."""
     args = [["--rounds", "2", "--seed", str(i), "--codec", "fp32"] for i in range(3)]
-    args[2] += ["--scale", "1000"]
+    args[2] += ["--scale", scale]
     with replicas(args) as peers:
         first = [p.expect("round", ROUND_TIMEOUT, round=0) for p in peers]
         second = [p.expect("round", ROUND_TIMEOUT, round=1) for p in peers]
     bad = first[2]["peer"]
-    assert all(e["outliers"] == [bad] and e["banned"] == [bad] for e in first[:2])
+    assert all(e[refusal] == [bad] and e["banned"] == [bad] for e in first[:2])
+    other = "outliers" if refusal == "direction_outliers" else "direction_outliers"
+    assert all(e[other] == [] for e in first)
     assert all(e["excluded"] == [bad] for e in second)
     honest = second[:2]
     assert all(e["group"] == 2 and e["consistent"] and e["finite"] for e in honest)

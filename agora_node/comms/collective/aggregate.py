@@ -15,6 +15,14 @@ Before any of them, contributions whose L2 norm is out of range are refused (and
 counted): above `max_norm_ratio` times the median norm of the span's
 contributions (only with three or more, so the median is not one of two), or
 above the absolute `max_norm`. A 1000x-scaled delta never reaches the mean.
+Then, with three or more left, contributions pointing away from what the others
+agree on are refused too: the cosine of each with the coordinate-wise median of
+the *others* (leave-one-out, so a liar cannot pull its own reference) must exceed
+`min_cosine`, or exceed it once any one other contribution is left out of that median
+too (so a liar among the others cannot get an honest member refused;
+`direction_outliers`). A sign-flipped or random delta of a normal
+norm is caught here. Both checks depend only on the set of parts, not on their
+order, so a span's owner and its witness refuse the same parts.
 
 Weights are capped at `max_weight` here, by the reducer, since a sender's claim
 cannot be trusted, and for the robust rules (with three or more claims) at the
@@ -31,6 +39,8 @@ from enum import StrEnum
 
 import torch
 from torch import Tensor
+
+from agora_node.protocol.manifest import DEFAULT_MIN_COSINE
 
 
 class Aggregation(StrEnum):
@@ -54,6 +64,9 @@ class AggregationSpec:
     """Refuse a contribution whose norm exceeds this times the median norm (3+ of them)."""
     max_norm: float = math.inf
     """Refuse a contribution whose norm exceeds this, whatever the others send."""
+    min_cosine: float = DEFAULT_MIN_COSINE
+    """Refuse a contribution whose cosine with the median of the others (3+ of them in
+    all) is at most this (`direction_outliers`); -1: no direction check."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Aggregation(self.method))
@@ -63,6 +76,8 @@ class AggregationSpec:
             raise ValueError("max_norm_ratio must be > 1 and max_norm > 0")
         if not 0 <= self.trim_fraction < 0.5:
             raise ValueError("trim_fraction must be in [0, 0.5)")
+        if not -1 <= self.min_cosine < 1:
+            raise ValueError("min_cosine must be in [-1, 1) (-1: no direction check)")
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,8 @@ class Aggregate:
     """tau used by CenteredClip (None for the other methods)."""
     refused: tuple[int, ...] = ()
     """Indices of the contributions refused for an out-of-range norm."""
+    misdirected: tuple[int, ...] = ()
+    """Indices of the contributions refused for their direction (`direction_outliers`)."""
 
 
 def norm_outliers(values: list[Tensor], spec: AggregationSpec) -> set[int]:
@@ -82,6 +99,77 @@ def norm_outliers(values: list[Tensor], spec: AggregationSpec) -> set[int]:
         median = sorted(norms)[(len(norms) - 1) // 2]
         limit = min(limit, spec.max_norm_ratio * median) if median > 0 else limit
     return {i for i, n in enumerate(norms) if not n <= limit}
+
+
+def loo_cosines(values: list[Tensor], chunk: int = 1 << 20) -> list[float | None]:
+    """Each contribution's cosine with the coordinate-wise median of the others (None where
+    either vector is zero: no direction to judge)."""
+    return median_cosines(values, [(i, frozenset()) for i in range(len(values))], chunk)
+
+
+def median_cosines(
+    values: list[Tensor], jobs: list[tuple[int, frozenset[int]]], chunk: int = 1 << 20
+) -> list[float | None]:
+    """For each job (i, left_out): the cosine of values[i] with the coordinate-wise median
+    of the values other than i and `left_out` (of an even count: the mean of the two middle
+    ones). Columns go `chunk` at a time, so memory stays a few chunks whatever the span's
+    size. Order-independent: sorted columns and float64 sums over fixed chunks give the
+    same bits for any order of `values` (a span's owner and witness list parts differently)."""
+    flat = [v.reshape(-1) for v in values]
+    dot, own_sq, ref_sq = [0.0] * len(jobs), [0.0] * len(jobs), [0.0] * len(jobs)
+    for lo in range(0, flat[0].numel(), chunk):
+        cols = torch.stack([v[lo : lo + chunk].double() for v in flat])
+        for k, (i, left_out) in enumerate(jobs):
+            rest = [r for r in range(len(values)) if r != i and r not in left_out]
+            others = _sorted_columns([cols[r] for r in rest])
+            m = len(rest)
+            ref = others[m // 2] if m % 2 else (others[m // 2 - 1] + others[m // 2]) / 2
+            dot[k] += float(cols[i] @ ref)
+            own_sq[k] += float(cols[i] @ cols[i])
+            ref_sq[k] += float(ref @ ref)
+    return [
+        d / math.sqrt(a * b) if a > 0 and b > 0 else None
+        for d, a, b in zip(dot, own_sq, ref_sq, strict=True)
+    ]
+
+
+def _sorted_columns(rows: list[Tensor]) -> list[Tensor]:
+    """Each column of `rows` sorted (row k holds the k-th smallest): an odd-even
+    transposition network of elementwise min/max for a few rows (several times faster
+    than `sort` along a short axis), `sort` beyond."""
+    if len(rows) > 8:
+        return list(torch.stack(rows).sort(dim=0).values)
+    rows = list(rows)
+    for step in range(len(rows)):
+        for k in range(step % 2, len(rows) - 1, 2):
+            rows[k], rows[k + 1] = (
+                torch.minimum(rows[k], rows[k + 1]),
+                torch.maximum(rows[k], rows[k + 1]),
+            )
+    return rows
+
+
+def direction_outliers(values: list[Tensor], spec: AggregationSpec) -> set[int]:
+    """Indices of contributions pointing away from what the others agree on, among three
+    or more: the cosine with the median of the others is at most `min_cosine`, and stays
+    so with any one other contribution also left out of the median (a single liar in the
+    reference cannot get an honest member refused: with three members the median of two
+    is their mean, half of it the liar's). Refused only while they are a minority (when
+    most disagree with the rest there is no agreement to measure against; CenteredClip
+    still bounds them)."""
+    n = len(values)
+    if spec.min_cosine <= -1 or n < 3:
+        return set()
+
+    def away(c: float | None) -> bool:
+        return c is not None and c <= spec.min_cosine
+
+    suspects = [i for i, c in enumerate(loo_cosines(values)) if away(c)]
+    jobs = [(i, frozenset({j})) for i in suspects for j in range(n) if j != i]
+    second = median_cosines(values, jobs) if jobs else []
+    cleared = {i for (i, _), c in zip(jobs, second, strict=True) if not away(c)}
+    refused = set(suspects) - cleared
+    return refused if 2 * len(refused) < n else set()
 
 
 def aggregate(values: list[Tensor], weights: list[float], spec: AggregationSpec) -> Aggregate:
@@ -101,19 +189,24 @@ def aggregate(values: list[Tensor], weights: list[float], spec: AggregationSpec)
     refused = tuple(live[j] for j in sorted(outliers))
     if len(refused) == len(live):  # nothing in range (only with an absolute bound): no update
         return Aggregate(torch.zeros_like(values[0], dtype=torch.float32), None, refused)
-    kept = [(values[i], capped[i]) for i in live if i not in refused]
+    in_range = [i for i in live if i not in refused]
+    away = direction_outliers([values[i] for i in in_range], spec)
+    misdirected = tuple(in_range[j] for j in sorted(away))
+    kept = [(values[i], capped[i]) for i in in_range if i not in misdirected]
     if all(w <= 0 for _, w in kept):  # all newcomers: count everyone equally
         kept = [(v, 1.0) for v, _ in kept]
     if len(kept) == 1:
-        return Aggregate(kept[0][0].float().clone(), 0.0 if _clips(spec) else None, refused)
+        value = kept[0][0].float().clone()
+        return Aggregate(value, 0.0 if _clips(spec) else None, refused, misdirected)
     stacked = torch.stack([v.float() for v, _ in kept])
     w = torch.tensor([float(w) for _, w in kept], dtype=torch.float64)
     w = (w / w.sum()).to(torch.float32)
     if spec.method is Aggregation.CENTERED_CLIP:
-        return replace(centered_clip(stacked, w, spec), refused=refused)
+        return replace(centered_clip(stacked, w, spec), refused=refused, misdirected=misdirected)
     if spec.method is Aggregation.TRIMMED_MEAN:
-        return Aggregate(trimmed_mean(stacked, w, spec.trim_fraction), refused=refused)
-    return Aggregate(weighted_mean(stacked, w), refused=refused)
+        value = trimmed_mean(stacked, w, spec.trim_fraction)
+        return Aggregate(value, refused=refused, misdirected=misdirected)
+    return Aggregate(weighted_mean(stacked, w), refused=refused, misdirected=misdirected)
 
 
 def _clips(spec: AggregationSpec) -> bool:

@@ -288,6 +288,10 @@ class AllReduce:
                 self.stats.reject("norm out of range")
                 if senders is not None:
                     self.stats.outliers.add(senders[i])
+            for i in agg.misdirected:
+                self.stats.reject("direction away from the others")
+                if senders is not None:
+                    self.stats.direction_outliers.add(senders[i])
             return Final(frame, attempt, value, mask)
 
         return await asyncio.to_thread(work)

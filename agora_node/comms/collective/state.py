@@ -104,6 +104,8 @@ class CollectiveStats:
     clip_radii: list[float] = field(default_factory=list)
     outliers: set[str] = field(default_factory=set)
     """Members whose contribution this member refused as a reducer for its norm."""
+    direction_outliers: set[str] = field(default_factory=set)
+    """Members whose contribution this member refused as a reducer for its direction."""
     mismatched: set[str] = field(default_factory=set)
     """Owners whose result for their span failed the witness check (not adopted)."""
     mismatch_witnesses: set[str] = field(default_factory=set)

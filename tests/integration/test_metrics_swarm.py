@@ -2,9 +2,11 @@
 Prometheus parses them, and the dashboard, rendered in headless Chromium, shows the
 swarm. The tests share one swarm (two stages, two replicas each)."""
 
+import os
 import signal
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -121,5 +123,9 @@ def test_dashboard_shows_the_swarm_in_chromium(training, tmp_path):
     assert 'class="ev-joined"' in dom and 'class="ev-left"' in dom
     assert "fixed by --stage" in dom  # why this node serves its stage
     assert "tok per compute-s" in dom and "no peer in the directory yet" not in dom
-    png = screenshot(browser, url, tmp_path / "dashboard.png")
+    # CI keeps the screenshot as an artifact: .ci/run points AGORA_TEST_ARTIFACTS at a folder
+    folder = Path(os.environ.get("AGORA_TEST_ARTIFACTS") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    png = screenshot(browser, url, folder / "dashboard.png")
+    assert png.stat().st_size > 10_000, png  # a rendered page, not an empty image
     print(f"dashboard screenshot: {png}")

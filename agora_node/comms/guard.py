@@ -206,19 +206,18 @@ class Guard:
 
     async def read(self, step: Awaitable[T], nbytes: int = 0, remote: str = "") -> T:
         """Await one read of `nbytes` (0: a header) under the read deadline."""
-        try:
-            async with asyncio.timeout(self.limits.read_s(nbytes)):
-                return await step
-        except TimeoutError:
-            raise self.refuse(Reason.READ_DEADLINE, remote) from None
+        return await self._within(step, self.limits.read_s(nbytes), Reason.READ_DEADLINE, remote)
 
     async def drain(self, step: Awaitable[T], nbytes: int = 0, remote: str = "") -> T:
         """Await one write of `nbytes` (queued and drained) under the drain deadline."""
+        return await self._within(step, self.limits.drain_s(nbytes), Reason.DRAIN_DEADLINE, remote)
+
+    async def _within(self, step: Awaitable[T], seconds: float, reason: Reason, remote: str) -> T:
         try:
-            async with asyncio.timeout(self.limits.drain_s(nbytes)):
+            async with asyncio.timeout(seconds):
                 return await step
         except TimeoutError:
-            raise self.refuse(Reason.DRAIN_DEADLINE, remote) from None
+            raise self.refuse(reason, remote) from None
 
     def check_size(self, nbytes: int, cap: int, remote: str = "") -> None:
         if nbytes > cap:

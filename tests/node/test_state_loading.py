@@ -3,6 +3,7 @@ network replaced by in-memory sources (real daemons: tests/integration/test_stat
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -293,7 +294,9 @@ async def test_state_handler_one_transfer_per_peer_and_a_send_deadline():
     hold = asyncio.Event()  # the first joiner reads nothing: its drain blocks
     first = _FakeStream(request, hold)
     task = asyncio.create_task(on_stream(peer, first.reader, first))
-    while not first.sent:
+    deadline = time.monotonic() + 5
+    while not first.sent:  # poll under a deadline: the first transfer has begun
+        assert time.monotonic() < deadline, "the first transfer never started"
         await asyncio.sleep(0.01)
     second = _FakeStream(request)
     await on_stream(peer, second.reader, second)

@@ -8,16 +8,9 @@ import pytest
 
 from agora_node.comms import guard as guard_module
 from agora_node.comms.guard import Guard, Limits, Reason, Refused, TokenBucket
+from tests.node.clock import Clock
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_token_bucket_allows_a_burst_then_the_rate() -> None:

@@ -3,16 +3,9 @@
 import pytest
 
 from agora_node.node.rates import RateWindow
+from tests.node.clock import Clock
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_per_second_divides_sums_not_averages_ratios():

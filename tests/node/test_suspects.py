@@ -9,21 +9,14 @@ from agora_node.comms.collective import Matchmaker, MatchmakingConfig, MemoryBoa
 from agora_node.comms.collective.groups import MAX_FLAGS, EntryError, excluded
 from agora_node.node.suspects import ROUND_EVIDENCE, NormWatch, Reason, Suspects
 from agora_node.protocol.identity import Identity
+from tests.node.clock import Clock
 
 pytestmark = pytest.mark.timeout(30)
 QUICK = MatchmakingConfig(window=0.3, settle=0.1, poll_interval=0.02)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_flag_bans_for_the_ban_period_and_then_expires() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     s = Suspects(me="me", ban_s=60, clock=clock)
     assert s.flag("bad", Reason.NORM_OUTLIER, "round 3")
     assert s.is_banned("bad") and not s.is_banned("good")
@@ -36,7 +29,7 @@ def test_a_flag_bans_for_the_ban_period_and_then_expires() -> None:
 
 
 def test_a_new_flag_restarts_the_ban_and_counts() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     s = Suspects(ban_s=60, clock=clock)
     s.flag("bad", Reason.NONFINITE)
     clock.now += 50
@@ -57,7 +50,7 @@ def test_nobody_flags_itself_or_an_empty_id() -> None:
 
 
 def test_the_ledger_is_bounded_and_forgets_the_soonest_to_expire() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     s = Suspects(ban_s=100, max_peers=8, clock=clock)
     for i in range(1000):
         clock.now += 0.01

@@ -292,7 +292,11 @@ async def _adopt(
 def _checkpoint_round(state: dict[str, Any]) -> int:
     outer = state.get("outer")
     try:
-        return int(outer["round"]) if isinstance(outer, dict) else 0
+        if not isinstance(outer, dict):
+            return 0
+        # The round its anchor was made at (attestations name that round, not a counter
+        # that a catch-up moved past it).
+        return int(outer.get("anchor_round", outer["round"]))
     except (KeyError, TypeError, ValueError):
         return 0
 

@@ -156,6 +156,11 @@ class OuterState:
         self.anchor = self.weights()
         self.momentum = torch.zeros_like(self.anchor)
         self.round = 0
+        """The stage's round this replica takes part in next."""
+        self.anchor_round = 0
+        """The round counter the anchor was made at: behind `round` after a catch-up
+        (rounds.py jumps the counter, not the anchor), so that what a replica attests
+        names the round that produced its anchor, never a later one."""
         self.warming = False
 
     @property
@@ -184,6 +189,7 @@ class OuterState:
         self.momentum.mul_(self.mu).add_(mixed_delta)
         self.anchor = base - self.lr * (mixed_delta + self.mu * self.momentum)
         self.round += 1
+        self.anchor_round = self.round
         self.warming = False
         return self.anchor
 
@@ -214,6 +220,7 @@ class OuterState:
     def state_dict(self) -> dict[str, Any]:
         return {
             "round": self.round,
+            "anchor_round": self.anchor_round,
             "anchor": self.anchor.clone(),
             "momentum": self.momentum.clone(),
         }
@@ -225,6 +232,7 @@ class OuterState:
             raise ValueError(f"outer state has {anchor.numel()} values, this stage {self.numel}")
         self.anchor, self.momentum = anchor.clone(), momentum.clone()
         self.round = int(state["round"])
+        self.anchor_round = min(self.round, int(state.get("anchor_round", self.round)))
         self.warming = warming
 
 

@@ -111,7 +111,8 @@ class OuterRounds:
             poll_s,
         )
         self.anchor_digests: dict[int, str] = {}
-        """Digest of the anchor after each recent round: the stage's replicas compare equal."""
+        """Digest of each recent anchor this replica attested, by the round that made it
+        (OuterState.anchor_round): the stage's replicas compare equal."""
         self.replica_anchors: dict[int, dict[str, str]] = {}
         """What the other replicas' records attested for those rounds: {round: {peer: digest}}."""
         self._lock = asyncio.Lock()
@@ -145,13 +146,16 @@ class OuterRounds:
             return await self._attest_locked()
 
     async def _attest_locked(self) -> Attestation:
-        key = (self._epoch, self.round)
+        state = self.outer.state
+        key = (self._epoch, state.anchor_round)
         if self._attested is None or self._attested[0] != key:
-            state = self.outer.state
             anchor, outer = await asyncio.to_thread(
                 state_blob.digests, state.anchor, state.momentum
             )
-            self._attested = (key, Attestation(state.round, anchor, outer or ""))
+            self._attested = (key, Attestation(state.anchor_round, anchor, outer or ""))
+            self.anchor_digests[state.anchor_round] = anchor
+            for old in sorted(self.anchor_digests)[:-KEPT_DIGESTS]:
+                del self.anchor_digests[old]
         return self._attested[1]
 
     async def transfer_blob(self) -> tuple[Attestation, bytes, str]:
@@ -164,7 +168,7 @@ class OuterRounds:
                 self._blob = None  # free the old copy before making the new one
                 state = self.outer.state
                 blob = await asyncio.to_thread(
-                    state_blob.encode, state.round, state.anchor, state.momentum
+                    state_blob.encode, attested.round, state.anchor, state.momentum
                 )
                 self._blob = (attested, blob, await asyncio.to_thread(_sha256, blob))
             return self._blob
@@ -192,7 +196,7 @@ class OuterRounds:
                 self._epoch += 1
                 self._blob = None
             start_step, start_tokens = self.worker.optimizer.steps, self.worker.stats.trained_tokens
-            await self._note_digest()
+            await self.attest()  # notes the new anchor's digest (anchor_digests)
 
     def _expect(self) -> int | set[str]:
         if self.replica_ids is not None:
@@ -209,12 +213,6 @@ class OuterRounds:
         log.info("outer round %d -> %d to meet this stage's replicas", self.round, target)
         self.outer.state.round = target
         return True
-
-    async def _note_digest(self) -> None:
-        attested = await self.attest()  # the same digest the record announces
-        self.anchor_digests[attested.round] = attested.anchor
-        for old in sorted(self.anchor_digests)[:-KEPT_DIGESTS]:
-            del self.anchor_digests[old]
 
     def note_replica_anchors(self, records: Iterable[NodeRecord]) -> None:
         """Remember the anchors other replicas attest for rounds this one kept a digest of

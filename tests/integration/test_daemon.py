@@ -26,8 +26,12 @@ def test_auto_placement_spreads_then_bootstrap_dies_and_newcomer_copies_state(sw
     for node in nodes:
         swarm.serving(node)
     statuses = poll(lambda: _active(swarm, nodes), 120, "6 active nodes")
+    # Every stage is served and none holds more than half the swarm. Placement balances measured
+    # capacity, not counts: six daemons sharing two cores measure compute rates up to ~2x
+    # apart (CI saw 1-2-3 once), so the exact 2-2-2 split of equal joiners is checked where
+    # the rates are given (tests/policy/test_choose_stage.py).
     counts = sorted(sum(1 for s in statuses if s["stage"] == k) for k in range(3))
-    assert counts == [2, 2, 2], [s["stage"] for s in statuses]
+    assert counts[0] >= 1 and counts[-1] <= 3, [s["stage"] for s in statuses]
 
     # The bootstrap peer dies: the others keep seeing each other...
     swarm.kill(swarm.children[0])

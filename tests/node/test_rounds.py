@@ -12,6 +12,7 @@ from agora_node.comms.collective import LocalNetwork, MatchmakingConfig, MemoryB
 from agora_node.node.outer import OuterConfig, OuterLoop
 from agora_node.node.rounds import OuterRounds, round_should_end, target_round
 from agora_node.node.worker import StageWorker, WorkerWeights
+from agora_node.protocol import state_blob
 from agora_node.protocol.identity import Identity
 from agora_node.stages.manifest_files import load_manifest
 from tests.outer.helpers import LOCAL
@@ -115,6 +116,32 @@ async def test_a_replica_behind_joins_the_round_another_opened():
         for worker, outer in replicas:
             await outer.close()
             worker.close()
+
+
+async def test_a_caught_up_replica_attests_the_round_that_made_its_anchor():
+    """Catch-up moves the round counter, not the anchor: the attestation and the state a
+    joiner is sent keep naming the anchor's own round (in one CI run a caught-up replica
+    attested round 2 for its round-1 anchor, and a joiner adopted it as round 2's)."""
+    network, board = LocalNetwork(), MemoryBoard()
+    worker, outer = _replica(0, network, board)
+    others = [0]
+    rounds = OuterRounds(
+        outer, worker, inner_steps=4, replica_rounds=lambda: others, replica_count=lambda: 2
+    )
+    try:
+        before = await rounds.attest()
+        assert (before.round, rounds.anchor_digests) == (0, {0: before.anchor})
+        others[:] = [2]
+        assert rounds._catch_up() and rounds.round == 2
+        after = await rounds.attest()
+        assert after == before  # same anchor, same round: no claim about round 2
+        attested, blob, _ = await rounds.transfer_blob()
+        assert attested == before
+        assert state_blob.decode(blob, outer.state.numel).round == 0
+        assert rounds.anchor_digests == {0: before.anchor}
+    finally:
+        await outer.close()
+        worker.close()
 
 
 async def test_outer_writes_while_forwards_run_never_touch_their_weight_copies():

@@ -247,7 +247,7 @@ async def test_concurrent_joiners_cost_one_serialization_per_round(monkeypatch):
     assert attested.outer == state.digest(with_momentum=True)
     # A round ends: the next request serializes the new state once.
     state.anchor = state.anchor + 1
-    state.round = 1
+    state.round = state.anchor_round = 1  # what OuterState.step sets
     rounds._epoch += 1
     await asyncio.gather(*(rounds.transfer_blob() for _ in range(3)))
     assert encodes == [0, 1] and rounds.attested.anchor == state.digest()

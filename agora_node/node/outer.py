@@ -61,6 +61,7 @@ from agora_node.comms.collective import (
 )
 from agora_node.comms.collective.groups import MAX_FLAGS, Expect
 from agora_node.comms.collective.payload import max_frame_bytes
+from agora_node.comms.collective.replay import ReplayMemory
 from agora_node.node.suspects import ROUND_EVIDENCE, Reason, Suspects
 from agora_node.protocol.allowlist import AllowList
 from agora_node.protocol.codecs import Codec, from_name
@@ -288,6 +289,8 @@ class RoundReport:
     """Members whose contribution this replica refused, as a reducer, for its norm."""
     direction_outliers: list[str] = field(default_factory=list)
     """Members whose contribution this replica refused, as a reducer, for its direction."""
+    replayed: list[str] = field(default_factory=list)
+    """Members whose delta part repeated one they sent in an earlier round (replay.py)."""
     mismatched: list[str] = field(default_factory=list)
     """Span owners whose result failed the witness check (verify.py); not adopted."""
     checked_spans: int = 0
@@ -338,6 +341,8 @@ class OuterLoop:
             board, identity, run_id=run_id, stage=stage, config=config.matchmaking, admit=admit
         )
         self.delta_encoder = PartEncoder(config.delta_format())
+        self.replays = ReplayMemory(self.state.numel)
+        """Samples of other members' recent delta parts: a replayed delta is flagged."""
         self.anchor_encoder = PartEncoder(config.anchor_format())
         self.last_report: RoundReport | None = None
         self.totals = {"rounds": 0, "bytes_sent": 0, "bytes_received": 0, "seconds_blocked": 0.0}
@@ -455,14 +460,18 @@ class OuterLoop:
         return report
 
     def _flag(self, report: RoundReport) -> None:
-        """Ban what this replica saw itself: parts it refused for their norm or direction, results that
-        failed the witness check (owner and, when not this replica, the witness)."""
+        """Ban what this replica saw itself: parts it refused for their norm or direction,
+        parts replaying an earlier round's, results that failed the witness check (owner
+        and, when not this replica, the witness)."""
         where = f"outer round {report.round}"
         for peer in report.outliers:
             self.suspects.flag(peer, Reason.NORM_OUTLIER, f"{where}: part refused for its norm")
         for peer in report.direction_outliers:
             evidence = f"{where}: part refused for its direction"
             self.suspects.flag(peer, Reason.DIRECTION_OUTLIER, evidence)
+        for peer in report.replayed:
+            evidence = f"{where}: part repeats one of an earlier round"
+            self.suspects.flag(peer, Reason.REPLAY, evidence)
         for peer in report.mismatched:
             self.suspects.flag(peer, Reason.MISMATCH, f"{where}: its span result failed the check")
         for peer in report.mismatch_witnesses:
@@ -544,6 +553,7 @@ class OuterLoop:
             deadlines=self.config.deadlines,
             verify=self.config.verify_results,
             ignore=self.suspects.banned(),
+            replays=self.replays if plan.phase == "delta" else None,  # anchors repeat
         )
         return await run.run(flat, weight)
 
@@ -621,6 +631,7 @@ def round_summary(report: RoundReport, at: float | None = None) -> dict[str, Any
         "failed_peers": list(report.failed_peers),
         "outliers": list(report.outliers),
         "direction_outliers": list(report.direction_outliers),
+        "replayed": list(report.replayed),
         "mismatched": list(report.mismatched),
     }
 
@@ -664,6 +675,7 @@ def _round_report(
         repaired_spans=sum(o.stats.repaired_spans for o in outcomes),
         outliers=sorted({p for o in outcomes for p in o.stats.outliers}),
         direction_outliers=sorted({p for o in outcomes for p in o.stats.direction_outliers}),
+        replayed=sorted({p for o in outcomes for p in o.stats.replayed}),
         mismatched=sorted({p for o in outcomes for p in o.stats.mismatched}),
         checked_spans=sum(o.stats.checked_spans for o in outcomes),
         unchecked_spans=sum(o.stats.unchecked_spans for o in outcomes),

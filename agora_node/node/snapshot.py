@@ -112,7 +112,8 @@ def record_history(node: Node) -> None:
 
 def flags_by_peer(rounds: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
     """How often each peer failed ("failed"), sent a part refused for its norm ("outlier")
-    or its direction ("direction_outlier"), or a result the witness refuted ("mismatched")
+    or its direction ("direction_outlier"), replayed an earlier round's ("replayed"), or a
+    result the witness refuted ("mismatched")
     in this replica's recent outer rounds."""
     out: dict[str, Counter] = {}
     for r in rounds:
@@ -120,6 +121,7 @@ def flags_by_peer(rounds: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, in
             ("failed_peers", "failed"),
             ("outliers", "outlier"),
             ("direction_outliers", "direction_outlier"),
+            ("replayed", "replayed"),
             ("mismatched", "mismatched"),
         ):
             for peer in r.get(field) or ():

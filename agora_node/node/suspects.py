@@ -2,7 +2,7 @@
 
 A peer is flagged only on evidence this node saw itself (never on another peer's
 word): an outer-round contribution it refused as a reducer for its norm or its
-direction, a span
+direction, or that replayed one of an earlier round, a span
 result that failed the witness check, a micro-batch whose activations, gradient
 or loss were not finite, or a gradient whose norm was far above the recent ones
 (`NormWatch`). A flag bans the peer for `ban_s` seconds (a new flag restarts the
@@ -36,6 +36,9 @@ class Reason(StrEnum):
     DIRECTION_OUTLIER = "direction_outlier"
     """Its outer contribution was refused by this node, as a reducer, for pointing away
     from the others' (its cosine with their median at most `min_cosine`)."""
+    REPLAY = "replay"
+    """Its outer delta part, as this node reduced it, repeated one it sent in an earlier
+    round (comms/collective/replay.py)."""
     MISMATCH = "mismatch"
     """A span result it produced (or witnessed) failed the witness check."""
     NONFINITE = "nonfinite"
@@ -51,7 +54,7 @@ class Reason(StrEnum):
     (`NormWatch`)."""
 
 
-ROUND_EVIDENCE = (Reason.NORM_OUTLIER, Reason.DIRECTION_OUTLIER, Reason.MISMATCH)
+ROUND_EVIDENCE = (Reason.NORM_OUTLIER, Reason.DIRECTION_OUTLIER, Reason.REPLAY, Reason.MISMATCH)
 """What a replica saw in its own stage's outer rounds: the reasons its round entries name."""
 
 

@@ -78,6 +78,7 @@ def report(**fields) -> SimpleNamespace:
         failed_peers=["C"],
         outliers=["B"],
         direction_outliers=[],
+        replayed=[],
         mismatched=[],
     )
     return SimpleNamespace(**(base | fields))
@@ -98,13 +99,18 @@ def test_round_summaries_and_the_peers_they_flag():
         "failed_peers": ["C"],
         "outliers": ["B"],
         "direction_outliers": [],
+        "replayed": [],
         "mismatched": [],
     }
     second = round_summary(
-        report(round=8, failed_peers=[], mismatched=["B"], direction_outliers=["D"]), at=110.0
+        report(
+            round=8, failed_peers=[], mismatched=["B"], direction_outliers=["D"], replayed=["E"]
+        ),
+        at=110.0,
     )
     assert flags_by_peer([first, second]) == {
         "C": {"failed": 1},
         "B": {"outlier": 2, "mismatched": 1},
         "D": {"direction_outlier": 1},
+        "E": {"replayed": 1},
     }

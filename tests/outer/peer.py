@@ -41,10 +41,13 @@ from tests.outer.harness import (  # noqa: E402
 )
 
 
-def inner_steps(loop: OuterLoop, seed: int, round_no: int, scale: float) -> None:
-    """Like training: a step shared by every replica (seeded by the round) plus its own
-    noise; `scale` -1 is a sign-flipped replica, 1000 a scaled one."""
-    shared = torch.Generator().manual_seed(10**6 + round_no)
+def inner_steps(
+    loop: OuterLoop, seed: int, round_no: int, scale: float, steady: bool = False
+) -> None:
+    """Like training: a step shared by every replica (seeded by the round, or the same
+    every round if `steady`) plus its own noise; `scale` -1 is a sign-flipped replica,
+    1000 a scaled one."""
+    shared = torch.Generator().manual_seed(10**6 + (0 if steady else round_no))
     own = torch.Generator().manual_seed(1000 * seed + round_no)
     with torch.no_grad():
         for p in loop.state.params:
@@ -74,13 +77,17 @@ async def main(args: argparse.Namespace) -> None:
         lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin
     )
     await stdin.readline()  # "go"
+    replayed = torch.zeros(0)
     for r in range(args.rounds):
         await loop.begin_round(expect=args.expect)
-        inner_steps(loop, seed=args.seed, round_no=r, scale=args.scale)
+        inner_steps(loop, seed=args.seed, round_no=r, scale=args.scale, steady=args.steady)
         if r == args.stall_round:
             loop.transport = FreezeAfterFirstPush(loop.transport)
         if r == args.hold_round:
             await stdin.readline()  # "release": lets a stalling peer enter the mix first
+        if args.replay:  # every round sends round 0's delta again
+            replayed = loop.state.pseudo_gradient() if r == 0 else replayed
+            loop.state.load_weights(loop.state.anchor - replayed)
         delta = loop.state.pseudo_gradient()
         momentum = loop.state.momentum.clone()
         report = await loop.end_round(tokens=1000)
@@ -109,6 +116,7 @@ async def main(args: argparse.Namespace) -> None:
             mismatched=report.mismatched,
             outliers=report.outliers,
             direction_outliers=report.direction_outliers,
+            replayed=report.replayed,
             excluded=report.excluded,
             ignored=report.ignored,
             banned=sorted(loop.suspects.banned()),
@@ -126,6 +134,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--codec", default="int8")
     p.add_argument("--aggregation", default="mean")
     p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--replay", action="store_true", help="send round 0's delta every round")
+    p.add_argument("--steady", action="store_true", help="one shared direction every round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stall-round", type=int, default=-1)
     p.add_argument("--hold-round", type=int, default=-1)

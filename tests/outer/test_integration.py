@@ -6,7 +6,8 @@
 - a replica whose delta is 1000x: CenteredClip keeps the mixed delta within the
   clip radius of the honest mean;
 - a replica whose delta is 1000x or sign-flipped: refused and flagged in round 0, left
-  out of round 1 by everyone.
+  out of round 1 by everyone;
+- a replica replaying its round-0 delta: flagged in round 1, left out of round 2.
 """
 
 from __future__ import annotations
@@ -135,3 +136,23 @@ def test_a_member_sending_1000x_or_flipped_is_flagged_then_left_out_of_the_next_
     assert second[2]["group"] == 1  # the attacker computed the same exclusion: alone
     assert len({e["digest"] for e in honest}) == 1
     assert len({e["digest"] for e in first}) == 1  # round 0 was still whole and equal
+
+
+def test_a_member_replaying_its_first_delta_is_flagged_then_left_out() -> None:
+    """Round 1: the liar sends round 0's delta again (int8 wire, as the daemon). The shared
+    direction is the same every round, so the replay points where the others do and
+    passes the norm and direction checks. Each honest replica reduces and witnesses two of
+    the three spans per round, so it saw samples of the liar's round-0 part where its
+    round-1 part lies: both flag it (`replayed`), and round 2 leaves it out."""
+    args = [["--rounds", "3", "--seed", str(i), "--steady"] for i in range(3)]
+    args[2] += ["--replay"]
+    with replicas(args) as peers:
+        rounds = [[p.expect("round", ROUND_TIMEOUT, round=r) for p in peers] for r in range(3)]
+    bad = rounds[0][2]["peer"]
+    assert all(e["rejected"] == {} for e in rounds[1])  # only the replay check caught it
+    assert all(e["replayed"] == [] for e in rounds[0])
+    assert all(e["replayed"] == [bad] and bad in e["banned"] for e in rounds[1][:2])
+    assert all(e["excluded"] == [bad] for e in rounds[2])
+    honest = rounds[2][:2]
+    assert all(e["group"] == 2 and e["consistent"] and e["finite"] for e in honest)
+    assert len({e["digest"] for e in honest}) == 1

@@ -57,6 +57,7 @@ from agora_node.comms.collective.payload import (
     decode_span,
     encode_result,
 )
+from agora_node.comms.collective.replay import ReplayMemory
 from agora_node.comms.collective.state import (
     CollectiveStats,
     Contribution,
@@ -133,9 +134,12 @@ class AllReduce:
         verify: bool = False,
         tolerance: float = 0.05,
         ignore: frozenset[str] = frozenset(),
+        replays: ReplayMemory | None = None,
     ) -> None:
         self.verify, self.tolerance = verify and state.plan.size >= 2, tolerance
         self.ignore = ignore
+        self.replays = replays
+        """Senders' earlier parts (replay.py): a part repeating one is flagged, not refused."""
         """Members whose parts this member drops as the reducer of its span (peers it
         banned); the result names the parts it used, so its witness agrees."""
         self._witnessed: dict[bytes, asyncio.Future] = {}
@@ -260,11 +264,12 @@ class AllReduce:
             self.stats.ignored.add(member)
         senders = ([self.state.me] if own is not None else []) + list(parts)
         contributions = ([own] if own is not None else []) + list(parts.values())
-        final = await self._aggregate_final(contributions, attempt=0, senders=senders)
+        final = await self._aggregate_final(me, contributions, attempt=0, senders=senders)
         self.state.try_finalize(me, final)
 
     async def _aggregate_final(
         self,
+        span: int,
         contributions: list[Contribution],
         attempt: int,
         senders: list[str] | None = None,
@@ -280,6 +285,8 @@ class AllReduce:
             frame = encode_result(agg.value, self.fmt)
             value = decode_span(frame, agg.value.numel())
             mask = members_mask(self.plan.members, senders or [])
+            if senders is not None:
+                self._note_replays(span, contributions, senders)
             if not count:  # the witness's reduction: its owner counts
                 return Final(frame, attempt, value, mask)
             if agg.clip_radius is not None:
@@ -295,6 +302,18 @@ class AllReduce:
             return Final(frame, attempt, value, mask)
 
         return await asyncio.to_thread(work)
+
+    def _note_replays(
+        self, span: int, contributions: list[Contribution], senders: list[str]
+    ) -> None:
+        """Note senders whose part repeats one they sent in an earlier round (on a worker
+        thread: ReplayMemory locks)."""
+        if self.replays is None:
+            return
+        lo = self.plan.spans[span][0]
+        for sender, c in zip(senders, contributions, strict=True):
+            if sender != self.state.me and self.replays.check(sender, self.plan.round, lo, c.value):
+                self.stats.replayed.add(sender)
 
     async def _witness_value(self, mask: bytes, wait: float) -> Tensor | None:
         """This member's reduction, as the witness, of its span over the parts `mask` names
@@ -327,7 +346,7 @@ class AllReduce:
             return None
         senders = ([self.state.me] if own is not None else []) + others
         contributions = ([own] if own is not None else []) + [span.witness_parts[m] for m in others]
-        final = await self._aggregate_final(contributions, 0, senders, count=False)
+        final = await self._aggregate_final(j, contributions, 0, senders, count=False)
         return final.value
 
     async def _matches_witness(self, j: int, final: Final, owner: str) -> bool:
@@ -477,7 +496,7 @@ class AllReduce:
             best = max(finals, key=lambda f: f.attempt)
             final = Final(best.frame, attempt, best.value, best.members)
         elif contributions:
-            final = await self._aggregate_final(contributions, attempt, senders)
+            final = await self._aggregate_final(j, contributions, attempt, senders)
         else:
             return
         if self.state.try_finalize(j, final):

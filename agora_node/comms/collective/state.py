@@ -106,6 +106,8 @@ class CollectiveStats:
     """Members whose contribution this member refused as a reducer for its norm."""
     direction_outliers: set[str] = field(default_factory=set)
     """Members whose contribution this member refused as a reducer for its direction."""
+    replayed: set[str] = field(default_factory=set)
+    """Members whose delta part repeated one they sent in an earlier round (replay.py)."""
     mismatched: set[str] = field(default_factory=set)
     """Owners whose result for their span failed the witness check (not adopted)."""
     mismatch_witnesses: set[str] = field(default_factory=set)

@@ -62,6 +62,7 @@ from agora_node.comms.collective import (
 from agora_node.comms.collective.groups import MAX_FLAGS, Expect
 from agora_node.comms.collective.payload import max_frame_bytes
 from agora_node.comms.collective.replay import ReplayMemory
+from agora_node.node.round_report import RoundReport, round_report, round_summary
 from agora_node.node.suspects import ROUND_EVIDENCE, Reason, Suspects
 from agora_node.protocol.allowlist import AllowList
 from agora_node.protocol.codecs import Codec, from_name
@@ -262,50 +263,6 @@ class ModuleWeights:
 
 
 @dataclass
-class RoundReport:
-    round: int
-    participants: int
-    anchor_group: tuple[str, ...]
-    delta_group: tuple[str, ...]
-    anchor_mixed: bool
-    consistent: bool
-    failed_peers: list[str]
-    rejected: dict[str, int]
-    bytes_sent: int
-    bytes_received: int
-    seconds_blocked: float
-    """end_round's wall time: what the inner loop waited for."""
-    seconds_waiting_prep: float
-    """Part of it spent waiting for matchmaking / the anchor mix to finish."""
-    deadline: float
-    """Worst-case duration of the blocking mix under failures."""
-    delta_norm: float
-    mixed_norm: float
-    clip_radius: float | None
-    """Root of the sum of squared CenteredClip radii of the spans this replica reduced."""
-    repaired_spans: int
-    """Spans whose owner failed and that this replica re-reduced as a backup."""
-    outliers: list[str] = field(default_factory=list)
-    """Members whose contribution this replica refused, as a reducer, for its norm."""
-    direction_outliers: list[str] = field(default_factory=list)
-    """Members whose contribution this replica refused, as a reducer, for its direction."""
-    replayed: list[str] = field(default_factory=list)
-    """Members whose delta part repeated one they sent in an earlier round (replay.py)."""
-    mismatched: list[str] = field(default_factory=list)
-    """Span owners whose result failed the witness check (verify.py); not adopted."""
-    checked_spans: int = 0
-    """Spans fetched from their owner whose result the witness confirmed."""
-    unchecked_spans: int = 0
-    """Results adopted unchecked: their witness did not answer."""
-    mismatch_witnesses: list[str] = field(default_factory=list)
-    """Witnesses of those spans (other than this replica): either side may have lied."""
-    excluded: list[str] = field(default_factory=list)
-    """Participants left out of the round: a majority of the entries named them banned."""
-    ignored: list[str] = field(default_factory=list)
-    """Members whose parts this replica, as a reducer, dropped: it had banned them."""
-
-
-@dataclass
 class _Prep:
     view: RoundView
     delta_plan: GroupPlan | None
@@ -452,8 +409,15 @@ class OuterLoop:
                 momentum = prep.anchor.value[self.state.numel :]
         round_no = self.state.round
         await weights.write(await asyncio.to_thread(self.state.step, mixed, anchor, momentum))
-        report = _round_report(
-            self.config, self.state.numel, round_no, prep, outcome, (delta, mixed), started, waited
+        n = len(prep.delta_plan.members) if prep.delta_plan else 1
+        deadline = self.config.deadlines.worst_case(self.state.numel, n, self.config.delta_format())
+        report = round_report(
+            round_no,
+            prep.view,
+            self.config.group_size,
+            (prep.anchor, outcome),
+            (delta, mixed),
+            (started, waited, deadline),
         )
         self._account(report)
         self._flag(report)
@@ -613,73 +577,3 @@ class OuterLoop:
             report.seconds_blocked,
             "" if report.consistent else " | INCONSISTENT",
         )
-
-
-def round_summary(report: RoundReport, at: float | None = None) -> dict[str, Any]:
-    """What the status page lists of one round: who mixed, what it cost, whether the
-    results agreed (`consistent`), and the peers this replica had to distrust."""
-    return {
-        "round": report.round,
-        "at": time.time() if at is None else at,
-        "participants": report.participants,
-        "group": list(report.delta_group),
-        "anchor_mixed": report.anchor_mixed,
-        "consistent": report.consistent,
-        "bytes_sent": report.bytes_sent,
-        "bytes_received": report.bytes_received,
-        "seconds_blocked": report.seconds_blocked,
-        "failed_peers": list(report.failed_peers),
-        "outliers": list(report.outliers),
-        "direction_outliers": list(report.direction_outliers),
-        "replayed": list(report.replayed),
-        "mismatched": list(report.mismatched),
-    }
-
-
-def _round_report(
-    config: OuterConfig,
-    numel: int,
-    round_no: int,
-    prep: _Prep,
-    outcome: Outcome | None,
-    vectors: tuple[Tensor, Tensor],
-    started: float,
-    waited: float,
-) -> RoundReport:
-    """What one round did, from its two mixes' outcomes (`vectors`: own and mixed delta)."""
-    delta, mixed = vectors
-    outcomes = [o for o in (prep.anchor, outcome) if o is not None]
-    radii = outcome.stats.clip_radii if outcome is not None else []
-    rejected: dict[str, int] = {}
-    for o in outcomes:
-        for reason, count in o.stats.rejected.items():
-            rejected[reason] = rejected.get(reason, 0) + count
-    n = len(prep.delta_plan.members) if prep.delta_plan else 1
-    return RoundReport(
-        round=round_no,
-        participants=len(prep.view.entries),
-        anchor_group=prep.view.group("anchor", config.group_size),
-        delta_group=prep.view.group("delta", config.group_size),
-        anchor_mixed=prep.anchor is not None,
-        consistent=all(o.consistent for o in outcomes),
-        failed_peers=sorted({p for o in outcomes for p in o.stats.failed_peers}),
-        rejected=rejected,
-        bytes_sent=sum(o.stats.bytes_sent for o in outcomes),
-        bytes_received=sum(o.stats.bytes_received for o in outcomes),
-        seconds_blocked=time.monotonic() - started,
-        seconds_waiting_prep=waited,
-        deadline=config.deadlines.worst_case(numel, n, config.delta_format()),
-        delta_norm=float(delta.norm()),
-        mixed_norm=float(mixed.norm()),
-        clip_radius=math.sqrt(sum(r * r for r in radii)) if radii else None,
-        repaired_spans=sum(o.stats.repaired_spans for o in outcomes),
-        outliers=sorted({p for o in outcomes for p in o.stats.outliers}),
-        direction_outliers=sorted({p for o in outcomes for p in o.stats.direction_outliers}),
-        replayed=sorted({p for o in outcomes for p in o.stats.replayed}),
-        mismatched=sorted({p for o in outcomes for p in o.stats.mismatched}),
-        checked_spans=sum(o.stats.checked_spans for o in outcomes),
-        unchecked_spans=sum(o.stats.unchecked_spans for o in outcomes),
-        mismatch_witnesses=sorted({p for o in outcomes for p in o.stats.mismatch_witnesses}),
-        excluded=list(prep.view.excluded),
-        ignored=sorted({p for o in outcomes for p in o.stats.ignored}),
-    )

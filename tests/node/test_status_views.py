@@ -6,7 +6,7 @@ from types import SimpleNamespace
 from agora_node.comms.membership.members import MemberView
 from agora_node.comms.membership.messages import MemberMeta, Status
 from agora_node.node.liveness import RECENT_EVENTS, Liveness, membership_event
-from agora_node.node.outer import round_summary
+from agora_node.node.round_report import round_summary
 from agora_node.node.rounds import anchor_agreement
 from agora_node.node.snapshot import flags_by_peer, waiting_on
 

@@ -31,6 +31,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
+from agora_node.comms.dht_validator import SignedSubkeys
 from agora_node.comms.reaper import Reaper
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class Host:
                 p2p=p2p,
                 start=True,
                 num_workers=4,
+                record_validators=[SignedSubkeys()],  # no squatting a peer's subkey
             )
         except Exception as exc:
             await p2p.shutdown()

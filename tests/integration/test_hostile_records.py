@@ -1,9 +1,11 @@
 """A stranger with a fresh key against the directory and the run pointer, with real daemons.
 
 The hostile peer is a plain hivemind DHT peer in the test process with its own
-Ed25519 identity: everything it stores is correctly signed by that key (or
-copied from a real node), so only the checks in records.verify_record,
-records.verify_run_pointer and the directory stand between it and the swarm.
+Ed25519 identity (and none of the daemon's DHT checks): everything it stores is
+correctly signed by that key, copied from a real node, or junk. Values under a peer's
+subkey meet the honest nodes' DHTs first (protocol/storable.py: signed by that peer,
+not outliving themselves); what passes meets records.verify_record,
+records.verify_run_pointer and the directory.
 """
 
 from __future__ import annotations
@@ -99,25 +101,35 @@ def test_hostile_peer_records_and_run_pointers_are_ignored(swarm, tmp_path):
         poll(lambda: time.time() > stale_at, 60, "the captured record to be past its lifetime")
 
         exp = get_dht_time() + 120
-        # (a) infinite and absurd throughput, signed by the attacker's own keys;
-        inf = NodeRecord(run_id=run_id, peer_id=attacker.peer_id, stage=0, state="active")
+        # (a) infinite and absurd throughput, signed by the attacker's own keys (lifetimes
+        # of 300 s: the DHT stores them, the readers' checks must refuse them);
+        inf = NodeRecord(
+            run_id=run_id, peer_id=attacker.peer_id, stage=0, state="active", ttl=300.0
+        )
         body = {**json.loads(inf.canonical_bytes()), "throughput": math.inf}
         assert dht.store(
             stage_key(run_id, 0), _raw_signed(attacker, body), exp, subkey=attacker.peer_id
         )
         huge = NodeRecord(
-            run_id=run_id, peer_id=attacker2.peer_id, stage=1, state="active", throughput=1e300
+            run_id=run_id,
+            peer_id=attacker2.peer_id,
+            stage=1,
+            state="active",
+            throughput=1e300,
+            ttl=300.0,
         )
         assert dht.store(stage_key(run_id, 1), huge.sign(attacker2), exp, subkey=attacker2.peer_id)
-        # (b) the replay, re-stored with a fresh expiry;
-        assert dht.store(stage_key(run_id, 1), replay, exp, subkey=s2["peer_id"])
-        # (c) forged run pointers: unsigned (what main stores) and signed by the wrong key.
-        assert dht.store(run_pointer_key(), b"hijack", exp, subkey="f" * 16)
+        # (b) the replay, re-stored with a fresh expiry (only the attacker's own DHT keeps
+        # it: the honest nodes' refuse a value past its lifetime);
+        dht.store(stage_key(run_id, 1), replay, exp, subkey=s2["peer_id"])
+        # (c) forged run pointers: unsigned (what main stores) and signed by the wrong key
+        # (the honest DHTs refuse both; only the attacker's keeps them).
+        dht.store(run_pointer_key(), b"hijack", exp, subkey="f" * 16)
         wrong = RunPointer(run_id="e" * 16, name="free", publisher=attacker.peer_id).sign(attacker)
         wrong["s"] = attacker2.sign(wrong["r"])
-        assert dht.store(run_pointer_key(), wrong, exp, subkey="e" * 16)
+        dht.store(run_pointer_key(), wrong, exp, subkey="e" * 16)
 
-        labels = ("nonfinite", "range", "stale", "run_pointer_not", "run_pointer_signature")
+        labels = ("nonfinite", "range")
 
         def counted_everywhere():
             counts = [_rejected(swarm, n) for n in honest]
@@ -132,13 +144,29 @@ def test_hostile_peer_records_and_run_pointers_are_ignored(swarm, tmp_path):
         poll(views_clean, 30, "views of the two honest nodes only")
         steps = swarm.status(node0)["inner_step"]
 
-        # More reads, each refusing the replay again, and the views stay clean.
+        # More reads, and the views stay clean; the replay never reached an honest reader.
         def reread():
             counts = [_rejected(swarm, n) for n in honest]
-            return all(c["stale"] >= b["stale"] + 2 for c, b in zip(counts, before, strict=True))
+            return all(c["range"] >= b["range"] + 2 for c, b in zip(counts, before, strict=True))
 
-        poll(reread, 60, "two more directory reads refusing the replay")
+        poll(reread, 60, "two more directory reads")
         assert views_clean()
+        never = ("stale", "run_pointer_not", "run_pointer_signature")  # refused by the DHTs
+        assert all(_rejected(swarm, n).get(k, 0) == 0 for n in honest for k in never)
+
+        # (d) Squatting: junk, and a copy of node-1's own signed record, stored under its
+        # subkey to live an hour. Had the honest DHTs kept them, node-1's next stores (6 s
+        # expiry) would be refused and its record would vanish from every view within a
+        # record lifetime; they refuse them, and node-1 stays in view past two lifetimes.
+        own = dht.get(stage_key(run_id, 1), latest=True).value[s1["peer_id"]].value
+        far = get_dht_time() + 3600
+        dht.store(stage_key(run_id, 1), b"squat", far, subkey=s1["peer_id"])
+        dht.store(stage_key(run_id, 1), own, far, subkey=s1["peer_id"])
+        squatted_at = time.monotonic()
+        lifetime = json.loads(own["r"])["ttl"]
+        while time.monotonic() < squatted_at + 2 * lifetime + 2:
+            assert views_clean(), [swarm.peers(n) for n in honest]
+            time.sleep(0.5)
         # Training goes on through the stage the replay tried to re-populate.
         poll(lambda: swarm.status(node0)["inner_step"] >= steps + 2, 120, "inner steps going on")
 

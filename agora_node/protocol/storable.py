@@ -1,0 +1,118 @@
+"""What a node's DHT stores, or believes from another node, under a peer's subkey.
+
+Directory records and round entries live under their signer's peer id as subkey,
+and hivemind keeps, per subkey, the value with the latest expiry. Checked only when
+read, a stranger could store junk under another peer's subkey with an expiry far in
+the future, or re-store a copy of that peer's own signed value so, and the peer's
+later, honest stores would be refused by every node holding it: its record would
+vanish from the swarm until then. So every node's DHT (comms/dht_validator.py)
+stores and believes a value under a subkey that is an Ed25519 peer id only if:
+
+- it is a signed value `{"r": JSON bytes, "s": signature}` of at most
+  MAX_SIGNED_BYTES, the signature made by that peer id's key;
+- its DHT expiry lies at most its own lifetime past the time it was signed:
+  `issued_at` + `ttl` for records (at most MAX_RECORD_TTL_S), `joined_at` +
+  UNSTATED_LIFETIME_S for round entries (whose lifetime is not signed), plus
+  STORE_SLACK_S for the clock skew and the withdraw's extra second.
+
+Under a subkey that is a run id (16 hex digits: the run pointers), likewise only a
+signed run pointer for that run, signed by the publisher it names, not outliving its
+`ttl` (at most MAX_POINTER_TTL_S). A stranger may still publish its own pointer to a
+run (that is what an open DHT allows; it names the same, content-addressed run), but
+no longer junk that hides the run's pointers. Values under other subkeys and plain
+values (the manifest, whose key holds its own hash) are left to their readers' checks. What this does not replace: readers
+still check everything (run, stage, ranges, freshness); a node of an older version
+without the check still stores junk, and a reader then discards that node's whole
+answer for the key (hivemind validates a dictionary as one).
+
+Pure functions, tested without a network.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from agora_node.protocol.identity import IdentityError, public_key_from_peer_id, verify
+from agora_node.protocol.records import MAX_CLOCK_SKEW_S, MAX_POINTER_TTL_S, MAX_RECORD_TTL_S
+
+MAX_SIGNED_BYTES = 8192
+"""Above every signed value we store (records 4096, round entries 1024)."""
+UNSTATED_LIFETIME_S = 900.0
+"""The most a signed value that states no `ttl` may live past its time (round entries
+live 60 s; the matchmaker's retries stay within its window)."""
+RUN_ID_CHARS = 16
+STORE_SLACK_S = MAX_CLOCK_SKEW_S + 5.0
+"""Between signing and the store's expiry: the withdraw's extra second, a slow store."""
+
+
+def is_peer_subkey(subkey: Any) -> bool:
+    """Whether a subkey names an Ed25519 peer id (then only that peer may write it)."""
+    if not isinstance(subkey, str) or not 40 <= len(subkey) <= 60:
+        return False
+    try:
+        public_key_from_peer_id(subkey)
+    except (IdentityError, ValueError):
+        return False
+    return True
+
+
+def is_run_subkey(subkey: Any) -> bool:
+    """Whether a subkey is a run id (a run pointer's)."""
+    return (
+        isinstance(subkey, str)
+        and len(subkey) == RUN_ID_CHARS
+        and all(c in "0123456789abcdef" for c in subkey)
+    )
+
+
+def refusal(subkey: Any, value: Any, expiration_time: float) -> str | None:
+    """Why a DHT node must not store `value` under `subkey` until `expiration_time`, or
+    None if it may (see the module docstring)."""
+    if is_peer_subkey(subkey):
+        signer, max_ttl = subkey, MAX_RECORD_TTL_S
+    elif is_run_subkey(subkey):
+        signer, max_ttl = None, MAX_POINTER_TTL_S  # the publisher it names
+    else:
+        return None  # neither a peer's nor a run's subkey: its readers decide
+    if (
+        not isinstance(value, dict)
+        or not isinstance(value.get("r"), bytes)
+        or not isinstance(value.get("s"), bytes)
+    ):
+        return "unsigned value"
+    data = value["r"]
+    if len(data) > MAX_SIGNED_BYTES:
+        return "oversized"
+    try:
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return "not JSON"
+    if not isinstance(body, dict):
+        return "not an object"
+    if signer is None:
+        if body.get("run_id") != subkey or not is_peer_subkey(body.get("publisher")):
+            return "not a run pointer for this run"
+        signer = body["publisher"]
+    signed_at = body.get("issued_at", body.get("joined_at"))
+    if not _number(signed_at):
+        return "no time of signing"
+    ttl = body.get("ttl")
+    if ttl is None and max_ttl == MAX_RECORD_TTL_S:
+        lifetime = UNSTATED_LIFETIME_S
+    elif _number(ttl) and 0 < ttl <= max_ttl:
+        lifetime = float(ttl)
+    else:
+        return "lifetime out of range"
+    if not _number(expiration_time) or expiration_time > signed_at + lifetime + STORE_SLACK_S:
+        return "expiry beyond the value's lifetime"
+    if not verify(signer, data, value["s"]):  # last: the cheap checks cost no Ed25519 work
+        return (
+            "not signed by the subkey's peer" if signer == subkey else "not signed by its publisher"
+        )
+    return None
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)

@@ -1,0 +1,91 @@
+"""What a DHT node stores under a peer's subkey (protocol/storable.py)."""
+
+import json
+import time
+
+import pytest
+
+from agora_node.comms.collective.groups import RoundEntry
+from agora_node.protocol.identity import Identity
+from agora_node.protocol.records import NodeRecord, RunPointer
+from agora_node.protocol.storable import STORE_SLACK_S, UNSTATED_LIFETIME_S, refusal
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _record(owner: Identity, ttl: float = 6.0) -> tuple[dict, float]:
+    record = NodeRecord(run_id="r" * 16, peer_id=owner.peer_id, stage=0, state="active", ttl=ttl)
+    return record.sign(owner), record.issued_at
+
+
+def test_the_owner_s_record_within_its_lifetime_is_stored():
+    owner = Identity.generate()
+    value, issued = _record(owner)
+    assert refusal(owner.peer_id, value, issued + 6.0) is None
+    assert refusal(owner.peer_id, value, issued + 7.0) is None  # withdraw: one second more
+
+
+def test_junk_or_another_signer_under_a_peer_s_subkey_is_refused():
+    owner, stranger = Identity.generate(), Identity.generate()
+    later = time.time() + 10
+    assert refusal(owner.peer_id, b"junk", later) == "unsigned value"
+    assert refusal(owner.peer_id, {"r": b"{}", "s": b"x"}, later) == "no time of signing"
+    theirs, issued = _record(stranger)
+    assert refusal(owner.peer_id, theirs, issued + 5) == "not signed by the subkey's peer"
+    forged = dict(_record(owner)[0])
+    forged["r"] = forged["r"].replace(b'"stage":0', b'"stage":1')
+    assert refusal(owner.peer_id, forged, issued + 5) == "not signed by the subkey's peer"
+    big = {"r": b" " * 9000, "s": b"x"}
+    assert refusal(owner.peer_id, big, later) == "oversized"
+
+
+def test_a_copy_of_the_owner_s_record_with_a_far_expiry_is_refused():
+    """The squatting attack: a real signed record re-stored to outlive the owner's stores."""
+    owner = Identity.generate()
+    value, issued = _record(owner)
+    assert refusal(owner.peer_id, value, issued + 6.0 + STORE_SLACK_S + 1) == (
+        "expiry beyond the value's lifetime"
+    )
+    assert refusal(owner.peer_id, value, issued + 3600) is not None
+    assert refusal(owner.peer_id, value, float("inf")) is not None
+
+
+def test_lifetimes_out_of_range_are_refused_before_any_signature_work():
+    owner = Identity.generate()
+    for ttl in (0, -1, 10**9, "6", True):
+        body = {"issued_at": time.time(), "ttl": ttl}
+        data = json.dumps(body).encode()
+        assert refusal(owner.peer_id, {"r": data, "s": owner.sign(data)}, time.time()) == (
+            "lifetime out of range"
+        )
+
+
+def test_round_entries_live_their_unstated_lifetime():
+    owner = Identity.generate()
+    entry = RoundEntry(
+        peer_id=owner.peer_id, run_id="r" * 16, stage=0, round=3, joined_at=time.time()
+    )
+    value = entry.sign(owner)
+    assert refusal(owner.peer_id, value, entry.joined_at + 60) is None
+    assert refusal(owner.peer_id, value, entry.joined_at + UNSTATED_LIFETIME_S + 60) is not None
+
+
+def test_run_pointers_only_for_their_run_signed_by_their_publisher_within_their_ttl():
+    publisher, stranger = Identity.generate(), Identity.generate()
+    run = "0123456789abcdef"
+    pointer = RunPointer(run_id=run, name="tiny", publisher=publisher.peer_id)
+    value = pointer.sign(publisher)
+    assert refusal(run, value, pointer.issued_at + 120) is None
+    assert refusal(run, value, pointer.issued_at + 3600) == "expiry beyond the value's lifetime"
+    assert refusal("fedcba9876543210", value, pointer.issued_at + 60) == (
+        "not a run pointer for this run"
+    )
+    assert refusal(run, b"hijack", pointer.issued_at + 60) == "unsigned value"
+    forged = {"r": value["r"], "s": stranger.sign(value["r"])}
+    assert refusal(run, forged, pointer.issued_at + 60) == "not signed by its publisher"
+
+
+def test_other_subkeys_and_plain_values_are_left_to_their_readers():
+    assert refusal("f" * 15, b"anything", 1e12) is None
+    assert refusal(None, b"manifest bytes", 1e12) is None
+    assert refusal("12D3KooWnot-a-peer-id-at-all-really-not-one-no", b"x", 1e12) is None

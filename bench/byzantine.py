@@ -23,6 +23,8 @@ that first ban the honest replicas' groups left it out (`excluded_rounds` of
 `rounds_after_flag`: a strict majority of round entries must name it) or at least one
 reducer dropped its parts (`ignored_rounds`), and whether the honest replicas' anchors
 are equal at the end. `--json` prints one line: a list of those objects.
+`--memory` prints, to stderr after each round, the process's resident memory and the
+bytes its live tensors hold (the five replicas share the process).
 
 Lying about round numbers and join times is covered by tests (tests/outer/test_groups.py,
 tests/node/test_rounds.py), not here.
@@ -33,9 +35,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -154,6 +158,8 @@ async def run(
                 for lp, c, w in zip(loops, claims, weights, strict=True)
             )
         )
+        if args.memory:
+            print(f"round {loops[0].totals['rounds']}: {_memory()}", file=sys.stderr, flush=True)
         if bad is None:
             continue
         suspect = loops[bad].me
@@ -180,6 +186,21 @@ async def run(
     }
 
 
+def _memory() -> str:
+    """Resident memory of this process, and what its live tensors hold (MB)."""
+    gc.collect()
+    storages = {id(t.untyped_storage()): t.untyped_storage() for t in _tensors()}
+    live = sum(s.nbytes() for s in storages.values())
+    rss = Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]
+    return f"resident {int(rss) // 1024} MB, live tensors {live // 2**20} MB"
+
+
+def _tensors() -> list[torch.Tensor]:
+    with warnings.catch_warnings():  # torch's deprecated aliases warn on isinstance
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--manifest", default="tiny")
@@ -192,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ban-s", type=float, default=600.0, help="ban period of the suspects ledger")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--memory", action="store_true", help="memory after each round (stderr)")
     args = p.parse_args(argv)
     manifest = load_manifest(args.manifest)
     # H as run here, so that the reducers' weight cap is what H inner steps can process

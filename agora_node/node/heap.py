@@ -8,7 +8,9 @@ outer round each per step): resident memory grew from 2.1 to 5.1 GB over 11 roun
 while live tensors stayed at 1.75 GB; with `malloc_trim(0)` after each round it stayed
 at 2.4 GB. MALLOC_ARENA_MAX=2 alone did not stop the growth.
 
-A no-op where the C library has no `malloc_trim` (macOS, musl).
+A no-op where the C library has no `malloc_trim` (macOS, musl), or with
+AGORA_MALLOC_TRIM=0 in the environment (to measure the difference:
+docs/benchmarks.md, "Memory over outer rounds").
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ def release_freed_memory() -> bool:
     """Return the allocator's free pages to the OS (glibc); whether it could. Walks the
     heap: milliseconds for gigabytes, so call it once per outer round, not per step."""
     trim = _trim()
-    if trim is None:
+    if trim is None or os.environ.get("AGORA_MALLOC_TRIM") == "0":
         return False
     trim(0)
     return True

@@ -21,3 +21,8 @@ def test_without_malloc_trim_it_is_a_no_op(monkeypatch):
 
     monkeypatch.setattr(heap, "_trim", lambda: None)
     assert release_freed_memory() is False
+
+
+def test_agora_malloc_trim_0_turns_it_off(monkeypatch):
+    monkeypatch.setenv("AGORA_MALLOC_TRIM", "0")
+    assert release_freed_memory() is False

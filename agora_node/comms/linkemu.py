@@ -2,10 +2,13 @@
 
 This kernel has no netem, so a slow internet link is emulated where our bytes
 leave: every frame a node writes on a pipeline or state stream first waits for
-its turn on a shared uplink of `bandwidth_mbit` (serialization delay), then for
-`latency_ms` of one-way propagation. A request/response round trip therefore
-costs 2 x latency plus both transfer times. DHT traffic (hivemind's own
-streams) is not shaped.
+its turn on a shared uplink of `bandwidth_mbit` (serialization delay); a frame
+that carries a payload then also waits `latency_ms` of one-way propagation, so a
+message (its data frame, then an empty END frame right behind it) pays the
+latency once, as on a real link. A request/response round trip therefore costs
+2 x latency plus both transfer times. (Until 2026-11-30 the empty END frame paid
+the latency too: every message cost two.) DHT traffic (hivemind's own streams)
+is not shaped.
 """
 
 from __future__ import annotations
@@ -39,11 +42,13 @@ class LinkEmulator:
         self.spec = spec
         self._uplink_free_at = 0.0
 
-    async def transmit(self, nbytes: int) -> None:
+    async def transmit(self, nbytes: int, *, propagate: bool = True) -> None:
+        """Wait for the uplink to carry `nbytes`, then (if `propagate`) one latency."""
         now = time.monotonic()
         start = max(now, self._uplink_free_at)
         self._uplink_free_at = start + nbytes * 8 / (self.spec.bandwidth_mbit * 1e6)
-        await asyncio.sleep(self._uplink_free_at - now + self.spec.latency_ms / 1000)
+        latency = self.spec.latency_ms / 1000 if propagate else 0.0
+        await asyncio.sleep(self._uplink_free_at - now + latency)
 
 
 _active: LinkEmulator | None = None
@@ -55,6 +60,6 @@ def configure(spec: LinkSpec | None) -> None:
     _active = LinkEmulator(spec) if spec is not None else None
 
 
-async def transmit(nbytes: int) -> None:
+async def transmit(nbytes: int, *, propagate: bool = True) -> None:
     if _active is not None:
-        await _active.transmit(nbytes)
+        await _active.transmit(nbytes, propagate=propagate)

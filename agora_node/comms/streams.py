@@ -44,9 +44,10 @@ class SilentPeerError(StreamError):
 
 async def write_frame(writer: asyncio.StreamWriter, kind: bytes, payload: bytes = b"") -> None:
     # the header leaves at once and the payload after the emulated link's delay, as on a
-    # real link, so a reader's header deadline does not count a shaped uplink's queue
+    # real link, so a reader's header deadline does not count a shaped uplink's queue;
+    # an empty frame (END) follows its message's data without another latency
     writer.write(kind + len(payload).to_bytes(_LEN_BYTES, "big"))
-    await linkemu.transmit(len(payload) + 1 + _LEN_BYTES)
+    await linkemu.transmit(len(payload) + 1 + _LEN_BYTES, propagate=bool(payload))
     view = memoryview(payload)
     for offset in range(0, len(view), CHUNK):
         writer.write(view[offset : offset + CHUNK])

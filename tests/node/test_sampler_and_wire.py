@@ -85,3 +85,35 @@ def test_link_emulation_serializes_and_delays():
     assert 0.22 <= elapsed < 1.0, elapsed
     with pytest.raises(ValueError):
         linkemu.LinkSpec.parse("fast")
+
+
+def test_a_message_pays_the_link_latency_once(monkeypatch):
+    """Its data frame waits the one-way latency; the empty END frame right behind it does
+    not (it paid it too until 2026-11-30, so every emulated message cost two latencies)."""
+    from agora_node.comms import streams
+
+    waits: list[float] = []
+
+    async def record(seconds: float) -> None:
+        waits.append(seconds)
+
+    monkeypatch.setattr(linkemu.asyncio, "sleep", record)
+    linkemu.configure(linkemu.LinkSpec.parse("1000,50"))  # 1 Gbit/s: transfer ~0
+
+    class Writer:
+        def write(self, data: bytes) -> None:
+            pass
+
+        async def drain(self) -> None:
+            pass
+
+    async def message() -> None:
+        await streams.write_frame(Writer(), streams.KIND_DATA, b"x" * 1000)
+        await streams.write_frame(Writer(), streams.KIND_END)
+
+    try:
+        asyncio.run(message())
+    finally:
+        linkemu.configure(None)
+    assert len(waits) == 2
+    assert 0.050 <= waits[0] < 0.051 and waits[1] < 0.001, waits

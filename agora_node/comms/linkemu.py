@@ -6,9 +6,10 @@ its turn on a shared uplink of `bandwidth_mbit` (serialization delay); a frame
 that carries a payload then also waits `latency_ms` of one-way propagation, so a
 message (its data frame, then an empty END frame right behind it) pays the
 latency once, as on a real link. A request/response round trip therefore costs
-2 x latency plus both transfer times. (Until 2026-11-30 the empty END frame paid
-the latency too: every message cost two.) DHT traffic (hivemind's own streams)
-is not shaped.
+2 x latency plus both transfer times. (Until 2026-11-30 the empty END frame slept
+the latency too, after its bytes had left: it did not arrive later, but the
+sender's task, and with it the stream and its guard slot, was held one latency
+longer.) DHT traffic (hivemind's own streams) is not shaped.
 """
 
 from __future__ import annotations

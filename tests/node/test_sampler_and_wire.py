@@ -89,7 +89,7 @@ def test_link_emulation_serializes_and_delays():
 
 def test_a_message_pays_the_link_latency_once(monkeypatch):
     """Its data frame waits the one-way latency; the empty END frame right behind it does
-    not (it paid it too until 2026-11-30, so every emulated message cost two latencies)."""
+    not (until 2026-11-30 it did, holding the sender's task one latency longer)."""
     from agora_node.comms import streams
 
     waits: list[float] = []

@@ -138,10 +138,10 @@ class AllReduce:
     ) -> None:
         self.verify, self.tolerance = verify and state.plan.size >= 2, tolerance
         self.ignore = ignore
-        self.replays = replays
-        """Senders' earlier parts (replay.py): a part repeating one is flagged, not refused."""
         """Members whose parts this member drops as the reducer of its span (peers it
         banned); the result names the parts it used, so its witness agrees."""
+        self.replays = replays
+        """Senders' earlier parts (replay.py): a part repeating one is flagged, not refused."""
         self._witnessed: dict[bytes, asyncio.Future] = {}
         self.state, self.transport = state, transport
         self.plan, self.stats = state.plan, state.stats

@@ -8,7 +8,9 @@ others but sends, in every outer round, a manipulated pseudo-gradient, and claim
 
 - scaled: 1000 x its delta;       - sign_flip: -1 x its delta;
 - random: Gaussian noise with its delta's norm;
-- stale: its first round's delta, replayed every round.
+- stale: its first round's delta, replayed every round;
+- free_ride: it trains like the others but sends, from its second round on, the
+  previous round's mixed delta (what every member holds): the stage's own consensus.
 
 Replicas run the real OuterLoop over an in-process transport and board, configured
 as the daemon does (`OuterConfig.from_manifest`: the manifest's aggregation,
@@ -61,7 +63,7 @@ from agora_node.protocol.identity import Identity  # noqa: E402
 from agora_node.protocol.manifest import Manifest  # noqa: E402
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 
-ATTACKS = ("scaled", "sign_flip", "random", "stale")
+ATTACKS = ("scaled", "sign_flip", "random", "stale", "free_ride")
 PATIENT = Deadlines(base=600.0)
 TOGETHER = MatchmakingConfig(window=600.0, settle=0.0, poll_interval=0.01)
 
@@ -73,6 +75,10 @@ class ByzantineWeights(ModuleWeights):
         super().__init__(state)
         self.attack, self.first = attack, None
         self.generator = torch.Generator().manual_seed(seed)
+        self.momentum: torch.Tensor | None = None
+        self.mixed: torch.Tensor | None = None
+        """The previous round's mixed delta, recovered from the outer momentum (with one
+        group of everyone the anchor mix is skipped, so m' = mu m + mixed)."""
 
     def forged(self, delta: torch.Tensor) -> torch.Tensor:
         if self.first is None:
@@ -86,9 +92,15 @@ class ByzantineWeights(ModuleWeights):
             return noise * (delta.norm() / noise.norm().clamp_min(1e-30))
         if self.attack == "stale":
             return self.first
+        if self.attack == "free_ride":
+            return delta if self.mixed is None else self.mixed
         raise ValueError(self.attack)
 
     async def read(self) -> torch.Tensor:
+        m = self.state.momentum
+        if self.momentum is not None:
+            self.mixed = m - self.state.mu * self.momentum
+        self.momentum = m.clone()
         real = await super().read()
         return self.state.anchor - self.forged(self.state.anchor - real)
 

@@ -409,6 +409,8 @@ class OuterLoop:
             if self.config.mix_momentum:
                 momentum = prep.anchor.value[self.state.numel :]
         round_no = self.state.round
+        if outcome is not None:  # what every member now holds: sending it back is a replay
+            self.replays.remember_mixed(round_no, mixed)
         await weights.write(await asyncio.to_thread(self.state.step, mixed, anchor, momentum))
         n = len(prep.delta_plan.members) if prep.delta_plan else 1
         deadline = self.config.deadlines.worst_case(self.state.numel, n, self.config.delta_format())

@@ -83,3 +83,16 @@ def test_memory_is_bounded_in_peers_and_rounds():
         len(s.values) for h in memory._seen.values() for p in h.values() for s in p
     )
     assert samples_per_part <= NUMEL // memory.stride + 1
+
+
+def test_a_part_repeating_an_earlier_round_s_mixed_delta_is_a_replay():
+    """A free rider sends back the stage's last consensus instead of training."""
+    memory = ReplayMemory(NUMEL, samples=4096, offset=5)
+    mixed = _delta(7)
+    memory.remember_mixed(3, mixed)
+    assert not memory.check("honest", 4, 10_000, _delta(8)[10_000:20_000])
+    assert memory.check("free-rider", 4, 10_000, mixed[10_000:20_000].to(torch.bfloat16).float())
+    assert not memory.check("other", 3, 0, mixed[:10_000])  # the same round: not a replay
+    for r in range(4, 20):
+        memory.remember_mixed(r, _delta(100 + r))
+    assert len(memory._mixed) == memory.rounds

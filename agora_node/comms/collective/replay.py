@@ -16,6 +16,11 @@ cannot know which coordinates are compared), and compares a new part with the
 sender's earlier ones wherever their samples overlap: cosine at least REPLAY_COSINE
 and norms within NORM_TOLERANCE is a replay.
 
+The same goes for a part that repeats an earlier round's *mixed* delta, which every
+member holds after a round (`remember_mixed`): a free rider that trains nothing and
+sends the stage's last consensus back looks more honest than anyone to the norm and
+direction checks, but it is a replay all the same.
+
 A replay is flagged, never refused in the round: an owner and its witness saw
 different histories, and refusing on history would make their results differ. The
 flag bans the sender (node/suspects.py, reason `replay`); its parts are then dropped
@@ -76,6 +81,8 @@ class ReplayMemory:
         self.offset = random.randrange(self.stride) if offset is None else offset % self.stride
         self.rounds, self.max_peers, self.min_overlap = rounds, max_peers, min_overlap
         self._seen: OrderedDict[str, dict[int, list[_Seen]]] = OrderedDict()
+        self._mixed: dict[int, _Seen] = {}
+        """Samples of the mixed delta of each recent round (every member's result)."""
         self._lock = threading.Lock()  # an owner's and a witness's reduction may overlap
 
     def check(self, sender: str, round_no: int, lo: int, part: Tensor) -> bool:
@@ -90,15 +97,24 @@ class ReplayMemory:
         with self._lock:
             return self._check_locked(sender, round_no, positions, values)
 
+    def remember_mixed(self, round_no: int, mixed: Tensor) -> None:
+        """Keep samples of round `round_no`'s mixed delta (the whole flat vector): a part of
+        a later round that repeats it is a replay too."""
+        positions = self._positions(0, mixed.numel())
+        values = mixed.detach().reshape(-1)[positions].float().clone()
+        if not bool(torch.isfinite(values).all()) or float(values.norm()) == 0.0:
+            return
+        with self._lock:
+            self._mixed[round_no] = _Seen(positions, values)
+            for old in sorted(self._mixed)[: -self.rounds]:
+                del self._mixed[old]
+
     def _check_locked(self, sender: str, round_no: int, positions: Tensor, values: Tensor) -> bool:
         history = self._seen.setdefault(sender, {})
         self._seen.move_to_end(sender)
-        replayed = any(
-            self._same(seen, positions, values)
-            for past, parts in history.items()
-            if past < round_no
-            for seen in parts
-        )
+        earlier = [seen for past, parts in history.items() if past < round_no for seen in parts]
+        earlier += [seen for past, seen in self._mixed.items() if past < round_no]
+        replayed = any(self._same(seen, positions, values) for seen in earlier)
         parts = history.setdefault(round_no, [])
         if len(parts) < MAX_PARTS_PER_ROUND:  # spans reduced and witnessed in one round
             parts.append(_Seen(positions, values.clone()))

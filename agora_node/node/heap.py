@@ -18,10 +18,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import logging
 import os
-
-log = logging.getLogger(__name__)
 
 
 @functools.cache

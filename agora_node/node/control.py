@@ -203,7 +203,11 @@ async def control_call(
         raise ControlError(f"no agora-node daemon listening on {path}")
     if not os.access(path, os.R_OK | os.W_OK):
         raise ControlError(f"permission denied on {path}: is the daemon run by another user?")
-    async with grpc.aio.insecure_channel(f"unix:{path}") as channel:
+    # A channel of its own subchannels: from grpc's process-wide pool, a call right after a
+    # failed one (a daemon restarting on the same socket) can inherit its reconnect backoff
+    # and fail at once with UNAVAILABLE although the daemon now listens.
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    async with grpc.aio.insecure_channel(f"unix:{path}", options=options) as channel:
         call = channel.unary_unary(
             f"/{SERVICE}/{method}", request_serializer=_encode, response_deserializer=_decode
         )

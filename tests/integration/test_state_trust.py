@@ -42,7 +42,7 @@ def test_joiner_rejects_a_hostile_source_and_adopts_the_attested_anchor(swarm, t
     )
     replicas = [*honest, hostile]
     for node in replicas:
-        swarm.serving(node)
+        swarm.serving(node, timeout=180)  # a joiner copying state: 95 s seen in a loaded CI run
 
     def outer(node) -> dict:
         return (swarm.status(node) or {}).get("outer", {})

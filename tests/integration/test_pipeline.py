@@ -26,11 +26,14 @@ def test_swarm_matches_reference_trainer_at_equal_token_budget(swarm):
     from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
 
     m = load_manifest("tiny")
-    steps = 48
+    steps = 32
     budget = steps * m.inner.local_batch * m.model.seq_len
     swarm.bootstrap("tiny")
     nodes = [
-        swarm.join(f"node-{i}", "--stage", str(i), "--max-tokens", str(budget)) for i in range(4)
+        swarm.join(
+            f"node-{i}", "--stage", str(i), "--max-tokens", str(budget), "--max-in-flight", "1"
+        )
+        for i in range(4)
     ]
     for node in nodes:
         swarm.serving(node)
@@ -46,10 +49,13 @@ def test_swarm_matches_reference_trainer_at_equal_token_budget(swarm):
     ref = LocalTrainer(m, LocalTrainConfig(steps=steps, eval_every=10**6, eval_samples=16))
     ref_loss = ref.run(report=lambda _: None).val_losses[-1][1]
     print(f"val loss after {budget} tokens: swarm {swarm_loss:.4f}, train-local {ref_loss:.4f}")
-    # The asynchronous pipeline's staleness depends on the machine's load: +0.6% to +4.3%
-    # over twelve runs of six commits, two runs of one commit up to 2.1 points apart
-    # (docs/benchmarks.md, "Not a regression"). 4 in flight costs +4.7%.
-    assert abs(swarm_loss - ref_loss) / ref_loss <= 0.04, (swarm_loss, ref_loss)
+    # One micro-batch in flight makes the swarm's training the reference's, step for step:
+    # every forward runs on the latest weights, so only bf16 activations on the wire differ
+    # (+0.05%, the same in two runs). With two in flight (the default) a forward may
+    # miss the latest step, by a share that follows the machine's load: +0.6% to +4.3%
+    # over fourteen runs (docs/benchmarks.md), a quality figure for the benchmark, not a
+    # bound a test on a shared CI machine can hold.
+    assert abs(swarm_loss - ref_loss) / ref_loss <= 0.01, (swarm_loss, ref_loss)
     assert head["microbatches"].get("dropped", 0) == 0
 
 

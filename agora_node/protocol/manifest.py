@@ -35,6 +35,9 @@ this: honest ones measured on tiny were never below 0.64, a random direction is 
 CANONICAL_DEFAULTS = {
     ("outer", "aggregation"): "centered_clip",
     ("outer", "min_cosine"): DEFAULT_MIN_COSINE,
+    ("model", "cp_degree"): 1,
+    ("model", "kv_rank"): 0,
+    ("model", "kv_subspaces"): 4,
 }
 
 
@@ -74,6 +77,12 @@ class ModelSpec:
     """k: stage-boundary activations live in a k-dim subspace; 0 means dense."""
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    cp_degree: int = 1
+    """c: peers of a stage that split each sequence (context parallelism); 1 = off."""
+    kv_rank: int = 0
+    """r: keys and values come from a rank-r mixture of subspaces of their input; 0 = dense."""
+    kv_subspaces: int = 4
+    """How many learned rank-r bases each block's mixture chooses from (per token)."""
 
     def __post_init__(self) -> None:
         _positive(self, "model", "d_model", "n_layers", "n_heads", "n_kv_heads")
@@ -86,6 +95,14 @@ class ModelSpec:
             _fail("model.n_heads", self.n_heads, "head dim d_model/n_heads must be even (RoPE)")
         if not isinstance(self.subspace_rank, int) or not 0 <= self.subspace_rank <= self.d_model:
             _fail("model.subspace_rank", self.subspace_rank, f"must be 0 (dense) .. {self.d_model}")
+        if not isinstance(self.cp_degree, int) or not 1 <= self.cp_degree <= self.seq_len // 2:
+            _fail(
+                "model.cp_degree", self.cp_degree, f"must be 1 .. seq_len/2 = {self.seq_len // 2}"
+            )
+        if not isinstance(self.kv_rank, int) or not 0 <= self.kv_rank <= self.d_model:
+            _fail("model.kv_rank", self.kv_rank, f"must be 0 (dense) .. {self.d_model}")
+        if not isinstance(self.kv_subspaces, int) or not 1 <= self.kv_subspaces <= 256:
+            _fail("model.kv_subspaces", self.kv_subspaces, "must be 1 .. 256 (one byte a token)")
 
     @property
     def head_dim(self) -> int:

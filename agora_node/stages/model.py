@@ -15,12 +15,20 @@ token) and is rebuilt exactly; the gradient sent upstream is dL/dx U.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from agora_node.protocol.manifest import Manifest, ModelSpec
+from agora_node.stages.context_parallel import (
+    CellContext,
+    SubspaceMixture,
+    init_mixture_bases,
+    kv_source,
+    masked_attention,
+)
 
 
 def seeded_generator(seed: int, name: str) -> torch.Generator:
@@ -59,12 +67,26 @@ def rope_tables(spec: ModelSpec) -> tuple[Tensor, Tensor]:
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of each head by position-dependent angles. x: [B, H, T, hd]."""
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None = None) -> Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of each head by position-dependent angles. x: [B, H, T, hd].
+
+    Positions are 0..T-1 unless given (a context-parallel member's own tokens)."""
     t = x.shape[-2]
     x1, x2 = x[..., 0::2], x[..., 1::2]
-    c, s = cos[:t], sin[:t]
+    c, s = (cos[:t], sin[:t]) if positions is None else (cos[positions], sin[positions])
     return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    """How a stage's attention sees its tokens, when not simply one whole causal sequence.
+
+    `doc_ids` ([seq_len], the full sequence) keeps packed documents apart; `cell`
+    makes this stage one member of a context-parallel cell, holding only its
+    chunk's tokens (`cell.positions`)."""
+
+    doc_ids: Tensor | None = None
+    cell: CellContext | None = None
 
 
 class Block(nn.Module):
@@ -87,18 +109,45 @@ class Block(nn.Module):
         self.w_gate = nn.Linear(d, spec.ffn_dim, bias=False)
         self.w_up = nn.Linear(d, spec.ffn_dim, bias=False)
         self.w_down = nn.Linear(spec.ffn_dim, out_dim, bias=False)
+        # Keys and values come from a learned mixture of rank-r subspaces of z (kv_rank > 0).
+        self.kv_mix = SubspaceMixture(d, spec.kv_rank, spec.kv_subspaces) if spec.kv_rank else None
 
-    def attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, -1).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_heads, -1).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.n_kv_heads, -1).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    def attention(
+        self,
+        z: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        context: AttentionContext | None = None,
+        layer: int = 0,
+    ) -> Tensor:
+        b, t, _ = z.shape
+        q = self.wq(z).view(b, t, self.n_heads, -1).transpose(1, 2)
+        if context is None and self.kv_mix is None:  # one whole causal sequence
+            k = self.wk(z).view(b, t, self.n_kv_heads, -1).transpose(1, 2)
+            v = self.wv(z).view(b, t, self.n_kv_heads, -1).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        cell = context.cell if context is not None else None
+        q_pos = cell.positions if cell is not None else torch.arange(t)
+        full = kv_source(z, self.kv_mix, cell, layer)  # [B, seq, d]: every position's source
+        seq = full.shape[1]
+        k = self.wk(full).view(b, seq, self.n_kv_heads, -1).transpose(1, 2)
+        v = self.wv(full).view(b, seq, self.n_kv_heads, -1).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin, q_pos), apply_rope(k, cos, sin)
+        y = masked_attention(q, k, v, q_pos, context.doc_ids if context is not None else None)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, basis_t: Tensor | None) -> Tensor:
-        h = self.attention(self.attn_norm(x), cos, sin)
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        basis_t: Tensor | None,
+        context: AttentionContext | None = None,
+        layer: int = 0,
+    ) -> Tensor:
+        h = self.attention(self.attn_norm(x), cos, sin, context, layer)
         x = x + (h @ basis_t if basis_t is not None else h)
         z = self.mlp_norm(x)
         h = self.w_down(F.silu(self.w_gate(z)) * self.w_up(z))
@@ -143,10 +192,10 @@ class _Layers(nn.Module):
         e = self.embed(tokens)
         return self.fixed_table[tokens] + e @ self.basis_t if self.subspace else e
 
-    def run_blocks(self, x: Tensor) -> Tensor:
+    def run_blocks(self, x: Tensor, context: AttentionContext | None = None) -> Tensor:
         for name, block in self.blocks.items():
             basis_t = self.basis_t if self.constrained[int(name)] else None
-            x = block(x, self.rope_cos, self.rope_sin, basis_t)
+            x = block(x, self.rope_cos, self.rope_sin, basis_t, context, int(name))
         return x
 
     def logits(self, x: Tensor) -> Tensor:
@@ -161,6 +210,8 @@ def init_parameters(module: nn.Module, manifest: Manifest) -> None:
             g = seeded_generator(manifest.run.seed, name)
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith("kv_mix.bases"):
+                init_mixture_bases(p, manifest.model.kv_rank, g)
             elif name == "embed.weight":
                 p.copy_(torch.randn(p.shape, generator=g) * (0.02 if module.subspace else 1.0))
             else:
@@ -185,9 +236,12 @@ class Stage(_Layers):
         self.index = index
         self.is_first, self.is_last = index == 0, index == last
 
-    def forward(self, x: Tensor | None, tokens: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor | None, tokens: Tensor, context: AttentionContext | None = None
+    ) -> Tensor:
+        """In a context-parallel cell, x and tokens are this member's chunk only."""
         h = self.embed_tokens(tokens) if self.is_first else x
-        h = self.run_blocks(h)
+        h = self.run_blocks(h, context)
         return self.logits(h) if self.is_last else h
 
     # ---- the stage boundary -----------------------------------------------------
@@ -216,8 +270,8 @@ class Transformer(_Layers):
     def __init__(self, manifest: Manifest) -> None:
         super().__init__(manifest, range(manifest.model.n_layers), embed=True, head=True)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.logits(self.run_blocks(self.embed_tokens(tokens)))
+    def forward(self, tokens: Tensor, context: AttentionContext | None = None) -> Tensor:
+        return self.logits(self.run_blocks(self.embed_tokens(tokens), context))
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:

@@ -1,0 +1,464 @@
+"""Context parallelism inside a stage: a cell of c peers splits each sequence.
+
+Every member of a cell holds the same stage weights and a share of each sequence's
+tokens (the zig-zag layout: the sequence is cut into 2c pieces and member m holds
+pieces m and 2c-1-m, so causal attention work is balanced). Queries, the MLP and
+the residual stream stay local; for attention each member needs keys and values of
+the whole sequence, so the members all-gather the activation that produces K and V
+(z = attn_norm(x)) and each computes K, V with its own (identical) weights. The
+backward of that all-gather is a reduce-scatter: every member sends back the
+gradient its queries put on each other member's z. Parameter gradients summed over
+the members equal the single-peer gradients.
+
+Compression (Mixtures of Subspaces): with `kv_rank` r > 0, z is replaced *in the
+model* by its projection onto one of `kv_subspaces` learned rank-r bases, chosen
+per token (the basis that keeps the most of z), and the r coefficients are rounded
+to bf16 with a straight-through gradient. The wire then carries r bf16 values and
+a one-byte choice per token per layer, and the receiver rebuilds exactly what the
+sender used; nothing is lost on the wire that the model did not already drop.
+
+Packed sequences: a query sees a key only when it is not later in the sequence
+and lies in the same document (`document_ids`).
+
+The exchange between members is an `Exchange` (an all-to-all of tensors); the
+frames it sends are checked on receipt (`decode_kv_frame`): a frame of the wrong
+layer, member, length, rank or dtype is refused with a code. `LocalCell` runs a
+cell's members as threads of one process (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# ---- which tokens each member holds ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Zig-zag split of `seq_len` positions over `size` members (uneven lengths allowed)."""
+
+    seq_len: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or self.seq_len < 2 * self.size:
+            raise ValueError(
+                f"cannot split {self.seq_len} positions over {self.size} members: "
+                f"need at least 2 per member"
+            )
+
+    def pieces(self) -> list[range]:
+        """2c contiguous pieces, as even as possible (the first ones one longer)."""
+        n = 2 * self.size
+        base, extra = divmod(self.seq_len, n)
+        out, start = [], 0
+        for i in range(n):
+            stop = start + base + (i < extra)
+            out.append(range(start, stop))
+            start = stop
+        return out
+
+    def positions(self, member: int) -> Tensor:
+        """Global positions member `member` holds, ascending."""
+        if not 0 <= member < self.size:
+            raise ValueError(f"member {member} outside 0..{self.size - 1}")
+        pieces = self.pieces()
+        first, second = pieces[member], pieces[2 * self.size - 1 - member]
+        return torch.cat(
+            [torch.arange(first.start, first.stop), torch.arange(second.start, second.stop)]
+        )
+
+    def length(self, member: int) -> int:
+        return len(self.positions(member))
+
+    def take(self, x: Tensor, member: int, dim: int = 1) -> Tensor:
+        """Member `member`'s tokens of a full-sequence tensor."""
+        return x.index_select(dim, self.positions(member).to(x.device))
+
+    def assemble(self, parts: list[Tensor], dim: int = 1) -> Tensor:
+        """The full sequence from every member's part (in member order)."""
+        order = torch.cat([self.positions(m) for m in range(self.size)])
+        joined = torch.cat(parts, dim=dim)
+        return joined.index_select(dim, torch.argsort(order).to(joined.device))
+
+
+def document_ids(seq_len: int, doc_starts: Tensor | None) -> Tensor:
+    """[seq_len] index of the document each position belongs to (0 when no starts given)."""
+    ids = torch.zeros(seq_len, dtype=torch.long)
+    if doc_starts is not None and len(doc_starts):
+        marks = torch.zeros(seq_len, dtype=torch.long)
+        inside = doc_starts[(doc_starts > 0) & (doc_starts < seq_len)]
+        marks[inside] = 1
+        ids = marks.cumsum(0)
+    return ids
+
+
+def attention_mask(q_pos: Tensor, k_pos: Tensor, q_doc: Tensor, k_doc: Tensor) -> Tensor:
+    """[Tq, Tk] True where query may attend to key: causal by position, same document."""
+    return (k_pos[None, :] <= q_pos[:, None]) & (k_doc[None, :] == q_doc[:, None])
+
+
+# ---- the exchange between cell members ---------------------------------------------
+
+
+class Exchange(Protocol):
+    """One member's view of its cell: send sends[j] to member j, get what each sent."""
+
+    rank: int
+    size: int
+
+    def all_to_all(self, sends: list[Tensor]) -> list[Tensor]: ...
+
+
+class LocalCell:
+    """The members of one cell as threads of this process (tests and benchmarks)."""
+
+    def __init__(self, size: int, timeout_s: float = 60.0) -> None:
+        self.size = size
+        self._barrier = threading.Barrier(size, timeout=timeout_s)
+        self._slots: list[list[Tensor] | None] = [None] * size
+
+    def member(self, rank: int) -> LocalExchange:
+        return LocalExchange(self, rank)
+
+
+@dataclass
+class LocalExchange:
+    cell: LocalCell
+    rank: int
+    bytes_sent: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.cell.size
+
+    def all_to_all(self, sends: list[Tensor]) -> list[Tensor]:
+        if len(sends) != self.size:
+            raise ValueError(f"all_to_all needs one tensor per member ({self.size})")
+        self.bytes_sent += sum(
+            t.numel() * t.element_size() for j, t in enumerate(sends) if j != self.rank
+        )
+        self.cell._slots[self.rank] = [t.detach().clone() for t in sends]
+        self.cell._barrier.wait()
+        got = [self.cell._slots[src][self.rank] for src in range(self.size)]
+        self.cell._barrier.wait()  # nobody refills a slot before every member has read
+        return got
+
+
+# ---- K/V frames: what travels, and what a receiver accepts --------------------------
+
+_MAGIC = b"AKV1"
+_HEADER = struct.Struct("<4sHBBIIHB")  # magic, layer, member, kind, batch, length, width, dtype
+_DTYPES = {0: torch.float32, 1: torch.bfloat16}
+_DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
+KIND_DENSE, KIND_MIXTURE, KIND_GRAD = 0, 1, 2
+MAX_FRAME_BYTES = 256 << 20
+
+
+class KVFrameError(ValueError):
+    """A K/V frame refused on receipt; `code` says why (counted by the receiver)."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+
+
+@dataclass(frozen=True)
+class KVExpect:
+    """What the receiver knows a frame from `member` must be, before reading it."""
+
+    layer: int
+    member: int
+    kind: int
+    batch: int
+    length: int
+    width: int
+    dtype: torch.dtype
+
+
+def encode_kv_frame(
+    *, layer: int, member: int, kind: int, values: Tensor, choice: Tensor | None = None
+) -> bytes:
+    """values [B, n, width] (fp32 or bf16); choice [B, n] uint8 for mixture frames."""
+    b, n, width = values.shape
+    header = _HEADER.pack(_MAGIC, layer, member, kind, b, n, width, _DTYPE_CODES[values.dtype])
+    raw = values.contiguous().view(torch.uint8).numpy().tobytes()
+    tail = b"" if choice is None else choice.to(torch.uint8).contiguous().numpy().tobytes()
+    return header + raw + tail
+
+
+def decode_kv_frame(
+    frame: bytes, expect: KVExpect, num_subspaces: int = 0
+) -> tuple[Tensor, Tensor | None]:
+    """Check a received frame against what it must be; (values, choice) or KVFrameError."""
+    if len(frame) < _HEADER.size or len(frame) > MAX_FRAME_BYTES:
+        raise KVFrameError("malformed", f"{len(frame)} bytes")
+    magic, layer, member, kind, b, n, width, dtype_code = _HEADER.unpack_from(frame)
+    if magic != _MAGIC or kind != expect.kind:
+        raise KVFrameError("malformed", f"magic {magic!r}, kind {kind}")
+    if layer != expect.layer:
+        raise KVFrameError("layer", f"layer {layer}, expected {expect.layer}")
+    if member != expect.member:
+        raise KVFrameError("chunk", f"chunk of member {member}, expected {expect.member}")
+    if b != expect.batch or n != expect.length:
+        raise KVFrameError("length", f"{b}x{n} tokens, expected {expect.batch}x{expect.length}")
+    if width != expect.width:
+        raise KVFrameError("rank", f"width {width}, expected {expect.width}")
+    if _DTYPES.get(dtype_code) != expect.dtype:
+        raise KVFrameError("dtype", f"dtype code {dtype_code}, expected {expect.dtype}")
+    itemsize = torch.empty(0, dtype=expect.dtype).element_size()
+    body = b * n * width * itemsize
+    tail = b * n if kind == KIND_MIXTURE else 0
+    if len(frame) != _HEADER.size + body + tail:
+        raise KVFrameError("length", f"{len(frame)} bytes, expected {_HEADER.size + body + tail}")
+    raw = torch.frombuffer(bytearray(frame[_HEADER.size : _HEADER.size + body]), dtype=torch.uint8)
+    values = raw.view(expect.dtype).view(b, n, width)
+    if not torch.isfinite(values).all():
+        raise KVFrameError("nonfinite", "NaN or inf in values")
+    choice = None
+    if kind == KIND_MIXTURE:
+        choice = torch.frombuffer(bytearray(frame[_HEADER.size + body :]), dtype=torch.uint8)
+        top = int(choice.max()) if choice.numel() else 0
+        if num_subspaces and top >= num_subspaces:
+            raise KVFrameError("choice", f"subspace {top} of {num_subspaces}")
+        choice = choice.view(b, n).long()
+    return values, choice
+
+
+@dataclass
+class FramedExchange:
+    """Sends tensors as checked K/V frames over a byte exchange (an `Exchange` of uint8)."""
+
+    inner: Exchange
+    refused: Counter = field(default_factory=Counter)
+    frame_bytes_sent: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    def exchange_frames(
+        self, frames: list[bytes], expects: list[KVExpect | None], num_subspaces: int = 0
+    ) -> list[tuple[Tensor, Tensor | None] | None]:
+        """Send frames[j] to member j; decode what each member sent (None for self)."""
+        self.frame_bytes_sent += sum(len(f) for j, f in enumerate(frames) if j != self.rank)
+        sends = [
+            torch.frombuffer(bytearray(f), dtype=torch.uint8)
+            if f
+            else torch.empty(0, dtype=torch.uint8)
+            for f in frames
+        ]
+        got = self.inner.all_to_all(sends)
+        out: list[tuple[Tensor, Tensor | None] | None] = []
+        for src, raw in enumerate(got):
+            if src == self.rank:
+                out.append(None)
+                continue
+            try:
+                out.append(decode_kv_frame(raw.numpy().tobytes(), expects[src], num_subspaces))
+            except KVFrameError as exc:
+                self.refused[exc.code] += 1
+                raise
+        return out
+
+
+# ---- the all-gather of K/V sources, and its reduce-scatter backward ---------------
+
+
+@dataclass
+class CellContext:
+    """What attention needs to run as one member of a cell, for one micro-batch."""
+
+    layout: ChunkLayout
+    exchange: FramedExchange
+    dense_dtype: torch.dtype = torch.float32
+    """Precision of a dense exchange (bf16 rounds z in the model, as the wire does)."""
+
+    @property
+    def member(self) -> int:
+        return self.exchange.rank
+
+    @property
+    def positions(self) -> Tensor:
+        return self.layout.positions(self.member)
+
+
+class _GatherSources(torch.autograd.Function):
+    """Forward: every member's K/V source values, concatenated in member order.
+    Backward: each member gets back the gradients the others put on its values."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        values: Tensor,
+        choice: Tensor | None,
+        cell: CellContext,
+        layer: int,
+        kind: int,
+        dtype: torch.dtype,
+        num_subspaces: int,
+    ):
+        b, _, width = values.shape
+        me, size = cell.member, cell.layout.size
+        frame = encode_kv_frame(
+            layer=layer,
+            member=me,
+            kind=kind,
+            values=values.detach().to(dtype),
+            choice=None if choice is None else choice,
+        )
+        expects = [
+            KVExpect(layer, src, kind, b, cell.layout.length(src), width, dtype)
+            for src in range(size)
+        ]
+        got = cell.exchange.exchange_frames(
+            [b"" if j == me else frame for j in range(size)], expects, num_subspaces
+        )
+        parts, choices = [], []
+        for item in got:
+            if item is None:
+                parts.append(values.detach())
+                choices.append(choice)
+            else:
+                parts.append(item[0].to(values.dtype))
+                choices.append(item[1])
+        ctx.cell, ctx.layer, ctx.width = cell, layer, width
+        gathered = torch.cat(parts, dim=1)
+        gathered_choice = None if choice is None else torch.cat(choices, dim=1)
+        if gathered_choice is not None:
+            ctx.mark_non_differentiable(gathered_choice)
+        return gathered, gathered_choice
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _grad_choice: Tensor | None):
+        cell: CellContext = ctx.cell
+        me, size, layout = cell.member, cell.layout.size, cell.layout
+        lengths = [layout.length(m) for m in range(size)]
+        pieces = list(torch.split(grad.contiguous(), lengths, dim=1))
+        b = grad.shape[0]
+        frames = [
+            b""
+            if j == me
+            else encode_kv_frame(
+                layer=ctx.layer, member=me, kind=KIND_GRAD, values=pieces[j].float().contiguous()
+            )
+            for j in range(size)
+        ]
+        expects = [
+            KVExpect(ctx.layer, src, KIND_GRAD, b, lengths[me], ctx.width, torch.float32)
+            for src in range(size)
+        ]
+        got = cell.exchange.exchange_frames(frames, expects)
+        total = pieces[me].clone()
+        for item in got:
+            if item is not None:
+                total += item[0].to(total.dtype)
+        return total, None, None, None, None, None, None
+
+
+def gather_sources(
+    values: Tensor,
+    choice: Tensor | None,
+    cell: CellContext,
+    layer: int,
+    dtype: torch.dtype,
+    num_subspaces: int = 0,
+) -> tuple[Tensor, Tensor | None]:
+    """[B, n_me, w] local values -> [B, seq_len, w] for the whole sequence, in global order."""
+    kind = KIND_DENSE if choice is None else KIND_MIXTURE
+    gathered, gathered_choice = _GatherSources.apply(
+        values, choice, cell, layer, kind, dtype, num_subspaces
+    )
+    full = cell.layout.assemble(list(torch.split(gathered, _lengths(cell), dim=1)))
+    if gathered_choice is None:
+        return full, None
+    return full, cell.layout.assemble(list(torch.split(gathered_choice, _lengths(cell), dim=1)))
+
+
+def _lengths(cell: CellContext) -> list[int]:
+    return [cell.layout.length(m) for m in range(cell.layout.size)]
+
+
+def round_through(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x rounded to `dtype` and back, with the gradient of the identity (straight-through)."""
+    if dtype == x.dtype:
+        return x
+    return x + (x.detach().to(dtype).to(x.dtype) - x.detach())
+
+
+# ---- the learned mixture of subspaces -----------------------------------------------
+
+
+class SubspaceMixture(nn.Module):
+    """`count` trainable d x r bases; each token keeps its projection on one of them."""
+
+    def __init__(self, d_model: int, rank: int, count: int) -> None:
+        super().__init__()
+        if not 1 <= count <= 256:
+            raise ValueError(f"kv_subspaces must be 1..256 (one byte per token), not {count}")
+        self.rank, self.count = rank, count
+        self.bases = nn.Parameter(torch.empty(d_model, count * rank))
+
+    def encode(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        """z [B, n, d] -> (coefficients [B, n, r] on the bf16 grid, choice [B, n])."""
+        proj = (z @ self.bases).unflatten(-1, (self.count, self.rank))
+        choice = proj.detach().norm(dim=-1).argmax(dim=-1)
+        index = choice[..., None, None].expand(*choice.shape, 1, self.rank)
+        coeffs = proj.gather(-2, index).squeeze(-2)
+        return round_through(coeffs, torch.bfloat16), choice
+
+    def decode(self, coeffs: Tensor, choice: Tensor) -> Tensor:
+        """(coefficients, choice) -> the rank-r reconstruction of z, [B, n, d]."""
+        spread = coeffs.new_zeros(*coeffs.shape[:-1], self.count, self.rank)
+        index = choice[..., None, None].expand(*choice.shape, 1, self.rank)
+        spread = spread.scatter(-2, index, coeffs.unsqueeze(-2))
+        return spread.flatten(-2) @ self.bases.t()
+
+
+def init_mixture_bases(bases: Tensor, rank: int, generator: torch.Generator) -> None:
+    """Each d x r block with orthonormal columns: at init a token keeps its best projection."""
+    d, total = bases.shape
+    for start in range(0, total, rank):
+        q, _ = torch.linalg.qr(torch.randn(d, rank, generator=generator, dtype=torch.float64))
+        bases[:, start : start + rank] = q.to(bases.dtype)
+
+
+def kv_source(
+    z: Tensor, mixture: SubspaceMixture | None, cell: CellContext | None, layer: int
+) -> Tensor:
+    """The activation K and V are computed from, for the whole sequence: [B, T, d].
+
+    Alone (cell None) that is z itself, or its mixture reconstruction. In a cell the
+    members all-gather what they send: z (dense) or coefficients and choices."""
+    if mixture is None:
+        if cell is None:
+            return z
+        z = round_through(z, cell.dense_dtype)
+        return gather_sources(z, None, cell, layer, cell.dense_dtype)[0]
+    coeffs, choice = mixture.encode(z)
+    if cell is not None:
+        coeffs, choice = gather_sources(coeffs, choice, cell, layer, torch.bfloat16, mixture.count)
+    return mixture.decode(coeffs, choice)
+
+
+def masked_attention(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, doc_ids: Tensor | None
+) -> Tensor:
+    """Attention of queries at q_pos over keys of the whole sequence (positions 0..T-1)."""
+    t = k.shape[-2]
+    k_pos = torch.arange(t, device=q.device)
+    docs = doc_ids if doc_ids is not None else torch.zeros(t, dtype=torch.long, device=q.device)
+    mask = attention_mask(q_pos.to(q.device), k_pos, docs[q_pos], docs)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)

@@ -1,0 +1,258 @@
+"""Context parallelism: a cell of c members computes what one peer computes, exactly
+for dense K/V and for the mixture of subspaces, and refuses malformed K/V frames."""
+
+import copy
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from agora_node.protocol.manifest import ManifestError
+from agora_node.stages.context_parallel import (
+    KIND_DENSE,
+    KIND_MIXTURE,
+    CellContext,
+    ChunkLayout,
+    FramedExchange,
+    KVExpect,
+    KVFrameError,
+    LocalCell,
+    decode_kv_frame,
+    document_ids,
+    encode_kv_frame,
+)
+from agora_node.stages.manifest_files import load_manifest
+from agora_node.stages.model import AttentionContext, Stage
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def cp_manifest(seq_len: int = 30, kv_rank: int = 0, layers: int = 2):
+    m = load_manifest("tiny")
+    model = dataclasses.replace(
+        m.model,
+        d_model=32,
+        n_layers=layers,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=64,
+        seq_len=seq_len,
+        subspace_rank=0,
+        kv_rank=kv_rank,
+        kv_subspaces=3,
+    )
+    return dataclasses.replace(m, model=model, stages=dataclasses.replace(m.stages, count=1))
+
+
+def test_zigzag_layout_covers_every_position_once_and_balances_causal_work():
+    for seq_len, size in [(30, 2), (31, 4), (2048, 2), (16, 8)]:
+        layout = ChunkLayout(seq_len, size)
+        held = torch.cat([layout.positions(m) for m in range(size)])
+        assert sorted(held.tolist()) == list(range(seq_len))
+        x = torch.arange(seq_len)[None, :, None].float()
+        parts = [layout.take(x, m) for m in range(size)]
+        assert torch.equal(layout.assemble(parts), x)
+        # causal work of a member ~ sum of its query positions: within one piece's worth
+        work = [int(layout.positions(m).sum()) for m in range(size)]
+        assert max(work) - min(work) <= seq_len, work
+    with pytest.raises(ValueError):
+        ChunkLayout(3, 2)
+
+
+def test_document_ids_follow_the_starts_of_packed_documents():
+    assert document_ids(6, torch.tensor([0, 2, 5])).tolist() == [0, 0, 1, 1, 1, 2]
+    assert document_ids(4, None).tolist() == [0, 0, 0, 0]
+    assert document_ids(4, torch.tensor([7])).tolist() == [0, 0, 0, 0]  # outside the window
+
+
+def run_single(stage: Stage, tokens, targets, context):
+    logits = stage(None, tokens, context)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in stage.named_parameters()}
+
+
+def run_cell(stage: Stage, tokens, targets, doc_ids, size: int):
+    """Every member a thread with its own copy of the weights; loss and grads summed."""
+    layout = ChunkLayout(tokens.shape[1], size)
+    cell = LocalCell(size, timeout_s=30)
+    total_tokens = targets.numel()
+    exchanges = [FramedExchange(cell.member(m)) for m in range(size)]
+
+    def member(m: int):
+        replica = copy.deepcopy(stage)
+        ctx = AttentionContext(doc_ids=doc_ids, cell=CellContext(layout, exchanges[m]))
+        logits = replica(None, layout.take(tokens, m), ctx)
+        local_targets = layout.take(targets, m)
+        loss = (
+            torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), local_targets.flatten(), reduction="sum"
+            )
+            / total_tokens
+        )
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in replica.named_parameters()}
+
+    with ThreadPoolExecutor(size) as pool:
+        results = list(pool.map(member, range(size)))
+    loss = sum(r[0] for r in results)
+    grads = {n: sum(r[1][n] for r in results) for n in results[0][1]}
+    return loss, grads, exchanges
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("kv_rank", [0, 4])
+def test_a_cell_computes_the_loss_and_every_gradient_of_one_peer(size, packed, kv_rank):
+    torch.manual_seed(0)
+    seq_len = 30 if size == 2 else 37  # 30 over 4 pieces and 37 over 8: uneven chunks
+    m = cp_manifest(seq_len, kv_rank)
+    stage = Stage(m, 0)
+    batch = torch.randint(0, 256, (2, seq_len + 1))
+    tokens, targets = batch[:, :-1], batch[:, 1:]
+    doc_ids = document_ids(seq_len, torch.tensor([0, 7, 19])) if packed else None
+    # one peer: the plain causal path (dense, no documents) or the masked one
+    single_ctx = AttentionContext(doc_ids=doc_ids) if packed else None
+    ref_loss, ref_grads = run_single(copy.deepcopy(stage), tokens, targets, single_ctx)
+    loss, grads, exchanges = run_cell(stage, tokens, targets, doc_ids, size)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    assert all(not e.refused for e in exchanges)
+    # what crossed the wire: per token and layer, d fp32 values dense, r bf16 + 1 byte mixed
+    sent_forward = sum(e.frame_bytes_sent for e in exchanges)
+    assert sent_forward > 0
+
+
+def test_packed_documents_do_not_see_each_other():
+    torch.manual_seed(0)
+    m = cp_manifest(24)
+    stage = Stage(m, 0)
+    tokens = torch.randint(0, 256, (1, 24))
+    doc_ids = document_ids(24, torch.tensor([0, 10]))
+    ctx = AttentionContext(doc_ids=doc_ids)
+    with torch.no_grad():
+        before = stage(None, tokens, ctx)
+        changed = tokens.clone()
+        changed[0, 3] = (changed[0, 3] + 1) % 256  # a token of the first document
+        after = stage(None, changed, ctx)
+        plain_before, plain_after = stage(None, tokens), stage(None, changed)
+    assert torch.equal(before[:, 10:], after[:, 10:])  # the second document is untouched
+    assert not torch.equal(before[:, 3:10], after[:, 3:10])
+    assert not torch.equal(plain_before[:, 10:], plain_after[:, 10:])  # unmasked it would see it
+
+
+def test_mixture_coefficients_decode_exactly_from_the_frame_a_peer_receives():
+    torch.manual_seed(0)
+    m = cp_manifest(30, kv_rank=4)
+    block = Stage(m, 0).blocks["0"]
+    z = torch.randn(2, 15, 32)
+    coeffs, choice = block.kv_mix.encode(z)
+    assert torch.equal(coeffs.to(torch.bfloat16).float(), coeffs)  # on the bf16 grid already
+    frame = encode_kv_frame(
+        layer=0,
+        member=1,
+        kind=KIND_MIXTURE,
+        values=coeffs.detach().to(torch.bfloat16),
+        choice=choice,
+    )
+    expect = KVExpect(0, 1, KIND_MIXTURE, 2, 15, 4, torch.bfloat16)
+    got, got_choice = decode_kv_frame(frame, expect, num_subspaces=3)
+    assert torch.equal(got.float(), coeffs.detach()) and torch.equal(got_choice, choice)
+    with torch.no_grad():
+        assert torch.equal(
+            block.kv_mix.decode(got.float(), got_choice), block.kv_mix.decode(coeffs, choice)
+        )
+    # r bf16 values and one byte per token, against 2d bytes for dense bf16
+    header = len(
+        encode_kv_frame(
+            layer=0,
+            member=1,
+            kind=KIND_MIXTURE,
+            values=coeffs[:, :0].to(torch.bfloat16),
+            choice=choice[:, :0],
+        )
+    )
+    assert (len(frame) - header) / z[..., 0].numel() == 2 * 4 + 1
+
+
+def valid_dense_frame():
+    values = torch.randn(2, 5, 8, dtype=torch.float32)
+    return encode_kv_frame(layer=3, member=1, kind=KIND_DENSE, values=values), values
+
+
+EXPECT = KVExpect(3, 1, KIND_DENSE, 2, 5, 8, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("expect", "code"),
+    [
+        (dataclasses.replace(EXPECT, layer=4), "layer"),
+        (dataclasses.replace(EXPECT, member=0), "chunk"),
+        (dataclasses.replace(EXPECT, length=6), "length"),
+        (dataclasses.replace(EXPECT, width=4), "rank"),
+        (dataclasses.replace(EXPECT, dtype=torch.bfloat16), "dtype"),
+        (dataclasses.replace(EXPECT, kind=KIND_MIXTURE), "malformed"),
+    ],
+)
+def test_frames_of_the_wrong_layer_chunk_length_rank_or_dtype_are_refused(expect, code):
+    frame, values = valid_dense_frame()
+    got, _ = decode_kv_frame(frame, EXPECT)
+    assert torch.equal(got, values)
+    with pytest.raises(KVFrameError) as err:
+        decode_kv_frame(frame, expect)
+    assert err.value.code == code
+
+
+def test_truncated_nonfinite_and_out_of_range_frames_are_refused():
+    frame, values = valid_dense_frame()
+    for bad in (frame[:10], frame[:-1], frame + b"\0", b""):
+        with pytest.raises(KVFrameError):
+            decode_kv_frame(bad, EXPECT)
+    values[0, 0, 0] = float("nan")
+    nan_frame = encode_kv_frame(layer=3, member=1, kind=KIND_DENSE, values=values)
+    with pytest.raises(KVFrameError) as err:
+        decode_kv_frame(nan_frame, EXPECT)
+    assert err.value.code == "nonfinite"
+    coeffs = torch.zeros(2, 5, 8, dtype=torch.bfloat16)
+    mixed = encode_kv_frame(
+        layer=3, member=1, kind=KIND_MIXTURE, values=coeffs, choice=torch.full((2, 5), 9)
+    )
+    expect = dataclasses.replace(EXPECT, kind=KIND_MIXTURE, dtype=torch.bfloat16)
+    with pytest.raises(KVFrameError) as err:
+        decode_kv_frame(mixed, expect, num_subspaces=4)
+    assert err.value.code == "choice"
+
+
+def test_a_member_refuses_and_counts_a_frame_for_the_wrong_layer():
+    cell = LocalCell(2, timeout_s=30)
+    exchanges = [FramedExchange(cell.member(r)) for r in range(2)]
+    values = torch.randn(1, 4, 8)
+
+    def member(rank: int):
+        layer = 0 if rank == 0 else 5  # member 1 sends a frame of layer 5 where 0 is due
+        frame = encode_kv_frame(layer=layer, member=rank, kind=KIND_DENSE, values=values)
+        expects = [KVExpect(0, src, KIND_DENSE, 1, 4, 8, torch.float32) for src in range(2)]
+        frames = [b"" if j == rank else frame for j in range(2)]
+        try:
+            exchanges[rank].exchange_frames(frames, expects)
+        except KVFrameError as exc:
+            return exc.code
+        return None
+
+    with ThreadPoolExecutor(2) as pool:
+        codes = list(pool.map(member, range(2)))
+    assert codes == ["layer", None]
+    assert exchanges[0].refused == {"layer": 1} and not exchanges[1].refused
+
+
+def test_manifest_fields_keep_existing_run_ids_and_reject_bad_values():
+    tiny = load_manifest("tiny")
+    assert b"cp_degree" not in tiny.canonical_bytes() and b"kv_rank" not in tiny.canonical_bytes()
+    compressed = dataclasses.replace(tiny, model=dataclasses.replace(tiny.model, kv_rank=8))
+    assert compressed.run_id != tiny.run_id
+    for field, value in [("cp_degree", 0), ("cp_degree", 65), ("kv_rank", -1), ("kv_subspaces", 0)]:
+        with pytest.raises(ManifestError, match=f"model.{field}"):
+            dataclasses.replace(tiny.model, **{field: value})

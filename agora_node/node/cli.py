@@ -24,7 +24,7 @@ def _add_manifest_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--manifest",
         default="tiny",
-        help="builtin manifest name (tiny, bench, gpu-1b) or path to a TOML file (default: tiny)",
+        help="builtin manifest name (tiny, demo, bench, gpu-1b, long) or path to a TOML file (default: tiny)",
     )
 
 

@@ -149,7 +149,18 @@ def print_stage_plan(manifest, stage: int, reason: str, view: dict | None = None
     print(f"would serve stage {stage}: {reason}")
     print(f"layers {list(manifest.stage_layers(stage))}, memory needed:")
     for part, value in mem.items():
-        print(f"  {part:<22} {value / 2**20:10.1f} MiB")
+        shown = f"{value / 1e6:10.2f} M" if part == "params" else f"{value / 2**20:10.1f} MiB"
+        print(f"  {part:<22} {shown}")
+    cells = manifest.model.cp_degree
+    if cells > 1:
+        shared = placement.stage_memory_bytes(
+            manifest, stage, optimizer=manifest.inner.optimizer, cp_degree=cells
+        )
+        print(
+            f"  in a context-parallel cell of {cells} (each peer holds 1/{cells} of a sequence): "
+            f"activation_bytes {shared['activation_bytes'] / 2**20:.1f} MiB, "
+            f"total_bytes {shared['total_bytes'] / 2**20:.1f} MiB per peer"
+        )
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 # ---- which tokens each member holds ------------------------------------------------
 
@@ -456,7 +457,19 @@ def kv_source(
 def masked_attention(
     q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, doc_ids: Tensor | None
 ) -> Tensor:
-    """Attention of queries at q_pos over keys of the whole sequence (positions 0..T-1)."""
+    """Attention of queries at q_pos over keys of the whole sequence (positions 0..T-1).
+
+    The [Tq, T] mask is built inside a checkpoint: scaled_dot_product_attention keeps a
+    float copy of it for backward (as large as the attention weights of one head), so it
+    is rebuilt with the attention in backward instead of being held all along."""
+    if not torch.is_grad_enabled():
+        return _attend_masked(q, k, v, q_pos, doc_ids)
+    return checkpoint(_attend_masked, q, k, v, q_pos, doc_ids, use_reentrant=False)
+
+
+def _attend_masked(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, doc_ids: Tensor | None
+) -> Tensor:
     t = k.shape[-2]
     k_pos = torch.arange(t, device=q.device)
     docs = doc_ids if doc_ids is not None else torch.zeros(t, dtype=torch.long, device=q.device)

@@ -19,12 +19,12 @@ from agora_node.protocol.manifest import (
 
 
 def builtin_manifest_text(name: str) -> str:
-    """The TOML text of a builtin manifest (`tiny`, `bench`, `gpu-1b`)."""
+    """The TOML text of a builtin manifest (`tiny`, `demo`, `bench`, `gpu-1b`, `long`)."""
     return resources.files("agora_node.stages").joinpath(f"manifests/{name}.toml").read_text()
 
 
 def load_manifest(name_or_path: str) -> Manifest:
-    """Load a builtin manifest by name (`tiny`, `bench`, `gpu-1b`) or a TOML file by path."""
+    """Load a builtin manifest by name (`tiny`, `demo`, `bench`, `gpu-1b`, `long`) or a TOML file by path."""
     if name_or_path in BUILTIN_MANIFESTS:
         return parse_manifest(builtin_manifest_text(name_or_path), origin=name_or_path)
     path = Path(name_or_path)

@@ -54,6 +54,8 @@ def _block_flops(spec: ModelSpec, constrained: bool) -> float:
     weights = d * d + 2 * d * kv + d * out + 2 * d * f + f * out
     # A constrained block lifts its two k-wide outputs back to d (h @ U^T).
     lift = 2 * spec.subspace_rank * d if constrained else 0
+    # A K/V mixture projects z on every basis and lifts the chosen coefficients back.
+    lift += 2 * d * spec.kv_subspaces * spec.kv_rank
     # QK^T and AV over on average seq_len/2 earlier positions (causal mask).
     attention = 2 * d * spec.seq_len
     return 2.0 * (weights + lift) + attention
@@ -398,7 +400,8 @@ def _block_params(spec: ModelSpec, constrained: bool) -> tuple[int, int]:
     """(matrix, vector) parameter counts of one block."""
     d, kv, f = spec.d_model, spec.n_kv_heads * spec.head_dim, spec.ffn_dim
     out = spec.subspace_rank if constrained else d
-    return d * d + 2 * d * kv + d * out + 2 * d * f + f * out, 2 * d
+    mixture = d * spec.kv_subspaces * spec.kv_rank  # the K/V subspace bases (kv_rank > 0)
+    return d * d + 2 * d * kv + d * out + 2 * d * f + f * out + mixture, 2 * d
 
 
 def _stage_params(manifest: Manifest, stage: int) -> tuple[int, int]:
@@ -421,16 +424,25 @@ def stage_param_count(manifest: Manifest, stage: int) -> int:
     return sum(_stage_params(manifest, stage))
 
 
-def _activation_floats_per_token(manifest: Manifest, stage: int) -> float:
-    """Values autograd keeps per token for backward (counted from torch's saved tensors)."""
+def _activation_floats_per_token(manifest: Manifest, stage: int, cp_degree: int = 1) -> float:
+    """Values autograd keeps per token for backward (counted from torch's saved tensors).
+
+    With context parallelism (c > 1) a member keeps its own tokens' values (1/c of the
+    sequence) plus, for keys and values, the whole sequence's: their source, K and V,
+    and with a mixture of subspaces its coefficients and choices."""
     spec, last = manifest.model, manifest.num_stages - 1
     d, kv = spec.d_model, spec.n_kv_heads * spec.head_dim
     # Per block: norm inputs/outputs and linear inputs (9 d), K and V (2 kv), the
     # attention log-sum-exp (one per head), two RMS scales, and four ffn-wide SwiGLU tensors.
     per_block = 9 * d + 2 * kv + spec.n_heads + 2 + 4 * spec.ffn_dim
+    if cp_degree > 1 or spec.kv_rank:
+        # Whole-sequence part: the K/V source, K and V; a mixture adds its coefficients
+        # spread over the subspaces and the (int64) choice index, 2 floats' worth each.
+        whole = d + 2 * kv + (spec.kv_subspaces * spec.kv_rank + 2 * spec.kv_rank)
+        per_block = (per_block - whole) / cp_degree + whole
     floats = per_block * len(manifest.stage_layers(stage))
     if stage == last:
-        floats += 3 * d + 1 + spec.vocab_size  # final norm, head input, log-softmax output
+        floats += (3 * d + 1 + spec.vocab_size) / cp_degree  # final norm, head in, log-softmax
     return floats
 
 
@@ -441,11 +453,13 @@ def stage_memory_bytes(
     optimizer: str = "adamw",
     dtype_bytes: int = 4,
     in_flight: int = 1,
+    cp_degree: int = 1,
 ) -> dict[str, int]:
     """Memory to serve `stage` and train it with DiLoCo, by part, and the total.
 
     Activations are for `in_flight` micro-batches of micro_batch x seq_len tokens
-    whose autograd graphs are kept until their backward (the no-recompute path).
+    whose autograd graphs are kept until their backward (the no-recompute path); with
+    `cp_degree` c > 1 they are one member's share of a cell (token ids: its chunk).
     """
     if optimizer not in ("adamw", "muon"):
         raise ValueError(f"optimizer must be adamw or muon, got {optimizer!r}")
@@ -455,8 +469,10 @@ def stage_memory_bytes(
     # AdamW keeps two moments; Muon keeps one momentum for hidden matrices, AdamW the rest.
     optimizer_values = 2 * params if optimizer == "adamw" else hidden + 2 * other
     tokens = manifest.inner.micro_batch * spec.seq_len * in_flight
-    token_ids = 8 * tokens * ((stage == 0) + (stage == manifest.num_stages - 1))  # int64
-    activations = int(_activation_floats_per_token(manifest, stage) * tokens) * dtype_bytes
+    token_ids = 8 * tokens * ((stage == 0) + (stage == manifest.num_stages - 1)) // cp_degree
+    activations = (
+        int(_activation_floats_per_token(manifest, stage, cp_degree) * tokens) * dtype_bytes
+    )
     buffers = spec.seq_len * spec.head_dim  # RoPE cos and sin tables
     if not manifest.dense:
         buffers += 2 * spec.d_model * spec.subspace_rank + spec.vocab_size * spec.d_model

@@ -34,7 +34,13 @@ SUBSPACE_UNEVEN = Manifest(
     stages=StageSpec(count=3, layers=(1, 3, 1)),
     inner=InnerSpec(micro_batch=2, local_batch=2),
 )
-MANIFESTS = [TINY, DENSE_UNEVEN, SUBSPACE_UNEVEN]
+LONG = load_manifest("long")  # keys and values from a mixture of subspaces
+LONG_SHORT = Manifest(
+    model=ModelSpec(**{**LONG.model.__dict__, "seq_len": 128}),
+    stages=LONG.stages,
+    inner=LONG.inner,
+)
+MANIFESTS = [TINY, DENSE_UNEVEN, SUBSPACE_UNEVEN, LONG_SHORT]
 
 
 def stages_of(manifest: Manifest):
@@ -148,3 +154,52 @@ def test_gpu_manifest_is_sized_without_building_it() -> None:
     total = sum(stage_param_count(manifest, s) for s in range(manifest.num_stages))
     assert 0.7e9 < total < 1.3e9
     assert stage_memory_bytes(manifest, 0)["total_bytes"] > 16 * stage_param_count(manifest, 0)
+
+
+@pytest.mark.parametrize("kv_rank", [0, 8])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_cell_members_activation_estimate_matches_its_saved_tensors(
+    kv_rank: int, stage: int
+) -> None:
+    """One member of a cell of 2 (its chunk, the whole sequence's K/V) against torch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from agora_node.stages.context_parallel import (
+        CellContext,
+        ChunkLayout,
+        FramedExchange,
+        LocalCell,
+    )
+    from agora_node.stages.model import AttentionContext
+
+    spec = ModelSpec(**{**LONG.model.__dict__, "seq_len": 256, "kv_rank": kv_rank})
+    manifest = Manifest(model=spec, stages=LONG.stages, inner=LONG.inner)
+    module = Stage(manifest, stage)
+    x, tokens = _input(manifest, stage)
+    owned = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+    layout, cell = ChunkLayout(spec.seq_len, 2), LocalCell(2, timeout_s=30)
+
+    def member(rank: int) -> int:
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in owned:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        context = AttentionContext(cell=CellContext(layout, FramedExchange(cell.member(rank))))
+        chunk = layout.take(tokens, rank)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = module(None if x is None else layout.take(x, rank), chunk, context)
+            if module.is_last:
+                lm_loss(out, chunk)
+        return sum(saved.values())
+
+    with ThreadPoolExecutor(2) as pool:
+        measured = list(pool.map(member, range(2)))
+    estimate = stage_memory_bytes(manifest, stage, cp_degree=2)["activation_bytes"]
+    alone = stage_memory_bytes(manifest, stage)["activation_bytes"]
+    assert estimate < 0.6 * alone
+    for bytes_ in measured:
+        assert estimate == pytest.approx(bytes_, rel=0.05)

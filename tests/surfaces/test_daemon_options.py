@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -235,3 +236,15 @@ def test_dry_run_prints_the_resolved_dataclass(tmp_path, capsys):
     from agora_node.stages.manifest_files import load_manifest
 
     assert shown["manifest"] == load_manifest("bench").run_id
+
+
+def test_dry_run_of_a_context_parallel_run_shows_memory_per_peer_with_and_without_cells(
+    tmp_path, capsys
+):
+    argv = ["bootstrap", "--data-dir", str(tmp_path), "--manifest", "long", "--dry-run"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    alone = re.findall(r"^  activation_bytes\s+([\d.]+) MiB", out, re.MULTILINE)
+    in_cell = re.findall(r"cell of 2 .*activation_bytes ([\d.]+) MiB", out)
+    assert len(alone) == len(in_cell) == 4  # one line each per stage
+    assert all(float(c) < 0.6 * float(a) for a, c in zip(alone, in_cell, strict=True))

@@ -1,5 +1,6 @@
 """The collective in one process: exactness, codec error, failures, bad contributions."""
 
+import asyncio
 import dataclasses
 import time
 from functools import partial
@@ -139,6 +140,47 @@ async def test_dead_reducer_span_is_re_reduced_and_survivors_agree() -> None:
         expected = pair if p == "peer2" else full
         torch.testing.assert_close(value[lo:hi], expected[lo:hi], rtol=0, atol=1e-6)
     assert sum(o.stats.repaired_spans for o in survivors.values()) == 1
+
+
+class DiesAfterPushingTo(LocalTransport):
+    """Delivers its pushes one at a time in the order it makes them (as one connection
+    would), and dies, its later calls failing and nobody reaching it, right after its part
+    of `span` has reached the span's owner: a member killed in the middle of its pushes."""
+
+    def __init__(self, network: LocalNetwork, me: str, span: int, died: asyncio.Event) -> None:
+        super().__init__(network, me)
+        self.span, self.died, self.turn = span, died, asyncio.Lock()
+
+    async def push(self, peer: str, header: Header, payload: bytes) -> Reply:
+        async with self.turn:
+            reply = await super().push(peer, header, payload)
+            if (header.span, header.attempt) == (self.span, 0):
+                self.network.down.add(self.me)
+                self.died.set()
+            return reply
+
+
+async def test_a_member_killed_mid_push_leaves_results_its_witness_can_check() -> None:
+    """peer2 dies right after its part of span 0 reached the span's owner (peer0). Before,
+    its copy for the span's witness (peer1) was pushed alongside and could be lost with it
+    (the integration test caught it): peer0's result then named a part peer1 never got,
+    peer1 refused it and kept its own values for the span while peer0 kept the result, and
+    peer0, honest, was flagged. The witness copy now goes first: the two agree."""
+    values = random_values(3, NUMEL)
+    network, died = LocalNetwork(), asyncio.Event()
+    transports = {"peer2": DiesAfterPushingTo(network, "peer2", 0, died)}
+    before = {p: died.wait for p in ("peer0", "peer1")}
+    outs = await run_group(
+        values, network=network, transports=transports, before=before, verify=True
+    )
+    survivors = [outs["peer0"], outs["peer1"]]
+    assert torch.equal(survivors[0].value, survivors[1].value)
+    lo, hi = span_bounds(NUMEL, 3, 64)[0]
+    full = sum(values.values()) / 3  # peer2's part of span 0 was in and was checked
+    torch.testing.assert_close(survivors[0].value[lo:hi], full[lo:hi], rtol=0, atol=1e-5)
+    for out in survivors:
+        assert out.consistent and not out.stats.mismatched and not out.stats.fallback_spans
+    assert sum(o.stats.repaired_spans for o in survivors) == 1  # peer2's own span
 
 
 class CannotReach(LocalTransport):

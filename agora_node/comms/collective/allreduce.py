@@ -18,10 +18,13 @@ Protocol for one member of a group of n (plan.py gives the spans and owner chain
    and reports the round as inconsistent.
 
 With `verify` (verify.py), each member also pushes its part of span j to the span's
-witness, its attempt-1 owner; a result fetched from the attempt-0 owner is adopted
-only if it matches the witness's reduction of the parts the result names (the
-witness compares directly, everyone else through a sketch under a nonce of its
-own). On a mismatch the member keeps its own values for that span (step 4): it
+witness, its attempt-1 owner, and that copy goes first: the part goes to the owner
+once the witness has answered (or after half the reduce deadline), so a member that
+dies in the middle of its pushes cannot leave an owner holding a part the witness
+lacks, whose result no survivor could then check. A result fetched from the
+attempt-0 owner is adopted only if it matches the witness's reduction of the parts
+the result names (the witness compares directly, everyone else through a sketch
+under a nonce of its own). On a mismatch the member keeps its own values for that span (step 4): it
 cannot tell whether the owner or the witness lies, and handing the span to the
 witness would let a lying witness take it over. A lying member thus costs at most
 the mixing of two spans (inconsistent, repaired by the next anchor mix), never
@@ -161,17 +164,17 @@ class AllReduce:
             if hi == lo:  # nothing to move: every member knows the empty span
                 self.state.try_finalize(j, Final(b"", 0, torch.zeros(0)))
         me = self.state.my_index
-        pushes = [
-            asyncio.create_task(self._push(j, frames[j]))
-            for j in range(self.plan.size)
-            if j != me and self.state.final(j) is None
-        ]
+        pushes = []
+        for j in range(self.plan.size):
+            if self.state.final(j) is not None:
+                continue
+            copy = None
+            if self.verify and self.plan.owner(j, 1) != self.state.me:
+                copy = asyncio.create_task(self._push(j, frames[j], witness=True))
+                pushes.append(copy)
+            if j != me:
+                pushes.append(asyncio.create_task(self._push(j, frames[j], after=copy)))
         if self.verify:
-            pushes += [
-                asyncio.create_task(self._push(j, frames[j], witness=True))
-                for j in range(self.plan.size)
-                if self.plan.owner(j, 1) != self.state.me and self.state.final(j) is None
-            ]
             self.state.witness = self._witness_value
             self.state.changed.fire()
         reduce_task = asyncio.create_task(self._reduce_own())
@@ -223,7 +226,15 @@ class AllReduce:
         return None
 
     # ---- 1. push -------------------------------------------------------------------
-    async def _push(self, span: int, frame: bytes, witness: bool = False) -> None:
+    async def _push(
+        self, span: int, frame: bytes, witness: bool = False, after: asyncio.Task | None = None
+    ) -> None:
+        if after is not None:
+            # The witness's copy first: if this member dies in the middle of its pushes, an
+            # owner then holds its part only if the span's witness does too, so the owner's
+            # result, which names the part, stays checkable. A witness that does not answer
+            # delays the part by at most half the reduce deadline (it is not cancelled).
+            await asyncio.wait({after}, timeout=max(0.0, self._left(self._reduce_deadline() / 2)))
         attempt = 1 if witness else 0
         owner = self.plan.owner(span, attempt)
         wait = self._left(self._reduce_deadline())

@@ -59,6 +59,11 @@ def state_protocol(run_id: str) -> str:
     return f"/agora/{run_id}/state/2"  # 2: attested anchor state (protocol/state_blob.py)
 
 
+def cell_protocol(run_id: str) -> str:
+    """Stream protocol for K/V frames between the members of a context-parallel cell."""
+    return f"/agora/{run_id}/cell/1"
+
+
 def admission_protocol(run_id: str) -> str:
     """Stream protocol a joiner asks peers it sees "do you admit me?" (private swarms)."""
     return f"/agora/{run_id}/admission/1"

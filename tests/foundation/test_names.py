@@ -23,6 +23,7 @@ def all_names(run_id: str) -> dict[str, str]:
         "standalone_swim_namespace": names.STANDALONE_SWIM_NAMESPACE,
         "forward_protocol": names.forward_protocol(run_id),
         "state_protocol": names.state_protocol(run_id),
+        "cell_protocol": names.cell_protocol(run_id),
     }
 
 
@@ -38,6 +39,7 @@ def test_exact_spellings_are_pinned():
         "standalone_swim_namespace": "agora-membership",
         "forward_protocol": "/agora/r1/forward/1",
         "state_protocol": "/agora/r1/state/2",  # 2: attested anchor state (docs/security.md)
+        "cell_protocol": "/agora/r1/cell/1",
     }
 
 

@@ -1,0 +1,191 @@
+"""K/V frames between the members of a context-parallel cell, over libp2p streams.
+
+A cell's members run attention layer by layer in lock step: at each exchange every
+member pushes its frame to every other member and waits for theirs
+(stages/context_parallel.py checks the frames; this module only moves them). The
+waiting happens on the stage's compute thread, never on the event loop: `all_to_all`
+hands the pushes to the loop and blocks its own thread until the frames it needs
+have arrived or the deadline passes (`CellTimeout`: the micro-batch fails, as any
+other dropped micro-batch does).
+
+A pushed frame carries the micro-batch's id and a sequence number (one per exchange,
+in the order every member runs them), so frames of different micro-batches or layers
+never mix. The receiving side accepts frames only from the cell's members (a stranger
+is refused before its request is read, and counted), holds at most `max_inbox`
+frames until the compute thread takes them, and drops frames nobody took within the
+deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.p2p import P2P
+
+from agora_node.comms import streams
+from agora_node.comms.guard import Guard, Limits
+from agora_node.protocol.names import cell_protocol
+
+_HEADER = struct.Struct("<16sI")  # micro-batch id, exchange sequence number
+MAX_FRAME = 64 << 20
+
+
+class CellTimeout(ConnectionError):
+    """A cell member's frame did not arrive in time (dead, partitioned or too slow)."""
+
+
+@dataclass(eq=False)
+class CellLink:
+    """This node's end of the links to the other members of its cell."""
+
+    p2p: P2P
+    run_id: str
+    members: Sequence[str]
+    """Peer ids of the cell in rank order (this node among them)."""
+    me: str
+    timeout_s: float = 30.0
+    max_inbox: int = 256
+    refused: Counter = field(default_factory=Counter)
+    bytes_sent: int = 0
+
+    def __post_init__(self) -> None:
+        if self.me not in self.members:
+            raise ValueError("this node is not a member of the cell")
+        self.rank = list(self.members).index(self.me)
+        self._inbox: dict[tuple[str, bytes, int], tuple[bytes, float]] = {}
+        self._arrived = threading.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.current_thread()
+        limits = Limits(
+            max_streams=16 * len(self.members),
+            max_streams_per_peer=16,
+            rate_per_s=1000.0,  # one push per layer and direction of every micro-batch
+            burst=2000.0,
+            read_deadline_s=self.timeout_s,
+        )
+        guard = Guard(cell_protocol(self.run_id), limits)
+        await streams.serve(
+            self.p2p,
+            cell_protocol(self.run_id),
+            self._handle,
+            max_request=MAX_FRAME + _HEADER.size,
+            guard=guard,
+            refuse=self._refuse,
+        )
+
+    def _refuse(self, remote: str) -> str | None:
+        if remote in self.members and remote != self.me:
+            return None
+        self.refused["not_member"] += 1
+        return "not a member of this cell"
+
+    async def _handle(self, remote: str, request: bytes) -> AsyncIterator[bytes]:
+        if len(request) < _HEADER.size:
+            self.refused["malformed"] += 1
+            raise streams.StreamError("cell frame without its header")
+        mb_id, seq = _HEADER.unpack_from(request)
+        now = time.monotonic()
+        with self._arrived:
+            self._expire(now)
+            if len(self._inbox) >= self.max_inbox:
+                self.refused["full"] += 1
+                raise streams.StreamError("cell inbox full")
+            self._inbox[(remote, mb_id, seq)] = (request[_HEADER.size :], now)
+            self._arrived.notify_all()
+        yield b"ok"
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, (_, at) in self._inbox.items() if now - at > self.timeout_s]:
+            del self._inbox[key]
+            self.refused["expired"] += 1
+
+    async def _push(self, peer: str, mb_id: bytes, seq: int, frame: bytes) -> None:
+        payload = _HEADER.pack(mb_id, seq) + frame
+        await streams.request(
+            self.p2p, peer, cell_protocol(self.run_id), payload, timeout=self.timeout_s
+        )
+        self.bytes_sent += len(payload)
+
+    def _take(self, peer: str, mb_id: bytes, seq: int, deadline: float) -> bytes:
+        key = (peer, mb_id, seq)
+        with self._arrived:
+            while key not in self._inbox:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CellTimeout(
+                        f"cell member {peer[-8:]} sent nothing for exchange {seq} "
+                        f"within {self.timeout_s:.0f}s"
+                    )
+                self._arrived.wait(left)
+            return self._inbox.pop(key)[0]
+
+    def exchange(self, mb_id: bytes) -> MicrobatchExchange:
+        """The exchange of one micro-batch (an `Exchange` of stages/context_parallel.py)."""
+        if len(mb_id) != 16:
+            raise ValueError("micro-batch ids are 16 bytes")
+        return MicrobatchExchange(self, mb_id)
+
+
+@dataclass(eq=False)
+class MicrobatchExchange:
+    link: CellLink
+    mb_id: bytes
+    seq: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.link.rank
+
+    @property
+    def size(self) -> int:
+        return len(self.link.members)
+
+    def all_to_all(self, sends: list[torch.Tensor]) -> list[torch.Tensor]:
+        link = self.link
+        if link._loop is None:
+            raise RuntimeError("CellLink.start() first")
+        if threading.current_thread() is link._loop_thread:
+            raise RuntimeError("cell exchanges block: call them from the compute thread")
+        self.seq += 1
+        deadline = time.monotonic() + link.timeout_s
+        pushes = [
+            asyncio.run_coroutine_threadsafe(
+                link._push(peer, self.mb_id, self.seq, sends[j].numpy().tobytes()), link._loop
+            )
+            for j, peer in enumerate(link.members)
+            if j != link.rank
+        ]
+        try:
+            got = []
+            for j, peer in enumerate(link.members):
+                if j == link.rank:
+                    got.append(sends[j])
+                else:
+                    got.append(_as_tensor(link._take(peer, self.mb_id, self.seq, deadline)))
+            for push in pushes:
+                push.result(max(0.0, deadline - time.monotonic()))
+        except TimeoutError as exc:
+            raise CellTimeout(f"a push to a cell member took over {link.timeout_s:.0f}s") from exc
+        except streams.StreamError as exc:
+            raise CellTimeout(f"a push to a cell member failed: {exc}") from exc
+        finally:
+            for push in pushes:
+                push.cancel()
+        return got
+
+
+def _as_tensor(frame: bytes) -> torch.Tensor:
+    if not frame:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(frame), dtype=torch.uint8)

@@ -1,0 +1,123 @@
+"""A context-parallel cell over real hivemind peers on 127.0.0.1: two members exchange
+K/V frames through libp2p and compute what one peer computes; a stranger's frames are
+refused before they are read; a silent member fails the micro-batch at the deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import dataclasses
+import os
+import signal
+import time
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+
+from agora_node.comms import streams
+from agora_node.comms.cell_link import CellLink, CellTimeout
+from agora_node.protocol.names import cell_protocol
+from agora_node.stages.context_parallel import CellContext, ChunkLayout, FramedExchange
+from agora_node.stages.manifest_files import load_manifest
+from agora_node.stages.model import AttentionContext, Stage
+
+pytestmark = [pytest.mark.timeout(90), pytest.mark.integration]
+RUN = "cell-test"
+
+
+async def _stop(p2p: P2P) -> None:
+    child = getattr(p2p, "_child", None)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(p2p.shutdown(), 10)
+    if child is not None and child.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGKILL)
+
+
+@contextlib.asynccontextmanager
+async def peers(n: int):
+    started: list[P2P] = []
+    try:
+        started.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        maddrs = await started[0].get_visible_maddrs()
+        for _ in range(n - 1):
+            started.append(
+                await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            )
+        yield started
+    finally:
+        for p in started:
+            await _stop(p)
+
+
+def small_stage(kv_rank: int) -> Stage:
+    m = load_manifest("tiny")
+    model = dataclasses.replace(
+        m.model, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, seq_len=30,
+        subspace_rank=0, kv_rank=kv_rank, kv_subspaces=3,
+    )  # fmt: skip
+    manifest = dataclasses.replace(m, model=model, stages=dataclasses.replace(m.stages, count=1))
+    torch.manual_seed(0)
+    return Stage(manifest, 0)
+
+
+@pytest.mark.parametrize("kv_rank", [0, 4])
+async def test_two_members_over_libp2p_compute_what_one_peer_computes(kv_rank):
+    stage = small_stage(kv_rank)
+    batch = torch.randint(0, 256, (2, 31))
+    tokens, targets = batch[:, :-1], batch[:, 1:]
+    single = copy.deepcopy(stage)
+    ref = torch.nn.functional.cross_entropy(single(None, tokens).flatten(0, 1), targets.flatten())
+    ref.backward()
+    layout = ChunkLayout(30, 2)
+    async with peers(2) as (a, b):
+        ids = [a.peer_id.to_base58(), b.peer_id.to_base58()]
+        links = [
+            CellLink(p, RUN, members=ids, me=me, timeout_s=20)
+            for p, me in zip((a, b), ids, strict=True)
+        ]
+        for link in links:
+            await link.start()
+        mb_id = os.urandom(16)
+
+        def member(rank: int):
+            replica = copy.deepcopy(stage)
+            exchange = FramedExchange(links[rank].exchange(mb_id))
+            ctx = AttentionContext(cell=CellContext(layout, exchange))
+            logits = replica(None, layout.take(tokens, rank), ctx)
+            loss = (
+                torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), layout.take(targets, rank).flatten(), reduction="sum"
+                )
+                / targets.numel()
+            )
+            loss.backward()
+            return loss.item(), {n: p.grad for n, p in replica.named_parameters()}
+
+        results = await asyncio.gather(*(asyncio.to_thread(member, r) for r in range(2)))
+    assert sum(r[0] for r in results) == pytest.approx(ref.item(), rel=1e-5)
+    for name, p in single.named_parameters():
+        torch.testing.assert_close(results[0][1][name] + results[1][1][name], p.grad, msg=name)
+    # forward and backward frames of 2 layers each way crossed the network
+    assert all(link.bytes_sent > 0 for link in links)
+    assert all(not link.refused for link in links)
+
+
+async def test_a_stranger_is_refused_and_a_silent_member_fails_the_exchange_in_time():
+    async with peers(3) as (a, b, stranger):
+        ids = [a.peer_id.to_base58(), b.peer_id.to_base58()]
+        link = CellLink(a, RUN, members=ids, me=ids[0], timeout_s=2.0)
+        await link.start()
+        with pytest.raises(streams.RefusedError):
+            await streams.request(stranger, ids[0], cell_protocol(RUN), b"\0" * 64, timeout=10)
+        assert link.refused["not_member"] == 1
+        # b never serves the protocol: a's push fails and nothing arrives; no hang
+        exchange = link.exchange(os.urandom(16))
+        started = time.monotonic()
+        with pytest.raises(CellTimeout):
+            await asyncio.to_thread(exchange.all_to_all, [torch.zeros(4, dtype=torch.uint8)] * 2)
+        assert time.monotonic() - started < 10
+        with pytest.raises(RuntimeError, match="compute thread"):
+            exchange.all_to_all([torch.zeros(4, dtype=torch.uint8)] * 2)

@@ -48,7 +48,15 @@ async def discover_manifest(
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return await fetch_manifest(host, wanted, run_id or None)
+            manifest = await fetch_manifest(host, wanted, run_id or None)
+            if manifest.model.cp_degree > 1:
+                log.warning(
+                    "the manifest asks for context parallelism (cp_degree %d); daemons do not "
+                    "form cells yet, so this node trains each sequence whole "
+                    "(docs/architecture.md, 'Context parallelism')",
+                    manifest.model.cp_degree,
+                )
+            return manifest
         except RunChoiceError as exc:
             raise JoinError(str(exc)) from None  # several runs: waiting will not choose one
         except Exception as exc:

@@ -38,7 +38,8 @@ from common import log_stderr, set_threads
 
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
 from agora_node.protocol.manifest import Manifest
-from agora_node.stages.context_parallel import CellContext, ChunkLayout, FramedExchange, LocalCell
+from agora_node.stages.context_parallel import CellContext, ChunkLayout, LocalCell
+from agora_node.stages.kv_frames import FramedExchange
 from agora_node.stages.manifest_files import check_data_available, load_manifest
 from agora_node.stages.model import AttentionContext, Stage
 from agora_node.stages.placement import stage_memory_bytes
@@ -70,8 +71,11 @@ class Cell:
         return sum(e.frame_bytes_sent for e in self.exchanges)
 
 
-def cell_loss(stages: list[Stage], cell: Cell, batch: torch.Tensor, train: bool) -> float:
-    """Mean token loss of `batch` computed by the cell; with `train`, backward as well."""
+def cell_loss(
+    stages: list[Stage], cell: Cell, batch: torch.Tensor, train: bool, n_micro: int = 1
+) -> float:
+    """Mean token loss of `batch` computed by the cell; with `train`, backward as well
+    (the gradient divided by n_micro, as the reference trainer's)."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
 
     def member(rank: int) -> float:
@@ -90,7 +94,7 @@ def cell_loss(stages: list[Stage], cell: Cell, batch: torch.Tensor, train: bool)
                 / targets.numel()
             )
             if train:
-                loss.backward()
+                (loss / n_micro).backward()
         return loss.item()
 
     return sum(cell.run(member))
@@ -103,20 +107,8 @@ class CellTrainer(LocalTrainer):
         super().__init__(manifest, config)
         self.cell = cell
 
-    def train_step(self) -> float:
-        spec = self.manifest.inner
-        ids = self.next_batch_ids(spec.local_batch)
-        n_micro = spec.local_batch // spec.micro_batch
-        total = 0.0
-        for i in range(n_micro):
-            batch = self.train.batch(ids[i * spec.micro_batch : (i + 1) * spec.micro_batch])
-            total += cell_loss(self.stages, self.cell, batch, train=True) / n_micro
-        for p in self.model.parameters():  # the micro-batches' mean, as the reference has
-            if p.grad is not None:
-                p.grad /= n_micro
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        return total
+    def backward_micro_batch(self, batch: torch.Tensor, n_micro: int) -> float:
+        return cell_loss(self.stages, self.cell, batch, train=True, n_micro=n_micro)
 
     def evaluate(self) -> float:
         micro = self.manifest.inner.micro_batch

@@ -103,12 +103,16 @@ class LocalTrainer:
         total = 0.0
         for i in range(n_micro):
             batch = self.train.batch(ids[i * spec.micro_batch : (i + 1) * spec.micro_batch])
-            loss = lm_loss(chain_forward(self.stages, batch[:, :-1]), batch[:, 1:])
-            (loss / n_micro).backward()
-            total += loss.item() / n_micro
+            total += self.backward_micro_batch(batch, n_micro) / n_micro
         self.optimizer.step()
         self.optimizer.zero_grad()
         return total
+
+    def backward_micro_batch(self, batch: torch.Tensor, n_micro: int) -> float:
+        """Forward and backward of one micro-batch (its gradient divided by n_micro); its loss."""
+        loss = lm_loss(chain_forward(self.stages, batch[:, :-1]), batch[:, 1:])
+        (loss / n_micro).backward()
+        return loss.item()
 
     def state_dict(self) -> dict:
         return {

@@ -10,16 +10,18 @@ import torch
 
 from agora_node.protocol.manifest import ManifestError
 from agora_node.stages.context_parallel import (
-    KIND_DENSE,
-    KIND_MIXTURE,
     CellContext,
     ChunkLayout,
+    LocalCell,
+    document_ids,
+)
+from agora_node.stages.kv_frames import (
+    KIND_DENSE,
+    KIND_MIXTURE,
     FramedExchange,
     KVExpect,
     KVFrameError,
-    LocalCell,
     decode_kv_frame,
-    document_ids,
     encode_kv_frame,
 )
 from agora_node.stages.manifest_files import load_manifest

@@ -9,47 +9,32 @@ import contextlib
 import copy
 import dataclasses
 import os
-import signal
 import time
 
 import pytest
 import torch
-from hivemind.p2p import P2P
 
 from agora_node.comms import streams
 from agora_node.comms.cell_link import CellLink, CellTimeout
 from agora_node.protocol.names import cell_protocol
-from agora_node.stages.context_parallel import CellContext, ChunkLayout, FramedExchange
+from agora_node.stages.context_parallel import CellContext, ChunkLayout
+from agora_node.stages.kv_frames import FramedExchange
 from agora_node.stages.manifest_files import load_manifest
 from agora_node.stages.model import AttentionContext, Stage
+from tests.p2p_peers import start_peers, stop_p2p
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.integration]
 RUN = "cell-test"
 
 
-async def _stop(p2p: P2P) -> None:
-    child = getattr(p2p, "_child", None)
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(p2p.shutdown(), 10)
-    if child is not None and child.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, signal.SIGKILL)
-
-
 @contextlib.asynccontextmanager
 async def peers(n: int):
-    started: list[P2P] = []
+    started = await start_peers(n)
     try:
-        started.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-        maddrs = await started[0].get_visible_maddrs()
-        for _ in range(n - 1):
-            started.append(
-                await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-            )
         yield started
     finally:
         for p in started:
-            await _stop(p)
+            await stop_p2p(p)
 
 
 def small_stage(kv_rank: int) -> Stage:

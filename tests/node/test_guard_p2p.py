@@ -7,9 +7,6 @@ and every request was served."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
 import time
 
 import pytest
@@ -22,36 +19,10 @@ from agora_node.comms.collective.handlers import Responder
 from agora_node.comms.collective.p2p import CollectiveServicer
 from agora_node.comms.guard import Guard, Limits
 from agora_node.comms.membership.p2p import MembershipServicer
+from tests.p2p_peers import start_peers, stop_p2p
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.integration]
 READ_DEADLINE_S = 1.5
-
-
-async def _stop(p2p: P2P | None) -> None:
-    if p2p is None:
-        return
-    child = getattr(p2p, "_child", None)
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(p2p.shutdown(), 10)
-    if child is not None and child.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, signal.SIGKILL)
-
-
-async def _peers(n: int) -> list[P2P]:
-    first = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    peers = [first]
-    try:
-        maddrs = await first.get_visible_maddrs()
-        for _ in range(n - 1):
-            peers.append(
-                await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-            )
-    except BaseException:
-        for p in peers:
-            await _stop(p)
-        raise
-    return peers
 
 
 async def _until(condition, timeout: float = 10.0) -> None:  # noqa: ANN001
@@ -71,7 +42,7 @@ async def test_slowloris_streams_are_capped_and_cut_while_an_honest_peer_is_serv
     server = hostile = honest = None
     writers = []
     try:
-        server, hostile, honest = await _peers(3)
+        server, hostile, honest = await start_peers(3)
         guard = Guard(
             "echo",
             Limits(
@@ -115,13 +86,13 @@ async def test_slowloris_streams_are_capped_and_cut_while_an_honest_peer_is_serv
         for w in writers:
             w.close()
         for p in (honest, hostile, server):
-            await _stop(p)
+            await stop_p2p(p)
 
 
 async def test_rpc_guards_refuse_a_flood_a_huge_message_and_a_silent_stream() -> None:
     server = hostile = honest = None
     try:
-        server, hostile, honest = await _peers(3)
+        server, hostile, honest = await start_peers(3)
         delivered: list[str] = []
         gossip_guard = Guard("membership", Limits(rate_per_s=1, burst=5))
         await MembershipServicer(
@@ -164,4 +135,4 @@ async def test_rpc_guards_refuse_a_flood_a_huge_message_and_a_silent_stream() ->
         assert collective_guard.active == 0
     finally:
         for p in (honest, hostile, server):
-            await _stop(p)
+            await stop_p2p(p)

@@ -4,10 +4,6 @@ last test, which runs two real libp2p peers on 127.0.0.1."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-import signal
 import time
 
 import pytest
@@ -22,6 +18,7 @@ from agora_node.protocol.allowlist import AllowList
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.names import outer_round_key
 from agora_node.protocol.records import NodeRecord
+from tests.p2p_peers import stop_p2p
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,15 +89,6 @@ async def test_collective_requests_of_unlisted_peers_are_refused(tmp_path):
     assert allow.take_refused() == {"rpc": 5}
 
 
-async def _stop(p2p) -> None:  # noqa: ANN001
-    child = getattr(p2p, "_child", None)
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(p2p.shutdown(), 15)
-    if child is not None and child.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, signal.SIGKILL)
-
-
 @pytest.mark.integration
 async def test_a_stream_from_an_unlisted_peer_gets_one_refusal_line(tmp_path):
     from hivemind.p2p import P2P
@@ -149,4 +137,4 @@ async def test_a_stream_from_an_unlisted_peer_gets_one_refusal_line(tmp_path):
     finally:
         for p2p in (client, server):
             if p2p is not None:
-                await _stop(p2p)
+                await stop_p2p(p2p)

@@ -90,6 +90,12 @@ def test_costs_are_normalized_and_follow_the_cut() -> None:
 def test_activation_estimate_matches_saved_tensors(manifest: Manifest, stage: int) -> None:
     module = Stage(manifest, stage)
     x, tokens = _input(manifest, stage)
+    estimate = stage_memory_bytes(manifest, stage)["activation_bytes"]
+    assert estimate == pytest.approx(_saved_bytes(module, x, tokens), rel=0.05)
+
+
+def _saved_bytes(module: Stage, x, tokens, context=None) -> int:  # noqa: ANN001
+    """Bytes autograd keeps for backward of one forward (parameters and buffers excluded)."""
     owned = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
     saved: dict[int, int] = {}
 
@@ -100,11 +106,10 @@ def test_activation_estimate_matches_saved_tensors(manifest: Manifest, stage: in
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(x, tokens)
+        out = module(x, tokens, context)
         if module.is_last:
             lm_loss(out, tokens)
-    estimate = stage_memory_bytes(manifest, stage)["activation_bytes"]
-    assert estimate == pytest.approx(sum(saved.values()), rel=0.05)
+    return sum(saved.values())
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -164,37 +169,20 @@ def test_a_cell_members_activation_estimate_matches_its_saved_tensors(
     """One member of a cell of 2 (its chunk, the whole sequence's K/V) against torch."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from agora_node.stages.context_parallel import (
-        CellContext,
-        ChunkLayout,
-        FramedExchange,
-        LocalCell,
-    )
+    from agora_node.stages.context_parallel import CellContext, ChunkLayout, LocalCell
+    from agora_node.stages.kv_frames import FramedExchange
     from agora_node.stages.model import AttentionContext
 
     spec = ModelSpec(**{**LONG.model.__dict__, "seq_len": 256, "kv_rank": kv_rank})
     manifest = Manifest(model=spec, stages=LONG.stages, inner=LONG.inner)
     module = Stage(manifest, stage)
     x, tokens = _input(manifest, stage)
-    owned = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
     layout, cell = ChunkLayout(spec.seq_len, 2), LocalCell(2, timeout_s=30)
 
     def member(rank: int) -> int:
-        saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in owned:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
-
         context = AttentionContext(cell=CellContext(layout, FramedExchange(cell.member(rank))))
         chunk = layout.take(tokens, rank)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = module(None if x is None else layout.take(x, rank), chunk, context)
-            if module.is_last:
-                lm_loss(out, chunk)
-        return sum(saved.values())
+        return _saved_bytes(module, None if x is None else layout.take(x, rank), chunk, context)
 
     with ThreadPoolExecutor(2) as pool:
         measured = list(pool.map(member, range(2)))

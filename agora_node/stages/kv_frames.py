@@ -1,0 +1,148 @@
+"""K/V frames: what the members of a context-parallel cell send each other, and what a
+receiver accepts.
+
+A frame is a 20-byte header (magic, layer, sending member, kind, batch, length,
+width, dtype) and the values, plus one byte of subspace choice per token for a
+mixture frame. The receiver knows before reading what each frame must be
+(`KVExpect`: from the layer it is at and the chunk layout) and refuses anything
+else with a code: `layer`, `chunk`, `length`, `rank`, `dtype`, `nonfinite`,
+`choice` or `malformed`; `FramedExchange` counts the refusals.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class Exchange(Protocol):
+    """One member's view of its cell: send sends[j] to member j, get what each sent."""
+
+    rank: int
+    size: int
+
+    def all_to_all(self, sends: list[Tensor]) -> list[Tensor]: ...
+
+
+_MAGIC = b"AKV1"
+_HEADER = struct.Struct("<4sHBBIIHB")  # magic, layer, member, kind, batch, length, width, dtype
+_DTYPES = {0: torch.float32, 1: torch.bfloat16}
+_DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
+KIND_DENSE, KIND_MIXTURE, KIND_GRAD = 0, 1, 2
+MAX_FRAME_BYTES = 256 << 20
+
+
+class KVFrameError(ValueError):
+    """A K/V frame refused on receipt; `code` says why (counted by the receiver)."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+
+
+@dataclass(frozen=True)
+class KVExpect:
+    """What the receiver knows a frame from `member` must be, before reading it."""
+
+    layer: int
+    member: int
+    kind: int
+    batch: int
+    length: int
+    width: int
+    dtype: torch.dtype
+
+
+def encode_kv_frame(
+    *, layer: int, member: int, kind: int, values: Tensor, choice: Tensor | None = None
+) -> bytes:
+    """values [B, n, width] (fp32 or bf16); choice [B, n] uint8 for mixture frames."""
+    b, n, width = values.shape
+    header = _HEADER.pack(_MAGIC, layer, member, kind, b, n, width, _DTYPE_CODES[values.dtype])
+    raw = values.contiguous().view(torch.uint8).numpy().tobytes()
+    tail = b"" if choice is None else choice.to(torch.uint8).contiguous().numpy().tobytes()
+    return header + raw + tail
+
+
+def decode_kv_frame(
+    frame: bytes, expect: KVExpect, num_subspaces: int = 0
+) -> tuple[Tensor, Tensor | None]:
+    """Check a received frame against what it must be; (values, choice) or KVFrameError."""
+    if len(frame) < _HEADER.size or len(frame) > MAX_FRAME_BYTES:
+        raise KVFrameError("malformed", f"{len(frame)} bytes")
+    magic, layer, member, kind, b, n, width, dtype_code = _HEADER.unpack_from(frame)
+    if magic != _MAGIC or kind != expect.kind:
+        raise KVFrameError("malformed", f"magic {magic!r}, kind {kind}")
+    if layer != expect.layer:
+        raise KVFrameError("layer", f"layer {layer}, expected {expect.layer}")
+    if member != expect.member:
+        raise KVFrameError("chunk", f"chunk of member {member}, expected {expect.member}")
+    if b != expect.batch or n != expect.length:
+        raise KVFrameError("length", f"{b}x{n} tokens, expected {expect.batch}x{expect.length}")
+    if width != expect.width:
+        raise KVFrameError("rank", f"width {width}, expected {expect.width}")
+    if _DTYPES.get(dtype_code) != expect.dtype:
+        raise KVFrameError("dtype", f"dtype code {dtype_code}, expected {expect.dtype}")
+    itemsize = torch.empty(0, dtype=expect.dtype).element_size()
+    body = b * n * width * itemsize
+    tail = b * n if kind == KIND_MIXTURE else 0
+    if len(frame) != _HEADER.size + body + tail:
+        raise KVFrameError("length", f"{len(frame)} bytes, expected {_HEADER.size + body + tail}")
+    raw = torch.frombuffer(bytearray(frame[_HEADER.size : _HEADER.size + body]), dtype=torch.uint8)
+    values = raw.view(expect.dtype).view(b, n, width)
+    if not torch.isfinite(values).all():
+        raise KVFrameError("nonfinite", "NaN or inf in values")
+    choice = None
+    if kind == KIND_MIXTURE:
+        choice = torch.frombuffer(bytearray(frame[_HEADER.size + body :]), dtype=torch.uint8)
+        top = int(choice.max()) if choice.numel() else 0
+        if num_subspaces and top >= num_subspaces:
+            raise KVFrameError("choice", f"subspace {top} of {num_subspaces}")
+        choice = choice.view(b, n).long()
+    return values, choice
+
+
+@dataclass
+class FramedExchange:
+    """Sends tensors as checked K/V frames over a byte exchange (an `Exchange` of uint8)."""
+
+    inner: Exchange
+    refused: Counter = field(default_factory=Counter)
+    frame_bytes_sent: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    def exchange_frames(
+        self, frames: list[bytes], expects: list[KVExpect | None], num_subspaces: int = 0
+    ) -> list[tuple[Tensor, Tensor | None] | None]:
+        """Send frames[j] to member j; decode what each member sent (None for self)."""
+        self.frame_bytes_sent += sum(len(f) for j, f in enumerate(frames) if j != self.rank)
+        sends = [
+            torch.frombuffer(bytearray(f), dtype=torch.uint8)
+            if f
+            else torch.empty(0, dtype=torch.uint8)
+            for f in frames
+        ]
+        got = self.inner.all_to_all(sends)
+        out: list[tuple[Tensor, Tensor | None] | None] = []
+        for src, raw in enumerate(got):
+            if src == self.rank:
+                out.append(None)
+                continue
+            try:
+                out.append(decode_kv_frame(raw.numpy().tobytes(), expects[src], num_subspaces))
+            except KVFrameError as exc:
+                self.refused[exc.code] += 1
+                raise
+        return out

@@ -17,6 +17,7 @@ from agora_node import __version__
 from agora_node.node.datadir import DataDirError
 from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, UsageError
 from agora_node.protocol.manifest import ManifestError
+from agora_node.stages.device import Compute, DeviceError
 from agora_node.stages.manifest_files import check_data_available, load_manifest
 
 
@@ -38,14 +39,20 @@ def cmd_train_local(args: argparse.Namespace) -> int:
     check_data_available(manifest)
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        compute = Compute.resolve(args.device, args.precision)
+    except DeviceError as exc:
+        raise UsageError(str(exc)) from None
     config = LocalTrainConfig(
+        compute=compute,
         steps=args.steps,
         eval_every=args.eval_every,
         checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
         checkpoint_every=args.checkpoint_every,
     )
     print(
-        f"run {manifest.run_id} ({manifest.run.name}): training all {manifest.num_stages} stages locally"
+        f"run {manifest.run_id} ({manifest.run.name}): training all {manifest.num_stages} stages "
+        f"locally on {compute.describe()}"
     )
     result = LocalTrainer(manifest, config).run()
     first, last = result.val_losses[0][1], result.val_losses[-1][1]
@@ -83,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", help="save checkpoints here and resume from the newest")
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (as join's)")
+    p.add_argument("--precision", default="auto", help="auto, fp32 or bf16 (as join's)")
     p.set_defaults(func=cmd_train_local)
 
     p = sub.add_parser("manifest", help="validate or print a run manifest and its run id")

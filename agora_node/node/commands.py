@@ -20,7 +20,7 @@ from typing import Any
 
 from agora_node.node import datadir, options
 from agora_node.node.config import BootstrapConfig, NodeConfig, config_dict
-from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, UsageError
+from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +69,12 @@ def cmd_join(args: argparse.Namespace) -> int:
             from agora_node.comms import linkemu
 
             linkemu.configure(linkemu.LinkSpec.parse(config.emulate_link))
+        compute = _resolve_compute(config.device, config.precision)
+        if compute is None:
+            return EXIT_USAGE
         if args.dry_run:
             print(f"config: {config_json(config)}", flush=True)
-            return _run_daemon(_dry_run(config))
+            return _run_daemon(_dry_run(config, compute))
         import torch
 
         from agora_node.node.daemon import run_node
@@ -79,7 +82,19 @@ def cmd_join(args: argparse.Namespace) -> int:
         if config.threads:
             torch.set_num_threads(config.threads)
         log.info("config: %s", config_json(config))
-        return _run_daemon(run_node(config))
+        log.info("computing on %s", compute.describe())
+        return _run_daemon(run_node(config, compute))
+
+
+def _resolve_compute(device: str, precision: str):  # noqa: ANN202
+    """--device/--precision on this machine, or None after printing why not."""
+    from agora_node.stages.device import Compute, DeviceError
+
+    try:
+        return Compute.resolve(device, precision)
+    except DeviceError as exc:
+        print(f"agora-node: error: {exc}", file=sys.stderr, flush=True)
+        return None
 
 
 def _run_daemon(coro) -> int:  # noqa: ANN001
@@ -95,7 +110,7 @@ def _run_daemon(coro) -> int:  # noqa: ANN001
         return EXIT_FAILURE
 
 
-async def _dry_run(config) -> int:  # noqa: ANN001
+async def _dry_run(config, compute) -> int:  # noqa: ANN001
     """Join the DHT read-only: fetch the manifest and directory, print the choice, leave."""
     from agora_node.comms.directory import Directory, RunDiscoveryError, fetch_manifest
     from agora_node.comms.host import Host, HostConfig
@@ -126,13 +141,13 @@ async def _dry_run(config) -> int:  # noqa: ANN001
             stage, reason = choice.stage, choice.reason
         else:
             stage, reason = int(config.stage), "fixed by --stage"
-        print_stage_plan(manifest, stage, reason, view)
+        print_stage_plan(manifest, stage, reason, view, compute)
     finally:
         await host.shutdown()
     return EXIT_OK
 
 
-def print_stage_plan(manifest, stage: int, reason: str, view: dict | None = None) -> None:  # noqa: ANN001
+def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None) -> None:  # noqa: ANN001
     from agora_node.stages import placement
 
     if not 0 <= stage < manifest.num_stages:
@@ -161,6 +176,13 @@ def print_stage_plan(manifest, stage: int, reason: str, view: dict | None = None
             f"activation_bytes {shared['activation_bytes'] / 2**20:.1f} MiB, "
             f"total_bytes {shared['total_bytes'] / 2**20:.1f} MiB per peer"
         )
+    if compute is not None:
+        free = compute.free_bytes()
+        room = "" if free is None else f", {free / 2**30:.2f} GiB free"
+        print(f"device: {compute.describe()}{room}")
+        reason = placement.does_not_fit(manifest, stage, compute.device, free)
+        if reason is not None:
+            print(f"does not fit: {reason}")
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from agora_node.protocol.allowlist import AllowListError, read_allow_keys
 from agora_node.protocol.codecs import CODEC_NAMES, UnknownCodecError, from_name
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.records import DEFAULT_RECORD_TTL_S, MAX_RECORD_TTL_S
+from agora_node.stages.device import PRECISIONS, DeviceError, check_names
 from agora_node.stages.manifest_files import load_manifest
 
 LISTEN = "/ip4/127.0.0.1/tcp/0"
@@ -107,6 +108,16 @@ class NodeConfig:
         None, help="control API Unix socket (default DATA_DIR/control.sock)"
     )
     threads: int = option(0, help="torch threads (0: torch's default)")
+    device: str = option(
+        "auto",
+        help="where the stage computes: auto (a CUDA GPU, else Apple MPS, else the CPU), "
+        "cpu, cuda, cuda:N or mps",
+    )
+    precision: str = option(
+        "auto",
+        help=f"{', '.join(PRECISIONS)}: bf16 autocast over float32 weights (auto: bf16 on a "
+        "CUDA GPU that supports it, fp32 elsewhere)",
+    )
     record_ttl_s: float = option(
         DEFAULT_RECORD_TTL_S,
         name="record_ttl",
@@ -176,6 +187,10 @@ class NodeConfig:
         _at_least(self, 0, "threads", "max_tokens", "rebalance_every_s", "status_port", "ban_s")
         if not math.isfinite(self.ban_s):
             raise UsageError(f"--ban must be a finite number of seconds, not {self.ban_s}")
+        try:
+            check_names(self.device, self.precision)
+        except DeviceError as exc:
+            raise UsageError(str(exc)) from None
         if self.status_port > 65535:
             raise UsageError(f"--status-port must be at most 65535, not {self.status_port}")
         if self.emulate_link:

@@ -50,6 +50,7 @@ from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.records import NodeState, RecordLimits
 from agora_node.stages import placement
+from agora_node.stages.device import Compute
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,10 @@ async def bounded(what: str, step: Awaitable[object], seconds: float) -> None:
 
 
 class Node:
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, compute: Compute | None = None) -> None:
         self.config = config
+        self.compute = compute or Compute.resolve(config.device, config.precision)
+        """Where the stage computes (--device, --precision), resolved on this machine."""
         self.identity = Identity.load_or_create(config.identity_path)
         self.peer_id = self.identity.peer_id
         self.admittance = Admittance(config.allow_keys, self.peer_id)
@@ -147,6 +150,7 @@ class Node:
         else:
             stage, self.stage_choice_reason = joining.fixed_stage(m, cfg.stage), "fixed by --stage"
             await self._announce_joining(stage)
+        joining.check_fits(m, stage, self.compute)
         self.view = await self.directory.fetch()
         refusal = await self._ask_admission()
         if refusal is not None:  # an unlisted node: say so now, not after waiting for state
@@ -215,6 +219,7 @@ class Node:
             history=self.history,
             allow=self.admittance.allow,
             suspects=self.suspects,
+            compute=self.compute,
         )
         self.service = await StageService.open(ctx, stage, self._loop_failed)
 
@@ -423,9 +428,9 @@ class _ControlHandlers:
         return self.node.snapshot()
 
 
-async def run_node(config: NodeConfig) -> int:
+async def run_node(config: NodeConfig, compute: Compute | None = None) -> int:
     """Run a node until it is told to leave; the exit code."""
-    node = Node(config)
+    node = Node(config, compute)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # all mean: leave cleanly
         loop.add_signal_handler(sig, node.stop_event.set)

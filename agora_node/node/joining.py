@@ -35,6 +35,7 @@ from agora_node.protocol import state_blob
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.records import NodeState
 from agora_node.stages import placement
+from agora_node.stages.device import Compute
 
 if TYPE_CHECKING:
     from agora_node.node.service import ServiceContext
@@ -110,6 +111,13 @@ def fixed_stage(manifest: Manifest, wanted: str) -> int:
             f"--stage {stage} does not exist: this run has stages 0..{manifest.num_stages - 1}"
         )
     return stage
+
+
+def check_fits(manifest: Manifest, stage: int, compute: Compute) -> None:
+    """Refuse to serve a stage the device cannot hold (JoinError, one line)."""
+    reason = placement.does_not_fit(manifest, stage, compute.device, compute.free_bytes())
+    if reason is not None:
+        raise JoinError(reason)
 
 
 @dataclass

@@ -171,7 +171,9 @@ class OuterState:
         return self.anchor.numel()
 
     def weights(self) -> Tensor:
-        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        """The parameters as one flat float32 vector on the host, where the outer state
+        lives whatever the stage's device."""
+        return torch.cat([p.detach().reshape(-1).float() for p in self.params]).cpu()
 
     def pseudo_gradient(self) -> Tensor:
         """delta = anchor - weights: how far the inner steps moved (a descent direction)."""

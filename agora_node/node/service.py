@@ -48,6 +48,7 @@ from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import forward_protocol
 from agora_node.protocol.records import NodeRecord, NodeState
 from agora_node.stages.data import TokenWindows
+from agora_node.stages.device import CPU, Compute
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class ServiceContext:
     """A private swarm's allow list (--allow-keys), None in an open swarm."""
     suspects: Suspects = field(default_factory=Suspects)
     """Peers this node banned: routed around, their parts and claims ignored."""
+    compute: Compute = CPU
+    """The device and precision the stage worker computes with."""
 
     @property
     def peer_id(self) -> str:
@@ -119,7 +122,7 @@ class StageService:
         cls, ctx: ServiceContext, stage: int, on_failure: Callable[[BaseException], None]
     ) -> StageService:
         """Load the stage's state (replica, checkpoint or init) and start serving it."""
-        worker = StageWorker(ctx.manifest, stage)
+        worker = StageWorker(ctx.manifest, stage, compute=ctx.compute)
         try:
             loaded = await joining.load_state(ctx, worker)
             outer = await OuterLoop.create(

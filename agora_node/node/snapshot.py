@@ -206,6 +206,8 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "utilization": w.stats.utilization if w else 0.0,
             "compute_s": w.stats.compute_s if w else 0.0,
             "rss_bytes": rss_bytes(),
+            "device": node.compute.device,
+            "precision": node.compute.precision,
             "queue": p.active_requests if p else 0,
             "in_flight": w.in_flight if w else 0,
             "microbatches": dict(stats.results),

@@ -19,6 +19,7 @@ from torch import nn
 from agora_node.node.checkpoint import load_latest_checkpoint, save_checkpoint
 from agora_node.protocol.manifest import Manifest
 from agora_node.stages.data import TokenWindows
+from agora_node.stages.device import CPU, Compute
 from agora_node.stages.model import Stage, build_stages, lm_loss
 from agora_node.stages.optim import InnerOptimizer
 
@@ -37,6 +38,8 @@ class LocalTrainConfig:
     checkpoint_every: int = 100
     max_seconds: float | None = None
     """Stop early after this much wall time (benchmarks)."""
+    compute: Compute = CPU
+    """Device and autocast, as a daemon's worker uses them (stages/device.py)."""
 
 
 @dataclass
@@ -53,22 +56,29 @@ class TrainResult:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def chain_forward(stages: list[Stage], tokens: torch.Tensor) -> torch.Tensor:
+def chain_forward(
+    stages: list[Stage], tokens: torch.Tensor, compute: Compute = CPU
+) -> torch.Tensor:
     """Logits of the whole model by running the stages in order."""
     h = None
-    for stage in stages:
-        h = stage(h, tokens)
+    with compute.autocast():
+        for stage in stages:
+            h = stage(h, tokens)
     return h
 
 
 @torch.no_grad()
 def evaluate(
-    stages: list[Stage], windows: TokenWindows, sample_ids: list[int], micro_batch: int
+    stages: list[Stage],
+    windows: TokenWindows,
+    sample_ids: list[int],
+    micro_batch: int,
+    compute: Compute = CPU,
 ) -> float:
     total, count = 0.0, 0
     for i in range(0, len(sample_ids), micro_batch):
-        batch = windows.batch(sample_ids[i : i + micro_batch])
-        loss = lm_loss(chain_forward(stages, batch[:, :-1]), batch[:, 1:])
+        batch = windows.batch(sample_ids[i : i + micro_batch]).to(compute.device)
+        loss = lm_loss(chain_forward(stages, batch[:, :-1], compute), batch[:, 1:])
         total += float(loss) * len(batch)
         count += len(batch)
     return total / count
@@ -80,7 +90,8 @@ class LocalTrainer:
     def __init__(self, manifest: Manifest, config: LocalTrainConfig) -> None:
         self.manifest, self.config = manifest, config
         torch.manual_seed(manifest.run.seed)
-        self.stages = build_stages(manifest)
+        self.compute = config.compute
+        self.stages = [stage.to(self.compute.device) for stage in build_stages(manifest)]
         self.model = nn.ModuleList(self.stages)
         self.optimizer = InnerOptimizer(self.model, manifest.inner)
         self.train = TokenWindows(manifest, "train")
@@ -103,6 +114,7 @@ class LocalTrainer:
         total = 0.0
         for i in range(n_micro):
             batch = self.train.batch(ids[i * spec.micro_batch : (i + 1) * spec.micro_batch])
+            batch = batch.to(self.compute.device)
             total += self.backward_micro_batch(batch, n_micro) / n_micro
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -110,7 +122,7 @@ class LocalTrainer:
 
     def backward_micro_batch(self, batch: torch.Tensor, n_micro: int) -> float:
         """Forward and backward of one micro-batch (its gradient divided by n_micro); its loss."""
-        loss = lm_loss(chain_forward(self.stages, batch[:, :-1]), batch[:, 1:])
+        loss = lm_loss(chain_forward(self.stages, batch[:, :-1], self.compute), batch[:, 1:])
         (loss / n_micro).backward()
         return loss.item()
 
@@ -153,7 +165,9 @@ class LocalTrainer:
     def evaluate(self) -> float:
         self.model.eval()
         try:
-            return evaluate(self.stages, self.val, self.val_ids, self.manifest.inner.micro_batch)
+            return evaluate(
+                self.stages, self.val, self.val_ids, self.manifest.inner.micro_batch, self.compute
+            )
         finally:
             self.model.train()
 

@@ -16,6 +16,11 @@ an in-place update.
 What backward needs: the autograd graph of each in-flight micro-batch while at
 most `max_graphs` are open; beyond that only the stage input is kept and the
 forward is recomputed on the same version copy at backward time.
+
+Device (stages/device.py): the stage, its versions and optimizer state live on the
+worker's device; every method takes and returns host tensors, so the wire never sees
+a device, and the forward runs under the worker's autocast (bf16 or none). Boundary
+coefficients and gradients cross in float32.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from torch.func import functional_call
 
 from agora_node.node.rates import RateWindow
 from agora_node.protocol.manifest import Manifest
+from agora_node.stages.device import CPU, Compute
 from agora_node.stages.model import Stage, lm_loss
 from agora_node.stages.optim import InnerOptimizer
 
@@ -103,10 +109,17 @@ class WorkerStats:
 
 class StageWorker:
     def __init__(
-        self, manifest: Manifest, index: int, *, max_graphs: int = 16, pending_ttl_s: float = 120.0
+        self,
+        manifest: Manifest,
+        index: int,
+        *,
+        max_graphs: int = 16,
+        pending_ttl_s: float = 120.0,
+        compute: Compute = CPU,
     ) -> None:
-        self.manifest, self.index = manifest, index
-        self.stage = Stage(manifest, index)
+        self.manifest, self.index, self.compute = manifest, index, compute
+        self.device = compute.device
+        self.stage = Stage(manifest, index).to(self.device)
         self.masters = [p for p in self.stage.parameters() if p.requires_grad]
         """The trainable parameters the optimizer steps, taken before any forward: while a
         forward runs, functional_call swaps version copies into the module, so reading
@@ -158,7 +171,20 @@ class StageWorker:
         }
 
     def _forward(self, params: dict[str, Tensor], x: Tensor | None, tokens: Tensor) -> Tensor:
-        return functional_call(self.stage, params, (x, tokens))
+        with self.compute.autocast():
+            return functional_call(self.stage, params, (x, tokens))
+
+    def _inputs(self, c_in: Tensor | None, tokens: Tensor) -> tuple[Tensor | None, Tensor]:
+        """Host tensors from the wire -> (decoded stage input or None, full token rows), on
+        the device."""
+        tokens = tokens.to(self.device)
+        if c_in is None:
+            return None, tokens
+        return self.stage.decode_boundary(c_in.to(self.device).float(), tokens[:, :-1]), tokens
+
+    def _encode(self, out: Tensor, inputs: Tensor) -> Tensor:
+        """Stage output -> float32 boundary coefficients (outside autocast)."""
+        return self.stage.encode_boundary(out.float(), inputs)
 
     def _busy(self, started: float) -> float:
         """Count compute since `started` (perf_counter) as busy; the seconds spent."""
@@ -177,16 +203,14 @@ class StageWorker:
         """Forward of a micro-batch that will come back with a gradient; returns boundary coefficients."""
         started = time.perf_counter()
         self._expire()
-        params, inputs = self._params, tokens[:, :-1]
-        x_in = (
-            None
-            if c_in is None
-            else self.stage.decode_boundary(c_in, inputs).detach().requires_grad_(True)
-        )
+        params = self._params
+        x_in, tokens = self._inputs(c_in, tokens)
+        inputs = tokens[:, :-1]
+        if x_in is not None:
+            x_in = x_in.detach().requires_grad_(True)
         keep_graph = len(self._pending) < self.max_graphs
         with torch.set_grad_enabled(keep_graph):
-            out = self._forward(params, x_in, inputs)
-            c_out = self.stage.encode_boundary(out, inputs)
+            c_out = self._encode(self._forward(params, x_in, inputs), inputs)
         self._pending[mb_id] = _Pending(
             self._version,
             params,
@@ -196,7 +220,7 @@ class StageWorker:
             samples=len(tokens),
             compute_s=self._busy(started),
         )
-        return c_out.detach()
+        return c_out.detach().cpu()
 
     def backward(self, mb_id: str, grad_c_out: Tensor) -> Tensor | None:
         """Backward of a forwarded micro-batch; returns the gradient w.r.t. its input coefficients."""
@@ -205,10 +229,8 @@ class StageWorker:
         out = p.out
         if out is None:  # graph was not kept: recompute on the same weight version
             self.stats.recomputed += 1
-            out = self.stage.encode_boundary(
-                self._forward(p.params, p.x_in, p.tokens[:, :-1]), p.tokens[:, :-1]
-            )
-        out.backward(grad_c_out)
+            out = self._encode(self._forward(p.params, p.x_in, p.tokens[:, :-1]), p.tokens[:, :-1])
+        out.backward(grad_c_out.to(self.device, out.dtype))
         grad_in = self._input_grad(p.x_in)
         self._finish(p.version, p.params, p.tokens[:, :-1].numel())
         self._completed(p.tokens[:, :-1].numel(), p.compute_s + self._busy(started))
@@ -219,13 +241,11 @@ class StageWorker:
     ) -> tuple[float, Tensor | None]:
         """The last stage: loss and gradient in one go (nothing kept)."""
         started = time.perf_counter()
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
         params = self._params
-        x_in = (
-            None
-            if c_in is None
-            else self.stage.decode_boundary(c_in, inputs).detach().requires_grad_(True)
-        )
+        x_in, tokens = self._inputs(c_in, tokens)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if x_in is not None:
+            x_in = x_in.detach().requires_grad_(True)
         loss = lm_loss(self._forward(params, x_in, inputs), targets)
         (loss * loss_scale).backward()
         grad_in = self._input_grad(x_in)
@@ -234,22 +254,23 @@ class StageWorker:
         return float(loss.detach()), grad_in
 
     def _input_grad(self, x_in: Tensor | None) -> Tensor | None:
-        """dL/dc for the upstream stage: the k-dim projection dL/dx U (or dL/dx when dense)."""
+        """dL/dc for the upstream stage: the k-dim projection dL/dx U (or dL/dx when dense),
+        on the host."""
         if x_in is None:
             return None
-        return x_in.grad @ self.stage.basis if self.stage.subspace else x_in.grad
+        return (x_in.grad @ self.stage.basis if self.stage.subspace else x_in.grad).cpu()
 
     @torch.no_grad()
     def forward_eval(self, c_in: Tensor | None, tokens: Tensor) -> Tensor | float:
         """Forward only (validation): boundary coefficients, or the loss at the last stage."""
         started = time.perf_counter()
+        x_in, tokens = self._inputs(c_in, tokens)
         inputs = tokens[:, :-1]
-        x_in = None if c_in is None else self.stage.decode_boundary(c_in, inputs)
         out = self._forward(self._params, x_in, inputs)
         result = (
             float(lm_loss(out, tokens[:, 1:]))
             if self.stage.is_last
-            else self.stage.encode_boundary(out, inputs)
+            else self._encode(out, inputs).cpu()
         )
         self._busy(started)  # busy, but no training tokens: not in the compute rate
         return result
@@ -332,8 +353,8 @@ class StageWorker:
     def state_dict(self) -> dict[str, Any]:
         with self._lock:
             return {
-                "model": {k: v.clone() for k, v in self.stage.state_dict().items()},
-                "optimizer": self.optimizer.state_dict(),
+                "model": {k: v.detach().cpu().clone() for k, v in self.stage.state_dict().items()},
+                "optimizer": _to_host(self.optimizer.state_dict()),
                 "version": self._version,
                 "tokens": self.stats.tokens,
             }
@@ -379,7 +400,7 @@ class StageWorker:
         with self._lock:
             for name, tensor in sorted(self.stage.state_dict().items()):
                 digest.update(name.encode())
-                digest.update(tensor.detach().contiguous().numpy().tobytes())
+                digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
         return digest.hexdigest()
 
 
@@ -399,7 +420,7 @@ class WorkerWeights:
         self.replaced = True
 
     def _flat(self) -> Tensor:
-        return torch.cat([p.detach().reshape(-1).float() for p in self._params])
+        return torch.cat([p.detach().reshape(-1).float() for p in self._params]).cpu()
 
     @torch.no_grad()
     def _load(self, flat: Tensor) -> None:
@@ -409,3 +430,14 @@ class WorkerWeights:
             for p in self._params:
                 p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
+
+
+def _to_host(state: Any) -> Any:
+    """An optimizer state dict with every tensor on the host (a no-op on the CPU)."""
+    if isinstance(state, Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {k: _to_host(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_to_host(v) for v in state)
+    return state

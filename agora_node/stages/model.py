@@ -129,7 +129,7 @@ class Block(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             return self.wo(y.transpose(1, 2).reshape(b, t, -1))
         cell = context.cell if context is not None else None
-        q_pos = cell.positions if cell is not None else torch.arange(t)
+        q_pos = cell.positions if cell is not None else torch.arange(t, device=z.device)
         full = kv_source(z, self.kv_mix, cell, layer)  # [B, seq, d]: every position's source
         seq = full.shape[1]
         k = self.wk(full).view(b, seq, self.n_kv_heads, -1).transpose(1, 2)

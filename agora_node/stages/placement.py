@@ -487,3 +487,18 @@ def stage_memory_bytes(
     }
     out["total_bytes"] = sum(v for k, v in out.items() if k != "params")
     return out
+
+
+def does_not_fit(manifest: Manifest, stage: int, device: str, free_bytes: int | None) -> str | None:
+    """Why `stage` cannot be held on a device with `free_bytes` free (None: fits, or the
+    device's memory is not probed)."""
+    if free_bytes is None:
+        return None
+    need = stage_memory_bytes(manifest, stage, optimizer=manifest.inner.optimizer)
+    if need["total_bytes"] <= free_bytes:
+        return None
+    return (
+        f"stage {stage} needs about {need['total_bytes'] / 2**30:.2f} GiB on {device}, which "
+        f"has {free_bytes / 2**30:.2f} GiB free: free the device, pick a smaller stage with "
+        "--stage, or compute on the CPU with --device cpu"
+    )

@@ -32,6 +32,8 @@ SAMPLES = {
     "activation_codec": ["int8", "int4", "fp32", "bf16"],
     "emulate_link": ["10,1", "20,2", "30,3", "40,4"],
     "mqtt_url": ["mqtt://127.0.0.1:1883", "mqtt://b.example:1884", "mqtts://b.example", "mqtt://h"],
+    "device": ["cpu", "cuda:1", "mps", "cuda"],  # names are checked at start, machines later
+    "precision": ["fp32", "bf16", "auto", "fp32"],
 }
 JOIN_OPTIONS = options_of(NodeConfig)
 
@@ -157,6 +159,8 @@ INVALID = [
     ("allow_keys", "/nonexistent/keys.txt", "--allow-keys /nonexistent/keys.txt: no such"),
     ("ban", "-5", "--ban must be at least 0"),
     ("ban", "inf", "--ban must be a finite number"),
+    ("device", "tpu", "--device must be one of auto, cpu, cuda, cuda:N, mps"),
+    ("precision", "fp16", "--precision must be one of auto, fp32, bf16"),
 ]
 
 

@@ -1,0 +1,134 @@
+"""Where a stage computes: the device (`--device`) and the precision (`--precision`).
+
+A stage's weights, optimizer state and activations live on its device; tensors cross
+to the host only at the wire (boundary activations, K/V frames, outer deltas) and in
+checkpoints, so every wire format is the same whatever device a peer uses.
+
+Precision: master weights and optimizer state stay float32 everywhere, and so do the
+outer step and its anchors (docs/outer.md). `bf16` runs the stage's forward and
+backward under torch autocast in bfloat16; `auto` picks it on a CUDA device that
+supports it and float32 elsewhere (on CPU, bf16 autocast is slower on most cores and
+only changes rounding).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+DEVICE_NAMES = ("auto", "cpu", "cuda", "cuda:N", "mps")
+PRECISIONS = ("auto", "fp32", "bf16")
+_CUDA = re.compile(r"cuda(?::(\d+))?")
+# torch is imported inside the functions that probe it: option validation and
+# `--dry-run` stay free of it.
+
+
+class DeviceError(ValueError):
+    """A device or precision that this machine cannot provide; the message says why."""
+
+
+def check_names(device: str, precision: str) -> None:
+    """Syntax only (no probing of the machine): for option validation."""
+    if device not in ("auto", "cpu", "mps") and not _CUDA.fullmatch(device):
+        raise DeviceError(f"--device must be one of {', '.join(DEVICE_NAMES)}, not {device!r}")
+    if precision not in PRECISIONS:
+        raise DeviceError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+
+
+def _mps_available() -> bool:
+    import torch
+
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+def resolve_device(name: str) -> str:
+    """`auto`: the first CUDA device, else Apple's MPS, else the CPU. An explicit device
+    this machine lacks is an error, never a silent fall back to the CPU."""
+    import torch
+
+    check_names(name, "auto")
+    if name == "auto":
+        if torch.cuda.is_available():
+            return "cuda:0"
+        return "mps" if _mps_available() else "cpu"
+    if name in ("cpu", "mps"):
+        if name == "mps" and not _mps_available():
+            raise DeviceError("--device mps: this machine has no usable Apple MPS device")
+        return name
+    match = _CUDA.fullmatch(name)
+    assert match is not None  # check_names
+    if not torch.cuda.is_available():
+        raise DeviceError(
+            f"--device {name}: torch sees no CUDA device (torch {torch.__version__}: a CPU-only "
+            "build, or no driver); use --device cpu, or install a CUDA build of torch"
+        )
+    index = int(match.group(1) or 0)
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise DeviceError(
+            f"--device {name}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}"
+        )
+    return f"cuda:{index}"
+
+
+def resolve_precision(device: str, precision: str) -> str:
+    """`fp32` or `bf16` (autocast) for a resolved device; `auto`: bf16 on a CUDA device
+    that supports it, fp32 elsewhere."""
+    import torch
+
+    check_names("auto", precision)
+    kind = device.split(":")[0]
+    bf16_ok = kind == "cpu" or (kind == "cuda" and torch.cuda.is_bf16_supported())
+    if precision == "bf16" and not bf16_ok:
+        raise DeviceError(f"--precision bf16: {device} does not support bfloat16 autocast")
+    if precision == "auto":
+        return "bf16" if kind == "cuda" and bf16_ok else "fp32"
+    return precision
+
+
+@dataclass(frozen=True)
+class Compute:
+    """A stage's device (a torch device string, resolved) and precision (fp32 or bf16)."""
+
+    device: str = "cpu"
+    precision: str = "fp32"
+
+    @classmethod
+    def resolve(cls, device: str = "auto", precision: str = "auto") -> Compute:
+        """What the options name, checked against this machine (DeviceError if it lacks it)."""
+        dev = resolve_device(device)
+        return cls(dev, resolve_precision(dev, precision))
+
+    @property
+    def kind(self) -> str:
+        return self.device.split(":")[0]
+
+    def autocast(self) -> Any:
+        """The context a stage's forward runs in (disabled for fp32)."""
+        import torch
+
+        on = self.precision == "bf16"
+        return torch.autocast(self.kind, dtype=torch.bfloat16, enabled=on)
+
+    def describe(self) -> str:
+        """One phrase for the log, --dry-run and the status page."""
+        name = self.device
+        if self.kind == "cuda":
+            import torch
+
+            props = torch.cuda.get_device_properties(self.device)
+            name += f" ({props.name}, {props.total_memory / 2**30:.0f} GiB)"
+        return f"{name}, {self.precision}"
+
+    def free_bytes(self) -> int | None:
+        """Free accelerator memory now; None on the CPU and MPS (not probed)."""
+        if self.kind == "cuda":
+            import torch
+
+            return int(torch.cuda.mem_get_info(self.device)[0])
+        return None
+
+
+CPU = Compute()

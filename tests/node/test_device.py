@@ -1,0 +1,143 @@
+"""--device and --precision: names, what this machine resolves them to, a stage worker
+under bf16 autocast, and the one-line refusal of a stage the device cannot hold.
+
+The CUDA tests are marked `gpu` and skip with the reason where torch sees no CUDA
+device (this project's CI machines have none)."""
+
+import pytest
+import torch
+
+from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
+from agora_node.node.worker import StageWorker
+from agora_node.stages import placement
+from agora_node.stages.device import (
+    CPU,
+    Compute,
+    DeviceError,
+    check_names,
+    resolve_device,
+    resolve_precision,
+)
+from agora_node.stages.manifest_files import load_manifest
+
+pytestmark = pytest.mark.timeout(120)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+
+
+def test_device_and_precision_names_are_checked():
+    for good in ("auto", "cpu", "cuda", "cuda:0", "cuda:12", "mps"):
+        check_names(good, "auto")
+    for bad in ("tpu", "cuda:", "cuda:x", "CPU", "gpu", ""):
+        with pytest.raises(DeviceError, match="--device must be one of"):
+            check_names(bad, "auto")
+    with pytest.raises(DeviceError, match="--precision must be one of"):
+        check_names("cpu", "fp16")
+
+
+def test_auto_picks_the_best_device_this_machine_has():
+    best = "cuda:0" if torch.cuda.is_available() else None
+    if best is None:
+        best = "mps" if torch.backends.mps.is_available() else "cpu"
+    assert resolve_device("auto") == best
+    assert resolve_device("cpu") == "cpu"
+    assert Compute.resolve("cpu", "auto") == Compute("cpu", "fp32")  # bf16 autocast: CUDA only
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_device_the_machine_lacks_is_an_error_not_a_fallback():
+    for name in ("cuda", "cuda:1"):
+        with pytest.raises(DeviceError, match="torch sees no CUDA device.*--device cpu"):
+            resolve_device(name)
+
+
+def test_precision_follows_the_device():
+    assert resolve_precision("cpu", "auto") == "fp32"
+    assert resolve_precision("cpu", "bf16") == "bf16"
+    assert resolve_precision("cpu", "fp32") == "fp32"
+    assert Compute("cpu", "bf16").autocast().fast_dtype == torch.bfloat16
+    assert not CPU.autocast()._enabled
+
+
+def _one_micro_batch(workers, tokens):
+    """Forward through every stage, loss and backward; the host tensors each hop returned."""
+    c, sent = None, []
+    for w in workers[:-1]:
+        c = w.forward("mb", c, tokens)
+        sent.append(c)
+    loss, grad = workers[-1].forward_backward_last(c, tokens, 1.0)
+    for w in reversed(workers[:-1]):
+        sent.append(grad)
+        grad = w.backward("mb", grad)
+    return loss, [t for t in sent if t is not None]
+
+
+def test_bf16_autocast_workers_train_like_fp32_and_hand_the_wire_fp32_host_tensors():
+    m = load_manifest("tiny")
+    tokens = torch.randint(0, m.model.vocab_size, (m.inner.micro_batch, m.model.seq_len + 1))
+    results = {}
+    for precision in ("fp32", "bf16"):
+        workers = [
+            StageWorker(m, s, compute=Compute("cpu", precision)) for s in range(m.num_stages)
+        ]
+        for w in workers:
+            w.micro_per_step = 1  # step after this micro-batch
+        loss, crossed = _one_micro_batch(workers, tokens)
+        assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in crossed)
+        assert all(torch.isfinite(t).all() for t in crossed)
+        assert all(w.stats.steps == 1 for w in workers)
+        masters = [p for w in workers for p in w.masters]
+        assert all(p.dtype == torch.float32 for p in masters)  # fp32 master weights
+        results[precision] = loss, crossed
+    (loss32, sent32), (loss16, sent16) = results["fp32"], results["bf16"]
+    assert loss16 != loss32  # autocast really ran in bf16 ...
+    assert abs(loss16 - loss32) / loss32 < 0.01  # ... and only changed rounding
+    for a, b in zip(sent32, sent16, strict=True):
+        assert (a - b).norm() / a.norm() < 0.05
+
+
+def test_the_reference_trainer_runs_under_bf16_autocast_and_learns():
+    m = load_manifest("tiny")
+    trainer = LocalTrainer(
+        m, LocalTrainConfig(steps=4, eval_samples=2, compute=Compute("cpu", "bf16"))
+    )
+    losses = [trainer.train_step() for _ in range(4)]
+    assert losses[-1] < losses[0]
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+
+
+def test_a_stage_the_device_cannot_hold_is_refused_in_one_line():
+    m = load_manifest("gpu-1b")
+    need = placement.stage_memory_bytes(m, 1, optimizer=m.inner.optimizer)["total_bytes"]
+    assert placement.does_not_fit(m, 1, "cuda:0", None) is None  # memory not probed: no claim
+    assert placement.does_not_fit(m, 1, "cuda:0", need) is None
+    reason = placement.does_not_fit(m, 1, "cuda:0", need // 2)
+    assert reason is not None and "\n" not in reason
+    assert "stage 1 needs about" in reason and "cuda:0" in reason and "--device cpu" in reason
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_worker_on_cuda_computes_what_the_cpu_worker_computes():
+    m = load_manifest("tiny")
+    tokens = torch.randint(0, m.model.vocab_size, (m.inner.micro_batch, m.model.seq_len + 1))
+    out = {}
+    for device in ("cpu", "cuda:0"):
+        workers = [StageWorker(m, s, compute=Compute(device, "fp32")) for s in range(m.num_stages)]
+        loss, crossed = _one_micro_batch(workers, tokens)
+        assert all(t.device.type == "cpu" for t in crossed)  # the wire sees host tensors
+        state = workers[1].state_dict()
+        assert all(t.device.type == "cpu" for t in state["model"].values())
+        out[device] = loss, crossed, workers[1].parameter_checksum()
+    assert abs(out["cpu"][0] - out["cuda:0"][0]) < 1e-3
+    for a, b in zip(out["cpu"][1], out["cuda:0"][1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bf16_autocast_on_cuda_learns():
+    m = load_manifest("tiny")
+    compute = Compute.resolve("cuda", "bf16")
+    trainer = LocalTrainer(m, LocalTrainConfig(steps=4, eval_samples=2, compute=compute))
+    losses = [trainer.train_step() for _ in range(4)]
+    assert losses[-1] < losses[0]

@@ -188,6 +188,7 @@ class StageWorker:
 
     def _busy(self, started: float) -> float:
         """Count compute since `started` (perf_counter) as busy; the seconds spent."""
+        self.compute.synchronize()  # a GPU's queued kernels are part of the time
         spent = time.perf_counter() - started
         self.stats.compute_s += spent
         self.stats.busy.add(spent)

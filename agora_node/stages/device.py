@@ -112,6 +112,13 @@ class Compute:
         on = self.precision == "bf16"
         return torch.autocast(self.kind, dtype=torch.bfloat16, enabled=on)
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (timing); nothing to wait for on the CPU."""
+        if self.kind == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
     def describe(self) -> str:
         """One phrase for the log, --dry-run and the status page."""
         name = self.device

@@ -115,6 +115,7 @@ async def _dry_run(config, compute) -> int:  # noqa: ANN001
     from agora_node.comms.directory import Directory, RunDiscoveryError, fetch_manifest
     from agora_node.comms.host import Host, HostConfig
     from agora_node.node.errors import JoinError
+    from agora_node.node.joining import stages_fitting
     from agora_node.protocol.identity import Identity
     from agora_node.protocol.records import RecordLimits
     from agora_node.stages import placement
@@ -137,7 +138,8 @@ async def _dry_run(config, compute) -> int:  # noqa: ANN001
             limits=RecordLimits.for_manifest(manifest),
         ).fetch()
         if config.stage == "auto":
-            choice = placement.choose_stage(view, manifest, identity.peer_id)
+            can_hold = stages_fitting(manifest, compute)
+            choice = placement.choose_stage(view, manifest, identity.peer_id, can_hold=can_hold)
             stage, reason = choice.stage, choice.reason
         else:
             stage, reason = int(config.stage), "fixed by --stage"

@@ -107,6 +107,8 @@ class Node:
         self.runs_seen: list[dict[str, str]] = []
         """Runs the swarm's run pointer announces (signed, fresh), for the status page."""
         self.stage: int | None = None  # announced while joining, then served
+        self.can_hold: list[int] | None = None
+        """The stages this node's device can hold (None: all; joining.stages_fitting)."""
         self._loops = Loops(self._loop_failed, quiet=lambda: self.state == NodeState.LEAVING)
         self._status: StatusServer | None = None
         self._control = None
@@ -137,6 +139,7 @@ class Node:
             limits=RecordLimits.for_manifest(m),
             admit=self._admit("record"),
         )
+        self.can_hold = joining.stages_fitting(m, self.compute)
         if cfg.stage == "auto":
             choice = await joining.settle_stage(
                 self.directory,
@@ -145,6 +148,7 @@ class Node:
                 self._announce_joining,
                 settle_s=cfg.settle_s,
                 rounds=cfg.settle_rounds,
+                can_hold=self.can_hold,
             )
             stage, self.stage_choice_reason = choice.stage, choice.reason
         else:
@@ -318,11 +322,18 @@ class Node:
             await self._wait_stop(every * (0.5 + rng.random()))
             if self.stop_event.is_set() or self.state != NodeState.ACTIVE:
                 continue
-            if joining.better_stage(self.view, self.manifest, self.peer_id, self.stage) is None:
+            if (
+                joining.better_stage(
+                    self.view, self.manifest, self.peer_id, self.stage, self.can_hold
+                )
+                is None
+            ):
                 continue
             await self._wait_stop(placement.switch_delay(self.peer_id, rng, every / 2))
             view = await self.directory.fetch()  # still true after the delay?
-            decision = joining.better_stage(view, self.manifest, self.peer_id, self.stage)
+            decision = joining.better_stage(
+                view, self.manifest, self.peer_id, self.stage, self.can_hold
+            )
             if decision is not None and not self.stop_event.is_set():
                 await self.switch_stage(decision.stage, decision.reason)
 

@@ -74,15 +74,17 @@ async def settle_stage(
     *,
     settle_s: float,
     rounds: int,
+    can_hold: list[int] | None = None,
 ) -> placement.StageChoice:
-    """Choose a stage for `--stage auto`; `announce(stage)` publishes a joining record."""
-    choice = placement.choose_stage(await directory.fetch(), manifest, peer_id)
+    """Choose a stage for `--stage auto` (among `can_hold`, from `stages_fitting`);
+    `announce(stage)` publishes a joining record."""
+    choice = placement.choose_stage(await directory.fetch(), manifest, peer_id, can_hold=can_hold)
     await announce(choice.stage)
     previous = None
     for _ in range(rounds):
         await asyncio.sleep(settle_s)
         view = await directory.fetch()
-        choice = placement.choose_stage(view, manifest, peer_id)
+        choice = placement.choose_stage(view, manifest, peer_id, can_hold=can_hold)
         joiners = frozenset(
             r.peer_id for rs in view.values() for r in rs if r.state == NodeState.JOINING
         )
@@ -95,13 +97,19 @@ async def settle_stage(
 
 
 def better_stage(
-    view: Snapshot, manifest: Manifest, peer_id: str, stage: int
+    view: Snapshot,
+    manifest: Manifest,
+    peer_id: str,
+    stage: int,
+    can_hold: list[int] | None = None,
 ) -> placement.SwitchDecision | None:
-    """A stage this running node should move to for a clear gain, or None.
+    """A stage this running node should move to for a clear gain (and can hold), or None.
     Nodes pinned by `--stage N` count for capacity but never move."""
     movable = {r.peer_id for rs in view.values() for r in rs if not r.pinned}
     decision = placement.should_switch(view, manifest, peer_id, stage, movable=movable)
-    return decision if decision.stage is not None else None
+    if decision.stage is None or (can_hold is not None and decision.stage not in can_hold):
+        return None
+    return decision
 
 
 def fixed_stage(manifest: Manifest, wanted: str) -> int:
@@ -111,6 +119,23 @@ def fixed_stage(manifest: Manifest, wanted: str) -> int:
             f"--stage {stage} does not exist: this run has stages 0..{manifest.num_stages - 1}"
         )
     return stage
+
+
+def stages_fitting(manifest: Manifest, compute: Compute) -> list[int] | None:
+    """The stages this node's device can hold now (None: all, memory not probed); a
+    JoinError, in one line, when it can hold none."""
+    free = compute.free_bytes()
+    fitting = placement.stages_that_fit(manifest, free)
+    if fitting is not None and not fitting:
+        smallest = min(
+            range(manifest.num_stages),
+            key=lambda s: placement.stage_memory_bytes(manifest, s)["total_bytes"],
+        )
+        raise JoinError(
+            "no stage of this run fits: "
+            + str(placement.does_not_fit(manifest, smallest, compute.device, free))
+        )
+    return fitting
 
 
 def check_fits(manifest: Manifest, stage: int, compute: Compute) -> None:

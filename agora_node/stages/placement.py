@@ -173,10 +173,14 @@ def _stage_preference(peer_id: str, stage: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{peer_id}/{stage}".encode()).digest()[:8], "big")
 
 
-def _least_capacity(caps: Sequence[float], peer_id: str) -> tuple[int, list[int]]:
-    """The stage with the least capacity for `peer_id`, and every stage tied with it."""
-    low = min(caps)
-    tied = [s for s, c in enumerate(caps) if c <= low * (1 + _TIE)]  # empty only ties empty
+def _least_capacity(
+    caps: Sequence[float], peer_id: str, allowed: Collection[int] | None = None
+) -> tuple[int, list[int]]:
+    """The stage (of `allowed`, default all) with the least capacity for `peer_id`, and
+    every allowed stage tied with it."""
+    stages = range(len(caps)) if allowed is None else sorted(allowed)
+    low = min(caps[s] for s in stages)
+    tied = [s for s in stages if caps[s] <= low * (1 + _TIE)]  # empty only ties empty
     return min(tied, key=lambda s: _stage_preference(peer_id, s)), tied
 
 
@@ -200,13 +204,18 @@ def choose_stage(
     peer_id: str,
     *,
     own_throughput: float | None = None,
+    can_hold: Collection[int] | None = None,
 ) -> StageChoice:
     """The stage `peer_id` should serve, as its slot in the greedy fill of all joiners.
 
     `own_throughput`: tokens/s this node would reach on a stage of mean cost, if
     it knows; else it counts like any joiner. The caller's own record, if the
-    snapshot has one, is treated as joining whatever it says.
+    snapshot has one, is treated as joining whatever it says. `can_hold`: the
+    stages this node's device can hold (default all; `stages_that_fit`); other
+    joiners are assumed to hold any stage (their devices are not announced).
     """
+    if can_hold is not None and not can_hold:
+        raise ValueError("can_hold names no stage")
     costs = _as_costs(manifest_or_costs)
     replicas = _replicas(directory, costs)
     own_power = own_throughput if own_throughput and 0 < own_throughput < math.inf else None
@@ -222,8 +231,9 @@ def choose_stage(
     )
     caps, counts = _capacities(fixed, costs, fallback), _counts(fixed, len(costs))
     for slot, joiner in enumerate(batch):
-        stage, tied = _least_capacity(caps, joiner.peer_id)
-        if joiner.peer_id == peer_id:
+        mine = joiner.peer_id == peer_id
+        stage, tied = _least_capacity(caps, joiner.peer_id, can_hold if mine else None)
+        if mine:
             reason = _choice_reason(stage, tied, caps, counts, slot, len(batch))
             return StageChoice(stage, reason, tuple(caps), tuple(counts))
         caps[stage] += (joiner.power if joiner.power is not None else fallback) / costs[stage]
@@ -502,3 +512,13 @@ def does_not_fit(manifest: Manifest, stage: int, device: str, free_bytes: int | 
         f"has {free_bytes / 2**30:.2f} GiB free: free the device, pick a smaller stage with "
         "--stage, or compute on the CPU with --device cpu"
     )
+
+
+def stages_that_fit(manifest: Manifest, free_bytes: int | None) -> list[int] | None:
+    """The stages a device with `free_bytes` free can hold (None: every stage, the
+    device's memory not being probed)."""
+    if free_bytes is None:
+        return None
+    return [
+        s for s in range(manifest.num_stages) if does_not_fit(manifest, s, "", free_bytes) is None
+    ]

@@ -11,7 +11,12 @@ from hypothesis import strategies as st
 from agora_node.protocol.manifest import Manifest, ModelSpec, StageSpec
 from agora_node.protocol.records import NodeState
 from agora_node.stages.manifest_files import load_manifest
-from agora_node.stages.placement import choose_stage, stage_costs
+from agora_node.stages.placement import (
+    choose_stage,
+    stage_costs,
+    stage_memory_bytes,
+    stages_that_fit,
+)
 
 from .helpers import counts, directory, record
 
@@ -199,3 +204,34 @@ def test_costs_of_a_dense_uneven_cut() -> None:
 def test_bad_costs_are_refused() -> None:
     with pytest.raises(ValueError):
         choose_stage({}, [1.0, 0.0], "p")
+
+
+def test_a_joiner_takes_only_a_stage_its_device_can_hold() -> None:
+    view = directory(record("a", 0, throughput=50.0), record("c", 2, throughput=1.0))
+    assert choose_stage(view, EQUAL3, "new").stage == 1  # the empty stage ...
+    held = choose_stage(view, EQUAL3, "new", can_hold=[0, 2])  # ... unless it cannot hold it
+    assert held.stage == 2 and held.reason.startswith("stage 2 has the least capacity")
+    assert choose_stage(view, EQUAL3, "new", can_hold=[0]).stage == 0
+    with pytest.raises(ValueError, match="no stage"):
+        choose_stage(view, EQUAL3, "new", can_hold=[])
+
+
+def test_the_stages_a_device_can_hold_follow_the_memory_estimate() -> None:
+    m = load_manifest("gpu-1b")
+    need = [stage_memory_bytes(m, s)["total_bytes"] for s in range(m.num_stages)]
+    assert stages_that_fit(m, None) is None  # memory not probed: every stage
+    assert stages_that_fit(m, max(need)) == list(range(m.num_stages))
+    assert stages_that_fit(m, min(need) - 1) == []
+    middle = sorted(need)[len(need) // 2]
+    assert stages_that_fit(m, middle) == [s for s in range(m.num_stages) if need[s] <= middle]
+
+
+def test_a_running_node_never_switches_to_a_stage_it_cannot_hold() -> None:
+    from agora_node.node.joining import better_stage
+
+    view = directory(*(record(p, 0, throughput=100.0) for p in "abc"), record("d", 1))
+    movers = {p: better_stage(view, EQUAL3, p, 0) for p in "abc"}
+    (mover,) = [p for p, d in movers.items() if d is not None]
+    assert movers[mover].stage == 2
+    assert better_stage(view, EQUAL3, mover, 0, can_hold=[0, 1]) is None
+    assert better_stage(view, EQUAL3, mover, 0, can_hold=[2]).stage == 2

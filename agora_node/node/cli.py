@@ -40,7 +40,7 @@ def cmd_train_local(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        compute = Compute.resolve(args.device, args.precision)
+        compute = Compute.resolve(args.device, args.precision, args.optimizer_states)
     except DeviceError as exc:
         raise UsageError(str(exc)) from None
     config = LocalTrainConfig(
@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (as join's)")
     p.add_argument("--precision", default="auto", help="auto, fp32 or bf16 (as join's)")
+    p.add_argument("--optimizer-states", default="fp32", choices=("fp32", "8bit"), help="as join's")
     p.set_defaults(func=cmd_train_local)
 
     p = sub.add_parser("manifest", help="validate or print a run manifest and its run id")

@@ -69,7 +69,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             from agora_node.comms import linkemu
 
             linkemu.configure(linkemu.LinkSpec.parse(config.emulate_link))
-        compute = _resolve_compute(config.device, config.precision)
+        compute = _resolve_compute(config.device, config.precision, config.optimizer_states)
         if compute is None:
             return EXIT_USAGE
         if args.dry_run:
@@ -86,12 +86,12 @@ def cmd_join(args: argparse.Namespace) -> int:
         return _run_daemon(run_node(config, compute))
 
 
-def _resolve_compute(device: str, precision: str):  # noqa: ANN202
+def _resolve_compute(device: str, precision: str, optimizer_states: str):  # noqa: ANN202
     """--device/--precision on this machine, or None after printing why not."""
     from agora_node.stages.device import Compute, DeviceError
 
     try:
-        return Compute.resolve(device, precision)
+        return Compute.resolve(device, precision, optimizer_states)
     except DeviceError as exc:
         print(f"agora-node: error: {exc}", file=sys.stderr, flush=True)
         return None
@@ -156,7 +156,15 @@ def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None)
         raise UsageError(
             f"--stage {stage} does not exist: this run has stages 0..{manifest.num_stages - 1}"
         )
-    mem = placement.stage_memory_bytes(manifest, stage, optimizer=manifest.inner.optimizer)
+    states = compute.optimizer_states if compute is not None else "fp32"
+    in_flight = placement.default_in_flight(manifest, stage)
+    mem = placement.stage_memory_bytes(
+        manifest,
+        stage,
+        optimizer=manifest.inner.optimizer,
+        in_flight=in_flight,
+        optimizer_states=states,
+    )
     print(f"run {manifest.run_id} ({manifest.run.name}), {manifest.num_stages} stages")
     if view is not None:
         print(
@@ -164,14 +172,23 @@ def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None)
             + ", ".join(f"stage {s}: {len(r)} node(s)" for s, r in sorted(view.items()))
         )
     print(f"would serve stage {stage}: {reason}")
-    print(f"layers {list(manifest.stage_layers(stage))}, memory needed:")
+    print(
+        f"layers {list(manifest.stage_layers(stage))}, memory needed with {in_flight} "
+        "micro-batch(es) in flight (device_bytes: on the stage's device at its peak; "
+        "total_bytes adds the outer state, on the host):"
+    )
     for part, value in mem.items():
         shown = f"{value / 1e6:10.2f} M" if part == "params" else f"{value / 2**20:10.1f} MiB"
         print(f"  {part:<22} {shown}")
     cells = manifest.model.cp_degree
     if cells > 1:
         shared = placement.stage_memory_bytes(
-            manifest, stage, optimizer=manifest.inner.optimizer, cp_degree=cells
+            manifest,
+            stage,
+            optimizer=manifest.inner.optimizer,
+            in_flight=in_flight,
+            cp_degree=cells,
+            optimizer_states=states,
         )
         print(
             f"  in a context-parallel cell of {cells} (each peer holds 1/{cells} of a sequence): "
@@ -182,7 +199,7 @@ def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None)
         free = compute.free_bytes()
         room = "" if free is None else f", {free / 2**30:.2f} GiB free"
         print(f"device: {compute.describe()}{room}")
-        reason = placement.does_not_fit(manifest, stage, compute.device, free)
+        reason = placement.does_not_fit(manifest, stage, compute.device, free, states)
         if reason is not None:
             print(f"does not fit: {reason}")
 

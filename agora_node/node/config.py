@@ -24,7 +24,7 @@ from agora_node.protocol.allowlist import AllowListError, read_allow_keys
 from agora_node.protocol.codecs import CODEC_NAMES, UnknownCodecError, from_name
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.records import DEFAULT_RECORD_TTL_S, MAX_RECORD_TTL_S
-from agora_node.stages.device import PRECISIONS, DeviceError, check_names
+from agora_node.stages.device import OPTIMIZER_STATES, PRECISIONS, DeviceError, check_names
 from agora_node.stages.manifest_files import load_manifest
 
 LISTEN = "/ip4/127.0.0.1/tcp/0"
@@ -118,6 +118,12 @@ class NodeConfig:
         help=f"{', '.join(PRECISIONS)}: bf16 autocast over float32 weights (auto: bf16 on a "
         "CUDA GPU that supports it, fp32 elsewhere)",
     )
+    optimizer_states: str = option(
+        "fp32",
+        help="how the inner optimizer holds AdamW's two moments: fp32, or 8bit (float8 with a "
+        "scale per block of 256: 2 bytes per parameter instead of 8; docs/benchmarks.md has "
+        "the loss cost)",
+    )
     record_ttl_s: float = option(
         DEFAULT_RECORD_TTL_S,
         name="record_ttl",
@@ -191,6 +197,11 @@ class NodeConfig:
             check_names(self.device, self.precision)
         except DeviceError as exc:
             raise UsageError(str(exc)) from None
+        if self.optimizer_states not in OPTIMIZER_STATES:
+            raise UsageError(
+                f"--optimizer-states must be one of {', '.join(OPTIMIZER_STATES)}, "
+                f"not {self.optimizer_states!r}"
+            )
         if self.status_port > 65535:
             raise UsageError(f"--status-port must be at most 65535, not {self.status_port}")
         if self.emulate_link:

@@ -125,22 +125,28 @@ def stages_fitting(manifest: Manifest, compute: Compute) -> list[int] | None:
     """The stages this node's device can hold now (None: all, memory not probed); a
     JoinError, in one line, when it can hold none."""
     free = compute.free_bytes()
-    fitting = placement.stages_that_fit(manifest, free)
+    fitting = placement.stages_that_fit(manifest, free, compute.optimizer_states)
     if fitting is not None and not fitting:
         smallest = min(
             range(manifest.num_stages),
-            key=lambda s: placement.stage_memory_bytes(manifest, s)["total_bytes"],
+            key=lambda s: placement.stage_device_bytes(manifest, s, compute.optimizer_states),
         )
         raise JoinError(
             "no stage of this run fits: "
-            + str(placement.does_not_fit(manifest, smallest, compute.device, free))
+            + str(
+                placement.does_not_fit(
+                    manifest, smallest, compute.device, free, compute.optimizer_states
+                )
+            )
         )
     return fitting
 
 
 def check_fits(manifest: Manifest, stage: int, compute: Compute) -> None:
     """Refuse to serve a stage the device cannot hold (JoinError, one line)."""
-    reason = placement.does_not_fit(manifest, stage, compute.device, compute.free_bytes())
+    reason = placement.does_not_fit(
+        manifest, stage, compute.device, compute.free_bytes(), compute.optimizer_states
+    )
     if reason is not None:
         raise JoinError(reason)
 

@@ -93,7 +93,7 @@ class LocalTrainer:
         self.compute = config.compute
         self.stages = [stage.to(self.compute.device) for stage in build_stages(manifest)]
         self.model = nn.ModuleList(self.stages)
-        self.optimizer = InnerOptimizer(self.model, manifest.inner)
+        self.optimizer = InnerOptimizer(self.model, manifest.inner, self.compute.optimizer_states)
         self.train = TokenWindows(manifest, "train")
         self.val = TokenWindows(manifest, "val")
         self.val_ids = self.val.fixed_subset(config.eval_samples)

@@ -124,7 +124,7 @@ class StageWorker:
         """The trainable parameters the optimizer steps, taken before any forward: while a
         forward runs, functional_call swaps version copies into the module, so reading
         `stage.parameters()` from another thread then would return those copies."""
-        self.optimizer = InnerOptimizer(self.stage, manifest.inner)
+        self.optimizer = self._fresh_optimizer()
         self.micro_per_step = manifest.inner.local_batch // manifest.inner.micro_batch
         self.max_graphs, self.pending_ttl_s = max_graphs, pending_ttl_s
         self.stats = WorkerStats()
@@ -369,6 +369,9 @@ class StageWorker:
             self._versions_with_grads.clear()
             self._publish_version(int(state.get("version", 0)))
 
+    def _fresh_optimizer(self) -> InnerOptimizer:
+        return InnerOptimizer(self.stage, self.manifest.inner, self.compute.optimizer_states)
+
     def trainable_numel(self) -> int:
         """Values in the outer anchor of this stage (its trainable parameters, flat)."""
         return sum(p.numel() for p in self.masters)
@@ -389,7 +392,7 @@ class StageWorker:
                 p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 p.grad = None
                 offset += p.numel()
-            self.optimizer = InnerOptimizer(self.stage, self.manifest.inner)
+            self.optimizer = self._fresh_optimizer()
             self._pending.clear()
             self._versions_with_grads.clear()
             self._finished_since_step = 0

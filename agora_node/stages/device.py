@@ -19,6 +19,7 @@ from typing import Any
 
 DEVICE_NAMES = ("auto", "cpu", "cuda", "cuda:N", "mps")
 PRECISIONS = ("auto", "fp32", "bf16")
+OPTIMIZER_STATES = ("fp32", "8bit")
 _CUDA = re.compile(r"cuda(?::(\d+))?")
 # torch is imported inside the functions that probe it: option validation and
 # `--dry-run` stay free of it.
@@ -90,16 +91,22 @@ def resolve_precision(device: str, precision: str) -> str:
 
 @dataclass(frozen=True)
 class Compute:
-    """A stage's device (a torch device string, resolved) and precision (fp32 or bf16)."""
+    """How this node computes its stage: the device (a torch device string, resolved),
+    the precision (fp32 or bf16 autocast) and how the inner optimizer holds AdamW's
+    moments (`fp32`, or `8bit` to save memory: optim.AdamW8bit). All three are the
+    node's own choice; replicas exchange weights, never these."""
 
     device: str = "cpu"
     precision: str = "fp32"
+    optimizer_states: str = "fp32"
 
     @classmethod
-    def resolve(cls, device: str = "auto", precision: str = "auto") -> Compute:
+    def resolve(
+        cls, device: str = "auto", precision: str = "auto", optimizer_states: str = "fp32"
+    ) -> Compute:
         """What the options name, checked against this machine (DeviceError if it lacks it)."""
         dev = resolve_device(device)
-        return cls(dev, resolve_precision(dev, precision))
+        return cls(dev, resolve_precision(dev, precision), optimizer_states)
 
     @property
     def kind(self) -> str:
@@ -127,7 +134,8 @@ class Compute:
 
             props = torch.cuda.get_device_properties(self.device)
             name += f" ({props.name}, {props.total_memory / 2**30:.0f} GiB)"
-        return f"{name}, {self.precision}"
+        states = ", 8-bit optimizer states" if self.optimizer_states == "8bit" else ""
+        return f"{name}, {self.precision}{states}"
 
     def free_bytes(self) -> int | None:
         """Free accelerator memory now; None on the CPU and MPS (not probed)."""

@@ -8,12 +8,16 @@ one-step gradient delay of an asynchronous pipeline far better than AdamW.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch import Tensor, nn
 
 from agora_node.protocol.manifest import InnerSpec
+from agora_node.stages.device import OPTIMIZER_STATES
+
+log = logging.getLogger(__name__)
 
 # Coefficients of the quintic iteration that pushes singular values towards 1 fast
 # (they need not converge exactly; roughly uniform in [0.7, 1.2] is what matters).
@@ -55,11 +59,75 @@ class Muon(torch.optim.Optimizer):
                 p.add_(update, alpha=-group["lr"] * scale)
 
 
+_BLOCK = 256
+_FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_blockwise(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x (any shape) -> (float8 e4m3 codes [numel], float32 scale per block of 256 values).
+
+    A block's absmax maps to the largest finite code; 3 mantissa bits keep each value to
+    within about 6% of itself across the block's range (not a fixed step, as int8 would)."""
+    flat = x.detach().reshape(-1).float()
+    pad = (-flat.numel()) % _BLOCK
+    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, _BLOCK)
+    scale = blocks.abs().amax(dim=1).clamp_min(1e-30) / _FP8_MAX
+    codes = (blocks / scale[:, None]).to(torch.float8_e4m3fn).reshape(-1)[: flat.numel()]
+    return codes, scale
+
+
+def dequantize_blockwise(codes: Tensor, scale: Tensor, like: Tensor) -> Tensor:
+    pad = (-codes.numel()) % _BLOCK
+    values = torch.nn.functional.pad(codes.float(), (0, pad)).view(-1, _BLOCK) * scale[:, None]
+    return values.reshape(-1)[: codes.numel()].view_as(like)
+
+
+class AdamW8bit(torch.optim.Optimizer):
+    """AdamW whose two moments are held in 8 bits (float8 e4m3, a float32 scale per block
+    of 256): 2.03 bytes of state per parameter instead of 8. The second moment is stored as
+    its square root, which halves its dynamic range. Each step dequantizes, updates in
+    float32 exactly as AdamW does, and quantizes again."""
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):  # noqa: ANN001
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 - torch signature
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    zeros = torch.zeros_like(p, dtype=torch.float32)
+                    state["m_codes"], state["m_scale"] = quantize_blockwise(zeros)
+                    state["r_codes"], state["r_scale"] = quantize_blockwise(zeros)
+                state["step"] += 1
+                g = p.grad.float()
+                m = dequantize_blockwise(state["m_codes"], state["m_scale"], g)
+                v = dequantize_blockwise(state["r_codes"], state["r_scale"], g).square_()
+                m.mul_(beta1).add_(g, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                t = state["step"]
+                denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.addcdiv_(m, denom, value=-group["lr"] / (1 - beta1**t))
+                state["m_codes"], state["m_scale"] = quantize_blockwise(m)
+                state["r_codes"], state["r_scale"] = quantize_blockwise(v.sqrt_())
+
+
 class InnerOptimizer:
     """The optimizer(s) of one stage behind one step()/zero_grad()/state_dict() surface."""
 
-    def __init__(self, module: nn.Module, spec: InnerSpec) -> None:
-        self.spec = spec
+    def __init__(self, module: nn.Module, spec: InnerSpec, states: str = "fp32") -> None:
+        """`states`: how AdamW's moments are held, `fp32` or `8bit` (AdamW8bit); a node's own
+        memory choice (`--optimizer-states`), not the run's: replicas mix weights, never
+        optimizer state."""
+        if states not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer states must be one of {', '.join(OPTIMIZER_STATES)}")
+        self.spec, self.states = spec, states
         self.steps = 0
         self.skipped = 0
         """Steps skipped because the gradient norm was not finite."""
@@ -79,9 +147,12 @@ class InnerOptimizer:
             {"params": decay, "weight_decay": spec.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        self.optimizers: list[torch.optim.Optimizer] = [
-            torch.optim.AdamW(groups, lr=spec.lr, betas=betas, foreach=True)
-        ]
+        adamw = (
+            AdamW8bit(groups, lr=spec.lr, betas=betas)
+            if states == "8bit"
+            else torch.optim.AdamW(groups, lr=spec.lr, betas=betas, foreach=True)
+        )
+        self.optimizers: list[torch.optim.Optimizer] = [adamw]
         if hidden:
             # Muon's update has unit spectral norm per matrix: its lr is an absolute step size.
             self.optimizers.append(Muon(hidden, lr=0.02, weight_decay=spec.weight_decay))
@@ -112,9 +183,23 @@ class InnerOptimizer:
             opt.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "optimizers": [o.state_dict() for o in self.optimizers]}
+        return {
+            "steps": self.steps,
+            "states": self.states,
+            "optimizers": [o.state_dict() for o in self.optimizers],
+        }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a checkpoint's optimizer; one saved with other `states` (the node's
+        --optimizer-states changed) keeps its step count and starts its moments afresh."""
         self.steps = int(state["steps"])
+        saved = state.get("states", "fp32")
+        if saved != self.states:
+            log.warning(
+                "optimizer moments were saved as %s, this node holds %s: starting them afresh",
+                saved,
+                self.states,
+            )
+            return
         for opt, s in zip(self.optimizers, state["optimizers"], strict=True):
             opt.load_state_dict(s)

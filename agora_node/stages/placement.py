@@ -464,12 +464,20 @@ def stage_memory_bytes(
     dtype_bytes: int = 4,
     in_flight: int = 1,
     cp_degree: int = 1,
+    optimizer_states: str = "fp32",
 ) -> dict[str, int]:
-    """Memory to serve `stage` and train it with DiLoCo, by part, and the total.
+    """Memory to serve `stage` and train it with DiLoCo, by part, and the totals.
 
-    Activations are for `in_flight` micro-batches of micro_batch x seq_len tokens
-    whose autograd graphs are kept until their backward (the no-recompute path); with
-    `cp_degree` c > 1 they are one member's share of a cell (token ids: its chunk).
+    What the stage worker holds on its device (`device_bytes`): the master weights,
+    the forward's copy of them (weight versions, node/worker.py), the gradients on
+    that copy, the optimizer state, and at the peak either the activations of
+    `in_flight` micro-batches of micro_batch x seq_len tokens whose autograd graphs
+    are kept until their backward, or the step's temporaries (the gradients summed
+    into the masters and the optimizer's scratch, about two weight copies): the two
+    never coexist, the larger counts. With `cp_degree` c > 1 activations are one
+    member's share of a cell (token ids: its chunk). The outer anchor and momentum
+    (`outer_bytes`) live on the host; `total_bytes` = device_bytes + outer_bytes.
+    `bench/memory.py` checks device_bytes against torch's allocations.
     """
     if optimizer not in ("adamw", "muon"):
         raise ValueError(f"optimizer must be adamw or muon, got {optimizer!r}")
@@ -477,7 +485,8 @@ def stage_memory_bytes(
     hidden, other = _stage_params(manifest, stage)
     params = hidden + other
     # AdamW keeps two moments; Muon keeps one momentum for hidden matrices, AdamW the rest.
-    optimizer_values = 2 * params if optimizer == "adamw" else hidden + 2 * other
+    adam_values = params if optimizer == "adamw" else other
+    muon_values = params - adam_values
     tokens = manifest.inner.micro_batch * spec.seq_len * in_flight
     token_ids = 8 * tokens * ((stage == 0) + (stage == manifest.num_stages - 1)) // cp_degree
     activations = (
@@ -486,39 +495,88 @@ def stage_memory_bytes(
     buffers = spec.seq_len * spec.head_dim  # RoPE cos and sin tables
     if not manifest.dense:
         buffers += 2 * spec.d_model * spec.subspace_rank + spec.vocab_size * spec.d_model
+    weights = params * dtype_bytes
     out = {
         "params": params,
-        "param_bytes": params * dtype_bytes,
-        "grad_bytes": params * dtype_bytes,
-        "optimizer_bytes": optimizer_values * dtype_bytes,
-        "outer_bytes": 2 * params * dtype_bytes,  # DiLoCo anchor + outer momentum
+        "param_bytes": weights,
+        "version_bytes": weights,
+        "grad_bytes": weights,
+        "optimizer_bytes": adam_state_bytes(adam_values, optimizer_states, dtype_bytes)
+        + muon_values * dtype_bytes,
         "activation_bytes": activations + token_ids,
+        "step_bytes": 2 * weights,
         "buffer_bytes": buffers * 4,  # always float32
+        "outer_bytes": 2 * params * 4,  # DiLoCo anchor + outer momentum, float32 on the host
     }
-    out["total_bytes"] = sum(v for k, v in out.items() if k != "params")
+    out["device_bytes"] = (
+        out["param_bytes"]
+        + out["version_bytes"]
+        + out["grad_bytes"]
+        + out["optimizer_bytes"]
+        + max(out["activation_bytes"], out["step_bytes"])
+        + out["buffer_bytes"]
+    )
+    out["total_bytes"] = out["device_bytes"] + out["outer_bytes"]
     return out
 
 
-def does_not_fit(manifest: Manifest, stage: int, device: str, free_bytes: int | None) -> str | None:
+def stage_device_bytes(manifest: Manifest, stage: int, optimizer_states: str = "fp32") -> int:
+    """What the stage's device holds at its peak with the daemons' defaults."""
+    return stage_memory_bytes(
+        manifest,
+        stage,
+        optimizer=manifest.inner.optimizer,
+        in_flight=default_in_flight(manifest, stage),
+        optimizer_states=optimizer_states,
+    )["device_bytes"]
+
+
+def default_in_flight(manifest: Manifest, stage: int) -> int:
+    """Micro-batches whose graphs a stage keeps at once with the daemons' defaults: one
+    inner step's worth (`--max-in-flight 0`); the last stage keeps none past its backward."""
+    if stage == manifest.num_stages - 1:
+        return 1
+    return manifest.inner.local_batch // manifest.inner.micro_batch
+
+
+def adam_state_bytes(values: int, states: str = "fp32", dtype_bytes: int = 4) -> int:
+    """Bytes of AdamW's two moments for `values` parameters: `fp32` (dtype_bytes each) or
+    `8bit` (one byte each and a float32 scale per block of 256: optim.AdamW8bit)."""
+    if states == "8bit":
+        return 2 * (values + 4 * math.ceil(values / 256))
+    return 2 * values * dtype_bytes
+
+
+def does_not_fit(
+    manifest: Manifest,
+    stage: int,
+    device: str,
+    free_bytes: int | None,
+    optimizer_states: str = "fp32",
+) -> str | None:
     """Why `stage` cannot be held on a device with `free_bytes` free (None: fits, or the
     device's memory is not probed)."""
     if free_bytes is None:
         return None
-    need = stage_memory_bytes(manifest, stage, optimizer=manifest.inner.optimizer)
-    if need["total_bytes"] <= free_bytes:
+    need = stage_device_bytes(manifest, stage, optimizer_states)
+    if need <= free_bytes:
         return None
     return (
-        f"stage {stage} needs about {need['total_bytes'] / 2**30:.2f} GiB on {device}, which "
+        f"stage {stage} needs about {need / 2**30:.2f} GiB on {device}, which "
         f"has {free_bytes / 2**30:.2f} GiB free: free the device, pick a smaller stage with "
         "--stage, or compute on the CPU with --device cpu"
     )
 
 
-def stages_that_fit(manifest: Manifest, free_bytes: int | None) -> list[int] | None:
+def stages_that_fit(
+    manifest: Manifest, free_bytes: int | None, optimizer_states: str = "fp32"
+) -> list[int] | None:
     """The stages a device with `free_bytes` free can hold (None: every stage, the
     device's memory not being probed)."""
     if free_bytes is None:
         return None
     return [
-        s for s in range(manifest.num_stages) if does_not_fit(manifest, s, "", free_bytes) is None
+        s
+        for s in range(manifest.num_stages)
+        if does_not_fit(manifest, s, "", free_bytes, optimizer_states) is None
     ]

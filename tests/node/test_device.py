@@ -107,7 +107,7 @@ def test_the_reference_trainer_runs_under_bf16_autocast_and_learns():
 
 def test_a_stage_the_device_cannot_hold_is_refused_in_one_line():
     m = load_manifest("gpu-1b")
-    need = placement.stage_memory_bytes(m, 1, optimizer=m.inner.optimizer)["total_bytes"]
+    need = placement.stage_device_bytes(m, 1)
     assert placement.does_not_fit(m, 1, "cuda:0", None) is None  # memory not probed: no claim
     assert placement.does_not_fit(m, 1, "cuda:0", need) is None
     reason = placement.does_not_fit(m, 1, "cuda:0", need // 2)

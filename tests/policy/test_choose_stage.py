@@ -14,7 +14,7 @@ from agora_node.stages.manifest_files import load_manifest
 from agora_node.stages.placement import (
     choose_stage,
     stage_costs,
-    stage_memory_bytes,
+    stage_device_bytes,
     stages_that_fit,
 )
 
@@ -218,7 +218,7 @@ def test_a_joiner_takes_only_a_stage_its_device_can_hold() -> None:
 
 def test_the_stages_a_device_can_hold_follow_the_memory_estimate() -> None:
     m = load_manifest("gpu-1b")
-    need = [stage_memory_bytes(m, s)["total_bytes"] for s in range(m.num_stages)]
+    need = [stage_device_bytes(m, s) for s in range(m.num_stages)]
     assert stages_that_fit(m, None) is None  # memory not probed: every stage
     assert stages_that_fit(m, max(need)) == list(range(m.num_stages))
     assert stages_that_fit(m, min(need) - 1) == []

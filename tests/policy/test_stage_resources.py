@@ -139,11 +139,12 @@ def test_memory_parts_add_up_and_scale() -> None:
     memory = stage_memory_bytes(TINY, 3)
     params = count_parameters(Stage(TINY, 3))
     assert memory["params"] == params
-    assert memory["param_bytes"] == memory["grad_bytes"] == 4 * params
-    assert memory["outer_bytes"] == 8 * params  # anchor + outer momentum
-    assert memory["total_bytes"] == sum(
-        v for k, v in memory.items() if k.endswith("_bytes") and k != "total_bytes"
-    )
+    assert memory["param_bytes"] == memory["version_bytes"] == memory["grad_bytes"] == 4 * params
+    assert memory["outer_bytes"] == 8 * params  # anchor + outer momentum, on the host
+    on_device = ("param", "version", "grad", "optimizer", "buffer")
+    peak = max(memory["activation_bytes"], memory["step_bytes"])  # never at once
+    assert memory["device_bytes"] == sum(memory[f"{k}_bytes"] for k in on_device) + peak
+    assert memory["total_bytes"] == memory["device_bytes"] + memory["outer_bytes"]
     buffers = sum(b.nbytes for b in Stage(TINY, 3).buffers())
     assert memory["buffer_bytes"] == buffers
     half = stage_memory_bytes(TINY, 3, dtype_bytes=2)

@@ -34,6 +34,7 @@ SAMPLES = {
     "mqtt_url": ["mqtt://127.0.0.1:1883", "mqtt://b.example:1884", "mqtts://b.example", "mqtt://h"],
     "device": ["cpu", "cuda:1", "mps", "cuda"],  # names are checked at start, machines later
     "precision": ["fp32", "bf16", "auto", "fp32"],
+    "optimizer_states": ["8bit", "fp32", "8bit", "fp32"],  # two formats: file and cli share one
 }
 JOIN_OPTIONS = options_of(NodeConfig)
 
@@ -161,6 +162,7 @@ INVALID = [
     ("ban", "inf", "--ban must be a finite number"),
     ("device", "tpu", "--device must be one of auto, cpu, cuda, cuda:N, mps"),
     ("precision", "fp16", "--precision must be one of auto, fp32, bf16"),
+    ("optimizer_states", "int4", "--optimizer-states must be one of fp32, 8bit"),
 ]
 
 

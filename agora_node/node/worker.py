@@ -174,13 +174,16 @@ class StageWorker:
         with self.compute.autocast():
             return functional_call(self.stage, params, (x, tokens))
 
-    def _inputs(self, c_in: Tensor | None, tokens: Tensor) -> tuple[Tensor | None, Tensor]:
+    def _inputs(
+        self, c_in: Tensor | None, tokens: Tensor, leaf: bool = True
+    ) -> tuple[Tensor | None, Tensor]:
         """Host tensors from the wire -> (decoded stage input or None, full token rows), on
-        the device."""
+        the device; the input is a leaf that collects dL/dx unless `leaf` is False."""
         tokens = tokens.to(self.device)
         if c_in is None:
             return None, tokens
-        return self.stage.decode_boundary(c_in.to(self.device).float(), tokens[:, :-1]), tokens
+        x = self.stage.decode_boundary(c_in.to(self.device).float(), tokens[:, :-1])
+        return (x.detach().requires_grad_(True) if leaf else x), tokens
 
     def _encode(self, out: Tensor, inputs: Tensor) -> Tensor:
         """Stage output -> float32 boundary coefficients (outside autocast)."""
@@ -207,8 +210,6 @@ class StageWorker:
         params = self._params
         x_in, tokens = self._inputs(c_in, tokens)
         inputs = tokens[:, :-1]
-        if x_in is not None:
-            x_in = x_in.detach().requires_grad_(True)
         keep_graph = len(self._pending) < self.max_graphs
         with torch.set_grad_enabled(keep_graph):
             c_out = self._encode(self._forward(params, x_in, inputs), inputs)
@@ -245,8 +246,6 @@ class StageWorker:
         params = self._params
         x_in, tokens = self._inputs(c_in, tokens)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        if x_in is not None:
-            x_in = x_in.detach().requires_grad_(True)
         loss = lm_loss(self._forward(params, x_in, inputs), targets)
         (loss * loss_scale).backward()
         grad_in = self._input_grad(x_in)
@@ -265,7 +264,7 @@ class StageWorker:
     def forward_eval(self, c_in: Tensor | None, tokens: Tensor) -> Tensor | float:
         """Forward only (validation): boundary coefficients, or the loss at the last stage."""
         started = time.perf_counter()
-        x_in, tokens = self._inputs(c_in, tokens)
+        x_in, tokens = self._inputs(c_in, tokens, leaf=False)
         inputs = tokens[:, :-1]
         out = self._forward(self._params, x_in, inputs)
         result = (

@@ -84,7 +84,8 @@ def format_node(s: dict[str, Any]) -> str:
     mb = s.get("microbatches") or {}
     first = (
         f"this node  {_short(s.get('peer_id'))}  run {str(s.get('run_id', ''))[:12]}  "
-        f"stage {stage}  {s.get('state', '?')}  up {_duration(s.get('uptime_s'))}"
+        f"stage {stage}  {s.get('state', '?')}  up {_duration(s.get('uptime_s'))}  "
+        f"on {s.get('device', '?')} {s.get('precision', '')}".rstrip()
     )
     second = (
         f"           inner {s.get('inner_step', 0)}  outer {s.get('outer_step', 0)}  "

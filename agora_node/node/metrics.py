@@ -252,7 +252,10 @@ class Metrics:
         """Copy the levels of a status snapshot into the gauges (called before a scrape)."""
         node = snapshot.get("node", {})
         self.node_info.info(
-            {k: str(node.get(k, "")) for k in ("peer_id", "run_id", "version")},
+            {
+                k: str(node.get(k, ""))
+                for k in ("peer_id", "run_id", "version", "device", "precision")
+            },
         )
         if node.get("state") in STATES:
             self.state.state(node["state"])

@@ -53,6 +53,8 @@ def make_snapshot(state: str = "active") -> dict[str, Any]:
             "version": "0.1.0",
             "stage": 1,
             "num_stages": 3,
+            "device": "cuda:1",
+            "precision": "bf16",
             "state": state,
             "started_at": now - 312,
             "inner_step": 120,

@@ -77,6 +77,8 @@ def test_levels_come_from_the_snapshot():
     assert s[("agora_loss", ())] == pytest.approx(3.812)
     assert s[("agora_peers_alive", (("stage", "1"),))] == 1  # the leaving peer does not count
     assert s[("agora_peers_alive", (("stage", "2"),))] == 0
+    info = next(labels for name, labels in s if name == "agora_node_info")
+    assert ("device", "cuda:1") in info and ("precision", "bf16") in info
 
 
 def test_rejections_keep_their_code():

@@ -266,6 +266,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-samples", type=int, default=8)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--reps", type=int, default=3, help="timed micro-batches per c")
+    p.add_argument(
+        "--kv-rank", type=int, default=0, help="override the manifest's kv_rank (0: keep it)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p.parse_args(argv)
 
@@ -273,6 +276,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
     base = load_manifest(args.manifest)
+    if args.kv_rank:
+        base = with_model(base, kv_rank=args.kv_rank)
     check_data_available(base)
     if not base.model.kv_rank:
         raise SystemExit(f"manifest {args.manifest} has kv_rank 0: nothing to compare")

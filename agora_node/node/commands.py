@@ -63,15 +63,15 @@ def prepare_identity(path: str) -> None:
 
 def cmd_join(args: argparse.Namespace) -> int:
     config = resolve_config(args, NodeConfig)
+    compute = _resolve_compute(config.device, config.precision, config.optimizer_states)
+    if compute is None:  # before the data dir is touched, like any bad option
+        return EXIT_USAGE
     with datadir.lock_data_dir(config.data_dir):
         prepare_identity(config.identity_path)
         if config.emulate_link:
             from agora_node.comms import linkemu
 
             linkemu.configure(linkemu.LinkSpec.parse(config.emulate_link))
-        compute = _resolve_compute(config.device, config.precision, config.optimizer_states)
-        if compute is None:
-            return EXIT_USAGE
         if args.dry_run:
             print(f"config: {config_json(config)}", flush=True)
             return _run_daemon(_dry_run(config, compute))

@@ -141,3 +141,15 @@ def test_bf16_autocast_on_cuda_learns():
     trainer = LocalTrainer(m, LocalTrainConfig(steps=4, eval_samples=2, compute=compute))
     losses = [trainer.train_step() for _ in range(4)]
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_join_on_a_missing_device_is_one_line_and_exit_2_before_the_data_dir(tmp_path, capsys):
+    from agora_node.node.cli import main
+
+    peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJTjvve5CHTecvRiyBZSEgRN7cHWUDhThRpcBxcUEb3xX"
+    argv = ["join", "--initial-peers", peer, "--data-dir", str(tmp_path / "d")]
+    assert main([*argv, "--device", "cuda:1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("agora-node: error: --device cuda:1: ")
+    assert not (tmp_path / "d").exists()

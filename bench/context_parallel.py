@@ -269,6 +269,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--kv-rank", type=int, default=0, help="override the manifest's kv_rank (0: keep it)"
     )
+    p.add_argument(
+        "--kv-subspaces", type=int, default=0, help="override the manifest's kv_subspaces"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p.parse_args(argv)
 
@@ -278,6 +281,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = load_manifest(args.manifest)
     if args.kv_rank:
         base = with_model(base, kv_rank=args.kv_rank)
+    if args.kv_subspaces:
+        base = with_model(base, kv_subspaces=args.kv_subspaces)
     check_data_available(base)
     if not base.model.kv_rank:
         raise SystemExit(f"manifest {args.manifest} has kv_rank 0: nothing to compare")

@@ -202,6 +202,14 @@ def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None)
         reason = placement.does_not_fit(manifest, stage, compute.device, free, states)
         if reason is not None:
             print(f"does not fit: {reason}")
+        elif free is not None:
+            from agora_node.node.worker import MAX_GRAPHS
+
+            graphs = placement.graph_budget(manifest, stage, free, states, most=MAX_GRAPHS)
+            print(
+                f"keeps the graphs of {graphs} micro-batch(es) in flight on {compute.device}; "
+                "more are recomputed at backward"
+            )
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:

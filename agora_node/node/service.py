@@ -41,12 +41,13 @@ from agora_node.node.pipeline import (
 from agora_node.node.rounds import OuterRounds
 from agora_node.node.status_server import History
 from agora_node.node.suspects import Suspects
-from agora_node.node.worker import StageWorker
+from agora_node.node.worker import MAX_GRAPHS, StageWorker
 from agora_node.protocol.allowlist import AllowList
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import forward_protocol
 from agora_node.protocol.records import NodeRecord, NodeState
+from agora_node.stages import placement
 from agora_node.stages.data import TokenWindows
 from agora_node.stages.device import CPU, Compute
 
@@ -122,7 +123,18 @@ class StageService:
         cls, ctx: ServiceContext, stage: int, on_failure: Callable[[BaseException], None]
     ) -> StageService:
         """Load the stage's state (replica, checkpoint or init) and start serving it."""
-        worker = StageWorker(ctx.manifest, stage, compute=ctx.compute)
+        compute = ctx.compute
+        graphs = placement.graph_budget(
+            ctx.manifest, stage, compute.free_bytes(), compute.optimizer_states, most=MAX_GRAPHS
+        )
+        if graphs < MAX_GRAPHS:
+            log.info(
+                "%s holds the graphs of %d micro-batch(es) in flight; more are recomputed at "
+                "backward",
+                compute.device,
+                graphs,
+            )
+        worker = StageWorker(ctx.manifest, stage, max_graphs=graphs, compute=compute)
         try:
             loaded = await joining.load_state(ctx, worker)
             outer = await OuterLoop.create(

@@ -47,6 +47,9 @@ from agora_node.stages.model import Stage, lm_loss
 from agora_node.stages.optim import InnerOptimizer
 
 log = logging.getLogger(__name__)
+MAX_GRAPHS = 16
+"""Autograd graphs of in-flight micro-batches a worker keeps at most (fewer where its
+device's memory says so: placement.graph_budget); past them it recomputes."""
 
 
 @dataclass
@@ -113,7 +116,7 @@ class StageWorker:
         manifest: Manifest,
         index: int,
         *,
-        max_graphs: int = 16,
+        max_graphs: int = MAX_GRAPHS,
         pending_ttl_s: float = 120.0,
         compute: Compute = CPU,
     ) -> None:

@@ -520,15 +520,46 @@ def stage_memory_bytes(
     return out
 
 
-def stage_device_bytes(manifest: Manifest, stage: int, optimizer_states: str = "fp32") -> int:
-    """What the stage's device holds at its peak with the daemons' defaults."""
+def stage_device_bytes(
+    manifest: Manifest, stage: int, optimizer_states: str = "fp32", in_flight: int = 1
+) -> int:
+    """What the stage's device holds at its peak with `in_flight` autograd graphs kept.
+
+    One graph is the least a worker can train with: past its graph budget it keeps a
+    micro-batch's input only and recomputes the forward at backward time, one at a time
+    (`graph_budget`), so a stage fits a device that holds it with one graph."""
     return stage_memory_bytes(
         manifest,
         stage,
         optimizer=manifest.inner.optimizer,
-        in_flight=default_in_flight(manifest, stage),
+        in_flight=in_flight,
         optimizer_states=optimizer_states,
     )["device_bytes"]
+
+
+MEMORY_HEADROOM = 0.9
+"""Share of a device's free memory a stage plans to use (the allocator's fragmentation,
+kernels' workspaces and the CUDA context take the rest)."""
+
+
+def graph_budget(
+    manifest: Manifest,
+    stage: int,
+    free_bytes: int | None,
+    optimizer_states: str = "fp32",
+    *,
+    most: int,
+) -> int:
+    """How many micro-batches' autograd graphs a worker keeps before it recomputes (the
+    worker's `max_graphs`): as many as fit the free memory beside the weights, optimizer
+    and the one graph a recompute builds, at most `most`; `most` when memory is not probed."""
+    if free_bytes is None:
+        return most
+    one = stage_device_bytes(manifest, stage, optimizer_states, in_flight=1)
+    two = stage_device_bytes(manifest, stage, optimizer_states, in_flight=2)
+    per_graph = max(1, two - one)
+    room = MEMORY_HEADROOM * free_bytes - one  # `one`: the recompute's graph, always needed
+    return max(0, min(most, int(room // per_graph)))
 
 
 def default_in_flight(manifest: Manifest, stage: int) -> int:
@@ -559,12 +590,13 @@ def does_not_fit(
     if free_bytes is None:
         return None
     need = stage_device_bytes(manifest, stage, optimizer_states)
-    if need <= free_bytes:
+    if need <= MEMORY_HEADROOM * free_bytes:
         return None
     return (
-        f"stage {stage} needs about {need / 2**30:.2f} GiB on {device}, which "
-        f"has {free_bytes / 2**30:.2f} GiB free: free the device, pick a smaller stage with "
-        "--stage, or compute on the CPU with --device cpu"
+        f"stage {stage} needs about {need / 2**30:.2f} GiB on {device} (with one micro-batch's "
+        f"activations), which has {free_bytes / 2**30:.2f} GiB free ({MEMORY_HEADROOM:.0%} "
+        "usable): free the device, pick a smaller stage with --stage, or compute on the CPU "
+        "with --device cpu"
     )
 
 

@@ -4,6 +4,8 @@ under bf16 autocast, and the one-line refusal of a stage the device cannot hold.
 The CUDA tests are marked `gpu` and skip with the reason where torch sees no CUDA
 device (this project's CI machines have none)."""
 
+import math
+
 import pytest
 import torch
 
@@ -107,10 +109,11 @@ def test_the_reference_trainer_runs_under_bf16_autocast_and_learns():
 
 def test_a_stage_the_device_cannot_hold_is_refused_in_one_line():
     m = load_manifest("gpu-1b")
-    need = placement.stage_device_bytes(m, 1)
+    need = placement.stage_device_bytes(m, 1)  # weights, optimizer, one micro-batch's graph
+    enough = math.ceil(need / placement.MEMORY_HEADROOM)
     assert placement.does_not_fit(m, 1, "cuda:0", None) is None  # memory not probed: no claim
-    assert placement.does_not_fit(m, 1, "cuda:0", need) is None
-    reason = placement.does_not_fit(m, 1, "cuda:0", need // 2)
+    assert placement.does_not_fit(m, 1, "cuda:0", enough) is None
+    reason = placement.does_not_fit(m, 1, "cuda:0", enough - 1024)
     assert reason is not None and "\n" not in reason
     assert "stage 1 needs about" in reason and "cuda:0" in reason and "--device cpu" in reason
 
@@ -153,3 +156,21 @@ def test_join_on_a_missing_device_is_one_line_and_exit_2_before_the_data_dir(tmp
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("agora-node: error: --device cuda:1: ")
     assert not (tmp_path / "d").exists()
+
+
+def test_a_device_keeps_as_many_graphs_as_its_free_memory_holds_and_recomputes_the_rest():
+    m = load_manifest("gpu-1b")
+    one = placement.stage_device_bytes(m, 1)
+    per_graph = placement.stage_device_bytes(m, 1, in_flight=2) - one
+    assert per_graph > 0
+    for graphs in (0, 1, 5):
+        free = math.ceil((one + graphs * per_graph) / placement.MEMORY_HEADROOM) + 1
+        assert placement.graph_budget(m, 1, free, most=16) == graphs
+    assert placement.graph_budget(m, 1, 10**15, most=16) == 16  # capped
+    assert placement.graph_budget(m, 1, None, most=16) == 16  # not probed: the default
+    # A 24 GiB card holds a middle stage of gpu-1b (1B parameters in 6 stages) with a few
+    # graphs, though all 16 micro-batches of an inner step would need 79 GiB.
+    card = 24 * 2**30
+    assert placement.does_not_fit(m, 1, "cuda:0", card) is None
+    assert 0 < placement.graph_budget(m, 1, card, most=16) < 16
+    assert placement.stage_device_bytes(m, 1, in_flight=16) > card

@@ -63,10 +63,11 @@ def prepare_identity(path: str) -> None:
 
 def cmd_join(args: argparse.Namespace) -> int:
     config = resolve_config(args, NodeConfig)
-    compute = _resolve_compute(config.device, config.precision, config.optimizer_states)
-    if compute is None:  # before the data dir is touched, like any bad option
-        return EXIT_USAGE
-    with datadir.lock_data_dir(config.data_dir):
+    with datadir.lock_data_dir(config.data_dir):  # first: a second daemon fails at once
+        # Probing the device imports torch (about a second): after the lock, before the key.
+        compute = _resolve_compute(config.device, config.precision, config.optimizer_states)
+        if compute is None:
+            return EXIT_USAGE
         prepare_identity(config.identity_path)
         if config.emulate_link:
             from agora_node.comms import linkemu

@@ -147,7 +147,7 @@ def test_bf16_autocast_on_cuda_learns():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
-def test_join_on_a_missing_device_is_one_line_and_exit_2_before_the_data_dir(tmp_path, capsys):
+def test_join_on_a_missing_device_is_one_line_and_exit_2_before_the_identity(tmp_path, capsys):
     from agora_node.node.cli import main
 
     peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJTjvve5CHTecvRiyBZSEgRN7cHWUDhThRpcBxcUEb3xX"
@@ -155,7 +155,7 @@ def test_join_on_a_missing_device_is_one_line_and_exit_2_before_the_data_dir(tmp
     assert main([*argv, "--device", "cuda:1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("agora-node: error: --device cuda:1: ")
-    assert not (tmp_path / "d").exists()
+    assert not (tmp_path / "d" / "identity.key").exists()
 
 
 def test_a_device_keeps_as_many_graphs_as_its_free_memory_holds_and_recomputes_the_rest():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -159,13 +160,15 @@ def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None)
         )
     states = compute.optimizer_states if compute is not None else "fp32"
     in_flight = placement.default_in_flight(manifest, stage)
-    mem = placement.stage_memory_bytes(
+    memory = functools.partial(
+        placement.stage_memory_bytes,
         manifest,
         stage,
         optimizer=manifest.inner.optimizer,
         in_flight=in_flight,
         optimizer_states=states,
     )
+    mem = memory()
     print(f"run {manifest.run_id} ({manifest.run.name}), {manifest.num_stages} stages")
     if view is not None:
         print(
@@ -183,14 +186,7 @@ def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None)
         print(f"  {part:<22} {shown}")
     cells = manifest.model.cp_degree
     if cells > 1:
-        shared = placement.stage_memory_bytes(
-            manifest,
-            stage,
-            optimizer=manifest.inner.optimizer,
-            in_flight=in_flight,
-            cp_degree=cells,
-            optimizer_states=states,
-        )
+        shared = memory(cp_degree=cells)
         print(
             f"  in a context-parallel cell of {cells} (each peer holds 1/{cells} of a sequence): "
             f"activation_bytes {shared['activation_bytes'] / 2**20:.1f} MiB, "

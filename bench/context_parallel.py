@@ -41,8 +41,8 @@ from agora_node.protocol.manifest import Manifest
 from agora_node.stages.context_parallel import CellContext, ChunkLayout, LocalCell
 from agora_node.stages.kv_frames import FramedExchange
 from agora_node.stages.manifest_files import check_data_available, load_manifest
+from agora_node.stages.memory import stage_memory_bytes
 from agora_node.stages.model import AttentionContext, Stage
-from agora_node.stages.placement import stage_memory_bytes
 
 
 def with_model(manifest: Manifest, **fields: Any) -> Manifest:

@@ -11,7 +11,7 @@ last stage computes its loss and backward at once). torch's profiler records eve
 allocation and free (`profile_memory`); `measured_bytes` is the peak of live bytes over
 the whole run, counted from before the worker existed (weights, their version copy,
 gradients, optimizer state, autograd graphs, the step's temporaries).
-`estimated_bytes` is `device_bytes` of `placement.stage_memory_bytes` for the same
+`estimated_bytes` is `device_bytes` of `memory.stage_memory_bytes` for the same
 stage, mode and in-flight count (what `--dry-run` prints and a GPU node checks against
 its free memory; the outer anchor and momentum live on the host and are not in it).
 
@@ -47,7 +47,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer  # noqa: E402
 from agora_node.node.worker import StageWorker  # noqa: E402
 from agora_node.protocol.manifest import Manifest  # noqa: E402
-from agora_node.stages import placement  # noqa: E402
+from agora_node.stages import memory  # noqa: E402
 from agora_node.stages.device import Compute  # noqa: E402
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 
@@ -166,7 +166,7 @@ def main() -> None:
             for stage in range(manifest.num_stages):
                 measured, step_s = measure(manifest, stage, args.steps, mode)
                 last = stage == manifest.num_stages - 1
-                estimate = placement.stage_memory_bytes(
+                estimate = memory.stage_memory_bytes(
                     manifest,
                     stage,
                     optimizer=manifest.inner.optimizer,

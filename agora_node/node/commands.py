@@ -152,23 +152,23 @@ async def _dry_run(config, compute) -> int:  # noqa: ANN001
 
 
 def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None) -> None:  # noqa: ANN001
-    from agora_node.stages import placement
+    from agora_node.stages import memory
 
     if not 0 <= stage < manifest.num_stages:
         raise UsageError(
             f"--stage {stage} does not exist: this run has stages 0..{manifest.num_stages - 1}"
         )
     states = compute.optimizer_states if compute is not None else "fp32"
-    in_flight = placement.default_in_flight(manifest, stage)
-    memory = functools.partial(
-        placement.stage_memory_bytes,
+    in_flight = memory.default_in_flight(manifest, stage)
+    need = functools.partial(
+        memory.stage_memory_bytes,
         manifest,
         stage,
         optimizer=manifest.inner.optimizer,
         in_flight=in_flight,
         optimizer_states=states,
     )
-    mem = memory()
+    mem = need()
     print(f"run {manifest.run_id} ({manifest.run.name}), {manifest.num_stages} stages")
     if view is not None:
         print(
@@ -186,7 +186,7 @@ def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None)
         print(f"  {part:<22} {shown}")
     cells = manifest.model.cp_degree
     if cells > 1:
-        shared = memory(cp_degree=cells)
+        shared = need(cp_degree=cells)
         print(
             f"  in a context-parallel cell of {cells} (each peer holds 1/{cells} of a sequence): "
             f"activation_bytes {shared['activation_bytes'] / 2**20:.1f} MiB, "
@@ -196,13 +196,13 @@ def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None)
         free = compute.free_bytes()
         room = "" if free is None else f", {free / 2**30:.2f} GiB free"
         print(f"device: {compute.describe()}{room}")
-        reason = placement.does_not_fit(manifest, stage, compute.device, free, states)
+        reason = memory.does_not_fit(manifest, stage, compute.device, free, states)
         if reason is not None:
             print(f"does not fit: {reason}")
         elif free is not None:
             from agora_node.node.worker import MAX_GRAPHS
 
-            graphs = placement.graph_budget(manifest, stage, free, states, most=MAX_GRAPHS)
+            graphs = memory.graph_budget(manifest, stage, free, states, most=MAX_GRAPHS)
             print(
                 f"keeps the graphs of {graphs} micro-batch(es) in flight on {compute.device}; "
                 "more are recomputed at backward"

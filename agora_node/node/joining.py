@@ -34,7 +34,7 @@ from agora_node.node.worker import StageWorker
 from agora_node.protocol import state_blob
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.records import NodeState
-from agora_node.stages import placement
+from agora_node.stages import memory, placement
 from agora_node.stages.device import Compute
 
 if TYPE_CHECKING:
@@ -125,16 +125,16 @@ def stages_fitting(manifest: Manifest, compute: Compute) -> list[int] | None:
     """The stages this node's device can hold now (None: all, memory not probed); a
     JoinError, in one line, when it can hold none."""
     free = compute.free_bytes()
-    fitting = placement.stages_that_fit(manifest, free, compute.optimizer_states)
+    fitting = memory.stages_that_fit(manifest, free, compute.optimizer_states)
     if fitting is not None and not fitting:
         smallest = min(
             range(manifest.num_stages),
-            key=lambda s: placement.stage_device_bytes(manifest, s, compute.optimizer_states),
+            key=lambda s: memory.stage_device_bytes(manifest, s, compute.optimizer_states),
         )
         raise JoinError(
             "no stage of this run fits: "
             + str(
-                placement.does_not_fit(
+                memory.does_not_fit(
                     manifest, smallest, compute.device, free, compute.optimizer_states
                 )
             )
@@ -144,7 +144,7 @@ def stages_fitting(manifest: Manifest, compute: Compute) -> list[int] | None:
 
 def check_fits(manifest: Manifest, stage: int, compute: Compute) -> None:
     """Refuse to serve a stage the device cannot hold (JoinError, one line)."""
-    reason = placement.does_not_fit(
+    reason = memory.does_not_fit(
         manifest, stage, compute.device, compute.free_bytes(), compute.optimizer_states
     )
     if reason is not None:

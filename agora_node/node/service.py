@@ -47,7 +47,7 @@ from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import forward_protocol
 from agora_node.protocol.records import NodeRecord, NodeState
-from agora_node.stages import placement
+from agora_node.stages import memory
 from agora_node.stages.data import TokenWindows
 from agora_node.stages.device import CPU, Compute
 
@@ -124,7 +124,7 @@ class StageService:
     ) -> StageService:
         """Load the stage's state (replica, checkpoint or init) and start serving it."""
         compute = ctx.compute
-        graphs = placement.graph_budget(
+        graphs = memory.graph_budget(
             ctx.manifest, stage, compute.free_bytes(), compute.optimizer_states, most=MAX_GRAPHS
         )
         if graphs < MAX_GRAPHS:

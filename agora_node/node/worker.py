@@ -49,7 +49,7 @@ from agora_node.stages.optim import InnerOptimizer
 log = logging.getLogger(__name__)
 MAX_GRAPHS = 16
 """Autograd graphs of in-flight micro-batches a worker keeps at most (fewer where its
-device's memory says so: placement.graph_budget); past them it recomputes."""
+device's memory says so: memory.graph_budget); past them it recomputes."""
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
 from agora_node.node.worker import StageWorker
-from agora_node.stages import placement
+from agora_node.stages import memory
 from agora_node.stages.device import (
     CPU,
     Compute,
@@ -109,11 +109,11 @@ def test_the_reference_trainer_runs_under_bf16_autocast_and_learns():
 
 def test_a_stage_the_device_cannot_hold_is_refused_in_one_line():
     m = load_manifest("gpu-1b")
-    need = placement.stage_device_bytes(m, 1)  # weights, optimizer, one micro-batch's graph
-    enough = math.ceil(need / placement.MEMORY_HEADROOM)
-    assert placement.does_not_fit(m, 1, "cuda:0", None) is None  # memory not probed: no claim
-    assert placement.does_not_fit(m, 1, "cuda:0", enough) is None
-    reason = placement.does_not_fit(m, 1, "cuda:0", enough - 1024)
+    need = memory.stage_device_bytes(m, 1)  # weights, optimizer, one micro-batch's graph
+    enough = math.ceil(need / memory.MEMORY_HEADROOM)
+    assert memory.does_not_fit(m, 1, "cuda:0", None) is None  # memory not probed: no claim
+    assert memory.does_not_fit(m, 1, "cuda:0", enough) is None
+    reason = memory.does_not_fit(m, 1, "cuda:0", enough - 1024)
     assert reason is not None and "\n" not in reason
     assert "stage 1 needs about" in reason and "cuda:0" in reason and "--device cpu" in reason
 
@@ -160,17 +160,17 @@ def test_join_on_a_missing_device_is_one_line_and_exit_2_before_the_identity(tmp
 
 def test_a_device_keeps_as_many_graphs_as_its_free_memory_holds_and_recomputes_the_rest():
     m = load_manifest("gpu-1b")
-    one = placement.stage_device_bytes(m, 1)
-    per_graph = placement.stage_device_bytes(m, 1, in_flight=2) - one
+    one = memory.stage_device_bytes(m, 1)
+    per_graph = memory.stage_device_bytes(m, 1, in_flight=2) - one
     assert per_graph > 0
     for graphs in (0, 1, 5):
-        free = math.ceil((one + graphs * per_graph) / placement.MEMORY_HEADROOM) + 1
-        assert placement.graph_budget(m, 1, free, most=16) == graphs
-    assert placement.graph_budget(m, 1, 10**15, most=16) == 16  # capped
-    assert placement.graph_budget(m, 1, None, most=16) == 16  # not probed: the default
+        free = math.ceil((one + graphs * per_graph) / memory.MEMORY_HEADROOM) + 1
+        assert memory.graph_budget(m, 1, free, most=16) == graphs
+    assert memory.graph_budget(m, 1, 10**15, most=16) == 16  # capped
+    assert memory.graph_budget(m, 1, None, most=16) == 16  # not probed: the default
     # A 24 GiB card holds a middle stage of gpu-1b (1B parameters in 6 stages) with a few
     # graphs, though all 16 micro-batches of an inner step would need 79 GiB.
     card = 24 * 2**30
-    assert placement.does_not_fit(m, 1, "cuda:0", card) is None
-    assert 0 < placement.graph_budget(m, 1, card, most=16) < 16
-    assert placement.stage_device_bytes(m, 1, in_flight=16) > card
+    assert memory.does_not_fit(m, 1, "cuda:0", card) is None
+    assert 0 < memory.graph_budget(m, 1, card, most=16) < 16
+    assert memory.stage_device_bytes(m, 1, in_flight=16) > card

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
-from agora_node.stages import placement
+from agora_node.stages import memory
 from agora_node.stages.device import Compute
 from agora_node.stages.manifest_files import load_manifest
 from agora_node.stages.optim import (
@@ -86,7 +86,7 @@ def test_8bit_states_hold_what_the_estimate_says_and_checkpoints_say_their_forma
             if isinstance(t, torch.Tensor) and t.ndim > 0
         )
         expected = sum(
-            placement.stage_memory_bytes(m, s, optimizer_states=mode)["optimizer_bytes"]
+            memory.stage_memory_bytes(m, s, optimizer_states=mode)["optimizer_bytes"]
             for s in range(m.num_stages)
         )
         assert abs(held - expected) <= 8 * sum(1 for _ in trainer.model.parameters())  # padding
@@ -106,7 +106,7 @@ def test_the_device_estimate_is_within_15_percent_of_what_a_worker_allocates(sta
     n_micro = m.inner.local_batch // m.inner.micro_batch
     measured, _ = bench.measure(m, stage, 2, mode)
     last = stage == m.num_stages - 1
-    estimate = placement.stage_memory_bytes(
+    estimate = memory.stage_memory_bytes(
         m, stage, in_flight=1 if last else n_micro, optimizer_states=mode
     )["device_bytes"]
     assert abs(estimate / measured - 1) < 0.15, (estimate, measured)

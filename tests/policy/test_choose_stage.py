@@ -12,13 +12,8 @@ from hypothesis import strategies as st
 from agora_node.protocol.manifest import Manifest, ModelSpec, StageSpec
 from agora_node.protocol.records import NodeState
 from agora_node.stages.manifest_files import load_manifest
-from agora_node.stages.placement import (
-    MEMORY_HEADROOM,
-    choose_stage,
-    stage_costs,
-    stage_device_bytes,
-    stages_that_fit,
-)
+from agora_node.stages.memory import MEMORY_HEADROOM, stage_device_bytes, stages_that_fit
+from agora_node.stages.placement import choose_stage, stage_costs
 
 from .helpers import counts, directory, record
 

@@ -8,14 +8,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from agora_node.protocol.manifest import InnerSpec, Manifest, ModelSpec, StageSpec
 from agora_node.stages.manifest_files import load_manifest
+from agora_node.stages.memory import stage_memory_bytes, stage_param_count
 from agora_node.stages.model import Stage, count_parameters, lm_loss
 from agora_node.stages.optim import InnerOptimizer
-from agora_node.stages.placement import (
-    stage_costs,
-    stage_flops_per_token,
-    stage_memory_bytes,
-    stage_param_count,
-)
+from agora_node.stages.placement import stage_costs, stage_flops_per_token
 
 pytestmark = pytest.mark.timeout(60)
 

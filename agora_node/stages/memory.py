@@ -1,0 +1,223 @@
+"""What serving a stage costs in memory, and what a device can hold (pure arithmetic).
+
+- `stage_memory_bytes`: by part, what a stage worker holds on its device and the outer
+  state on the host (`--dry-run` prints it; bench/memory.py checks it against torch's
+  allocations);
+- `does_not_fit` / `stages_that_fit`: a stage against a device's free memory (the
+  choice of `--stage auto` and the refusal of `--stage N`);
+- `graph_budget`: how many in-flight micro-batches' graphs a worker keeps there.
+"""
+
+from __future__ import annotations
+
+import math
+
+from agora_node.protocol.manifest import Manifest, ModelSpec
+
+
+def _block_params(spec: ModelSpec, constrained: bool) -> tuple[int, int]:
+    """(matrix, vector) parameter counts of one block."""
+    d, kv, f = spec.d_model, spec.n_kv_heads * spec.head_dim, spec.ffn_dim
+    out = spec.subspace_rank if constrained else d
+    mixture = d * spec.kv_subspaces * spec.kv_rank  # the K/V subspace bases (kv_rank > 0)
+    return d * d + 2 * d * kv + d * out + 2 * d * f + f * out + mixture, 2 * d
+
+
+def _stage_params(manifest: Manifest, stage: int) -> tuple[int, int]:
+    """(hidden-matrix, other) parameter counts of `stage`; Muon treats the two differently."""
+    spec, last = manifest.model, manifest.num_stages - 1
+    last_start = manifest.stage_layers(last).start
+    hidden = other = 0
+    for i in manifest.stage_layers(stage):
+        matrix, vector = _block_params(spec, constrained=not manifest.dense and i < last_start)
+        hidden, other = hidden + matrix, other + vector
+    if stage == 0:
+        other += spec.vocab_size * (spec.d_model if manifest.dense else spec.subspace_rank)
+    if stage == last:
+        other += spec.d_model + spec.d_model * spec.vocab_size  # final norm and head
+    return hidden, other
+
+
+def stage_param_count(manifest: Manifest, stage: int) -> int:
+    """Trainable parameters of `stage`, computed from the manifest alone."""
+    return sum(_stage_params(manifest, stage))
+
+
+def _activation_floats_per_token(manifest: Manifest, stage: int, cp_degree: int = 1) -> float:
+    """Values autograd keeps per token for backward (counted from torch's saved tensors).
+
+    With context parallelism (c > 1) a member keeps its own tokens' values (1/c of the
+    sequence) plus, for keys and values, the whole sequence's: their source, K and V,
+    and with a mixture of subspaces its coefficients and choices."""
+    spec, last = manifest.model, manifest.num_stages - 1
+    d, kv = spec.d_model, spec.n_kv_heads * spec.head_dim
+    # Per block: norm inputs/outputs and linear inputs (9 d), K and V (2 kv), the
+    # attention log-sum-exp (one per head), two RMS scales, and four ffn-wide SwiGLU tensors.
+    per_block = 9 * d + 2 * kv + spec.n_heads + 2 + 4 * spec.ffn_dim
+    if cp_degree > 1 or spec.kv_rank:
+        # Whole-sequence part: the K/V source, K and V; a mixture adds its coefficients
+        # spread over the subspaces and the (int64) choice index, 2 floats' worth each.
+        whole = d + 2 * kv + (spec.kv_subspaces * spec.kv_rank + 2 * spec.kv_rank)
+        per_block = (per_block - whole) / cp_degree + whole
+    floats = per_block * len(manifest.stage_layers(stage))
+    if stage == last:
+        floats += (3 * d + 1 + spec.vocab_size) / cp_degree  # final norm, head in, log-softmax
+    return floats
+
+
+def stage_memory_bytes(
+    manifest: Manifest,
+    stage: int,
+    *,
+    optimizer: str = "adamw",
+    dtype_bytes: int = 4,
+    in_flight: int = 1,
+    cp_degree: int = 1,
+    optimizer_states: str = "fp32",
+) -> dict[str, int]:
+    """Memory to serve `stage` and train it with DiLoCo, by part, and the totals.
+
+    What the stage worker holds on its device (`device_bytes`): the master weights,
+    the forward's copy of them (weight versions, node/worker.py), the gradients on
+    that copy, the optimizer state, and at the peak either the activations of
+    `in_flight` micro-batches of micro_batch x seq_len tokens whose autograd graphs
+    are kept until their backward, or the step's temporaries (the gradients summed
+    into the masters and the optimizer's scratch, about two weight copies): the two
+    never coexist, the larger counts. With `cp_degree` c > 1 activations are one
+    member's share of a cell (token ids: its chunk). The outer anchor and momentum
+    (`outer_bytes`) live on the host; `total_bytes` = device_bytes + outer_bytes.
+    `bench/memory.py` checks device_bytes against torch's allocations.
+    """
+    if optimizer not in ("adamw", "muon"):
+        raise ValueError(f"optimizer must be adamw or muon, got {optimizer!r}")
+    spec = manifest.model
+    hidden, other = _stage_params(manifest, stage)
+    params = hidden + other
+    # AdamW keeps two moments; Muon keeps one momentum for hidden matrices, AdamW the rest.
+    adam_values = params if optimizer == "adamw" else other
+    muon_values = params - adam_values
+    tokens = manifest.inner.micro_batch * spec.seq_len * in_flight
+    token_ids = 8 * tokens * ((stage == 0) + (stage == manifest.num_stages - 1)) // cp_degree
+    activations = (
+        int(_activation_floats_per_token(manifest, stage, cp_degree) * tokens) * dtype_bytes
+    )
+    buffers = spec.seq_len * spec.head_dim  # RoPE cos and sin tables
+    if not manifest.dense:
+        buffers += 2 * spec.d_model * spec.subspace_rank + spec.vocab_size * spec.d_model
+    weights = params * dtype_bytes
+    out = {
+        "params": params,
+        "param_bytes": weights,
+        "version_bytes": weights,
+        "grad_bytes": weights,
+        "optimizer_bytes": adam_state_bytes(adam_values, optimizer_states, dtype_bytes)
+        + muon_values * dtype_bytes,
+        "activation_bytes": activations + token_ids,
+        "step_bytes": 2 * weights,
+        "buffer_bytes": buffers * 4,  # always float32
+        "outer_bytes": 2 * params * 4,  # DiLoCo anchor + outer momentum, float32 on the host
+    }
+    out["device_bytes"] = (
+        out["param_bytes"]
+        + out["version_bytes"]
+        + out["grad_bytes"]
+        + out["optimizer_bytes"]
+        + max(out["activation_bytes"], out["step_bytes"])
+        + out["buffer_bytes"]
+    )
+    out["total_bytes"] = out["device_bytes"] + out["outer_bytes"]
+    return out
+
+
+def stage_device_bytes(
+    manifest: Manifest, stage: int, optimizer_states: str = "fp32", in_flight: int = 1
+) -> int:
+    """What the stage's device holds at its peak with `in_flight` autograd graphs kept.
+
+    One graph is the least a worker can train with: past its graph budget it keeps a
+    micro-batch's input only and recomputes the forward at backward time, one at a time
+    (`graph_budget`), so a stage fits a device that holds it with one graph."""
+    return stage_memory_bytes(
+        manifest,
+        stage,
+        optimizer=manifest.inner.optimizer,
+        in_flight=in_flight,
+        optimizer_states=optimizer_states,
+    )["device_bytes"]
+
+
+MEMORY_HEADROOM = 0.9
+"""Share of a device's free memory a stage plans to use (the allocator's fragmentation,
+kernels' workspaces and the CUDA context take the rest)."""
+
+
+def graph_budget(
+    manifest: Manifest,
+    stage: int,
+    free_bytes: int | None,
+    optimizer_states: str = "fp32",
+    *,
+    most: int,
+) -> int:
+    """How many micro-batches' autograd graphs a worker keeps before it recomputes (the
+    worker's `max_graphs`): as many as fit the free memory beside the weights, optimizer
+    and the one graph a recompute builds, at most `most`; `most` when memory is not probed."""
+    if free_bytes is None:
+        return most
+    one = stage_device_bytes(manifest, stage, optimizer_states, in_flight=1)
+    two = stage_device_bytes(manifest, stage, optimizer_states, in_flight=2)
+    per_graph = max(1, two - one)
+    room = MEMORY_HEADROOM * free_bytes - one  # `one`: the recompute's graph, always needed
+    return max(0, min(most, int(room // per_graph)))
+
+
+def default_in_flight(manifest: Manifest, stage: int) -> int:
+    """Micro-batches whose graphs a stage keeps at once with the daemons' defaults: one
+    inner step's worth (`--max-in-flight 0`); the last stage keeps none past its backward."""
+    if stage == manifest.num_stages - 1:
+        return 1
+    return manifest.inner.local_batch // manifest.inner.micro_batch
+
+
+def adam_state_bytes(values: int, states: str = "fp32", dtype_bytes: int = 4) -> int:
+    """Bytes of AdamW's two moments for `values` parameters: `fp32` (dtype_bytes each) or
+    `8bit` (one byte each and a float32 scale per block of 256: optim.AdamW8bit)."""
+    if states == "8bit":
+        return 2 * (values + 4 * math.ceil(values / 256))
+    return 2 * values * dtype_bytes
+
+
+def does_not_fit(
+    manifest: Manifest,
+    stage: int,
+    device: str,
+    free_bytes: int | None,
+    optimizer_states: str = "fp32",
+) -> str | None:
+    """Why `stage` cannot be held on a device with `free_bytes` free (None: fits, or the
+    device's memory is not probed)."""
+    if free_bytes is None:
+        return None
+    need = stage_device_bytes(manifest, stage, optimizer_states)
+    if need <= MEMORY_HEADROOM * free_bytes:
+        return None
+    return (
+        f"stage {stage} needs about {need / 2**30:.2f} GiB on {device} (with one micro-batch's "
+        f"activations), which has {free_bytes / 2**30:.2f} GiB free ({MEMORY_HEADROOM:.0%} "
+        "usable): free the device, pick a smaller stage with --stage, or compute on the CPU "
+        "with --device cpu"
+    )
+
+
+def stages_that_fit(
+    manifest: Manifest, free_bytes: int | None, optimizer_states: str = "fp32"
+) -> list[int] | None:
+    """The stages a device with `free_bytes` free can hold (None: every stage, the
+    device's memory not being probed)."""
+    if free_bytes is None:
+        return None
+    return [
+        s
+        for s in range(manifest.num_stages)
+        if does_not_fit(manifest, s, "", free_bytes, optimizer_states) is None
+    ]

@@ -122,7 +122,7 @@ def _power(record: NodeRecord, cost: float) -> float | None:
     if not math.isfinite(rate) or rate <= 0:
         return None
     power = rate * cost
-    return power if math.isfinite(power) else None
+    return power if math.isfinite(power) and power > 0 else None  # > 0: no underflow
 
 
 def _replicas(directory: Directory, costs: Sequence[float]) -> dict[str, _Replica]:
@@ -173,14 +173,21 @@ def _stage_preference(peer_id: str, stage: int) -> int:
 
 
 def _least_capacity(
-    caps: Sequence[float], peer_id: str, allowed: Collection[int] | None = None
+    caps: Sequence[float],
+    peer_id: str,
+    allowed: Collection[int] | None = None,
+    counts: Sequence[int] | None = None,
 ) -> tuple[int, list[int]]:
     """The stage (of `allowed`, default all) with the least capacity for `peer_id`, and
-    every allowed stage tied with it."""
+    every allowed stage tied with it. Among the tied, one with the fewest replicas
+    (`counts`) first: capacities of tiny rates can round to 0, and an empty stage is a
+    hole in the pipeline whatever the others' rates."""
     stages = range(len(caps)) if allowed is None else sorted(allowed)
     low = min(caps[s] for s in stages)
     tied = [s for s in stages if caps[s] <= low * (1 + _TIE)]  # empty only ties empty
-    return min(tied, key=lambda s: _stage_preference(peer_id, s)), tied
+    fewest = min(counts[s] for s in tied) if counts is not None else 0
+    candidates = [s for s in tied if counts is None or counts[s] == fewest]
+    return min(candidates, key=lambda s: _stage_preference(peer_id, s)), tied
 
 
 # ---- joining ----------------------------------------------------------------------
@@ -231,7 +238,7 @@ def choose_stage(
     caps, counts = _capacities(fixed, costs, fallback), _counts(fixed, len(costs))
     for slot, joiner in enumerate(batch):
         mine = joiner.peer_id == peer_id
-        stage, tied = _least_capacity(caps, joiner.peer_id, can_hold if mine else None)
+        stage, tied = _least_capacity(caps, joiner.peer_id, can_hold if mine else None, counts)
         if mine:
             reason = _choice_reason(stage, tied, caps, counts, slot, len(batch))
             return StageChoice(stage, reason, tuple(caps), tuple(counts))

@@ -6,7 +6,7 @@ import math
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from agora_node.protocol.manifest import Manifest, ModelSpec, StageSpec
@@ -97,6 +97,7 @@ def test_an_empty_stage_is_chosen_first() -> None:
     st.integers(0, 3),
     st.text("xyz", min_size=1, max_size=5),
 )
+@example(placed=[(1, 5e-324), (3, 0.0)], hole=0, peer="xx")  # rates that round to 0
 @settings(max_examples=100, deadline=None)
 def test_a_lone_joiner_always_takes_an_empty_stage(
     placed: list[tuple[int, float]], hole: int, peer: str

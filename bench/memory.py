@@ -15,21 +15,27 @@ gradients, optimizer state, autograd graphs, the step's temporaries).
 stage, mode and in-flight count (what `--dry-run` prints and a GPU node checks against
 its free memory; the outer anchor and momentum live on the host and are not in it).
 
-Modes (`--optimizer-states`): `fp32` (AdamW's moments in float32) and `8bit` (float8
-with a float32 scale per block of 256, optim.AdamW8bit).
+Modes: `fp32` (AdamW's moments in float32), `8bit` (float8 with a float32 scale per
+block of 256, optim.AdamW8bit: `--optimizer-states 8bit`), and either with
+`+in-backward` (`--optimizer-step in-backward`: each parameter steps as soon as its
+gradient is ready), written `in-backward` and `8bit+in-backward`. In-backward needs a
+run that steps every micro-batch: `--micro-batch N` and `--local-batch N` override the
+manifests' (0: theirs), and rows say which they used.
 
-Quality: the reference trainer on `--quality-manifest` with fp32 and with 8-bit moments,
+Quality: the reference trainer on `--quality-manifest` in each of `--quality-modes`,
 alternating a step of each on the same data order, validation loss every
-`--eval-every` steps; `tail_rel_drop_fp32` says how much the fp32 curve still fell over
-its last quarter (relative to its final loss), i.e. whether it had flattened.
+`--eval-every` steps; `gap` is each mode's final loss against the first mode's;
+`tail_rel_drop` says how much the first mode's curve still fell over its last quarter
+(relative to its final loss), i.e. whether it had flattened.
 
-One JSON line: {"rows": [{"manifest", "mode", "stage", "estimated_bytes",
+One JSON line: {"rows": [{"manifest", "micro_batch", "local_batch", "mode", "stage", "estimated_bytes",
 "measured_bytes", "ratio", "step_s"}], "quality": {...}, "conditions": {...}}.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -51,12 +57,35 @@ from agora_node.stages import memory  # noqa: E402
 from agora_node.stages.device import Compute  # noqa: E402
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 
-MODES = ("fp32", "8bit")
+MODES = ("fp32", "8bit", "in-backward", "8bit+in-backward")
+
+
+def compute_of(mode: str) -> Compute:
+    """A mode's CPU compute: `fp32` or `8bit` states, `+in-backward` for the step."""
+    parts = mode.split("+")
+    if mode not in MODES:
+        raise SystemExit(f"unknown mode {mode!r}: one of {', '.join(MODES)}")
+    states = "8bit" if "8bit" in parts else "fp32"
+    step = "in-backward" if "in-backward" in parts else "after-backward"
+    return Compute("cpu", "fp32", states, step)
+
+
+def with_batches(manifest: Manifest, micro_batch: int, local_batch: int) -> Manifest:
+    """The manifest with another micro_batch and local_batch (0: its own)."""
+    inner = manifest.inner
+    return dataclasses.replace(
+        manifest,
+        inner=dataclasses.replace(
+            inner,
+            micro_batch=micro_batch or inner.micro_batch,
+            local_batch=local_batch or inner.local_batch,
+        ),
+    )
 
 
 def train(manifest: Manifest, stage: int, steps: int, mode: str) -> list[float]:
     """Build a worker and train it `steps` inner steps; seconds per step."""
-    worker = StageWorker(manifest, stage, compute=Compute("cpu", "fp32", mode))
+    worker = StageWorker(manifest, stage, compute=compute_of(mode))
     spec, model = manifest.inner, manifest.model
     n_micro = spec.local_batch // spec.micro_batch
     gen = torch.Generator().manual_seed(stage)
@@ -108,20 +137,20 @@ def measure(manifest: Manifest, stage: int, steps: int, mode: str) -> tuple[int,
     return peak_live_bytes(prof), statistics.median(step_s[1:] or step_s)
 
 
-def quality(manifest: Manifest, steps: int, eval_every: int, eval_samples: int) -> dict:
-    """fp32 against 8-bit moments, a step of each in turn (A B A B), same data order."""
+def quality(
+    manifest: Manifest, modes: list[str], steps: int, eval_every: int, eval_samples: int
+) -> dict:
+    """The modes against the first, a step of each in turn (A B A B), same data order."""
     trainers = {
         mode: LocalTrainer(
             manifest,
-            LocalTrainConfig(
-                steps=steps, eval_samples=eval_samples, compute=Compute("cpu", "fp32", mode)
-            ),
+            LocalTrainConfig(steps=steps, eval_samples=eval_samples, compute=compute_of(mode)),
         )
-        for mode in MODES
+        for mode in modes
     }
     tokens_per_step = manifest.inner.local_batch * manifest.model.seq_len
     curves = {mode: [(0, t.evaluate())] for mode, t in trainers.items()}
-    seconds = dict.fromkeys(MODES, 0.0)
+    seconds = dict.fromkeys(modes, 0.0)
     for step in range(1, steps + 1):
         for mode, trainer in trainers.items():
             started = time.perf_counter()
@@ -129,18 +158,20 @@ def quality(manifest: Manifest, steps: int, eval_every: int, eval_samples: int) 
             seconds[mode] += time.perf_counter() - started
             if step % eval_every == 0 or step == steps:
                 curves[mode].append((step * tokens_per_step, trainer.evaluate()))
-                log_stderr(f"{mode:5s} step {step:5d} | val {curves[mode][-1][1]:.4f}")
+                log_stderr(f"{mode:16s} step {step:5d} | val {curves[mode][-1][1]:.4f}")
     final = {mode: curve[-1][1] for mode, curve in curves.items()}
-    fp32 = curves["fp32"]
-    quarter = fp32[-1 - max(1, len(fp32) // 4)][1]
+    first = curves[modes[0]]
+    quarter = first[-1 - max(1, len(first) // 4)][1]
     return {
         "manifest": manifest.run.name,
+        "micro_batch": manifest.inner.micro_batch,
+        "local_batch": manifest.inner.local_batch,
         "steps": steps,
         "tokens": steps * tokens_per_step,
         "val_loss": final,
-        "gap": round(final["8bit"] / final["fp32"] - 1, 5),
-        "tail_rel_drop_fp32": round((quarter - fp32[-1][1]) / fp32[-1][1], 5),
-        "step_s": {mode: round(seconds[mode] / steps, 4) for mode in MODES},
+        "gap": {mode: round(final[mode] / final[modes[0]] - 1, 5) for mode in modes[1:]},
+        "tail_rel_drop": {modes[0]: round((quarter - first[-1][1]) / first[-1][1], 5)},
+        "step_s": {mode: round(seconds[mode] / steps, 4) for mode in modes},
         "val_curve": curves,
     }
 
@@ -148,7 +179,10 @@ def quality(manifest: Manifest, steps: int, eval_every: int, eval_samples: int) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--manifests", default="tiny,bench")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default="fp32,8bit", help=f"of {', '.join(MODES)}")
+    ap.add_argument("--micro-batch", type=int, default=0, help="0: each manifest's own")
+    ap.add_argument("--local-batch", type=int, default=0, help="0: each manifest's own")
+    ap.add_argument("--quality-modes", default="fp32,8bit")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quality-manifest", default="tiny")
@@ -160,7 +194,7 @@ def main() -> None:
     set_threads(args.threads)
     rows = []
     for name in args.manifests.split(","):
-        manifest = load_manifest(name)
+        manifest = with_batches(load_manifest(name), args.micro_batch, args.local_batch)
         for mode in args.modes.split(","):
             n_micro = manifest.inner.local_batch // manifest.inner.micro_batch
             for stage in range(manifest.num_stages):
@@ -171,10 +205,13 @@ def main() -> None:
                     stage,
                     optimizer=manifest.inner.optimizer,
                     in_flight=1 if last else n_micro,
-                    optimizer_states=mode,
+                    optimizer_states=compute_of(mode).optimizer_states,
+                    optimizer_step=compute_of(mode).optimizer_step,
                 )["device_bytes"]
                 row = {
                     "manifest": name,
+                    "micro_batch": manifest.inner.micro_batch,
+                    "local_batch": manifest.inner.local_batch,
                     "mode": mode,
                     "stage": stage,
                     "estimated_bytes": estimate,
@@ -184,7 +221,7 @@ def main() -> None:
                 }
                 rows.append(row)
                 log_stderr(
-                    f"{name:6s} {mode:5s} stage {stage}: estimated {row['estimated_bytes'] / 2**20:8.1f}"
+                    f"{name:6s} {mode:16s} stage {stage}: estimated {row['estimated_bytes'] / 2**20:8.1f}"
                     f" MiB, measured {measured / 2**20:8.1f} MiB (x{row['ratio']:.3f}), "
                     f"step {step_s:.3f}s"
                 )
@@ -199,7 +236,8 @@ def main() -> None:
     out = {"rows": rows, "conditions": conditions}
     if args.quality_steps:
         out["quality"] = quality(
-            load_manifest(args.quality_manifest),
+            with_batches(load_manifest(args.quality_manifest), args.micro_batch, args.local_batch),
+            args.quality_modes.split(","),
             args.quality_steps,
             args.eval_every,
             args.eval_samples,

@@ -17,7 +17,7 @@ from agora_node import __version__
 from agora_node.node.datadir import DataDirError
 from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, UsageError
 from agora_node.protocol.manifest import ManifestError
-from agora_node.stages.device import Compute, DeviceError
+from agora_node.stages.device import OPTIMIZER_STATES, OPTIMIZER_STEPS, Compute, DeviceError
 from agora_node.stages.manifest_files import check_data_available, load_manifest
 
 
@@ -40,7 +40,9 @@ def cmd_train_local(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        compute = Compute.resolve(args.device, args.precision, args.optimizer_states)
+        compute = Compute.resolve(
+            args.device, args.precision, args.optimizer_states, args.optimizer_step
+        )
     except DeviceError as exc:
         raise UsageError(str(exc)) from None
     config = LocalTrainConfig(
@@ -92,7 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (as join's)")
     p.add_argument("--precision", default="auto", help="auto, fp32 or bf16 (as join's)")
-    p.add_argument("--optimizer-states", default="fp32", choices=("fp32", "8bit"), help="as join's")
+    p.add_argument("--optimizer-states", default="fp32", choices=OPTIMIZER_STATES, help="as join's")
+    p.add_argument(
+        "--optimizer-step", default="after-backward", choices=OPTIMIZER_STEPS, help="as join's"
+    )
     p.set_defaults(func=cmd_train_local)
 
     p = sub.add_parser("manifest", help="validate or print a run manifest and its run id")

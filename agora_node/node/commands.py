@@ -66,7 +66,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     config = resolve_config(args, NodeConfig)
     with datadir.lock_data_dir(config.data_dir):  # first: a second daemon fails at once
         # Probing the device imports torch (about a second): after the lock, before the key.
-        compute = _resolve_compute(config.device, config.precision, config.optimizer_states)
+        compute = _resolve_compute(config)
         if compute is None:
             return EXIT_USAGE
         prepare_identity(config.identity_path)
@@ -88,12 +88,12 @@ def cmd_join(args: argparse.Namespace) -> int:
         return _run_daemon(run_node(config, compute))
 
 
-def _resolve_compute(device: str, precision: str, optimizer_states: str):  # noqa: ANN202
+def _resolve_compute(config: NodeConfig):  # noqa: ANN202
     """--device/--precision on this machine, or None after printing why not."""
-    from agora_node.stages.device import Compute, DeviceError
+    from agora_node.stages.device import DeviceError
 
     try:
-        return Compute.resolve(device, precision, optimizer_states)
+        return config.compute()
     except DeviceError as exc:
         print(f"agora-node: error: {exc}", file=sys.stderr, flush=True)
         return None
@@ -153,12 +153,13 @@ async def _dry_run(config, compute) -> int:  # noqa: ANN001
 
 def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None) -> None:  # noqa: ANN001
     from agora_node.stages import memory
+    from agora_node.stages.device import OptimizerMode
 
     if not 0 <= stage < manifest.num_stages:
         raise UsageError(
             f"--stage {stage} does not exist: this run has stages 0..{manifest.num_stages - 1}"
         )
-    states = compute.optimizer_states if compute is not None else "fp32"
+    mode = compute.optimizer_mode if compute is not None else OptimizerMode()
     in_flight = memory.default_in_flight(manifest, stage)
     need = functools.partial(
         memory.stage_memory_bytes,
@@ -166,7 +167,8 @@ def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None)
         stage,
         optimizer=manifest.inner.optimizer,
         in_flight=in_flight,
-        optimizer_states=states,
+        optimizer_states=mode.states,
+        optimizer_step=mode.step,
     )
     mem = need()
     print(f"run {manifest.run_id} ({manifest.run.name}), {manifest.num_stages} stages")
@@ -196,13 +198,13 @@ def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None)
         free = compute.free_bytes()
         room = "" if free is None else f", {free / 2**30:.2f} GiB free"
         print(f"device: {compute.describe()}{room}")
-        reason = memory.does_not_fit(manifest, stage, compute.device, free, states)
+        reason = memory.does_not_fit(manifest, stage, compute.device, free, mode)
         if reason is not None:
             print(f"does not fit: {reason}")
         elif free is not None:
             from agora_node.node.worker import MAX_GRAPHS
 
-            graphs = memory.graph_budget(manifest, stage, free, states, most=MAX_GRAPHS)
+            graphs = memory.graph_budget(manifest, stage, free, mode, most=MAX_GRAPHS)
             print(
                 f"keeps the graphs of {graphs} micro-batch(es) in flight on {compute.device}; "
                 "more are recomputed at backward"

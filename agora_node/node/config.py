@@ -24,7 +24,14 @@ from agora_node.protocol.allowlist import AllowListError, read_allow_keys
 from agora_node.protocol.codecs import CODEC_NAMES, UnknownCodecError, from_name
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.records import DEFAULT_RECORD_TTL_S, MAX_RECORD_TTL_S
-from agora_node.stages.device import OPTIMIZER_STATES, PRECISIONS, DeviceError, check_names
+from agora_node.stages.device import (
+    OPTIMIZER_STATES,
+    OPTIMIZER_STEPS,
+    PRECISIONS,
+    Compute,
+    DeviceError,
+    check_names,
+)
 from agora_node.stages.manifest_files import load_manifest
 
 LISTEN = "/ip4/127.0.0.1/tcp/0"
@@ -124,6 +131,12 @@ class NodeConfig:
         "scale per block of 256: 2 bytes per parameter instead of 8; docs/benchmarks.md has "
         "the loss cost)",
     )
+    optimizer_step: str = option(
+        "after-backward",
+        help="when the inner optimizer steps: after-backward, or in-backward (each parameter "
+        "as soon as its gradient is ready, so the gradients are never all held: one weight "
+        "copy less; for runs that step every micro-batch, local_batch = micro_batch)",
+    )
     record_ttl_s: float = option(
         DEFAULT_RECORD_TTL_S,
         name="record_ttl",
@@ -202,6 +215,11 @@ class NodeConfig:
                 f"--optimizer-states must be one of {', '.join(OPTIMIZER_STATES)}, "
                 f"not {self.optimizer_states!r}"
             )
+        if self.optimizer_step not in OPTIMIZER_STEPS:
+            raise UsageError(
+                f"--optimizer-step must be one of {', '.join(OPTIMIZER_STEPS)}, "
+                f"not {self.optimizer_step!r}"
+            )
         if self.status_port > 65535:
             raise UsageError(f"--status-port must be at most 65535, not {self.status_port}")
         if self.emulate_link:
@@ -221,6 +239,13 @@ class NodeConfig:
         self.data_dir = str(data_dir)
         self.identity_path = _path_or(self.identity_path, data_dir / "identity.key")
         self.control_socket = _path_or(self.control_socket, data_dir / "control.sock")
+
+    def compute(self) -> Compute:
+        """--device, --precision and the optimizer's memory options, resolved on this
+        machine (DeviceError when it lacks the device)."""
+        return Compute.resolve(
+            self.device, self.precision, self.optimizer_states, self.optimizer_step
+        )
 
 
 @dataclass(kw_only=True)

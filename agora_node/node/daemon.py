@@ -74,9 +74,7 @@ async def bounded(what: str, step: Awaitable[object], seconds: float) -> None:
 class Node:
     def __init__(self, config: NodeConfig, compute: Compute | None = None) -> None:
         self.config = config
-        self.compute = compute or Compute.resolve(
-            config.device, config.precision, config.optimizer_states
-        )
+        self.compute = compute or config.compute()
         """Where the stage computes (--device, --precision), resolved on this machine."""
         self.identity = Identity.load_or_create(config.identity_path)
         self.peer_id = self.identity.peer_id

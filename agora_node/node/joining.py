@@ -36,6 +36,7 @@ from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.records import NodeState
 from agora_node.stages import memory, placement
 from agora_node.stages.device import Compute
+from agora_node.stages.optim import in_backward_refusal
 
 if TYPE_CHECKING:
     from agora_node.node.service import ServiceContext
@@ -123,19 +124,24 @@ def fixed_stage(manifest: Manifest, wanted: str) -> int:
 
 def stages_fitting(manifest: Manifest, compute: Compute) -> list[int] | None:
     """The stages this node's device can hold now (None: all, memory not probed); a
-    JoinError, in one line, when it can hold none."""
+    JoinError, in one line, when it can hold none (or steps its optimizer in backward
+    while the run accumulates micro-batches)."""
+    if compute.optimizer_step == "in-backward" and manifest.inner.local_batch != (
+        manifest.inner.micro_batch
+    ):
+        raise JoinError(in_backward_refusal(manifest))
     free = compute.free_bytes()
-    fitting = memory.stages_that_fit(manifest, free, compute.optimizer_states)
+    fitting = memory.stages_that_fit(manifest, free, compute.optimizer_mode)
     if fitting is not None and not fitting:
         smallest = min(
             range(manifest.num_stages),
-            key=lambda s: memory.stage_device_bytes(manifest, s, compute.optimizer_states),
+            key=lambda s: memory.stage_device_bytes(manifest, s, compute.optimizer_mode),
         )
         raise JoinError(
             "no stage of this run fits: "
             + str(
                 memory.does_not_fit(
-                    manifest, smallest, compute.device, free, compute.optimizer_states
+                    manifest, smallest, compute.device, free, compute.optimizer_mode
                 )
             )
         )
@@ -145,7 +151,7 @@ def stages_fitting(manifest: Manifest, compute: Compute) -> list[int] | None:
 def check_fits(manifest: Manifest, stage: int, compute: Compute) -> None:
     """Refuse to serve a stage the device cannot hold (JoinError, one line)."""
     reason = memory.does_not_fit(
-        manifest, stage, compute.device, compute.free_bytes(), compute.optimizer_states
+        manifest, stage, compute.device, compute.free_bytes(), compute.optimizer_mode
     )
     if reason is not None:
         raise JoinError(reason)

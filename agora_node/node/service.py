@@ -125,7 +125,7 @@ class StageService:
         """Load the stage's state (replica, checkpoint or init) and start serving it."""
         compute = ctx.compute
         graphs = memory.graph_budget(
-            ctx.manifest, stage, compute.free_bytes(), compute.optimizer_states, most=MAX_GRAPHS
+            ctx.manifest, stage, compute.free_bytes(), compute.optimizer_mode, most=MAX_GRAPHS
         )
         if graphs < MAX_GRAPHS:
             log.info(

@@ -21,7 +21,7 @@ from agora_node.protocol.manifest import Manifest
 from agora_node.stages.data import TokenWindows
 from agora_node.stages.device import CPU, Compute
 from agora_node.stages.model import Stage, build_stages, lm_loss
-from agora_node.stages.optim import InnerOptimizer
+from agora_node.stages.optim import InnerOptimizer, in_backward_refusal
 
 log = logging.getLogger(__name__)
 REFERENCE_STAGE = -1  # checkpoints of the whole chained model
@@ -93,7 +93,17 @@ class LocalTrainer:
         self.compute = config.compute
         self.stages = [stage.to(self.compute.device) for stage in build_stages(manifest)]
         self.model = nn.ModuleList(self.stages)
-        self.optimizer = InnerOptimizer(self.model, manifest.inner, self.compute.optimizer_states)
+        self.optimizer = InnerOptimizer(
+            self.model,
+            manifest.inner,
+            self.compute.optimizer_states,
+            self.compute.optimizer_step,
+        )
+        if self.compute.optimizer_step == "in-backward":
+            if manifest.inner.local_batch != manifest.inner.micro_batch:
+                raise ValueError(in_backward_refusal(manifest))
+            for p in self.optimizer.params:
+                p.register_post_accumulate_grad_hook(self._step_param)
         self.train = TokenWindows(manifest, "train")
         self.val = TokenWindows(manifest, "val")
         self.val_ids = self.val.fixed_subset(config.eval_samples)
@@ -116,9 +126,12 @@ class LocalTrainer:
             batch = self.train.batch(ids[i * spec.micro_batch : (i + 1) * spec.micro_batch])
             batch = batch.to(self.compute.device)
             total += self.backward_micro_batch(batch, n_micro) / n_micro
-        self.optimizer.step()
+        self.optimizer.step()  # in-backward: the parameters stepped during the backward
         self.optimizer.zero_grad()
         return total
+
+    def _step_param(self, param: torch.Tensor) -> None:
+        self.optimizer.step_param(param, param.grad)
 
     def backward_micro_batch(self, batch: torch.Tensor, n_micro: int) -> float:
         """Forward and backward of one micro-batch (its gradient divided by n_micro); its loss."""

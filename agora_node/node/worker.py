@@ -44,7 +44,7 @@ from agora_node.node.rates import RateWindow
 from agora_node.protocol.manifest import Manifest
 from agora_node.stages.device import CPU, Compute
 from agora_node.stages.model import Stage, lm_loss
-from agora_node.stages.optim import InnerOptimizer
+from agora_node.stages.optim import InnerOptimizer, in_backward_refusal
 
 log = logging.getLogger(__name__)
 MAX_GRAPHS = 16
@@ -123,12 +123,16 @@ class StageWorker:
         self.manifest, self.index, self.compute = manifest, index, compute
         self.device = compute.device
         self.stage = Stage(manifest, index).to(self.device)
-        self.masters = [p for p in self.stage.parameters() if p.requires_grad]
+        self._master_of = {name: p for name, p in self.stage.named_parameters() if p.requires_grad}
+        self.masters = list(self._master_of.values())
         """The trainable parameters the optimizer steps, taken before any forward: while a
         forward runs, functional_call swaps version copies into the module, so reading
         `stage.parameters()` from another thread then would return those copies."""
-        self.optimizer = self._fresh_optimizer()
         self.micro_per_step = manifest.inner.local_batch // manifest.inner.micro_batch
+        self.in_backward = compute.optimizer_step == "in-backward"
+        if self.in_backward and self.micro_per_step != 1:
+            raise ValueError(in_backward_refusal(manifest))
+        self.optimizer = self._fresh_optimizer()
         self.max_graphs, self.pending_ttl_s = max_graphs, pending_ttl_s
         self.stats = WorkerStats()
         self.calls_open = 0
@@ -172,6 +176,25 @@ class StageWorker:
             name: p.detach().clone().requires_grad_(True)
             for name, p in self.stage.named_parameters()
         }
+        if self.in_backward:
+            for name, copy in self._params.items():
+                if name in self._master_of:
+                    copy.register_post_accumulate_grad_hook(self._step_in_backward(name))
+
+    def _step_in_backward(self, name: str):  # noqa: ANN202
+        """The hook that steps master `name` as soon as a backward has accumulated the
+        gradient of its version copy, and frees that gradient (optimizer in backward).
+        Every micro-batch is a step there (micro_per_step 1); `_finish` ends it. While an
+        outer step holds inner steps, the gradient stays on the copy for the step after."""
+
+        def hook(copy: Tensor) -> None:
+            if self.hold_steps or copy.grad is None:
+                return
+            with self._lock:
+                self.optimizer.step_param(self._master_of[name], copy.grad)
+            copy.grad = None
+
+        return hook
 
     def _forward(self, params: dict[str, Tensor], x: Tensor | None, tokens: Tensor) -> Tensor:
         with self.compute.autocast():
@@ -372,7 +395,12 @@ class StageWorker:
             self._publish_version(int(state.get("version", 0)))
 
     def _fresh_optimizer(self) -> InnerOptimizer:
-        return InnerOptimizer(self.stage, self.manifest.inner, self.compute.optimizer_states)
+        return InnerOptimizer(
+            self.stage,
+            self.manifest.inner,
+            self.compute.optimizer_states,
+            self.compute.optimizer_step,
+        )
 
     def trainable_numel(self) -> int:
         """Values in the outer anchor of this stage (its trainable parameters, flat)."""

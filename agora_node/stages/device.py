@@ -20,6 +20,7 @@ from typing import Any
 DEVICE_NAMES = ("auto", "cpu", "cuda", "cuda:N", "mps")
 PRECISIONS = ("auto", "fp32", "bf16")
 OPTIMIZER_STATES = ("fp32", "8bit")
+OPTIMIZER_STEPS = ("after-backward", "in-backward")
 _CUDA = re.compile(r"cuda(?::(\d+))?")
 # torch is imported inside the functions that probe it: option validation and
 # `--dry-run` stay free of it.
@@ -90,23 +91,47 @@ def resolve_precision(device: str, precision: str) -> str:
 
 
 @dataclass(frozen=True)
+class OptimizerMode:
+    """How a node's inner optimizer spends memory (stages/memory.py prices it)."""
+
+    states: str = "fp32"
+    """AdamW's moments: `fp32` or `8bit`."""
+    step: str = "after-backward"
+    """`after-backward` or `in-backward` (each parameter steps once its gradient is ready)."""
+
+
+PLAIN = OptimizerMode()
+
+
+@dataclass(frozen=True)
 class Compute:
     """How this node computes its stage: the device (a torch device string, resolved),
-    the precision (fp32 or bf16 autocast) and how the inner optimizer holds AdamW's
-    moments (`fp32`, or `8bit` to save memory: optim.AdamW8bit). All three are the
-    node's own choice; replicas exchange weights, never these."""
+    the precision (fp32 or bf16 autocast), how the inner optimizer holds AdamW's
+    moments (`fp32`, or `8bit` to save memory: optim.AdamW8bit) and when it steps
+    (`after-backward`, or `in-backward`: each parameter as soon as its gradient is
+    ready, so the gradients are never all held at once). All are the node's own
+    choice; replicas exchange weights, never these."""
 
     device: str = "cpu"
     precision: str = "fp32"
     optimizer_states: str = "fp32"
+    optimizer_step: str = "after-backward"
 
     @classmethod
     def resolve(
-        cls, device: str = "auto", precision: str = "auto", optimizer_states: str = "fp32"
+        cls,
+        device: str = "auto",
+        precision: str = "auto",
+        optimizer_states: str = "fp32",
+        optimizer_step: str = "after-backward",
     ) -> Compute:
         """What the options name, checked against this machine (DeviceError if it lacks it)."""
         dev = resolve_device(device)
-        return cls(dev, resolve_precision(dev, precision), optimizer_states)
+        return cls(dev, resolve_precision(dev, precision), optimizer_states, optimizer_step)
+
+    @property
+    def optimizer_mode(self) -> OptimizerMode:
+        return OptimizerMode(self.optimizer_states, self.optimizer_step)
 
     @property
     def kind(self) -> str:
@@ -135,7 +160,8 @@ class Compute:
             props = torch.cuda.get_device_properties(self.device)
             name += f" ({props.name}, {props.total_memory / 2**30:.0f} GiB)"
         states = ", 8-bit optimizer states" if self.optimizer_states == "8bit" else ""
-        return f"{name}, {self.precision}{states}"
+        when = ", optimizer step in backward" if self.optimizer_step == "in-backward" else ""
+        return f"{name}, {self.precision}{states}{when}"
 
     def free_bytes(self) -> int | None:
         """Free accelerator memory now; None on the CPU and MPS (not probed)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from agora_node.protocol.manifest import Manifest, ModelSpec
+from agora_node.stages.device import PLAIN, OptimizerMode
 
 
 def _block_params(spec: ModelSpec, constrained: bool) -> tuple[int, int]:
@@ -36,6 +37,19 @@ def _stage_params(manifest: Manifest, stage: int) -> tuple[int, int]:
     if stage == last:
         other += spec.d_model + spec.d_model * spec.vocab_size  # final norm and head
     return hidden, other
+
+
+def _largest_tensor(manifest: Manifest, stage: int) -> int:
+    """Values in the stage's largest parameter tensor (what an in-backward step holds)."""
+    spec, last = manifest.model, manifest.num_stages - 1
+    d, kv, f = spec.d_model, spec.n_kv_heads * spec.head_dim, spec.ffn_dim
+    out = d if manifest.dense or stage == last else spec.subspace_rank
+    sizes = [d * d, d * kv, d * out, d * f, f * out, d * spec.kv_subspaces * spec.kv_rank]
+    if stage == 0:
+        sizes.append(spec.vocab_size * (d if manifest.dense else spec.subspace_rank))
+    if stage == last:
+        sizes.append(d * spec.vocab_size)
+    return max(sizes)
 
 
 def stage_param_count(manifest: Manifest, stage: int) -> int:
@@ -74,6 +88,7 @@ def stage_memory_bytes(
     in_flight: int = 1,
     cp_degree: int = 1,
     optimizer_states: str = "fp32",
+    optimizer_step: str = "after-backward",
 ) -> dict[str, int]:
     """Memory to serve `stage` and train it with DiLoCo, by part, and the totals.
 
@@ -82,8 +97,12 @@ def stage_memory_bytes(
     that copy, the optimizer state, and at the peak either the activations of
     `in_flight` micro-batches of micro_batch x seq_len tokens whose autograd graphs
     are kept until their backward, or the step's temporaries (the gradients summed
-    into the masters and the optimizer's scratch, about two weight copies): the two
-    never coexist, the larger counts. With `cp_degree` c > 1 activations are one
+    into the masters, one weight copy, and the optimizer's scratch, about two of the
+    largest tensor; measured by bench/memory.py where the step is the peak): the two
+    never coexist, the larger counts. With `optimizer_step` `in-backward` each
+    parameter steps as soon as its gradient is ready: the gradients and the step's
+    temporaries are a few of the largest tensor, held beside the activations of the
+    backward under way. With `cp_degree` c > 1 activations are one
     member's share of a cell (token ids: its chunk). The outer anchor and momentum
     (`outer_bytes`) live on the host; `total_bytes` = device_bytes + outer_bytes.
     `bench/memory.py` checks device_bytes against torch's allocations.
@@ -105,15 +124,17 @@ def stage_memory_bytes(
     if not manifest.dense:
         buffers += 2 * spec.d_model * spec.subspace_rank + spec.vocab_size * spec.d_model
     weights = params * dtype_bytes
+    in_backward = optimizer_step == "in-backward"
+    largest = _largest_tensor(manifest, stage) * dtype_bytes
     out = {
         "params": params,
         "param_bytes": weights,
         "version_bytes": weights,
-        "grad_bytes": weights,
+        "grad_bytes": largest if in_backward else weights,
         "optimizer_bytes": adam_state_bytes(adam_values, optimizer_states, dtype_bytes)
         + muon_values * dtype_bytes,
         "activation_bytes": activations + token_ids,
-        "step_bytes": 2 * weights,
+        "step_bytes": _IN_BACKWARD_SCRATCH * largest if in_backward else weights + 2 * largest,
         "buffer_bytes": buffers * 4,  # always float32
         "outer_bytes": 2 * params * 4,  # DiLoCo anchor + outer momentum, float32 on the host
     }
@@ -122,15 +143,24 @@ def stage_memory_bytes(
         + out["version_bytes"]
         + out["grad_bytes"]
         + out["optimizer_bytes"]
-        + max(out["activation_bytes"], out["step_bytes"])
+        + (
+            out["activation_bytes"] + out["step_bytes"]
+            if in_backward
+            else max(out["activation_bytes"], out["step_bytes"])
+        )
         + out["buffer_bytes"]
     )
     out["total_bytes"] = out["device_bytes"] + out["outer_bytes"]
     return out
 
 
+_IN_BACKWARD_SCRATCH = 4
+"""An in-backward step's temporaries, in largest tensors: the float32 gradient, the moments
+it updates (dequantized, for 8-bit states) and the update."""
+
+
 def stage_device_bytes(
-    manifest: Manifest, stage: int, optimizer_states: str = "fp32", in_flight: int = 1
+    manifest: Manifest, stage: int, mode: OptimizerMode = PLAIN, in_flight: int = 1
 ) -> int:
     """What the stage's device holds at its peak with `in_flight` autograd graphs kept.
 
@@ -142,7 +172,8 @@ def stage_device_bytes(
         stage,
         optimizer=manifest.inner.optimizer,
         in_flight=in_flight,
-        optimizer_states=optimizer_states,
+        optimizer_states=mode.states,
+        optimizer_step=mode.step,
     )["device_bytes"]
 
 
@@ -155,7 +186,7 @@ def graph_budget(
     manifest: Manifest,
     stage: int,
     free_bytes: int | None,
-    optimizer_states: str = "fp32",
+    mode: OptimizerMode = PLAIN,
     *,
     most: int,
 ) -> int:
@@ -164,8 +195,8 @@ def graph_budget(
     and the one graph a recompute builds, at most `most`; `most` when memory is not probed."""
     if free_bytes is None:
         return most
-    one = stage_device_bytes(manifest, stage, optimizer_states, in_flight=1)
-    two = stage_device_bytes(manifest, stage, optimizer_states, in_flight=2)
+    one = stage_device_bytes(manifest, stage, mode, in_flight=1)
+    two = stage_device_bytes(manifest, stage, mode, in_flight=2)
     per_graph = max(1, two - one)
     room = MEMORY_HEADROOM * free_bytes - one  # `one`: the recompute's graph, always needed
     return max(0, min(most, int(room // per_graph)))
@@ -192,13 +223,13 @@ def does_not_fit(
     stage: int,
     device: str,
     free_bytes: int | None,
-    optimizer_states: str = "fp32",
+    mode: OptimizerMode = PLAIN,
 ) -> str | None:
     """Why `stage` cannot be held on a device with `free_bytes` free (None: fits, or the
     device's memory is not probed)."""
     if free_bytes is None:
         return None
-    need = stage_device_bytes(manifest, stage, optimizer_states)
+    need = stage_device_bytes(manifest, stage, mode)
     if need <= MEMORY_HEADROOM * free_bytes:
         return None
     return (
@@ -210,7 +241,7 @@ def does_not_fit(
 
 
 def stages_that_fit(
-    manifest: Manifest, free_bytes: int | None, optimizer_states: str = "fp32"
+    manifest: Manifest, free_bytes: int | None, mode: OptimizerMode = PLAIN
 ) -> list[int] | None:
     """The stages a device with `free_bytes` free can hold (None: every stage, the
     device's memory not being probed)."""
@@ -219,5 +250,5 @@ def stages_that_fit(
     return [
         s
         for s in range(manifest.num_stages)
-        if does_not_fit(manifest, s, "", free_bytes, optimizer_states) is None
+        if does_not_fit(manifest, s, "", free_bytes, mode) is None
     ]

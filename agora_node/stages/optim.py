@@ -14,8 +14,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from agora_node.protocol.manifest import InnerSpec
-from agora_node.stages.device import OPTIMIZER_STATES
+from agora_node.protocol.manifest import InnerSpec, Manifest
+from agora_node.stages.device import OPTIMIZER_STATES, OPTIMIZER_STEPS
 
 log = logging.getLogger(__name__)
 
@@ -121,16 +121,27 @@ class AdamW8bit(torch.optim.Optimizer):
 class InnerOptimizer:
     """The optimizer(s) of one stage behind one step()/zero_grad()/state_dict() surface."""
 
-    def __init__(self, module: nn.Module, spec: InnerSpec, states: str = "fp32") -> None:
-        """`states`: how AdamW's moments are held, `fp32` or `8bit` (AdamW8bit); a node's own
-        memory choice (`--optimizer-states`), not the run's: replicas mix weights, never
-        optimizer state."""
+    def __init__(
+        self,
+        module: nn.Module,
+        spec: InnerSpec,
+        states: str = "fp32",
+        when: str = "after-backward",
+    ) -> None:
+        """`states`: how AdamW's moments are held, `fp32` or `8bit` (AdamW8bit); `when`:
+        `after-backward` (step() steps every parameter at once) or `in-backward` (one
+        optimizer per parameter, so that step_param() can update each as soon as its
+        gradient is ready). Both are a node's own memory choices (`--optimizer-states`,
+        `--optimizer-step`), not the run's: replicas mix weights, never optimizer state."""
         if states not in OPTIMIZER_STATES:
             raise ValueError(f"optimizer states must be one of {', '.join(OPTIMIZER_STATES)}")
-        self.spec, self.states = spec, states
+        if when not in OPTIMIZER_STEPS:
+            raise ValueError(f"optimizer step must be one of {', '.join(OPTIMIZER_STEPS)}")
+        self.spec, self.states, self.when = spec, states, when
         self.steps = 0
         self.skipped = 0
-        """Steps skipped because the gradient norm was not finite."""
+        """Steps skipped because the gradient norm was not finite (in-backward: tensors)."""
+        self._norm_sq, self._clip_factor = 0.0, 1.0  # in-backward's one-step-late clipping
         decay, no_decay, hidden = [], [], []
         for name, p in module.named_parameters():
             if not p.requires_grad:
@@ -143,27 +154,50 @@ class InnerOptimizer:
                 no_decay.append(p)
         self.params = decay + no_decay + hidden
         betas = (spec.beta1, spec.beta2)
-        groups = [
-            {"params": decay, "weight_decay": spec.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        adamw = (
-            AdamW8bit(groups, lr=spec.lr, betas=betas)
-            if states == "8bit"
-            else torch.optim.AdamW(groups, lr=spec.lr, betas=betas, foreach=True)
-        )
-        self.optimizers: list[torch.optim.Optimizer] = [adamw]
-        if hidden:
+
+        def adamw(groups: list[dict]) -> torch.optim.Optimizer:
+            if states == "8bit":
+                return AdamW8bit(groups, lr=spec.lr, betas=betas)
+            return torch.optim.AdamW(groups, lr=spec.lr, betas=betas, foreach=True)
+
+        def muon(params: list[Tensor]) -> torch.optim.Optimizer:
             # Muon's update has unit spectral norm per matrix: its lr is an absolute step size.
-            self.optimizers.append(Muon(hidden, lr=0.02, weight_decay=spec.weight_decay))
+            return Muon(params, lr=0.02, weight_decay=spec.weight_decay)
+
+        decays = [(decay, spec.weight_decay), (no_decay, 0.0)]
+        if when == "after-backward":
+            self.optimizers: list[torch.optim.Optimizer] = [
+                adamw([{"params": ps, "weight_decay": wd} for ps, wd in decays])
+            ]
+            if hidden:
+                self.optimizers.append(muon(hidden))
+        else:  # one optimizer per parameter, in the same order as self.params
+            self.optimizers = [
+                adamw([{"params": [p], "weight_decay": wd}]) for ps, wd in decays for p in ps
+            ] + [muon([p]) for p in hidden]
         self._base_lrs = [[g["lr"] for g in o.param_groups] for o in self.optimizers]
+        self._by_param = {
+            p: (opt, base)
+            for opt, base in zip(self.optimizers, self._base_lrs, strict=True)
+            for g in opt.param_groups
+            for p in g["params"]
+        }
+        """The optimizer that steps each parameter and its groups' base lrs (keyed by the
+        tensor's identity)."""
 
     def lr_scale(self) -> float:
         warmup = self.spec.warmup_steps
         return min(1.0, (self.steps + 1) / warmup) if warmup else 1.0
 
     def step(self) -> float:
-        """Clip, step every optimizer at the warm-up-scaled lr; returns the gradient norm."""
+        """Clip, step every optimizer at the warm-up-scaled lr; returns the gradient norm.
+        In-backward: steps the parameters whose gradients are still held (those that came
+        while steps were held) and ends the step."""
+        if self.when == "in-backward":
+            for p in self.params:
+                if p.grad is not None:
+                    self.step_param(p, p.grad)
+            return self.finish_step()
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec.grad_clip)
         if not math.isfinite(float(norm)):
             # an overflow somewhere in the accumulated micro-batches (a peer's finite but
@@ -178,6 +212,41 @@ class InnerOptimizer:
         self.steps += 1
         return float(norm)
 
+    def step_param(self, param: Tensor, grad: Tensor) -> bool:
+        """In-backward: update one parameter with its gradient now, at the lr of the step
+        under way (`finish_step` ends the step). The step's whole gradient norm is not known
+        yet, so clipping is one step late: the gradient is scaled by the factor the last
+        step's norm called for, and no tensor's norm may exceed `grad_clip` (a bound that
+        holds from the first step, whatever a peer sent). Whenever no clipping is due, the
+        update is step()'s exactly. A non-finite gradient leaves the parameter as it was
+        and is counted in `skipped`."""
+        norm = float(grad.norm())
+        if not math.isfinite(norm):
+            self.skipped += 1
+            return False
+        self._norm_sq += norm * norm
+        factor = min(self._clip_factor, self.spec.grad_clip / (norm + 1e-6))
+        if factor < 1:
+            grad = grad * factor
+        opt, base = self._by_param[param]
+        for group, lr in zip(opt.param_groups, base, strict=True):
+            group["lr"] = lr * self.lr_scale()
+        param.grad = grad
+        try:
+            opt.step()
+        finally:
+            param.grad = None
+        return True
+
+    def finish_step(self) -> float:
+        """In-backward: every parameter of the step was updated (step_param); sets the next
+        step's clipping factor from this step's norm, which it returns."""
+        norm = math.sqrt(self._norm_sq)
+        self._norm_sq = 0.0
+        self._clip_factor = min(1.0, self.spec.grad_clip / (norm + 1e-6))
+        self.steps += 1
+        return norm
+
     def zero_grad(self) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
@@ -186,6 +255,7 @@ class InnerOptimizer:
         return {
             "steps": self.steps,
             "states": self.states,
+            "when": self.when,
             "optimizers": [o.state_dict() for o in self.optimizers],
         }
 
@@ -193,13 +263,26 @@ class InnerOptimizer:
         """Restore a checkpoint's optimizer; one saved with other `states` (the node's
         --optimizer-states changed) keeps its step count and starts its moments afresh."""
         self.steps = int(state["steps"])
-        saved = state.get("states", "fp32")
-        if saved != self.states:
+        saved = (state.get("states", "fp32"), state.get("when", "after-backward"))
+        if saved != (self.states, self.when):
             log.warning(
-                "optimizer moments were saved as %s, this node holds %s: starting them afresh",
-                saved,
+                "optimizer moments were saved as %s stepped %s, this node holds %s stepped "
+                "%s: starting them afresh",
+                *saved,
                 self.states,
+                self.when,
             )
             return
         for opt, s in zip(self.optimizers, state["optimizers"], strict=True):
             opt.load_state_dict(s)
+
+
+def in_backward_refusal(manifest: Manifest) -> str:
+    """Why `--optimizer-step in-backward` cannot serve `manifest` (which accumulates)."""
+    spec = manifest.inner
+    return (
+        f"--optimizer-step in-backward steps after every micro-batch, but run "
+        f"{manifest.run_id} accumulates {spec.local_batch // spec.micro_batch} micro-batches "
+        f"(local_batch {spec.local_batch}, micro_batch {spec.micro_batch}) per inner step: "
+        "the summed gradients must all be held there; use --optimizer-step after-backward"
+    )

@@ -1,7 +1,9 @@
 """The consumer-GPU memory mode and the memory estimate: 8-bit AdamW moments track float32
 AdamW, hold what the estimate says, and a stage worker allocates what the estimate says
-(torch's own allocation events, through bench/memory.py's measurement)."""
+(torch's own allocation events, through bench/memory.py's measurement); the optimizer
+stepped in backward gives the weights of the plain step."""
 
+import dataclasses
 import importlib.util
 import math
 from pathlib import Path
@@ -9,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from agora_node.node.errors import JoinError
+from agora_node.node.joining import stages_fitting
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
+from agora_node.node.worker import StageWorker
 from agora_node.stages import memory
-from agora_node.stages.device import Compute
+from agora_node.stages.device import OPTIMIZER_STEPS, Compute
 from agora_node.stages.manifest_files import load_manifest
 from agora_node.stages.optim import (
     AdamW8bit,
@@ -98,15 +103,136 @@ def test_8bit_states_hold_what_the_estimate_says_and_checkpoints_say_their_forma
     assert fresh.steps == 1 and not fresh.optimizers[0].state
 
 
-@pytest.mark.parametrize("mode", ["fp32", "8bit"])
+@pytest.mark.parametrize("mode", ["fp32", "8bit", "in-backward", "8bit+in-backward"])
 @pytest.mark.parametrize("stage", [0, 3])
 def test_the_device_estimate_is_within_15_percent_of_what_a_worker_allocates(stage, mode):
     bench = _memory_bench()
     m = load_manifest("tiny")
+    compute = bench.compute_of(mode)
+    if compute.optimizer_step == "in-backward":
+        m = _stepping_every_micro_batch(m)
     n_micro = m.inner.local_batch // m.inner.micro_batch
     measured, _ = bench.measure(m, stage, 2, mode)
     last = stage == m.num_stages - 1
     estimate = memory.stage_memory_bytes(
-        m, stage, in_flight=1 if last else n_micro, optimizer_states=mode
+        m,
+        stage,
+        in_flight=1 if last else n_micro,
+        optimizer_states=compute.optimizer_states,
+        optimizer_step=compute.optimizer_step,
     )["device_bytes"]
     assert abs(estimate / measured - 1) < 0.15, (estimate, measured)
+
+
+def _stepping_every_micro_batch(manifest, **inner):
+    """The manifest with one micro-batch per inner step (what in-backward needs)."""
+    spec = dataclasses.replace(manifest.inner, local_batch=manifest.inner.micro_batch, **inner)
+    return dataclasses.replace(manifest, inner=spec)
+
+
+def _drive(worker: StageWorker, micro_batches: list, c_in, grads: list) -> None:
+    """Micro-batches the way a daemon interleaves them (two in flight), with an outer step
+    holding inner steps across the second's backward."""
+    if worker.stage.is_last:
+        for i, tokens in enumerate(micro_batches):
+            if i == 1:
+                worker._hold()
+            worker.forward_backward_last(c_in, tokens, 1.0)
+            if i == 1:
+                worker._release(False)
+        return
+    a, b, c = micro_batches
+    worker.forward("a", c_in, a)
+    worker.forward("b", c_in, b)
+    worker.backward("a", grads[0])
+    worker._hold()
+    worker.forward("c", c_in, c)
+    worker.backward("b", grads[1])  # held: its gradient waits for the release
+    worker._release(False)
+    worker.backward("c", grads[2])
+
+
+@pytest.mark.parametrize("states", ["fp32", "8bit"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_optimizer_in_backward_gives_the_weights_of_the_plain_step(stage, states):
+    # unclipped (grad_clip far above the norms): per-tensor and whole-step clipping agree
+    m = _stepping_every_micro_batch(load_manifest("tiny"), grad_clip=1e9)
+    plain, fused = (
+        StageWorker(m, stage, compute=Compute("cpu", "fp32", states, when))
+        for when in OPTIMIZER_STEPS
+    )
+    fused.stage.load_state_dict(plain.stage.state_dict())
+    fused._publish_version(0)
+    start = {n: p.detach().clone() for n, p in plain.stage.named_parameters()}
+    stepped_in_backward = []
+    step_param = fused.optimizer.step_param
+    fused.optimizer.step_param = lambda p, g: stepped_in_backward.append(p) or step_param(p, g)
+    g = torch.Generator().manual_seed(0)
+    mb, seq, width = m.inner.micro_batch, m.model.seq_len, plain.stage.boundary_width
+    tokens = [torch.randint(0, m.model.vocab_size, (mb, seq + 1), generator=g) for _ in range(3)]
+    c_in = None if stage == 0 else torch.randn(mb, seq, width, generator=g)
+    grads = [torch.randn(mb, seq, width, generator=g) * 1e-2 for _ in range(3)]
+    try:
+        for worker in (plain, fused):
+            _drive(worker, tokens, c_in, grads)
+        assert plain.stats.steps == fused.stats.steps == 3
+        assert fused.optimizer.steps == plain.optimizer.steps == 3
+        # every parameter stepped on its own for each micro-batch (the held one's at release)
+        assert len(stepped_in_backward) == 3 * len(fused.masters)
+        weights = dict(fused.stage.named_parameters())
+        for name, p in plain.stage.named_parameters():
+            assert not torch.equal(p, start[name]), name
+            torch.testing.assert_close(weights[name], p, rtol=1e-5, atol=1e-7)
+    finally:
+        plain.close()
+        fused.close()
+
+
+def test_in_backward_clips_one_step_late_bounds_each_tensor_and_skips_non_finite():
+    m = load_manifest("tiny")
+    clip, beta1 = m.inner.grad_clip, m.inner.beta1
+    model = torch.nn.Linear(4, 4)
+    opt = InnerOptimizer(model, m.inner, when="in-backward")
+    w, b = model.weight, model.bias
+    first_moment = lambda p: opt._by_param[p][0].state[p]["exp_avg"]  # noqa: E731
+    # first step: no earlier norm, so each tensor is held to grad_clip on its own
+    assert opt.step_param(w, torch.full_like(w, 1e6))
+    assert float(first_moment(w).norm()) == pytest.approx((1 - beta1) * clip, rel=1e-4)
+    assert opt.finish_step() == pytest.approx(4e6)  # the step's norm, unclipped
+    # next step: the factor the last step's norm called for, clip / 4e6
+    small = torch.full_like(b, 0.1)
+    assert opt.step_param(b, small)
+    expected = (1 - beta1) * small * clip / 4e6
+    torch.testing.assert_close(first_moment(b), expected, rtol=1e-4, atol=0)
+    moved = w.detach().clone()
+    assert not opt.step_param(w, torch.full_like(w, float("nan")))
+    assert torch.equal(w.detach(), moved) and opt.skipped == 1
+    assert w.grad is None and b.grad is None
+
+
+def test_in_backward_is_refused_where_the_run_accumulates_micro_batches():
+    m = load_manifest("tiny")
+    assert m.inner.local_batch > m.inner.micro_batch
+    in_backward = Compute("cpu", "fp32", "fp32", "in-backward")
+    with pytest.raises(ValueError, match="accumulates 2 micro-batches"):
+        StageWorker(m, 0, compute=in_backward)
+    with pytest.raises(JoinError, match="--optimizer-step after-backward"):
+        stages_fitting(m, in_backward)
+    assert stages_fitting(_stepping_every_micro_batch(m), in_backward) is None
+
+
+def test_the_local_trainer_steps_in_backward_to_the_same_weights():
+    m = _stepping_every_micro_batch(load_manifest("tiny"), grad_clip=1e9)
+    trainers = [
+        LocalTrainer(
+            m, LocalTrainConfig(steps=3, eval_samples=2, compute=Compute("cpu", "fp32", "fp32", w))
+        )
+        for w in OPTIMIZER_STEPS
+    ]
+    for trainer in trainers:
+        for _ in range(3):
+            trainer.train_step()
+    plain, fused = (dict(t.model.named_parameters()) for t in trainers)
+    assert trainers[1].optimizer.steps == 3
+    for name, p in plain.items():
+        torch.testing.assert_close(fused[name], p, rtol=1e-5, atol=1e-7)

@@ -210,3 +210,29 @@ def test_routing_does_not_import_hivemind() -> None:
     code = "import sys, agora_node.comms.routing; print('hivemind' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_gpu_peer_and_a_cpu_peer_share_work_in_proportion_to_their_speed() -> None:
+    """Heterogeneous replicas of a stage (a GPU node 4x a CPU node): announced rates are
+    tokens per compute-second on any device, so the router's first picks follow them,
+    and under load the measured latencies keep each busy in proportion to its speed."""
+    service = {"gpu": 0.25, "cpu": 1.0}  # seconds per micro-batch when idle
+    r = router()
+    announce(r, gpu=TOKENS / service["gpu"], cpu=TOKENS / service["cpu"])
+    free_at = dict.fromkeys(service, 0.0)  # each peer works its queue one at a time
+    done: list[tuple[float, str, float]] = []  # (finish time, peer, sent at)
+    sent, window, now = Counter(), 4, 0.0
+    for _ in range(400):
+        while len(done) >= window:  # the sender keeps `window` micro-batches in flight
+            done.sort()
+            now, peer, at = done.pop(0)
+            r.on_success(peer, now - at, now)
+        peer = r.choose(list(service), now=now)
+        r.on_sent(peer, now)
+        free_at[peer] = max(free_at[peer], now) + service[peer]
+        done.append((free_at[peer], peer, now))
+        sent[peer] += 1
+    share = sent["gpu"] / sum(sent.values())
+    assert 0.72 <= share <= 0.88, sent  # speeds 4:1 -> 0.8
+    # both stay in use: the slow node is not starved
+    assert sent["cpu"] >= 0.12 * sum(sent.values())

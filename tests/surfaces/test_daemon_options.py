@@ -35,6 +35,7 @@ SAMPLES = {
     "device": ["cpu", "cuda:1", "mps", "cuda"],  # names are checked at start, machines later
     "precision": ["fp32", "bf16", "auto", "fp32"],
     "optimizer_states": ["8bit", "fp32", "8bit", "fp32"],  # two formats: file and cli share one
+    "optimizer_step": ["in-backward", "after-backward", "in-backward", "after-backward"],
 }
 JOIN_OPTIONS = options_of(NodeConfig)
 
@@ -163,6 +164,7 @@ INVALID = [
     ("device", "tpu", "--device must be one of auto, cpu, cuda, cuda:N, mps"),
     ("precision", "fp16", "--precision must be one of auto, fp32, bf16"),
     ("optimizer_states", "int4", "--optimizer-states must be one of fp32, 8bit"),
+    ("optimizer_step", "fused", "--optimizer-step must be one of after-backward, in-backward"),
 ]
 
 

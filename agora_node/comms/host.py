@@ -105,6 +105,11 @@ class Host:
         reaper.watch(dht.pid)
         return cls(p2p, dht, reaper)
 
+    def watch(self, pid: int) -> None:
+        """Have the reaper kill another child process of ours (say a probe's libp2p daemon)
+        if this process dies."""
+        self._reaper.watch(pid)
+
     async def visible_maddrs(self) -> list[str]:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]
 

@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable
 
+from agora_node.comms import admission, reachability
 from agora_node.comms.directory import Directory, Snapshot, list_runs, publish_manifest
 from agora_node.comms.host import Host, HostConfig
 from agora_node.comms.membership.messages import MemberMeta
@@ -96,6 +97,9 @@ class Node:
         self.directory: Directory | None = None
         self.view: Snapshot = {}
         self.addrs: list[str] = []
+        self.reachability = reachability.Reachability()
+        """Whether peers could dial this node back (comms/reachability.py)."""
+        self.prober: reachability.Prober | None = None
         self.service: StageService | None = None
         self.liveness = Liveness()
         self.stage_choice_reason = ""
@@ -171,8 +175,16 @@ class Node:
             config=cfg.pipeline,
             on_refuse=self.metrics.count_refused,
         )
+        self.prober = reachability.Prober(_probe_listen(cfg.host_maddrs), self.host.watch)
+        await reachability.serve_reachability(
+            self.host.p2p,
+            m.run_id,
+            self.prober,
+            admission.refuser(self.admittance.allow, self.peer_id, "reachability"),
+        )
         await self._open_service(stage)
         self._loops.spawn(self._refresh_loop())
+        self._loops.spawn(self._reachability_loop())
         self._loops.spawn(self._status_loop())
         self._loops.spawn(self._sample_waits())
         self._loops.spawn(self._checkpoint_loop())
@@ -288,6 +300,20 @@ class Node:
                 self.refused = refusal
                 self.stop_event.set()
 
+    async def _reachability_loop(self) -> None:
+        """Ask a few peers to dial us back until one answers, then every RECHECK_S; say
+        what they found in one line when it changes."""
+        reach = self.reachability
+        while not self.stop_event.is_set():
+            if reach.due(time.time()):
+                changed = await reachability.check(
+                    self.host.p2p, self.manifest.run_id, self._others(), self.addrs, reach
+                )
+                if changed:
+                    unreachable = reach.state == reachability.Reach.UNREACHABLE
+                    log.log(logging.WARNING if unreachable else logging.INFO, reach.line())
+            await self._wait_stop(self.config.refresh_s)
+
     async def _wait_stop(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.stop_event.wait(), seconds)
@@ -395,6 +421,8 @@ class Node:
             await bounded("stopping the control API", self._control.stop(), STEP_S)
         if self._status is not None:
             await bounded("stopping the status page", self._status.stop(), STEP_S)
+        if self.prober is not None:
+            await bounded("stopping the reachability probe", self.prober.close(), STEP_S)
         if self.host is not None:
             await bounded("shutting down libp2p and the DHT", self.host.shutdown(), STEP_S)
 
@@ -459,3 +487,12 @@ async def run_node(config: NodeConfig, compute: Compute | None = None) -> int:
         return 0
     finally:
         await node.close()
+
+
+def _probe_listen(host_maddrs: list[str]) -> str:
+    """Where the reachability probe's daemon listens: this node's first listen address's
+    IP with port 0 (loopback stays loopback)."""
+    parts = host_maddrs[0].split("/") if host_maddrs else []
+    if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp":
+        return f"/{parts[1]}/{parts[2]}/tcp/0"
+    return "/ip4/127.0.0.1/tcp/0"

@@ -87,6 +87,8 @@ def format_node(s: dict[str, Any]) -> str:
         f"stage {stage}  {s.get('state', '?')}  up {_duration(s.get('uptime_s'))}  "
         f"on {s.get('device', '?')} {s.get('precision', '')}".rstrip()
     )
+    if (s.get("reachability") or {}).get("state") == "unreachable":
+        first += "  NOT DIALABLE by peers"
     second = (
         f"           inner {s.get('inner_step', 0)}  outer {s.get('outer_step', 0)}  "
         f"compute {_num(s.get('compute_rate', s.get('throughput')))} tok/compute-s  "

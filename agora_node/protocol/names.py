@@ -69,6 +69,11 @@ def admission_protocol(run_id: str) -> str:
     return f"/agora/{run_id}/admission/1"
 
 
+def reachability_protocol(run_id: str) -> str:
+    """Stream protocol a node asks peers "dial me back" with (comms/reachability.py)."""
+    return f"/agora/{run_id}/reachability/1"
+
+
 def telemetry_prefix(run_id: str, peer_id: str) -> str:
     """MQTT topic prefix of a node's telemetry (`/status`, `/events` below it)."""
     return f"agora/{run_id}/{peer_id}"

@@ -1,0 +1,281 @@
+"""Reachability: can other peers dial this node, or does it only dial out?
+
+A node behind a NAT or firewall can open connections but not accept them; upstream
+stages dial the nodes they send micro-batches to, so such a node cannot serve a
+stage. At start, and again now and then, a node asks a few peers of the run to dial
+it back (`ask`, over `reachability_protocol`), as Petals does. The asked peer dials
+from a libp2p daemon of its own (`Prober`), started on the first request and kept:
+the node's own daemon already holds a connection to the asker, and reusing it
+would prove nothing.
+
+The asker sends the addresses it announces; the prober dials only those, after
+checking them (at most MAX_ADDRS, IP + TCP/UDP, no DNS names, no relay circuits,
+no other peer's id), so a stranger cannot aim it elsewhere: libp2p's handshake
+authenticates the asker's peer id, and a dial to anyone else fails at the
+handshake. A prober runs one dial at a time and answers each peer at most once
+per COOLDOWN_S; the rest are told "busy".
+
+`Reachability` keeps the answers: REACHABLE as soon as any peer dialed us back,
+UNREACHABLE when peers answered and none could, UNKNOWN without answers (a lone
+node, or peers too old to have the protocol). A stranger who lies can only make
+this node's report wrong, never change what it does: the report is advice for
+the operator (the log line and the status page), not an input to any decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import logging
+import random
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from agora_node.comms import streams
+from agora_node.protocol.names import reachability_protocol
+
+log = logging.getLogger(__name__)
+
+MAX_ADDRS = 8
+MAX_REQUEST = 2048
+DIAL_TIMEOUT_S = 5.0
+ASK_TIMEOUT_S = DIAL_TIMEOUT_S + 5.0
+COOLDOWN_S = 30.0
+"""A peer is dialed back at most once in this many seconds."""
+RECHECK_S = 600.0
+"""How often a node checks again once it has an answer."""
+_REMEMBERED = 1024  # askers whose last dial time is kept
+_TRANSPORTS = {"tcp", "udp", "quic", "quic-v1"}
+_IPS = {"ip4", "ip6"}
+
+OK = b"ok"
+BUSY = b"busy"
+FAILED = b"failed: "
+
+
+class Reach(enum.Enum):
+    REACHABLE = "reachable"
+    UNREACHABLE = "unreachable"
+    UNKNOWN = "unknown"
+
+
+def check_addrs(addrs: object, asker: str) -> list[str]:
+    """The addresses a prober may dial for `asker`, without /p2p/ suffixes; ValueError
+    (one line) for anything else."""
+    if not isinstance(addrs, list) or not 0 < len(addrs) <= MAX_ADDRS:
+        raise ValueError(f"expected 1 to {MAX_ADDRS} addresses")
+    checked = []
+    for text in addrs:
+        if not isinstance(text, str) or len(text) > 200:
+            raise ValueError("an address is not a short string")
+        try:
+            parts = [p.name for p in Multiaddr(text).protocols()]
+        except Exception:  # the multiaddr library raises several types
+            raise ValueError(f"not a multiaddr: {text[:60]!r}") from None
+        if "p2p" in parts:
+            head, _, peer = text.rpartition("/p2p/")
+            if peer != asker or "p2p" in [p.name for p in Multiaddr(head).protocols()]:
+                raise ValueError("an address names another peer")
+            text, parts = head, parts[: parts.index("p2p")]
+        if len(parts) < 2 or parts[0] not in _IPS or parts[1] not in _TRANSPORTS:
+            raise ValueError(f"only IP addresses with a TCP or UDP port: {text[:60]!r}")
+        if "p2p-circuit" in parts:
+            raise ValueError("relay circuits are not dialed back")
+        checked.append(text)
+    return checked
+
+
+class Prober:
+    """Dials back the peers that ask, from its own libp2p daemon, one at a time."""
+
+    def __init__(
+        self,
+        listen: str = "/ip4/127.0.0.1/tcp/0",
+        on_started: Callable[[int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`listen`: where the probe daemon listens (an address of this host's family, port
+        0); `on_started(pid)`: told the daemon's pid (the node's reaper watches it)."""
+        self.listen, self.on_started, self.clock = listen, on_started, clock
+        self._p2p: P2P | None = None
+        self._lock = asyncio.Lock()
+        self._last: OrderedDict[str, float] = OrderedDict()
+        self.dials = {"ok": 0, "failed": 0, "busy": 0, "refused": 0}
+
+    def admit(self, asker: str) -> bool:
+        """Whether `asker` may be dialed now (not busy, not within its cooldown)."""
+        if self._lock.locked():
+            return False
+        now = self.clock()
+        last = self._last.get(asker)
+        if last is not None and now - last < COOLDOWN_S:
+            return False
+        self._last[asker] = now
+        self._last.move_to_end(asker)
+        while len(self._last) > _REMEMBERED:
+            self._last.popitem(last=False)
+        return True
+
+    async def answer(self, asker: str, request: bytes) -> bytes:
+        try:
+            addrs = check_addrs(json.loads(request.decode()).get("addrs"), asker)
+        except (ValueError, UnicodeDecodeError, AttributeError) as exc:
+            self.dials["refused"] += 1
+            return FAILED + f"bad request: {exc}".encode()[:200]
+        if not self.admit(asker):
+            self.dials["busy"] += 1
+            return BUSY
+        reason = await self.dial(asker, addrs)
+        self.dials["ok" if reason is None else "failed"] += 1
+        return OK if reason is None else FAILED + reason.encode()[:200]
+
+    async def dial(self, peer: str, addrs: Sequence[str]) -> str | None:
+        """Connect to `peer` at `addrs` and hang up: None if it answered, else why not."""
+        async with self._lock:
+            p2p = await self._started()
+            peer_id = PeerID.from_base58(peer)
+            try:
+                await asyncio.wait_for(
+                    p2p._client.connect(peer_id, [Multiaddr(a) for a in addrs]),  # noqa: SLF001
+                    DIAL_TIMEOUT_S,
+                )
+            except TimeoutError:
+                return f"no answer within {DIAL_TIMEOUT_S:.0f}s"
+            except Exception as exc:  # p2pd reports every dial failure as a generic error
+                return " ".join(str(exc).split())[:200] or type(exc).__name__
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(p2p._client.disconnect(peer_id), 2.0)  # noqa: SLF001
+            return None
+
+    async def _started(self) -> P2P:
+        if self._p2p is None:
+            self._p2p = await P2P.create(
+                host_maddrs=[self.listen],
+                use_relay=False,
+                use_auto_relay=False,
+                nat_port_map=False,
+                auto_nat=False,
+            )
+            if self.on_started is not None:
+                self.on_started(self._p2p._child.pid)  # noqa: SLF001
+        return self._p2p
+
+    async def close(self) -> None:
+        if self._p2p is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._p2p.shutdown(), 5.0)
+            self._p2p = None
+
+
+async def serve_reachability(
+    p2p: P2P, run_id: str, prober: Prober, refuse: Callable[[str], str | None] | None
+) -> None:
+    async def handler(remote: str, request: bytes) -> AsyncIterator[bytes]:
+        yield await prober.answer(remote, request)
+
+    await streams.serve(
+        p2p, reachability_protocol(run_id), handler, max_request=MAX_REQUEST, refuse=refuse
+    )
+
+
+async def ask(p2p: P2P, run_id: str, peer: str, addrs: Sequence[str]) -> tuple[bool | None, str]:
+    """Ask `peer` to dial us at `addrs`: (True, "") if it did, (False, why) if it could not,
+    (None, why) without an answer (gone, busy, refused, or too old for the protocol)."""
+    payload = json.dumps({"addrs": list(addrs)[:MAX_ADDRS]}).encode()
+    try:
+        answer = await streams.request(
+            p2p,
+            peer,
+            reachability_protocol(run_id),
+            payload,
+            timeout=ASK_TIMEOUT_S,
+            max_response=512,
+        )
+    except streams.StreamError as exc:
+        return None, str(exc)
+    if answer == OK:
+        return True, ""
+    if answer.startswith(FAILED) and not answer.startswith(FAILED + b"bad request"):
+        return False, answer[len(FAILED) :].decode(errors="replace")
+    return None, answer.decode(errors="replace")[:200]
+
+
+@dataclass
+class Reachability:
+    """What the peers asked to dial us back answered (pure bookkeeping)."""
+
+    state: Reach = Reach.UNKNOWN
+    addrs: list[str] = field(default_factory=list)
+    """The addresses we asked them to dial (what this node announces)."""
+    dialed_by: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    """Peer -> why it could not dial us, at the last check."""
+    checked_at: float | None = None
+
+    def note(self, answers: dict[str, tuple[bool | None, str]], now: float) -> None:
+        """One check's answers (peer -> ask()'s result)."""
+        dialed = [p for p, (ok, _) in answers.items() if ok]
+        failed = {p: why for p, (ok, why) in answers.items() if ok is False}
+        if dialed:
+            self.state = Reach.REACHABLE
+        elif failed:
+            self.state = Reach.UNREACHABLE
+        else:
+            return  # nobody answered: keep what we knew
+        self.dialed_by, self.failed, self.checked_at = dialed, failed, now
+
+    def due(self, now: float) -> bool:
+        """Time to check (again): never answered yet, or RECHECK_S since (wall clock)."""
+        return self.checked_at is None or now - self.checked_at >= RECHECK_S
+
+    def line(self) -> str:
+        """One line for the log."""
+        addrs = ", ".join(self.addrs) or "no announced address"
+        if self.state == Reach.REACHABLE:
+            return f"reachable: {len(self.dialed_by)} peer(s) dialed this node back at {addrs}"
+        if self.state == Reach.UNREACHABLE:
+            why = next(iter(self.failed.values()), "")
+            return (
+                f"NOT reachable: {len(self.failed)} peer(s) could not dial this node at {addrs} "
+                f"({why[:120]}); upstream stages cannot send it work. Forward the TCP port to "
+                "this machine, or set --announce-maddrs to an address peers can dial"
+            )
+        return "reachability unknown: no peer answered yet"
+
+    def status(self) -> dict:
+        return {
+            "state": self.state.value,
+            "addrs": self.addrs,
+            "dialed_by": [p[-8:] for p in self.dialed_by],
+            "failed": {p[-8:]: why for p, why in self.failed.items()},
+            "checked_at": self.checked_at,
+        }
+
+
+async def check(
+    p2p: P2P,
+    run_id: str,
+    peers: Sequence[str],
+    addrs: Sequence[str],
+    reach: Reachability,
+    *,
+    ask_at_most: int = 3,
+) -> bool:
+    """Ask up to `ask_at_most` of `peers` (a random few) to dial us at `addrs` and note
+    the answers in `reach`; whether its state changed."""
+    if not peers or not addrs:
+        return False
+    chosen = random.sample(list(peers), min(ask_at_most, len(peers)))
+    answers = await asyncio.gather(*(ask(p2p, run_id, peer, addrs) for peer in chosen))
+    before = reach.state
+    reach.addrs = list(addrs)
+    reach.note(dict(zip(chosen, answers, strict=True)), time.time())
+    return reach.state != before

@@ -1,0 +1,78 @@
+"""Reachability's pure parts: what a prober agrees to dial, how often, and what the
+answers of the peers asked add up to."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from agora_node.comms import reachability as r
+from agora_node.protocol.identity import Identity
+
+pytestmark = pytest.mark.timeout(30)
+
+ME = Identity.generate().peer_id
+OTHER = Identity.generate().peer_id
+
+
+def test_only_ip_addresses_of_the_asker_itself_are_dialed():
+    good = ["/ip4/127.0.0.1/tcp/4001", f"/ip4/10.0.0.2/tcp/4001/p2p/{ME}", "/ip6/::1/tcp/9"]
+    assert r.check_addrs(good, ME) == [
+        "/ip4/127.0.0.1/tcp/4001",
+        "/ip4/10.0.0.2/tcp/4001",
+        "/ip6/::1/tcp/9",
+    ]
+    for bad, says in [
+        ([], "1 to 8"),
+        (["/ip4/1.2.3.4/tcp/1"] * 9, "1 to 8"),
+        ("not a list", "1 to 8"),
+        ([17], "short string"),
+        (["/dns4/example.com/tcp/80"], "only IP addresses"),
+        (["/ip4/1.2.3.4/tcp/1/p2p/" + OTHER], "another peer"),
+        ([f"/ip4/1.2.3.4/tcp/1/p2p/{OTHER}/p2p-circuit/p2p/{ME}"], "another peer"),
+        (["/ip4/1.2.3.4"], "only IP addresses"),
+        (["nonsense"], "not a multiaddr"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            r.check_addrs(bad, ME)
+
+
+def test_a_prober_dials_each_peer_at_most_once_per_cooldown_and_one_at_a_time():
+    now = [0.0]
+    prober = r.Prober(clock=lambda: now[0])
+    assert prober.admit(ME)
+    assert not prober.admit(ME)  # within its cooldown
+    assert prober.admit(OTHER)
+    now[0] = r.COOLDOWN_S + 1
+    assert prober.admit(ME)
+
+    async def while_dialing() -> bool:
+        async with prober._lock:  # a dial under way
+            return prober.admit(Identity.generate().peer_id)
+
+    assert not asyncio.run(while_dialing())
+
+
+def test_a_bad_request_is_refused_before_anything_is_dialed():
+    prober = r.Prober()
+    for request in (b"\xff", b"[]", json.dumps({"addrs": ["/dns4/x/tcp/1"]}).encode()):
+        answer = asyncio.run(prober.answer(ME, request))
+        assert answer.startswith(r.FAILED + b"bad request")
+    assert prober.dials["refused"] == 3 and prober._p2p is None  # no probe daemon started
+
+
+def test_one_dial_back_makes_a_node_reachable_and_silence_changes_nothing():
+    reach = r.Reachability()
+    reach.note({"a": (None, "gone"), "b": (None, "busy")}, now=1.0)
+    assert reach.state == r.Reach.UNKNOWN and reach.due(2.0)
+    reach.note({"a": (False, "refused"), "b": (False, "timeout")}, now=2.0)
+    assert reach.state == r.Reach.UNREACHABLE and reach.failed == {"a": "refused", "b": "timeout"}
+    assert "NOT reachable: 2 peer(s)" in reach.line()
+    assert not reach.due(3.0) and reach.due(2.0 + r.RECHECK_S)
+    reach.note({"a": (False, "refused"), "c": (True, "")}, now=5.0)
+    assert reach.state == r.Reach.REACHABLE and reach.dialed_by == ["c"]
+    reach.note({"a": (None, "gone")}, now=6.0)  # no answers: keep what we knew
+    assert reach.state == r.Reach.REACHABLE and reach.checked_at == 5.0
+    assert reach.status()["state"] == "reachable"

@@ -35,6 +35,8 @@ class Child:
     log_path: Path
     argv: list[str]
     status_port: int | None = None
+    prefix: tuple[str, ...] = ()
+    """What the command runs under (tests: `ip netns exec NS` for a network lab host)."""
 
 
 @dataclass
@@ -52,13 +54,15 @@ class Swarm:
         append: bool = False,
         module: str = "agora_node",
         env: dict[str, str] | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> Child:
-        """Start `python -m module argv...` (tests pass a test-only module and env); `append`
-        continues the log of an earlier run of the same name."""
+        """Start `python -m module argv...` (tests pass a test-only module and env, and a
+        `prefix` it runs under); `append` continues the log of an earlier run of the same
+        name."""
         log_path = self.workdir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, *argv],
+            [*prefix, sys.executable, "-m", module, *argv],
             stdout=open(log_path, "a" if append else "w"),  # noqa: SIM115 - owned by the child
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -67,7 +71,7 @@ class Swarm:
             preexec_fn=set_parent_death_signal,  # noqa: PLW1509 - must run in the child
             env=env,
         )
-        child = Child(name, proc, log_path, argv, status_port)
+        child = Child(name, proc, log_path, argv, status_port, prefix)
         self.children.append(child)
         return child
 
@@ -75,7 +79,9 @@ class Swarm:
         """Start `child`'s command again (same identity and data dir) in its place; its log
         goes on in the same file."""
         self.children.remove(child)
-        return self.spawn(child.name, child.argv, child.status_port, append=True)
+        return self.spawn(
+            child.name, child.argv, child.status_port, append=True, prefix=child.prefix
+        )
 
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM every child's main process (a clean leave: it stops its own helpers),

@@ -48,10 +48,18 @@ def poll(condition: Callable[[], T], timeout: float, what: str, interval: float 
 class TestSwarm(Swarm):
     __test__ = False  # not a pytest class
 
-    def bootstrap(self, manifest: str = "tiny") -> Child:
+    def bootstrap(self, manifest: str = "tiny", *extra: str, prefix: tuple[str, ...] = ()) -> Child:
         boot = self.spawn(
             "bootstrap",
-            ["bootstrap", "--manifest", manifest, "--data-dir", str(self.workdir / "bootstrap")],
+            [
+                "bootstrap",
+                "--manifest",
+                manifest,
+                "--data-dir",
+                str(self.workdir / "bootstrap"),
+                *extra,
+            ],
+            prefix=prefix,
         )
         line = wait_for_line(boot, "agora-node join --initial-peers", 60)
         self.initial_peers = line.split("--initial-peers", 1)[1].split()
@@ -65,6 +73,7 @@ class TestSwarm(Swarm):
         data_dir: Path | None = None,
         module: str = "agora_node",
         env: dict[str, str] | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> Child:
         peers = initial_peers or self.initial_peers
         argv = [
@@ -75,7 +84,7 @@ class TestSwarm(Swarm):
             str(data_dir or self.workdir / name),
         ]
         argv += ["--status-port", "0", *FAST, *extra]
-        return self.spawn(name, argv, module=module, env=env)
+        return self.spawn(name, argv, module=module, env=env, prefix=prefix)
 
     def serving(self, child: Child, timeout: float = 90) -> int:
         """Wait until the daemon serves; its status port."""

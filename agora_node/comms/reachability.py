@@ -245,8 +245,9 @@ class Reachability:
             why = next(iter(self.failed.values()), "")
             return (
                 f"NOT reachable: {len(self.failed)} peer(s) could not dial this node at {addrs} "
-                f"({why[:120]}); upstream stages cannot send it work. Forward the TCP port to "
-                "this machine, or set --announce-maddrs to an address peers can dial"
+                f"({why[:120]}); peers reach it only over connections it opened itself, so a "
+                "peer that restarts or joins later may not. Forward the TCP port to this "
+                "machine, or set --announce-maddrs to an address peers can dial"
             )
         return "reachability unknown: no peer answered yet"
 

@@ -1,14 +1,17 @@
 """Real daemons in a network lab (tests/netlab.py): each in its own network namespace,
 one behind a masquerading NAT router. The NATed node can dial out, so it joins and
 serves; nobody can dial it, and its dial-back check says so; the public node's says
-it is reachable. Nothing is left behind: processes (by pid, swarm fixture) and
-namespaces (lab fixture)."""
+it is reachable. It still trains: the streams of its upstream peer ride the
+connection it opened to that peer. Nothing is left behind: processes (by pid, swarm
+fixture) and namespaces (lab fixture)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from tests.integration.harness import TestSwarm, wait_for_line
+from tests.integration.harness import TestSwarm, poll, wait_for_line
 from tests.netlab import NetLab
 
 pytestmark = [pytest.mark.integration, pytest.mark.netlab, pytest.mark.timeout(240)]
@@ -34,3 +37,10 @@ def test_a_node_behind_nat_joins_and_is_told_it_cannot_be_dialed(
     line = wait_for_line(h, "NOT reachable", 90)
     assert f"/ip4/{home.ip}/tcp/" in line
     assert "reachable: 1 peer(s) dialed this node back" in wait_for_line(a, "reachable: ", 90)
+    # micro-batches from stage 0 reach the NATed stage 1 and come back done
+    poll(lambda: _done(swarm.log(h)) >= 20, 90, "the NATed node to train 20 micro-batches")
+
+
+def _done(log: str) -> int:
+    counts = [int(n) for n in re.findall(r"\| ok (\d+) dropped", log)]
+    return max(counts, default=0)

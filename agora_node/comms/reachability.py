@@ -17,7 +17,8 @@ per COOLDOWN_S; the rest are told "busy".
 
 `Reachability` keeps the answers: REACHABLE as soon as any peer dialed us back,
 UNREACHABLE when peers answered and none could, UNKNOWN without answers (a lone
-node, or peers too old to have the protocol). A stranger who lies can only make
+node, or peers too old to have the protocol). Bootstrap peers answer too, so the
+first node of a run gets its answer at once. A stranger who lies can only make
 this node's report wrong, never change what it does: the report is advice for
 the operator (the log line and the status page), not an input to any decision.
 """
@@ -141,24 +142,33 @@ class Prober:
         async with self._lock:
             p2p = await self._started()
             peer_id = PeerID.from_base58(peer)
+            client = p2p._client  # noqa: SLF001 - hivemind exposes no connect/disconnect
             try:
                 await asyncio.wait_for(
-                    p2p._client.connect(peer_id, [Multiaddr(a) for a in addrs]),  # noqa: SLF001
-                    DIAL_TIMEOUT_S,
+                    client.connect(peer_id, [Multiaddr(a) for a in addrs]), DIAL_TIMEOUT_S
                 )
+                # libp2p may have found the peer at another address (its own DHT routing):
+                # only a connection to an address the peer announces counts
+                used = [
+                    str(a) for info in await client.list_peers() if info.peer_id == peer_id
+                    for a in info.addrs
+                ]  # fmt: skip
             except TimeoutError:
                 return f"no answer within {DIAL_TIMEOUT_S:.0f}s"
             except Exception as exc:  # p2pd reports every dial failure as a generic error
                 return " ".join(str(exc).split())[:200] or type(exc).__name__
             finally:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(p2p._client.disconnect(peer_id), 2.0)  # noqa: SLF001
+                    await asyncio.wait_for(client.disconnect(peer_id), 2.0)
+            if not set(used) & set(addrs):
+                return f"answered only at {', '.join(used) or 'an unknown address'}, not announced"
             return None
 
     async def _started(self) -> P2P:
         if self._p2p is None:
             self._p2p = await P2P.create(
                 host_maddrs=[self.listen],
+                dht_mode="client",
                 use_relay=False,
                 use_auto_relay=False,
                 nat_port_map=False,
@@ -280,3 +290,18 @@ async def check(
     reach.addrs = list(addrs)
     reach.note(dict(zip(chosen, answers, strict=True)), time.time())
     return reach.state != before
+
+
+def probe_listen(host_maddrs: Sequence[str]) -> str:
+    """Where a probe daemon listens: the node's first listen address's IP with port 0
+    (loopback stays loopback)."""
+    parts = host_maddrs[0].split("/") if host_maddrs else []
+    if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp":
+        return f"/{parts[1]}/{parts[2]}/tcp/0"
+    return "/ip4/127.0.0.1/tcp/0"
+
+
+def peer_ids(maddrs: Sequence[str]) -> set[str]:
+    """The peer ids that multiaddrs such as --initial-peers end with (bootstrap peers
+    serve dial-back checks too, so a node alone in its run still gets an answer)."""
+    return {m.rpartition("/p2p/")[2] for m in maddrs if "/p2p/" in m}

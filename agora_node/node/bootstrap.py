@@ -1,4 +1,5 @@
-"""The bootstrap peer: an entry point that publishes a run's manifest. It serves no stage.
+"""The bootstrap peer: an entry point that publishes a run's manifest and answers
+dial-back checks (comms/reachability.py). It serves no stage.
 
 It only makes the swarm findable: once peers know each other it may die, and
 any live peer works as `--initial-peers` (every node republishes the manifest).
@@ -11,6 +12,7 @@ import logging
 import shlex
 import signal
 
+from agora_node.comms import reachability
 from agora_node.comms.directory import MANIFEST_TTL_S, publish_manifest
 from agora_node.comms.host import Host, HostConfig
 from agora_node.protocol.identity import Identity
@@ -41,7 +43,9 @@ async def run_bootstrap(
             initial_peers=initial_peers,
         )
     )
+    prober = reachability.Prober(reachability.probe_listen(host_maddrs), host.watch)
     try:
+        await reachability.serve_reachability(host.p2p, manifest.run_id, prober, None)
         await publish_manifest(host, manifest, identity)
         maddrs = await host.visible_maddrs()
         print(
@@ -62,4 +66,5 @@ async def run_bootstrap(
         log.info("bootstrap stopping")
         return 0
     finally:
+        await prober.close()
         await host.shutdown()

@@ -175,7 +175,9 @@ class Node:
             config=cfg.pipeline,
             on_refuse=self.metrics.count_refused,
         )
-        self.prober = reachability.Prober(_probe_listen(cfg.host_maddrs), self.host.watch)
+        self.prober = reachability.Prober(
+            reachability.probe_listen(cfg.host_maddrs), self.host.watch
+        )
         await reachability.serve_reachability(
             self.host.p2p,
             m.run_id,
@@ -306,8 +308,9 @@ class Node:
         reach = self.reachability
         while not self.stop_event.is_set():
             if reach.due(time.time()):
+                peers = set(self._others()) | reachability.peer_ids(self.config.initial_peers)
                 changed = await reachability.check(
-                    self.host.p2p, self.manifest.run_id, self._others(), self.addrs, reach
+                    self.host.p2p, self.manifest.run_id, sorted(peers), self.addrs, reach
                 )
                 if changed:
                     unreachable = reach.state == reachability.Reach.UNREACHABLE
@@ -487,12 +490,3 @@ async def run_node(config: NodeConfig, compute: Compute | None = None) -> int:
         return 0
     finally:
         await node.close()
-
-
-def _probe_listen(host_maddrs: list[str]) -> str:
-    """Where the reachability probe's daemon listens: this node's first listen address's
-    IP with port 0 (loopback stays loopback)."""
-    parts = host_maddrs[0].split("/") if host_maddrs else []
-    if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp":
-        return f"/{parts[1]}/{parts[2]}/tcp/0"
-    return "/ip4/127.0.0.1/tcp/0"

@@ -36,7 +36,7 @@ def test_a_node_behind_nat_joins_and_is_told_it_cannot_be_dialed(
     swarm.serving(h)  # it dialed out through its NAT: joined, fetched, serves
     line = wait_for_line(h, "NOT reachable", 90)
     assert f"/ip4/{home.ip}/tcp/" in line
-    assert "reachable: 1 peer(s) dialed this node back" in wait_for_line(a, "reachable: ", 90)
+    assert "peer(s) dialed this node back" in wait_for_line(a, "reachable: ", 90)
     # micro-batches from stage 0 reach the NATed stage 1 and come back done
     poll(lambda: _done(swarm.log(h)) >= 20, 90, "the NATed node to train 20 micro-batches")
 

@@ -76,3 +76,11 @@ def test_one_dial_back_makes_a_node_reachable_and_silence_changes_nothing():
     reach.note({"a": (None, "gone")}, now=6.0)  # no answers: keep what we knew
     assert reach.state == r.Reach.REACHABLE and reach.checked_at == 5.0
     assert reach.status()["state"] == "reachable"
+
+
+def test_bootstrap_peers_are_asked_too_and_probes_listen_where_the_node_does():
+    boot = f"/ip4/10.0.0.1/tcp/31337/p2p/{OTHER}"
+    assert r.peer_ids([boot, "/ip4/10.0.0.2/tcp/1"]) == {OTHER}
+    assert r.probe_listen(["/ip4/127.0.0.1/tcp/31337"]) == "/ip4/127.0.0.1/tcp/0"
+    assert r.probe_listen(["/ip6/::/tcp/5"]) == "/ip6/::/tcp/0"
+    assert r.probe_listen([]) == "/ip4/127.0.0.1/tcp/0"

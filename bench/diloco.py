@@ -2,6 +2,12 @@
 
     python bench/diloco.py --manifest tiny --replicas 4 [--tokens N] [--inner-steps H] [--json]
 
+The JSON says how many steps ddp took against the manifest's warm-up (a budget inside
+the warm-up compares learning-rate schedules, not methods: a warning says so) and
+whether it had flattened (`ddp.tail_rel_drop`: its fall over the last quarter,
+relative to its final loss). ddp's bytes are computed (a ring all-reduce of fp32
+gradients per step), not measured.
+
 Every method spends the same number of training tokens in total:
 
 - ddp: synchronous data parallel, i.e. one model trained with R times the local batch
@@ -50,7 +56,9 @@ def trainer(manifest: Manifest, eval_samples: int, shard: int, shards: int) -> L
     return t
 
 
-def run_ddp(manifest: Manifest, args: argparse.Namespace) -> tuple[float, float]:
+def run_ddp(manifest: Manifest, args: argparse.Namespace) -> tuple[float, float, dict]:
+    """One model, R times the local batch; validation loss at each quarter of the budget,
+    so the JSON can say whether it had flattened."""
     r = args.replicas
     inner = dataclasses.replace(
         manifest.inner,
@@ -60,11 +68,22 @@ def run_ddp(manifest: Manifest, args: argparse.Namespace) -> tuple[float, float]
     big = dataclasses.replace(manifest, inner=inner)
     t = trainer(big, args.eval_samples, 0, 1)
     steps = args.tokens // (inner.local_batch * manifest.model.seq_len)
-    for _ in range(steps):
+    quarters = {round(steps * q / 4) for q in (1, 2, 3)}
+    curve = []
+    for step in range(1, steps + 1):
         t.train_step()
+        if step in quarters:
+            curve.append(t.evaluate())
+    final = t.evaluate()
     params = sum(p.numel() for p in t.model.parameters())
     ring = 2 * (r - 1) / r * 4 * params  # bytes one replica sends per fp32 all-reduce
-    return t.evaluate(), steps * ring
+    last_quarter = curve[-1] if curve else final
+    info = {
+        "steps": steps,
+        "val_curve_quarters": [round(v, 4) for v in [*curve, final]],
+        "tail_rel_drop": round((last_quarter - final) / final, 5),
+    }
+    return final, steps * ring, info
 
 
 def outer_config(method: str, args: argparse.Namespace) -> OuterConfig:
@@ -121,12 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--manifest", default="tiny")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument(
-        "--tokens", type=int, default=98_304, help="training tokens per method, all replicas"
+        "--tokens",
+        type=int,
+        default=393_216,
+        help="training tokens per method, all replicas (the default gives ddp 48 steps, "
+        "past tiny's 20-step warm-up)",
     )
     p.add_argument(
         "--inner-steps",
         type=int,
-        default=3,
+        default=6,
         help="H (the manifest's is too long for the default budget)",
     )
     p.add_argument("--group-size", type=int, default=2)
@@ -136,11 +159,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     manifest = load_manifest(args.manifest)
-    val, sent, seconds = {}, {}, {}
+    val, sent, seconds, ddp = {}, {}, {}, None
     for method in args.methods.split(","):
         started = time.perf_counter()
         if method == "ddp":
-            val[method], sent[method] = run_ddp(manifest, args)
+            val[method], sent[method], ddp = run_ddp(manifest, args)
+            if ddp["steps"] <= manifest.inner.warmup_steps:
+                print(
+                    f"warning: ddp took {ddp['steps']} steps, within the manifest's warm-up of "
+                    f"{manifest.inner.warmup_steps}: its lr never reached the manifest's; raise "
+                    "--tokens for a meaningful comparison",
+                    file=sys.stderr,
+                )
         else:
             val[method], sent[method] = asyncio.run(run_outer(manifest, method, args))
         seconds[method] = time.perf_counter() - started
@@ -157,7 +187,12 @@ def main(argv: list[str] | None = None) -> int:
             "tokens": args.tokens,
             "inner_steps": args.inner_steps,
             "group_size": args.group_size,
+            "warmup_steps": manifest.inner.warmup_steps,
+            "inner_steps_per_replica": (
+                args.tokens // (args.replicas * manifest.inner.local_batch * manifest.model.seq_len)
+            ),
         },
+        "ddp": ddp,
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
     }
     if args.json:

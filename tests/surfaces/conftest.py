@@ -55,6 +55,13 @@ def make_snapshot(state: str = "active") -> dict[str, Any]:
             "num_stages": 3,
             "device": "cuda:1",
             "precision": "bf16",
+            "reachability": {
+                "state": "unreachable",
+                "addrs": ["/ip4/192.168.1.20/tcp/31337"],
+                "dialed_by": [],
+                "failed": {"Ab12Cd34": "all dials failed"},
+                "checked_at": now - 30,
+            },
             "state": state,
             "started_at": now - 312,
             "inner_step": 120,

@@ -109,3 +109,11 @@ def test_node_lines_list_the_runs_when_the_swarm_serves_several():
     assert "runs in this swarm" not in format_node(one)
     two = {"runs_seen": [{"run_id": "aa", "name": "tiny"}, {"run_id": "bb", "name": "x"}]}
     assert "runs in this swarm: aa ('tiny'), bb ('x')" in format_node(two)
+
+
+def test_the_node_line_says_when_peers_could_not_dial_it():
+    from agora_node.node.status_cli import format_node
+
+    assert "NOT DIALABLE" not in format_node({"reachability": {"state": "reachable"}})
+    assert "NOT DIALABLE" not in format_node({})  # not checked yet, or an older daemon
+    assert "NOT DIALABLE by peers" in format_node({"reachability": {"state": "unreachable"}})

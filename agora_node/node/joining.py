@@ -126,10 +126,9 @@ def stages_fitting(manifest: Manifest, compute: Compute) -> list[int] | None:
     """The stages this node's device can hold now (None: all, memory not probed); a
     JoinError, in one line, when it can hold none (or steps its optimizer in backward
     while the run accumulates micro-batches)."""
-    if compute.optimizer_step == "in-backward" and manifest.inner.local_batch != (
-        manifest.inner.micro_batch
-    ):
-        raise JoinError(in_backward_refusal(manifest))
+    why = in_backward_refusal(manifest.inner)
+    if compute.optimizer_step == "in-backward" and why is not None:
+        raise JoinError(why)
     free = compute.free_bytes()
     fitting = memory.stages_that_fit(manifest, free, compute.optimizer_mode)
     if fitting is not None and not fitting:

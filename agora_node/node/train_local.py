@@ -21,7 +21,7 @@ from agora_node.protocol.manifest import Manifest
 from agora_node.stages.data import TokenWindows
 from agora_node.stages.device import CPU, Compute
 from agora_node.stages.model import Stage, build_stages, lm_loss
-from agora_node.stages.optim import InnerOptimizer, in_backward_refusal
+from agora_node.stages.optim import InnerOptimizer
 
 log = logging.getLogger(__name__)
 REFERENCE_STAGE = -1  # checkpoints of the whole chained model
@@ -100,8 +100,6 @@ class LocalTrainer:
             self.compute.optimizer_step,
         )
         if self.compute.optimizer_step == "in-backward":
-            if manifest.inner.local_batch != manifest.inner.micro_batch:
-                raise ValueError(in_backward_refusal(manifest))
             for p in self.optimizer.params:
                 p.register_post_accumulate_grad_hook(self._step_param)
         self.train = TokenWindows(manifest, "train")

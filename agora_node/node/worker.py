@@ -44,7 +44,7 @@ from agora_node.node.rates import RateWindow
 from agora_node.protocol.manifest import Manifest
 from agora_node.stages.device import CPU, Compute
 from agora_node.stages.model import Stage, lm_loss
-from agora_node.stages.optim import InnerOptimizer, in_backward_refusal
+from agora_node.stages.optim import InnerOptimizer
 
 log = logging.getLogger(__name__)
 MAX_GRAPHS = 16
@@ -128,11 +128,9 @@ class StageWorker:
         """The trainable parameters the optimizer steps, taken before any forward: while a
         forward runs, functional_call swaps version copies into the module, so reading
         `stage.parameters()` from another thread then would return those copies."""
+        self.optimizer = self._fresh_optimizer()  # refuses in-backward for accumulating runs
         self.micro_per_step = manifest.inner.local_batch // manifest.inner.micro_batch
         self.in_backward = compute.optimizer_step == "in-backward"
-        if self.in_backward and self.micro_per_step != 1:
-            raise ValueError(in_backward_refusal(manifest))
-        self.optimizer = self._fresh_optimizer()
         self.max_graphs, self.pending_ttl_s = max_graphs, pending_ttl_s
         self.stats = WorkerStats()
         self.calls_open = 0

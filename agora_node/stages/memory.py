@@ -16,40 +16,48 @@ from agora_node.protocol.manifest import Manifest, ModelSpec
 from agora_node.stages.device import PLAIN, OptimizerMode
 
 
-def _block_params(spec: ModelSpec, constrained: bool) -> tuple[int, int]:
-    """(matrix, vector) parameter counts of one block."""
+def _block_matrices(spec: ModelSpec, constrained: bool) -> list[int]:
+    """Values in each weight matrix of one block (q, k, v, out, gate, up, down, and the
+    K/V subspace bases when kv_rank > 0)."""
     d, kv, f = spec.d_model, spec.n_kv_heads * spec.head_dim, spec.ffn_dim
     out = spec.subspace_rank if constrained else d
-    mixture = d * spec.kv_subspaces * spec.kv_rank  # the K/V subspace bases (kv_rank > 0)
-    return d * d + 2 * d * kv + d * out + 2 * d * f + f * out + mixture, 2 * d
+    return [
+        d * d,
+        d * kv,
+        d * kv,
+        d * out,
+        d * f,
+        d * f,
+        f * out,
+        d * spec.kv_subspaces * spec.kv_rank,
+    ]
+
+
+def _stage_tensors(manifest: Manifest, stage: int) -> tuple[list[int], list[int]]:
+    """Values per tensor of `stage`: (hidden matrices, the rest: norm gains, embedding,
+    head); Muon treats the two differently."""
+    spec, last = manifest.model, manifest.num_stages - 1
+    last_start = manifest.stage_layers(last).start
+    hidden, other = [], []
+    for i in manifest.stage_layers(stage):
+        hidden += _block_matrices(spec, constrained=not manifest.dense and i < last_start)
+        other += [spec.d_model, spec.d_model]  # the block's two norm gains
+    if stage == 0:
+        other.append(spec.vocab_size * (spec.d_model if manifest.dense else spec.subspace_rank))
+    if stage == last:
+        other += [spec.d_model, spec.d_model * spec.vocab_size]  # final norm and head
+    return hidden, other
 
 
 def _stage_params(manifest: Manifest, stage: int) -> tuple[int, int]:
-    """(hidden-matrix, other) parameter counts of `stage`; Muon treats the two differently."""
-    spec, last = manifest.model, manifest.num_stages - 1
-    last_start = manifest.stage_layers(last).start
-    hidden = other = 0
-    for i in manifest.stage_layers(stage):
-        matrix, vector = _block_params(spec, constrained=not manifest.dense and i < last_start)
-        hidden, other = hidden + matrix, other + vector
-    if stage == 0:
-        other += spec.vocab_size * (spec.d_model if manifest.dense else spec.subspace_rank)
-    if stage == last:
-        other += spec.d_model + spec.d_model * spec.vocab_size  # final norm and head
-    return hidden, other
+    """(hidden-matrix, other) parameter counts of `stage`."""
+    hidden, other = _stage_tensors(manifest, stage)
+    return sum(hidden), sum(other)
 
 
 def _largest_tensor(manifest: Manifest, stage: int) -> int:
     """Values in the stage's largest parameter tensor (what an in-backward step holds)."""
-    spec, last = manifest.model, manifest.num_stages - 1
-    d, kv, f = spec.d_model, spec.n_kv_heads * spec.head_dim, spec.ffn_dim
-    out = d if manifest.dense or stage == last else spec.subspace_rank
-    sizes = [d * d, d * kv, d * out, d * f, f * out, d * spec.kv_subspaces * spec.kv_rank]
-    if stage == 0:
-        sizes.append(spec.vocab_size * (d if manifest.dense else spec.subspace_rank))
-    if stage == last:
-        sizes.append(d * spec.vocab_size)
-    return max(sizes)
+    return max(max(tensors, default=0) for tensors in _stage_tensors(manifest, stage))
 
 
 def stage_param_count(manifest: Manifest, stage: int) -> int:

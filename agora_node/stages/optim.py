@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from agora_node.protocol.manifest import InnerSpec, Manifest
+from agora_node.protocol.manifest import InnerSpec
 from agora_node.stages.device import OPTIMIZER_STATES, OPTIMIZER_STEPS
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,8 @@ class InnerOptimizer:
             raise ValueError(f"optimizer states must be one of {', '.join(OPTIMIZER_STATES)}")
         if when not in OPTIMIZER_STEPS:
             raise ValueError(f"optimizer step must be one of {', '.join(OPTIMIZER_STEPS)}")
+        if when == "in-backward" and (why := in_backward_refusal(spec)) is not None:
+            raise ValueError(why)
         self.spec, self.states, self.when = spec, states, when
         self.steps = 0
         self.skipped = 0
@@ -277,12 +279,14 @@ class InnerOptimizer:
             opt.load_state_dict(s)
 
 
-def in_backward_refusal(manifest: Manifest) -> str:
-    """Why `--optimizer-step in-backward` cannot serve `manifest` (which accumulates)."""
-    spec = manifest.inner
+def in_backward_refusal(spec: InnerSpec) -> str | None:
+    """Why `--optimizer-step in-backward` cannot train a run with inner settings `spec`
+    (one that accumulates micro-batches), or None when it can."""
+    if spec.local_batch == spec.micro_batch:
+        return None
     return (
-        f"--optimizer-step in-backward steps after every micro-batch, but run "
-        f"{manifest.run_id} accumulates {spec.local_batch // spec.micro_batch} micro-batches "
-        f"(local_batch {spec.local_batch}, micro_batch {spec.micro_batch}) per inner step: "
-        "the summed gradients must all be held there; use --optimizer-step after-backward"
+        f"--optimizer-step in-backward steps after every micro-batch, but this run "
+        f"accumulates {spec.local_batch // spec.micro_batch} micro-batches (local_batch "
+        f"{spec.local_batch}, micro_batch {spec.micro_batch}) per inner step: the summed "
+        "gradients must all be held there; use --optimizer-step after-backward"
     )

@@ -189,7 +189,7 @@ def test_the_optimizer_in_backward_gives_the_weights_of_the_plain_step(stage, st
 
 
 def test_in_backward_clips_one_step_late_bounds_each_tensor_and_skips_non_finite():
-    m = load_manifest("tiny")
+    m = _stepping_every_micro_batch(load_manifest("tiny"))
     clip, beta1 = m.inner.grad_clip, m.inner.beta1
     model = torch.nn.Linear(4, 4)
     opt = InnerOptimizer(model, m.inner, when="in-backward")

@@ -12,9 +12,9 @@ import logging
 import shlex
 import signal
 
-from agora_node.comms import reachability
 from agora_node.comms.directory import MANIFEST_TTL_S, publish_manifest
 from agora_node.comms.host import Host, HostConfig
+from agora_node.node.dialback import DialBack
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
 
@@ -43,9 +43,9 @@ async def run_bootstrap(
             initial_peers=initial_peers,
         )
     )
-    prober = reachability.Prober(reachability.probe_listen(host_maddrs), host.watch)
+    dialback = DialBack()
     try:
-        await reachability.serve_reachability(host.p2p, manifest.run_id, prober, None)
+        await dialback.serve(host, manifest.run_id, host_maddrs, None)
         await publish_manifest(host, manifest, identity)
         maddrs = await host.visible_maddrs()
         print(
@@ -66,5 +66,5 @@ async def run_bootstrap(
         log.info("bootstrap stopping")
         return 0
     finally:
-        await prober.close()
+        await dialback.close()
         await host.shutdown()

@@ -35,6 +35,7 @@ from agora_node.comms.host import Host, HostConfig
 from agora_node.comms.membership.messages import MemberMeta
 from agora_node.node import joining
 from agora_node.node.config import NodeConfig
+from agora_node.node.dialback import DialBack
 from agora_node.node.errors import JoinError
 from agora_node.node.liveness import Liveness
 from agora_node.node.loops import Loops
@@ -97,9 +98,8 @@ class Node:
         self.directory: Directory | None = None
         self.view: Snapshot = {}
         self.addrs: list[str] = []
-        self.reachability = reachability.Reachability()
-        """Whether peers could dial this node back (comms/reachability.py)."""
-        self.prober: reachability.Prober | None = None
+        self.dialback = DialBack()
+        """Whether peers can dial this node, and answering theirs (node/dialback.py)."""
         self.service: StageService | None = None
         self.liveness = Liveness()
         self.stage_choice_reason = ""
@@ -175,15 +175,8 @@ class Node:
             config=cfg.pipeline,
             on_refuse=self.metrics.count_refused,
         )
-        self.prober = reachability.Prober(
-            reachability.probe_listen(cfg.host_maddrs), self.host.watch
-        )
-        await reachability.serve_reachability(
-            self.host.p2p,
-            m.run_id,
-            self.prober,
-            admission.refuser(self.admittance.allow, self.peer_id, "reachability"),
-        )
+        refuse = admission.refuser(self.admittance.allow, self.peer_id, "reachability")
+        await self.dialback.serve(self.host, m.run_id, cfg.host_maddrs, refuse)
         await self._open_service(stage)
         self._loops.spawn(self._refresh_loop())
         self._loops.spawn(self._reachability_loop())
@@ -303,18 +296,11 @@ class Node:
                 self.stop_event.set()
 
     async def _reachability_loop(self) -> None:
-        """Ask a few peers to dial us back until one answers, then every RECHECK_S; say
-        what they found in one line when it changes."""
-        reach = self.reachability
         while not self.stop_event.is_set():
-            if reach.due(time.time()):
-                peers = set(self._others()) | reachability.peer_ids(self.config.initial_peers)
-                changed = await reachability.check(
-                    self.host.p2p, self.manifest.run_id, sorted(peers), self.addrs, reach
-                )
-                if changed:
-                    unreachable = reach.state == reachability.Reach.UNREACHABLE
-                    log.log(logging.WARNING if unreachable else logging.INFO, reach.line())
+            peers = set(self._others()) | reachability.peer_ids(self.config.initial_peers)
+            await self.dialback.check_if_due(
+                self.host, self.manifest.run_id, sorted(peers), self.addrs
+            )
             await self._wait_stop(self.config.refresh_s)
 
     async def _wait_stop(self, seconds: float) -> None:
@@ -424,8 +410,7 @@ class Node:
             await bounded("stopping the control API", self._control.stop(), STEP_S)
         if self._status is not None:
             await bounded("stopping the status page", self._status.stop(), STEP_S)
-        if self.prober is not None:
-            await bounded("stopping the reachability probe", self.prober.close(), STEP_S)
+        await bounded("stopping the reachability probe", self.dialback.close(), STEP_S)
         if self.host is not None:
             await bounded("shutting down libp2p and the DHT", self.host.shutdown(), STEP_S)
 

@@ -219,7 +219,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "stage_choice": node.stage_choice_reason,
             "last_checkpoint": node.last_checkpoint,
             "addrs": node.addrs,
-            "reachability": node.reachability.status(),
+            "reachability": node.dialback.reach.status(),
             "state_origin": service.origin if service else {},
             "states_served": node.states_served,
             "records_rejected": node.records_rejected,

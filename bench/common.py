@@ -42,6 +42,8 @@ class DriveResult:
     tokens: int = 0
     train_seconds: float = 0.0
     """Wall time inside train_step only."""
+    cpu_seconds: float = 0.0
+    """CPU time of this process (all threads) inside train_step only."""
     val_curve: list[tuple[int, float]] = field(default_factory=list)
     """(tokens trained, validation loss), starting at 0 tokens."""
     train_losses: list[float] = field(default_factory=list)
@@ -72,9 +74,10 @@ def drive(
     while (max_steps is None or out.steps < max_steps) and (
         max_seconds is None or out.train_seconds < max_seconds
     ):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         loss = trainer.train_step()
         out.train_seconds += time.perf_counter() - started
+        out.cpu_seconds += time.process_time() - cpu_started
         out.steps += 1
         out.tokens += tokens_per_step
         out.train_losses.append(loss)

@@ -3,8 +3,8 @@
     python bench/reference.py --manifest tiny --seconds 60 --json [--threads 2]
 
 Trains every stage chained in one process for `--seconds` of training-step time (validation
-at the start and end is not counted) and prints tokens/s over the steps alone, peak RSS,
-and validation loss before and after. Progress lines go to stderr; with --json stdout holds
+at the start and end is not counted) and prints tokens/s over the steps alone (and the CPU
+seconds they took), peak RSS, and validation loss before and after. Progress lines go to stderr; with --json stdout holds
 only the JSON object.
 """
 
@@ -46,6 +46,7 @@ def run(manifest_name: str, seconds: float, threads: int) -> dict[str, Any]:
         "steps": result.steps,
         "tokens": result.tokens,
         "train_seconds": round(result.train_seconds, 2),
+        "cpu_seconds": round(result.cpu_seconds, 2),
         "wall_seconds": round(time.perf_counter() - started, 2),
         "tokens_per_s": round(result.tokens_per_s, 1),
         "peak_rss_mb": round(peak_rss_mb(), 1),

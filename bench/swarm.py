@@ -1,47 +1,68 @@
-"""Swarm throughput against one process, on the same machine, in one invocation.
+"""Swarm throughput against one process, alternated in one invocation (A B A B ...).
 
-    python bench/swarm.py --manifest tiny --seconds 120 --json
-    python bench/swarm.py --manifest tiny --seconds 120 --bandwidth-mbit 100 --latency-ms 50 --json
+    python bench/swarm.py --manifest tiny --seconds 60 --repeats 2 --json
+    python bench/swarm.py --manifest tiny --seconds 60 --bandwidth-mbit 100 --latency-ms 50 --json
 
-1. The reference: LocalTrainer, all stages in one process (bench/reference.py),
-   for `--seconds` of training-step time, 2 torch threads.
-2. The swarm: a bootstrap and one daemon per stage on 127.0.0.1 (1 torch thread
-   each, same 2 cores), measured over `--seconds` after every node is active and
-   the first micro-batches completed. Tokens trained = micro-batches the head
-   completed x tokens per micro-batch; wire bytes = what the daemons' pipeline
-   streams actually wrote (frames incl. headers and token ids; libp2p's own
-   framing/encryption and DHT traffic excluded), divided by tokens trained.
-   dense_bf16_bytes_per_token is what the same boundaries would carry dense in
-   bf16 (measured from a real encoding), both directions, + token ids.
-   stage_utilization: each node's compute time / window.
-With --bandwidth-mbit/--latency-ms every daemon's uplink is shaped in the
-transport layer (agora_node/comms/linkemu.py: serialization at that rate plus
-one-way latency per message).
+Each repeat runs, on the same cores one after the other:
+
+A. the reference: LocalTrainer, every stage chained in one process (bench/reference.py,
+   in a child process), `--threads` torch threads, for `--seconds` of training-step time;
+B. the swarm: a bootstrap and one daemon per stage on 127.0.0.1, `--threads` torch
+   threads in all (split over the daemons, at least 1 each), measured over `--seconds`
+   once every node is active and the first micro-batches completed; started afresh.
+
+Reported per side as the median over repeats (every repeat's figures are in `runs`):
+
+- tokens per wall-second: the reference's over its steps; the swarm's = micro-batches the
+  head completed in the window x tokens per micro-batch, over the window;
+- tokens per compute-second: tokens over the CPU seconds the side consumed (every thread
+  of the reference process during its steps; every process of every daemon during the
+  window, its libp2p daemon included; the bootstrap's CPU is reported apart and not
+  counted, as it is no volunteer's stage work). `efficiency_per_compute_s` is the
+  swarm's over the reference's, `efficiency` the same for wall-seconds;
+- wire bytes: what the daemons' pipeline streams wrote (frames incl. headers and token
+  ids; libp2p framing/encryption and DHT traffic excluded), per token trained;
+  dense_bf16_bytes_per_token is what the same boundaries would carry dense in bf16,
+  both directions, + token ids;
+- stage_utilization: each stage's compute time (wall time in its stage work) / window.
+
+`conditions` says what the machine was doing: cores usable, load average before each
+side, thread budget, versions. With --bandwidth-mbit/--latency-ms every daemon's uplink
+is shaped in the transport layer (agora_node/comms/linkemu.py: serialization at that
+rate plus one-way latency per message).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
+import platform
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from reference import run as run_reference  # noqa: E402
+import torch  # noqa: E402
 
 from agora_node.compression import bytes_per_token  # noqa: E402
 from agora_node.node.demo import Swarm, fetch_status, wait_for_line  # noqa: E402
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 
+HERE = Path(__file__).resolve().parent
+TICKS = os.sysconf("SC_CLK_TCK")
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--manifest", default="tiny")
-    p.add_argument("--seconds", type=float, default=120.0, help="measurement window of each side")
+    p.add_argument("--seconds", type=float, default=60.0, help="measurement window of each side")
+    p.add_argument("--repeats", type=int, default=2, help="A B pairs (default 2: A B A B)")
     p.add_argument(
         "--bandwidth-mbit", type=float, default=0.0, help="emulated uplink per node (0: off)"
     )
@@ -52,11 +73,77 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-in-flight", type=int, default=0, help="head's micro-batches in flight (0: auto)"
     )
     p.add_argument(
-        "--threads", type=int, default=2, help="reference trainer's torch threads (default 2)"
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads of each side: the reference's, and the daemons' in all (default 2)",
     )
     p.add_argument("--skip-reference", action="store_true", help="only the swarm side")
     p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.seconds <= 0 or args.repeats < 1 or args.threads < 1:
+        p.error("--seconds, --repeats and --threads must be positive")
+    return args
+
+
+def group_cpu_seconds(pgid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of the live processes in process group `pgid`, by
+    program name (python: the daemon and its helpers; p2pd: its libp2p daemon)."""
+    ticks: dict[str, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        comm, rest = stat.split(" (", 1)[1].rsplit(")", 1)
+        fields = rest.split()  # state ppid pgrp ...
+        if int(fields[2]) == pgid:
+            ticks[comm] = ticks.get(comm, 0) + int(fields[11]) + int(fields[12])
+    return {comm: t / TICKS for comm, t in ticks.items()}
+
+
+def _add(a: dict[str, float], b: dict[str, float], sign: float = 1.0) -> dict[str, float]:
+    return {k: a.get(k, 0.0) + sign * b.get(k, 0.0) for k in a.keys() | b.keys()}
+
+
+def conditions(threads: int) -> dict:
+    return {
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "cpu": platform.processor() or platform.machine(),
+        "threads_per_side": threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "loadavg_1m_before": [],
+    }
+
+
+def run_reference(args: argparse.Namespace) -> dict:
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "reference.py"),
+            "--manifest",
+            args.manifest,
+            "--seconds",
+            str(args.seconds),
+            "--threads",
+            str(args.threads),
+            "--json",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
+    )
+    ref = json.loads(out.stdout)
+    return {
+        "tokens_per_s": ref["tokens_per_s"],
+        "tokens_per_cpu_s": round(ref["tokens"] / ref["cpu_seconds"], 1),
+        "cpu_seconds": ref["cpu_seconds"],
+        "train_seconds": ref["train_seconds"],
+    }
 
 
 def _port(child) -> int:  # noqa: ANN001
@@ -64,49 +151,35 @@ def _port(child) -> int:  # noqa: ANN001
     return int(line.rsplit(":", 1)[1].strip("/ \n"))
 
 
-def _totals(statuses: list[dict]) -> dict:
+def _totals(statuses: list[dict], nodes: list) -> dict:
     head = next(s for s in statuses if s["stage"] == 0)
     return {
         "ok": head["microbatches"].get("ok", 0),
         "sent": sum(sum(s["bytes_sent"].values()) for s in statuses),
         "compute": {s["stage"]: s["compute_s"] for s in statuses},
+        "cpu": functools.reduce(_add, (group_cpu_seconds(n.proc.pid) for n in nodes), {}),
         "at": time.monotonic(),
     }
 
 
 def run_swarm(args: argparse.Namespace, workdir: Path) -> dict:
     manifest = load_manifest(args.manifest)
+    stages = manifest.num_stages
     swarm = Swarm(workdir)
     boot = swarm.spawn(
         "bootstrap", ["bootstrap", "--manifest", args.manifest, "--data-dir", str(workdir / "b")]
     )
     peers = wait_for_line(boot, "--initial-peers", 60).split("--initial-peers", 1)[1].split()
-    extra = [
-        "--threads",
-        "1",
-        "--status-port",
-        "0",
-        "--eval-every",
-        "100000",
-        "--checkpoint-every",
-        "100000",
-    ]
+    extra = ["--status-port", "0", "--eval-every", "100000", "--checkpoint-every", "100000"]
     extra += ["--max-in-flight", str(args.max_in_flight)]
     if args.bandwidth_mbit:
         extra += ["--emulate-link", f"{args.bandwidth_mbit},{args.latency_ms}"]
     try:
         nodes = []
-        for s in range(manifest.num_stages):
-            argv = [
-                "join",
-                "--initial-peers",
-                *peers,
-                "--stage",
-                str(s),
-                "--data-dir",
-                str(workdir / f"n{s}"),
-                *extra,
-            ]
+        for s in range(stages):
+            threads = max(1, args.threads // stages + (s < args.threads % stages))
+            argv = ["join", "--initial-peers", *peers, "--stage", str(s)]
+            argv += ["--data-dir", str(workdir / f"n{s}"), "--threads", str(threads), *extra]
             nodes.append(swarm.spawn(f"node-{s}", argv))
         ports = [_port(n) for n in nodes]
 
@@ -116,47 +189,87 @@ def run_swarm(args: argparse.Namespace, workdir: Path) -> dict:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:  # warm-up: all active and micro-batches flowing
             current = statuses()
-            if all(s and s["state"] == "active" for s in current) and _totals(current)["ok"] >= 4:
+            active = all(s and s["state"] == "active" for s in current)
+            if active and _totals(current, nodes)["ok"] >= 4:
                 break
             time.sleep(1)
         else:
             raise RuntimeError(f"swarm did not start; logs in {workdir}")
-        start = _totals(statuses())
+        boot_cpu = group_cpu_seconds(boot.proc.pid)
+        start = _totals(statuses(), nodes)
         time.sleep(args.seconds)  # the measurement window itself
-        end = _totals(statuses())
+        end = _totals(statuses(), nodes)
+        boot_cpu = _add(group_cpu_seconds(boot.proc.pid), boot_cpu, -1.0)
     finally:
         swarm.stop(grace_s=20)
     window = end["at"] - start["at"]
     tokens = (end["ok"] - start["ok"]) * manifest.inner.micro_batch * manifest.model.seq_len
-    boundaries = manifest.num_stages - 1
-    dense = 2 * boundaries * (bytes_per_token("bf16", manifest.model.d_model) + 2)
+    by_program = _add(end["cpu"], start["cpu"], -1.0)
+    cpu = sum(by_program.values())
     return {
-        "swarm_tokens_per_s": round(tokens / window, 1),
+        "tokens_per_s": round(tokens / window, 1),
+        "tokens_per_cpu_s": round(tokens / cpu, 1) if cpu > 0 else 0.0,
+        "cpu_seconds": round(cpu, 1),
+        "cpu_seconds_by_program": {k: round(v, 1) for k, v in sorted(by_program.items())},
+        "bootstrap_cpu_seconds": round(sum(boot_cpu.values()), 1),
         "wire_bytes_per_token": round((end["sent"] - start["sent"]) / max(tokens, 1), 1),
-        "dense_bf16_bytes_per_token": round(dense, 1),
         "stage_utilization": [
-            round((end["compute"][s] - start["compute"][s]) / window, 3)
-            for s in range(manifest.num_stages)
+            round((end["compute"][s] - start["compute"][s]) / window, 3) for s in range(stages)
         ],
-        "swarm_window_s": round(window, 1),
-        "swarm_tokens": tokens,
+        "window_s": round(window, 1),
+        "tokens": tokens,
     }
+
+
+def median(runs: list[dict], key: str) -> float:
+    return round(statistics.median(r[key] for r in runs), 1)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result: dict = {"manifest": args.manifest, "seconds": args.seconds}
+    manifest = load_manifest(args.manifest)
+    result: dict = {"manifest": args.manifest, "seconds": args.seconds, "repeats": args.repeats}
     if args.bandwidth_mbit:
         result["link"] = {"bandwidth_mbit": args.bandwidth_mbit, "latency_ms": args.latency_ms}
-    if not args.skip_reference:
-        ref = run_reference(args.manifest, args.seconds, args.threads)
-        result["reference_tokens_per_s"] = ref["tokens_per_s"]
-    with tempfile.TemporaryDirectory(prefix="agora-bench-") as tmp:
-        result.update(run_swarm(args, Path(tmp)))
-    if "reference_tokens_per_s" in result:
+    cond = conditions(args.threads)
+    refs: list[dict] = []
+    swarms: list[dict] = []
+    for i in range(args.repeats):
+        if not args.skip_reference:
+            cond["loadavg_1m_before"].append(round(os.getloadavg()[0], 2))
+            refs.append(run_reference(args))
+            print(f"repeat {i + 1} reference: {refs[-1]}", file=sys.stderr, flush=True)
+        cond["loadavg_1m_before"].append(round(os.getloadavg()[0], 2))
+        with tempfile.TemporaryDirectory(prefix="agora-bench-") as tmp:
+            swarms.append(run_swarm(args, Path(tmp)))
+        print(f"repeat {i + 1} swarm: {swarms[-1]}", file=sys.stderr, flush=True)
+    boundaries = manifest.num_stages - 1
+    dense = 2 * boundaries * (bytes_per_token("bf16", manifest.model.d_model) + 2)
+    result.update(
+        {
+            "swarm_tokens_per_s": median(swarms, "tokens_per_s"),
+            "swarm_tokens_per_cpu_s": median(swarms, "tokens_per_cpu_s"),
+            "wire_bytes_per_token": median(swarms, "wire_bytes_per_token"),
+            "dense_bf16_bytes_per_token": round(dense, 1),
+            "stage_utilization": [
+                round(statistics.median(u), 3)
+                for u in zip(*(r["stage_utilization"] for r in swarms), strict=True)
+            ],
+            "swarm_window_s": median(swarms, "window_s"),
+            "swarm_tokens": int(statistics.median(r["tokens"] for r in swarms)),
+        }
+    )
+    if refs:
+        result["reference_tokens_per_s"] = median(refs, "tokens_per_s")
+        result["reference_tokens_per_cpu_s"] = median(refs, "tokens_per_cpu_s")
         result["efficiency"] = round(
             result["swarm_tokens_per_s"] / result["reference_tokens_per_s"], 3
         )
+        result["efficiency_per_compute_s"] = round(
+            result["swarm_tokens_per_cpu_s"] / result["reference_tokens_per_cpu_s"], 3
+        )
+    result["runs"] = {"reference": refs, "swarm": swarms}
+    result["conditions"] = cond
     if args.json:
         print(json.dumps(result))
     else:

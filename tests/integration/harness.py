@@ -115,8 +115,10 @@ class TestSwarm(Swarm):
         return child.log_path.read_text(errors="replace")
 
 
-def small_manifest(path: Path, *, stages: int, layers: int, inner_steps: int = 50) -> str:
-    """tiny with another stage cut and outer cadence H (written to `path`)."""
+def small_manifest(
+    path: Path, *, stages: int, layers: int, inner_steps: int = 50, group_size: int = 4
+) -> str:
+    """tiny with another stage cut, outer cadence H and gossip group size (written to `path`)."""
     from agora_node.protocol.manifest import parse_manifest
     from agora_node.stages.manifest_files import load_manifest
 
@@ -124,6 +126,7 @@ def small_manifest(path: Path, *, stages: int, layers: int, inner_steps: int = 5
     text = text.replace("n_layers = 8", f"n_layers = {layers}")
     text = text.replace("count = 4", f"count = {stages}")
     text = text.replace("inner_steps = 50", f"inner_steps = {inner_steps}")
+    text = text.replace("group_size = 4", f"group_size = {group_size}")
     parse_manifest(text)  # validate before a daemon sees it
     path.write_text(text)
     return str(path)

@@ -47,3 +47,42 @@ def test_replicas_of_a_stage_agree_after_outer_rounds(swarm, tmp_path):
     # honest load (pipeline, state copies, outer rounds, SWIM) is never refused by a guard
     refused = {n.name: (swarm.status(n) or {}).get("requests_refused") for n in nodes}
     assert all(r == {} for r in refused.values()), refused
+
+
+@pytest.mark.timeout(480)
+def test_gossip_splits_a_stage_of_four_replicas_into_groups_of_two(swarm, tmp_path):
+    """Gossip in daemons: with group_size 2, four replicas of a stage mix their deltas in two
+    disjoint pairs that agree on their result, round after round."""
+    manifest = small_manifest(
+        tmp_path / "gossip.toml", stages=2, layers=2, inner_steps=2, group_size=2
+    )
+    swarm.bootstrap(manifest)
+    nodes = [swarm.join(f"node-{i}", "--stage", str(s)) for i, s in enumerate([0, 0, 0, 0, 1])]
+    for node in nodes:
+        swarm.serving(node)
+    replicas = nodes[:4]
+    ids = {n.name: swarm.status(n)["peer_id"] for n in replicas}
+
+    def rounds(node) -> dict[int, dict]:  # noqa: ANN001
+        recent = ((swarm.status(node) or {}).get("outer") or {}).get("recent_rounds") or []
+        return {r["round"]: r for r in recent}
+
+    def split_rounds() -> list[int]:
+        """Rounds all four replicas mixed with every one of them taking part."""
+        seen = [rounds(n) for n in replicas]
+        common = set.intersection(*(set(s) for s in seen))
+        return sorted(r for r in common if all(s[r]["participants"] == 4 for s in seen))
+
+    poll(lambda: len(split_rounds()) >= 2, 280, "two rounds with all four replicas")
+    seen = {n.name: rounds(n) for n in replicas}
+    for r in split_rounds():
+        groups = {name: frozenset(s[r]["group"]) for name, s in seen.items()}
+        for name, group in groups.items():
+            assert ids[name] in group and len(group) == 2, (r, groups)
+            partner = next(n for n, pid in ids.items() if pid in group and n != name)
+            assert groups[partner] == group, (r, groups)  # both name the same pair
+            assert seen[name][r]["consistent"], (r, seen[name][r])
+            assert not seen[name][r]["failed_peers"], (r, seen[name][r])
+        assert len(set(groups.values())) == 2, (r, groups)  # two groups, not one of four
+    refused = {n.name: (swarm.status(n) or {}).get("requests_refused") for n in nodes}
+    assert all(r == {} for r in refused.values()), refused

@@ -23,7 +23,7 @@ import torch
 from agora_node.compression.errors import CodecError, NonFiniteError
 from agora_node.compression.framing import decode_frame, encode_frame
 from agora_node.compression.quant import dequantize, quantize
-from agora_node.protocol.codecs import CodecName, from_name
+from agora_node.protocol.codecs import DENSE_CODEC_NAMES, CodecName, from_name
 
 ActivationMode = CodecName  # every codec of the registry can carry activations
 _INT4_BLOCK = 32
@@ -41,7 +41,7 @@ class ActivationCodec:
     """Values per scale for int modes; None: k for int8, 32 (or k) for int4."""
 
     def __post_init__(self) -> None:
-        from_name(self.mode, what="activation mode")
+        from_name(self.mode, what="activation mode", allowed=DENSE_CODEC_NAMES)
         if self.block is not None and self.block < 1:
             raise ValueError(f"block must be >= 1, got {self.block}")
 

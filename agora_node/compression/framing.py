@@ -14,7 +14,8 @@ Tensor frame (little-endian):
     21   8     payload length on the wire
     29   8*nd  shape
     ..   4     crc32 of everything before it and of the payload
-    ..         payload: scales (one per block, quantized codecs) then values
+    ..         payload: scales (one per block, quantized codecs), positions (sparse codecs:
+               u8 per kept value, increasing within each block) then values
 
 zstd (level 1) is applied only when it shrinks the payload by at least 5%.
 
@@ -38,6 +39,7 @@ import zstandard
 
 from agora_node.compression.errors import CodecError, NonFiniteError
 from agora_node.compression.quant import Codec, QuantizedTensor, dequantize
+from agora_node.protocol.codecs import SPARSE_BLOCKS
 
 VERSION = 1
 DEFAULT_MAX_BYTES = 1 << 30
@@ -184,6 +186,9 @@ def payload_size(codec: Codec, numel: int, block: int, scale_width: int) -> int:
     if codec is Codec.BF16:
         return 2 * numel
     nblocks = -(-numel // block)
+    if codec.is_sparse:  # positions, then int4 values (a whole number of bytes per block)
+        kept = codec.kept(block)
+        return nblocks * (scale_width + kept + kept // 2)
     values = nblocks * block
     return nblocks * scale_width + (values if codec is Codec.INT8 else (values + 1) // 2)
 
@@ -249,6 +254,8 @@ def _check_fields(codec_id: int, dtype_id: int, flags: int, block: int, seed: in
         raise CodecError(f"block size {block} outside 1..{MAX_BLOCK}")
     if flags & FLAG_ROTATED and block & (block - 1):
         raise CodecError(f"rotated frame with non-power-of-two block {block}")
+    if codec.is_sparse and (block not in SPARSE_BLOCKS or flags & FLAG_ROTATED):
+        raise CodecError(f"{codec.label} frame needs a block of {SPARSE_BLOCKS}, not rotated")
     if seed and not flags & FLAG_ROTATED:
         raise CodecError("seed set on a frame that is not rotated")
     return codec
@@ -297,9 +304,18 @@ def _build(
         # One kind for both: peers have always answered a negative scale as non_finite too.
         raise NonFiniteError("scales must be finite and non-negative")
     offset = nblocks * scale_width
+    indices = None
+    if codec.is_sparse:
+        kept = codec.kept(block)
+        indices = _array(raw, "<u1", nblocks * kept, offset)
+        # Increasing within each block: one encoding per sparse vector, and no position twice.
+        steps = indices.reshape(nblocks, kept).to(torch.int16).diff(dim=1)  # no uint8 wrap
+        if not bool((steps > 0).all()):
+            raise CodecError("sparse positions are not increasing within a block")
+        offset += nblocks * kept
     count = len(raw) - offset
     data = _array(raw, "<i1" if codec is Codec.INT8 else "<u1", count, offset)
-    return QuantizedTensor(codec, shape, dtype, data, block, seed, scales)
+    return QuantizedTensor(codec, shape, dtype, data, block, seed, scales, indices)
 
 
 def _array(raw: bytes | memoryview, np_dtype: str, count: int, offset: int) -> torch.Tensor:
@@ -312,6 +328,8 @@ def _payload_bytes(q: QuantizedTensor) -> bytes:
     parts = []
     if q.scales is not None:
         parts.append(_to_le(q.scales))
+    if q.indices is not None:
+        parts.append(_to_le(q.indices))
     parts.append(_to_le(q.data))
     return b"".join(parts)
 

@@ -11,6 +11,10 @@ The rotation is orthonormal, so the L2 bound carries over to the original values
 
 Since absmax <= ||x_b||, the relative L2 error is at most sqrt(block) / (2 qmax) for any input.
 
+TOPK4 (sparse) keeps, per block of 128 or 256 values (never rotated), the 1/64 of them largest
+in magnitude: their positions (one byte each) and their values in int4 on a scale set by the
+largest. Everything else decodes as 0; the bound above holds for the kept values only.
+
 Scales are float32 by default: pseudo-gradients can be ~1e-9, below float16's range. bfloat16
 scales (same range, half the overhead, which matters at small blocks) are rounded *up*, so the
 bound above holds with the stored scale (whose step is then up to 2**-7 coarser).
@@ -25,7 +29,7 @@ import torch
 
 from agora_node.compression.errors import CodecError, NonFiniteError
 from agora_node.compression.hadamard import is_power_of_two, rotate, unrotate
-from agora_node.protocol.codecs import Codec
+from agora_node.protocol.codecs import SPARSE_BLOCKS, Codec
 
 DEFAULT_BLOCK = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -35,8 +39,21 @@ SCALE_DTYPES = (torch.float32, torch.bfloat16)
 # Relative L2 error above which `quantize_with_fallback` re-encodes at higher precision. Typical
 # at block 256: gaussian ~0.007 (int8) / ~0.12 (int4); student-t(2) unrotated ~0.03 / ~0.28. The
 # worst case is sqrt(block) / (2 qmax): 0.063 / 1.14. So these catch pathology, not ordinary data.
-DEFAULT_MAX_REL_ERROR = {Codec.INT8: 0.05, Codec.INT4: 0.35, Codec.BF16: 0.01, Codec.FP32: 0.0}
-_FALLBACK = {Codec.INT8: Codec.BF16, Codec.INT4: Codec.BF16, Codec.BF16: Codec.FP32}
+# A sparse codec drops most of a dense vector by design (error feedback sends it later): its
+# limit only catches an encoding that kept nothing of a non-zero input.
+DEFAULT_MAX_REL_ERROR = {
+    Codec.INT8: 0.05,
+    Codec.INT4: 0.35,
+    Codec.TOPK4: 0.9999,
+    Codec.BF16: 0.01,
+    Codec.FP32: 0.0,
+}
+_FALLBACK = {
+    Codec.INT8: Codec.BF16,
+    Codec.INT4: Codec.BF16,
+    Codec.TOPK4: Codec.INT8,
+    Codec.BF16: Codec.FP32,
+}
 
 
 @dataclass(frozen=True)
@@ -44,7 +61,8 @@ class QuantizedTensor:
     """An encoded tensor, ready for framing.
 
     data is float32 / bfloat16 values (FP32, BF16), int8 values (INT8) or uint8 nibble pairs
-    (INT4), flat and padded to whole blocks. scales is one value per block (quantized only).
+    (INT4; TOPK4: the kept values only), flat and padded to whole blocks. scales is one value
+    per block (quantized only).
     """
 
     codec: Codec
@@ -54,6 +72,8 @@ class QuantizedTensor:
     block: int = 0
     seed: int | None = None
     scales: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
+    """Sparse codecs: uint8 positions of the kept values within each block, increasing."""
 
     @property
     def numel(self) -> int:
@@ -79,6 +99,8 @@ def quantize(
     if codec is Codec.BF16:
         return QuantizedTensor(codec, shape, dtype, flat.to(torch.bfloat16).contiguous())
     _check_block(block, seed, scale_dtype)
+    if codec.is_sparse:
+        return _quantize_sparse(flat.float(), codec, shape, dtype, block, seed, scale_dtype)
     blocks = _to_blocks(flat.float(), block)
     if seed is not None:
         blocks = rotate(blocks, seed)
@@ -99,6 +121,14 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
         return q.data[:n].reshape(q.shape).to(q.dtype)
     nblocks = q.scales.numel()
     length = nblocks * q.block
+    if q.codec.is_sparse:
+        kept = q.codec.kept(q.block)
+        values = unpack_int4(q.data, nblocks * kept).reshape(nblocks, kept).float()
+        blocks = torch.zeros(nblocks, q.block)
+        blocks.scatter_(
+            1, q.indices.reshape(nblocks, kept).long(), values * q.scales.float()[:, None]
+        )
+        return blocks.reshape(-1)[:n].reshape(q.shape).to(q.dtype)
     vals = unpack_int4(q.data, length) if q.codec is Codec.INT4 else q.data[:length]
     blocks = vals.reshape(nblocks, q.block).float() * q.scales.float()[:, None]
     if q.seed is not None:
@@ -134,6 +164,33 @@ def quantize_with_fallback(
         if codec is Codec.FP32 or relative_error(x, deq) <= limit:
             return q, deq
         codec = _FALLBACK[codec]
+
+
+def _quantize_sparse(
+    flat: torch.Tensor,
+    codec: Codec,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    block: int,
+    seed: int | None,
+    scale_dtype: torch.dtype,
+) -> QuantizedTensor:
+    """The largest `codec.kept(block)` magnitudes of each block, int4 on the block's scale."""
+    if block not in SPARSE_BLOCKS or seed is not None:
+        raise ValueError(f"{codec.label} takes blocks of {SPARSE_BLOCKS} values, not rotated")
+    blocks = _to_blocks(flat, block)
+    kept = codec.kept(block)
+    positions = blocks.abs().topk(kept, dim=1, sorted=False).indices.sort(dim=1).values
+    values = blocks.gather(1, positions)
+    scales = _block_scales(values, codec.qmax, scale_dtype)
+    if not bool(torch.isfinite(scales).all()):
+        raise NonFiniteError("values too large for a finite scale")
+    divisor = torch.where(scales > 0, scales.float(), torch.ones_like(scales, dtype=torch.float32))
+    q = torch.round(values / divisor[:, None]).clamp_(-codec.qmax, codec.qmax).to(torch.int8)
+    indices = positions.to(torch.uint8).reshape(-1)
+    return QuantizedTensor(
+        codec, shape, dtype, pack_int4(q.reshape(-1)), block, None, scales, indices
+    )
 
 
 def relative_error(x: torch.Tensor, approx: torch.Tensor) -> float:

@@ -21,7 +21,7 @@ from agora_node.node.errors import UsageError
 from agora_node.node.options import flag_of, option
 from agora_node.node.telemetry import check_url
 from agora_node.protocol.allowlist import AllowListError, read_allow_keys
-from agora_node.protocol.codecs import CODEC_NAMES, UnknownCodecError, from_name
+from agora_node.protocol.codecs import DENSE_CODEC_NAMES, UnknownCodecError, from_name
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.records import DEFAULT_RECORD_TTL_S, MAX_RECORD_TTL_S
 from agora_node.stages.device import (
@@ -40,7 +40,7 @@ _LISTEN_HELP = "listen multiaddrs (use /ip4/0.0.0.0/tcp/PORT to be reachable)"
 
 def _check_codec(name: str) -> None:
     try:
-        from_name(name, what="--activation-codec")
+        from_name(name, what="--activation-codec", allowed=DENSE_CODEC_NAMES)
     except UnknownCodecError as exc:
         raise UsageError(str(exc)) from None
 
@@ -60,7 +60,7 @@ class PipelineConfig:
     deadline_s: float = 120.0
     """A micro-batch that has not completed by then is dropped."""
     activation_codec: str = option(
-        "bf16", help="boundary activations on the wire: " + ", ".join(CODEC_NAMES)
+        "bf16", help="boundary activations on the wire: " + ", ".join(DENSE_CODEC_NAMES)
     )
     canary_every: int = 64
     """Every n-th training micro-batch this node sends, the same input also goes, as a

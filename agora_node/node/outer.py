@@ -66,7 +66,7 @@ from agora_node.node.heap import release_freed_memory
 from agora_node.node.round_report import RoundReport, round_report, round_summary
 from agora_node.node.suspects import ROUND_EVIDENCE, Reason, Suspects
 from agora_node.protocol.allowlist import AllowList
-from agora_node.protocol.codecs import Codec, from_name
+from agora_node.protocol.codecs import CODEC_NAMES, DENSE_CODEC_NAMES, Codec, from_name
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import outer_namespace
@@ -86,7 +86,8 @@ class OuterConfig:
     codec: str = "int8"
     """Pseudo-gradient parts on the wire (error feedback on for quantized codecs)."""
     result_codec: str | None = None
-    """Mixed spans on the wire; default int8 after int8/int4, else the same as `codec`."""
+    """Mixed spans on the wire; default int8 after int8/int4, else the same as `codec`
+    (topk4 results: the top 1/64 of each block of the mix)."""
     anchor_codec: str | None = None
     """Anchors on the wire; default fp32 with fp32 deltas, else bf16 (weights quantize badly)."""
     mix_momentum: bool = False
@@ -106,8 +107,9 @@ class OuterConfig:
     def __post_init__(self) -> None:
         for name in ("codec", "result_codec", "anchor_codec"):
             value = getattr(self, name)
-            if value is not None:
-                from_name(value, what=f"outer {name}")
+            if value is not None:  # anchors are weights: every value of them counts
+                allowed = DENSE_CODEC_NAMES if name == "anchor_codec" else CODEC_NAMES
+                from_name(value, what=f"outer {name}", allowed=allowed)
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, **overrides: Any) -> OuterConfig:
@@ -134,13 +136,15 @@ class OuterConfig:
 
     def delta_format(self) -> WireFormat:
         part = from_name(self.codec)
-        default = Codec.INT8 if part.is_quantized else part
+        # A sparse part's mixed result stays sparse (the top of the mix); dense parts' go int8.
+        default = Codec.INT8 if part.is_quantized and not part.is_sparse else part
         result = from_name(self.result_codec) if self.result_codec else default
+        sparse = part.is_sparse or result.is_sparse  # a rotation would spread the top values
         return WireFormat(
             part=part,
             result=result,
             block=self.block,
-            seed=self.rotation_seed,
+            seed=None if sparse else self.rotation_seed,
             error_feedback=part.is_quantized,
         )
 

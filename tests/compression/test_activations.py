@@ -19,7 +19,7 @@ from agora_node.compression import (
     encode_frame,
     relative_error,
 )
-from agora_node.protocol.codecs import CODEC_NAMES
+from agora_node.protocol.codecs import DENSE_CODEC_NAMES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -122,7 +122,7 @@ def test_invalid_configuration() -> None:
 
 def test_bytes_per_token_is_measured_and_ordered() -> None:
     k = 32
-    sizes = {mode: bytes_per_token(mode, k) for mode in CODEC_NAMES}
+    sizes = {mode: bytes_per_token(mode, k) for mode in DENSE_CODEC_NAMES}
     assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["int4"]
     # Values plus one bf16 scale per block, plus a header shared by 1024 tokens.
     for mode, expected in {"fp32": 4 * k, "bf16": 2 * k, "int8": k + 2, "int4": k / 2 + 2}.items():

@@ -4,7 +4,13 @@ import dataclasses
 
 import pytest
 
-from agora_node.protocol.codecs import CODEC_NAMES, Codec, UnknownCodecError, from_name
+from agora_node.protocol.codecs import (
+    CODEC_NAMES,
+    DENSE_CODEC_NAMES,
+    Codec,
+    UnknownCodecError,
+    from_name,
+)
 from agora_node.protocol.manifest import ManifestError, OuterSpec
 
 pytestmark = pytest.mark.timeout(60)
@@ -12,8 +18,15 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_names_and_wire_ids_are_pinned():
     # Wire ids are in every frame; names are in manifests (hence run ids) and flags.
-    assert CODEC_NAMES == ("fp32", "bf16", "int8", "int4")
-    assert {c.label: int(c) for c in Codec} == {"fp32": 1, "bf16": 2, "int8": 3, "int4": 4}
+    assert CODEC_NAMES == ("fp32", "bf16", "int8", "int4", "topk4")
+    assert {c.label: int(c) for c in Codec} == {
+        "fp32": 1,
+        "bf16": 2,
+        "int8": 3,
+        "int4": 4,
+        "topk4": 5,
+    }
+    assert DENSE_CODEC_NAMES == ("fp32", "bf16", "int8", "int4")
 
 
 @pytest.mark.parametrize("name", CODEC_NAMES)
@@ -31,7 +44,7 @@ def test_from_name_rejects_with_the_valid_list(bad):
         from_name(bad)
     assert isinstance(info.value, ValueError)
     assert info.value.name == bad
-    assert "fp32, bf16, int8, int4" in str(info.value)
+    assert "fp32, bf16, int8, int4, topk4" in str(info.value)
     with pytest.raises(UnknownCodecError, match=r"^--activation-codec must be one of"):
         from_name(bad, what="--activation-codec")
 
@@ -41,12 +54,22 @@ def test_every_consumer_takes_the_registry_names():
     from agora_node.node.outer import OuterConfig
 
     for name in CODEC_NAMES:
-        assert ActivationCodec(mode=name).mode == name
-        assert OuterConfig(codec=name, anchor_codec=name).delta_format().part is from_name(name)
+        assert OuterConfig(codec=name).delta_format().part is from_name(name)
         assert dataclasses.replace(OuterSpec(), codec=name).codec == name
+    for name in DENSE_CODEC_NAMES:  # activations and anchors keep every value
+        assert ActivationCodec(mode=name).mode == name
+        assert OuterConfig(anchor_codec=name).anchor_format().part is from_name(name)
+    with pytest.raises(ValueError, match="activation mode must be one of fp32, bf16, int8, int4,"):
+        ActivationCodec(mode="topk4")
+    with pytest.raises(
+        ValueError, match="outer anchor_codec must be one of fp32, bf16, int8, int4,"
+    ):
+        OuterConfig(anchor_codec="topk4")
     with pytest.raises(ValueError, match="activation mode must be one of fp32"):
         ActivationCodec(mode="int2")
     with pytest.raises(ValueError, match="outer anchor_codec must be one of fp32"):
         OuterConfig(anchor_codec="int2")
-    with pytest.raises(ManifestError, match="outer.codec.*must be one of fp32, bf16, int8, int4"):
+    with pytest.raises(
+        ManifestError, match="outer.codec.*must be one of fp32, bf16, int8, int4, topk4"
+    ):
         OuterSpec(codec="int2")

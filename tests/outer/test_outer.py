@@ -133,6 +133,21 @@ async def test_with_the_codec_the_update_stays_within_its_error(codec: str, boun
     assert float((got - expected).norm() / (expected - start).norm()) < bound
 
 
+async def test_sparse_parts_and_results_keep_replicas_identical_for_a_fraction_of_the_bytes():
+    tokens = [1000, 1000, 1000]
+    dense, dense_reports = await run_swarm(3, 3, config(block=256), tokens)
+    sparse, sparse_reports = await run_swarm(3, 3, config(codec="topk4", block=256), tokens)
+    got = sparse[0].state.weights()
+    assert all(torch.equal(got, lp.state.weights()) for lp in sparse)  # one mixed result
+    reports = [r for rs in sparse_reports for r in rs]
+    assert all(r.consistent and not r.rejected and not r.direction_outliers for r in reports)
+    sent = [sum(r.bytes_sent for rs in run for r in rs) for run in (dense_reports, sparse_reports)]
+    assert sent[0] > 20 * sent[1], sent  # ~10 bytes per 256 values, plus frame headers
+    start, expected = flat(model()), dense[0].state.weights()
+    move, want = got - start, expected - start
+    assert float(move @ want / (move.norm() * want.norm())) > 0.3  # the same way, roughly
+
+
 async def test_a_warming_newcomer_has_zero_weight_for_one_round() -> None:
     loops = swarm(3, config())
     newcomer = loops[2]

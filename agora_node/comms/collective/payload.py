@@ -53,6 +53,8 @@ class WireFormat:
 
     def bits(self, codec: Codec) -> float:
         """Approximate bits per value on the wire (before zstd), for deadline estimates."""
+        if codec.is_sparse:  # a position byte and an int4 value per kept value, and a scale
+            return (codec.kept(self.block) * 12.0 + 32.0) / self.block
         return {Codec.FP32: 32.0, Codec.BF16: 16.0, Codec.INT8: 8.0, Codec.INT4: 4.0}[codec] + (
             32.0 / self.block if codec.is_quantized else 0.0
         )
@@ -96,13 +98,18 @@ def slice_quantized(q: QuantizedTensor, lo: int, hi: int) -> QuantizedTensor:
     if lo % q.block:
         raise ValueError(f"span start {lo} is not a multiple of block {q.block}")
     b0, nblocks = lo // q.block, -(-n // q.block)
+    scales = q.scales[b0 : b0 + nblocks].clone()
+    if q.codec.is_sparse:  # whole blocks of positions and of int4 values (kept is even)
+        k = q.codec.kept(q.block)
+        indices = q.indices[b0 * k : (b0 + nblocks) * k].clone()
+        data = q.data[b0 * k // 2 : (b0 + nblocks) * k // 2].clone()
+        return QuantizedTensor(q.codec, (n,), q.dtype, data, q.block, q.seed, scales, indices)
     values = nblocks * q.block
     if q.codec is Codec.INT4:
         data = q.data[lo // 2 : lo // 2 + (values + 1) // 2]
     else:
         data = q.data[lo : lo + values]
-    scales = q.scales[b0 : b0 + nblocks]
-    return QuantizedTensor(q.codec, (n,), q.dtype, data.clone(), q.block, q.seed, scales.clone())
+    return QuantizedTensor(q.codec, (n,), q.dtype, data.clone(), q.block, q.seed, scales)
 
 
 def encode_result(value: Tensor, fmt: WireFormat) -> bytes:

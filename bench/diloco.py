@@ -5,18 +5,27 @@
 The JSON says how many steps ddp took against the manifest's warm-up (a budget inside
 the warm-up compares learning-rate schedules, not methods: a warning says so) and
 whether it had flattened (`ddp.tail_rel_drop`: its fall over the last quarter,
-relative to its final loss). ddp's bytes are computed (a ring all-reduce of fp32
-gradients per step), not measured.
+relative to its final loss). ddp's bytes are measured once and multiplied by its
+steps: R replicas put one fp32 all-reduce of a gradient-sized vector through the same
+collective (every step's is the same size). `blocking_s` is what the outer rounds
+blocked each replica's inner loop, in total (mean over replicas; in one process, so
+no link time is in it).
 
 Every method spends the same number of training tokens in total:
 
 - ddp: synchronous data parallel, i.e. one model trained with R times the local batch
-  (its traffic: a ring all-reduce of fp32 gradients every step);
+  (its traffic: an fp32 all-reduce of the gradients every step, through the same collective);
 - diloco: R replicas, H inner steps, outer step over one group of everyone, fp32;
 - gossip: groups of --group-size (default 2) drawn afresh every round, with the
   factored anchor mix, fp32;
 - gossip_int8 / gossip_int4: gossip with int8 / int4 pseudo-gradients (rotation,
-  error feedback, zstd framing), int8 mixed results and bf16 anchors.
+  error feedback, zstd framing), int8 mixed results and bf16 anchors;
+- diloco_topk4: one group of everyone with sparse pseudo-gradients (the top 1/64 of each
+  block of 256 in int4, error feedback) and sparse mixed results (the top 1/64 of the mix).
+  Not in the default list (`--methods` adds it).
+
+`refused` counts, per method, the parts reducers refused (norm, direction): a codec that
+makes honest parts look like outliers shows here.
 
 Replicas run the real OuterLoop over an in-process transport and board, so bytes are
 what the collective would put on the wire (payload frames, per replica, sent).
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import dataclasses
 import json
 import sys
@@ -35,7 +45,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
+from torch import nn  # noqa: E402
 
 from agora_node.comms.collective import Deadlines, LocalNetwork, MatchmakingConfig, MemoryBoard  # noqa: E402
 from agora_node.node.outer import OuterConfig, OuterLoop  # noqa: E402
@@ -45,6 +57,8 @@ from agora_node.protocol.manifest import Manifest  # noqa: E402
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 
 METHODS = ("ddp", "diloco", "gossip", "gossip_int8", "gossip_int4")
+CODECS = {"gossip_int8": "int8", "gossip_int4": "int4", "diloco_topk4": "topk4"}
+KNOWN = (*METHODS, "diloco_topk4")
 # In one process nothing fails and nobody is late: deadlines only need to be generous.
 PATIENT = Deadlines(base=600.0)
 TOGETHER = MatchmakingConfig(window=600.0, settle=0.0, poll_interval=0.01)
@@ -54,6 +68,44 @@ def trainer(manifest: Manifest, eval_samples: int, shard: int, shards: int) -> L
     t = LocalTrainer(manifest, LocalTrainConfig(eval_samples=eval_samples))
     t.cursor = shard * (len(t.train) // shards)  # disjoint slices of the epoch order
     return t
+
+
+def identity(k: int) -> Identity:
+    """Fixed keys: every method meets the same sequence of random groups."""
+    return Identity(Ed25519PrivateKey.from_private_bytes(bytes([k + 1]) * 32))
+
+
+def outer_loops(models: list[nn.Module], cfg: OuterConfig, run_id: str) -> list[OuterLoop]:
+    """One OuterLoop per model (replica k keeps key k), over one in-process network."""
+    network, board = LocalNetwork(), MemoryBoard()
+    loops = []
+    for k, model in enumerate(models):
+        ident = identity(k)
+        book, transport = network.join(ident.peer_id), network.transport(ident.peer_id)
+        loops.append(
+            OuterLoop(
+                model, ident, run_id=run_id, stage=0, config=cfg, book=book,
+                transport=transport, board=board,
+            )
+        )  # fmt: skip
+    return loops
+
+
+async def allreduce_bytes(model: nn.Module, r: int) -> float:
+    """Bytes one of `r` replicas sends in one fp32 all-reduce of `model`'s parameters through
+    the collective (an outer round of plain DiLoCo moves exactly that: the delta mix)."""
+    cfg = OuterConfig(group_size=0, codec="fp32", deadlines=PATIENT, matchmaking=TOGETHER)
+    loops = outer_loops([copy.deepcopy(model) for _ in range(r)], cfg, "bench-ddp")
+    with torch.no_grad():  # a non-zero "gradient" per replica
+        for loop in loops:
+            for p in loop.state.params:
+                p.add_(torch.randn_like(p), alpha=1e-3)
+    for loop in loops:
+        await loop.begin_round(expect=r)
+    reports = await asyncio.gather(*(lp.end_round(tokens=1) for lp in loops))
+    if any(len(rep.delta_group) != r for rep in reports):
+        raise RuntimeError("the all-reduce did not include every replica")
+    return sum(rep.bytes_sent for rep in reports) / r
 
 
 def run_ddp(manifest: Manifest, args: argparse.Namespace) -> tuple[float, float, dict]:
@@ -75,23 +127,26 @@ def run_ddp(manifest: Manifest, args: argparse.Namespace) -> tuple[float, float,
         if step in quarters:
             curve.append(t.evaluate())
     final = t.evaluate()
-    params = sum(p.numel() for p in t.model.parameters())
-    ring = 2 * (r - 1) / r * 4 * params  # bytes one replica sends per fp32 all-reduce
+    per_step = asyncio.run(allreduce_bytes(t.model, r))
     last_quarter = curve[-1] if curve else final
     info = {
         "steps": steps,
         "val_curve_quarters": [round(v, 4) for v in [*curve, final]],
         "tail_rel_drop": round((last_quarter - final) / final, 5),
+        "allreduce_bytes_per_step": int(per_step),
     }
-    return final, steps * ring, info
+    return final, steps * per_step, info
 
 
 def outer_config(method: str, args: argparse.Namespace) -> OuterConfig:
-    codec = {"gossip_int8": "int8", "gossip_int4": "int4"}.get(method, "fp32")
-    group = 0 if method == "diloco" else args.group_size
+    codec = CODECS.get(method, "fp32")
+    group = 0 if method.startswith("diloco") else args.group_size
     return OuterConfig(
+        lr=args.outer_lr,
+        momentum=args.outer_momentum,
         group_size=group,
         codec=codec,
+        result_codec=args.result_codec if codec != "fp32" else None,
         deadlines=PATIENT,
         matchmaking=TOGETHER,
         mix_momentum=args.momentum_mix,
@@ -100,30 +155,14 @@ def outer_config(method: str, args: argparse.Namespace) -> OuterConfig:
 
 async def run_outer(
     manifest: Manifest, method: str, args: argparse.Namespace
-) -> tuple[float, float]:
+) -> tuple[float, float, float, int]:
     r, h = args.replicas, args.inner_steps
     tokens_per_step = manifest.inner.local_batch * manifest.model.seq_len
     rounds = max(1, args.tokens // (r * h * tokens_per_step))
-    network, board, cfg = LocalNetwork(), MemoryBoard(), outer_config(method, args)
-    trainers, loops = [], []
-    for k in range(r):
-        t = trainer(manifest, args.eval_samples, k, r)
-        # fixed keys: every method meets the same sequence of random groups
-        ident = Identity(Ed25519PrivateKey.from_private_bytes(bytes([k + 1]) * 32))
-        loops.append(
-            OuterLoop(
-                t.model,
-                ident,
-                run_id="bench",
-                stage=0,
-                config=cfg,
-                book=network.join(ident.peer_id),
-                transport=network.transport(ident.peer_id),
-                board=board,
-            )
-        )
-        trainers.append(t)
-    sent = 0
+    trainers = [trainer(manifest, args.eval_samples, k, r) for k in range(r)]
+    loops = outer_loops([t.model for t in trainers], outer_config(method, args), "bench")
+    sent = blocked = 0.0
+    refused = 0
     for _ in range(rounds):
         for loop in loops:
             await loop.begin_round(expect=r)
@@ -131,8 +170,10 @@ async def run_outer(
         await asyncio.to_thread(lambda: [t.train_step() for t in trainers for _ in range(h)])
         reports = await asyncio.gather(*(lp.end_round(tokens=h * tokens_per_step) for lp in loops))
         sent += sum(rep.bytes_sent for rep in reports)
+        blocked += sum(rep.seconds_blocked for rep in reports)
+        refused += sum(len(rep.outliers) + len(rep.direction_outliers) for rep in reports)
     val = sum(t.evaluate() for t in trainers) / r
-    return val, sent / r
+    return val, sent / r, blocked / r, refused
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,10 +197,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-samples", type=int, default=64)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--momentum-mix", action="store_true", help="also mix outer momenta (ablation)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov lr (default 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="outer momentum (0.9)")
+    p.add_argument(
+        "--result-codec",
+        default=None,
+        help="mixed results of the compressed methods (default: the codec's own default)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    unknown = set(args.methods.split(",")) - set(KNOWN)
+    if unknown:
+        p.error(f"unknown methods {sorted(unknown)}; known: {', '.join(KNOWN)}")
     manifest = load_manifest(args.manifest)
-    val, sent, seconds, ddp = {}, {}, {}, None
+    val, sent, seconds, blocking, refused, ddp = {}, {}, {}, {}, {}, None
     for method in args.methods.split(","):
         started = time.perf_counter()
         if method == "ddp":
@@ -172,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
         else:
-            val[method], sent[method] = asyncio.run(run_outer(manifest, method, args))
+            outcome = asyncio.run(run_outer(manifest, method, args))
+            val[method], sent[method], blocking[method], refused[method] = outcome
         seconds[method] = time.perf_counter() - started
         if not args.json:
             print(
@@ -181,12 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "val_loss": val,
         "bytes_per_replica": {k: int(v) for k, v in sent.items()},
+        "blocking_s": {k: round(v, 2) for k, v in blocking.items()},
+        "refused": refused,
         "config": {
             "manifest": args.manifest,
             "replicas": args.replicas,
             "tokens": args.tokens,
             "inner_steps": args.inner_steps,
             "group_size": args.group_size,
+            "outer_lr": args.outer_lr,
+            "outer_momentum": args.outer_momentum,
+            "result_codec": args.result_codec,
             "warmup_steps": manifest.inner.warmup_steps,
             "inner_steps_per_replica": (
                 args.tokens // (args.replicas * manifest.inner.local_batch * manifest.model.seq_len)

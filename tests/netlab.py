@@ -140,6 +140,19 @@ class NetLab:
     def run_in(self, host: Host, *argv: str) -> str:
         return _run(*self.exec_prefix(host), *argv)
 
+    def partition(self, side: list[Host], rest: list[Host]) -> None:
+        """Cut every packet between `side` and `rest` (both ways, in `side`'s namespaces;
+        established connections too): two halves of one swarm that cannot reach each other."""
+        for host in side:
+            for other in rest:
+                self.run_in(host, "iptables", "-A", "INPUT", "-s", other.ip, "-j", "DROP")
+                self.run_in(host, "iptables", "-A", "OUTPUT", "-d", other.ip, "-j", "DROP")
+
+    def heal(self, side: list[Host]) -> None:
+        """Undo `partition` (flush the filter rules of `side`'s namespaces)."""
+        for host in side:
+            self.run_in(host, "iptables", "-F")
+
     def destroy(self) -> list[str]:
         """Delete every namespace of the lab (their veths go with them); the names of
         those that could not be deleted."""

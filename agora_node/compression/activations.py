@@ -25,7 +25,7 @@ from agora_node.compression.framing import decode_frame, encode_frame
 from agora_node.compression.quant import dequantize, quantize
 from agora_node.protocol.codecs import DENSE_CODEC_NAMES, CodecName, from_name
 
-ActivationMode = CodecName  # every codec of the registry can carry activations
+ActivationMode = CodecName  # a dense codec of the registry (DENSE_CODEC_NAMES)
 _INT4_BLOCK = 32
 # Largest header (ndim 3) plus slack; used to derive a frame-size limit from the shape.
 _FRAME_OVERHEAD = 128

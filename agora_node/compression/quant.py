@@ -104,12 +104,7 @@ def quantize(
     blocks = _to_blocks(flat.float(), block)
     if seed is not None:
         blocks = rotate(blocks, seed)
-    scales = _block_scales(blocks, codec.qmax, scale_dtype)
-    if not bool(torch.isfinite(scales).all()):
-        raise NonFiniteError("values too large for a finite scale after rotation")
-    # Divide (not multiply by 1/s): 1/s overflows for subnormal scales. All-zero blocks: s = 0.
-    divisor = torch.where(scales > 0, scales.float(), torch.ones_like(scales, dtype=torch.float32))
-    q = torch.round(blocks / divisor[:, None]).clamp_(-codec.qmax, codec.qmax).to(torch.int8)
+    scales, q = _scale_and_round(blocks, codec.qmax, scale_dtype)
     data = pack_int4(q.reshape(-1)) if codec is Codec.INT4 else q.reshape(-1)
     return QuantizedTensor(codec, shape, dtype, data, block, seed, scales)
 
@@ -181,12 +176,7 @@ def _quantize_sparse(
     blocks = _to_blocks(flat, block)
     kept = codec.kept(block)
     positions = blocks.abs().topk(kept, dim=1, sorted=False).indices.sort(dim=1).values
-    values = blocks.gather(1, positions)
-    scales = _block_scales(values, codec.qmax, scale_dtype)
-    if not bool(torch.isfinite(scales).all()):
-        raise NonFiniteError("values too large for a finite scale")
-    divisor = torch.where(scales > 0, scales.float(), torch.ones_like(scales, dtype=torch.float32))
-    q = torch.round(values / divisor[:, None]).clamp_(-codec.qmax, codec.qmax).to(torch.int8)
+    scales, q = _scale_and_round(blocks.gather(1, positions), codec.qmax, scale_dtype)
     indices = positions.to(torch.uint8).reshape(-1)
     return QuantizedTensor(
         codec, shape, dtype, pack_int4(q.reshape(-1)), block, None, scales, indices
@@ -287,6 +277,18 @@ def _to_blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
     if pad:
         flat = torch.cat((flat, flat.new_zeros(pad)))
     return flat.reshape(-1, block)
+
+
+def _scale_and_round(
+    rows: torch.Tensor, qmax: int, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per row (absmax / qmax) and the rows rounded to int8 on it."""
+    scales = _block_scales(rows, qmax, scale_dtype)
+    if not bool(torch.isfinite(scales).all()):
+        raise NonFiniteError("values too large for a finite scale (after any rotation)")
+    # Divide (not multiply by 1/s): 1/s overflows for subnormal scales. All-zero rows: s = 0.
+    divisor = torch.where(scales > 0, scales.float(), torch.ones_like(scales, dtype=torch.float32))
+    return scales, torch.round(rows / divisor[:, None]).clamp_(-qmax, qmax).to(torch.int8)
 
 
 def _block_scales(blocks: torch.Tensor, qmax: int, scale_dtype: torch.dtype) -> torch.Tensor:

@@ -57,11 +57,14 @@ values fills whole bytes of int4."""
 CodecName = Literal["fp32", "bf16", "int8", "int4", "topk4"]
 CODEC_NAMES: tuple[CodecName, ...] = get_args(CodecName)
 """Every codec name, in order of precision (most precise first)."""
-DENSE_CODEC_NAMES: tuple[CodecName, ...] = tuple(n for n in CODEC_NAMES if n != "topk4")
-"""The codecs that keep every value (what boundary activations may use)."""
 
 # Fails at import if a name has no enum member.
 _BY_NAME: dict[str, Codec] = {name: Codec[name.upper()] for name in CODEC_NAMES}
+
+DENSE_CODEC_NAMES: tuple[CodecName, ...] = tuple(
+    n for n in CODEC_NAMES if not _BY_NAME[n].is_sparse
+)
+"""The codecs that keep every value (what boundary activations and anchors may use)."""
 
 
 class UnknownCodecError(ValueError):

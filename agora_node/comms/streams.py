@@ -51,7 +51,12 @@ async def write_frame(writer: asyncio.StreamWriter, kind: bytes, payload: bytes 
     view = memoryview(payload)
     for offset in range(0, len(view), CHUNK):
         writer.write(view[offset : offset + CHUNK])
-    await writer.drain()
+    try:
+        await writer.drain()
+    except StreamError:
+        raise
+    except ConnectionError as exc:  # the peer went away: what every caller already handles
+        raise StreamError(f"stream lost while sending: {exc!r}") from exc
 
 
 async def read_frame(
@@ -68,6 +73,10 @@ async def _read_exactly(reader: asyncio.StreamReader, n: int, what: str) -> byte
         return await reader.readexactly(n)
     except asyncio.IncompleteReadError as exc:
         raise StreamError(f"{what} by the remote peer") from exc
+    except StreamError:
+        raise
+    except ConnectionError as exc:  # reset rather than closed
+        raise StreamError(f"{what} ({exc!r})") from exc
 
 
 def _parse_head(head: bytes) -> tuple[bytes, int]:

@@ -68,3 +68,27 @@ async def test_one_response_frame_is_returned() -> None:
     reader = asyncio.StreamReader()
     reader.feed_data(_frame(streams.KIND_DATA, b"pong") + _frame(streams.KIND_END))
     assert await _call(reader) == b"pong"
+
+
+class _ResetWriter:
+    """A writer whose peer reset the connection (what drain raises then)."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    async def drain(self) -> None:
+        raise ConnectionResetError("Connection lost")
+
+
+class _ResetReader:
+    async def readexactly(self, n: int) -> bytes:
+        raise ConnectionResetError("Connection reset by peer")
+
+
+async def test_a_reset_connection_is_a_stream_error_both_ways() -> None:
+    """Callers catch StreamError for a peer that went away; a reset must be one too (a
+    dial-back request to a peer SIGKILLed mid-write once ended a daemon's background task)."""
+    with pytest.raises(streams.StreamError, match="lost while sending"):
+        await streams.write_frame(_ResetWriter(), streams.KIND_DATA, b"x")
+    with pytest.raises(streams.StreamError, match="stream closed"):
+        await streams.read_frame(_ResetReader())

@@ -89,7 +89,7 @@ class Host:
         except Exception as exc:  # hivemind raises bare P2PDaemonError / RuntimeError
             reaper.stop()
             raise _explain_start_failure(exc, config) from None
-        reaper.watch(p2p._child.pid)  # noqa: SLF001 - no public accessor for the daemon's pid
+        watch_p2p(reaper, p2p)
         try:
             dht = hivemind.DHT(
                 initial_peers=list(config.initial_peers) or None,
@@ -105,10 +105,10 @@ class Host:
         reaper.watch(dht.pid)
         return cls(p2p, dht, reaper)
 
-    def watch(self, pid: int) -> None:
-        """Have the reaper kill another child process of ours (say a probe's libp2p daemon)
-        if this process dies."""
-        self._reaper.watch(pid)
+    def watch(self, p2p: P2P) -> None:
+        """Have the reaper kill another libp2p daemon of ours (say a probe's) and remove its
+        sockets if this process dies."""
+        watch_p2p(self._reaper, p2p)
 
     async def visible_maddrs(self) -> list[str]:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]
@@ -175,6 +175,16 @@ class Host:
             log.warning("the %s process %d did not stop: killing it", name, pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def watch_p2p(reaper: Reaper, p2p: P2P) -> None:
+    """The reaper kills `p2p`'s daemon and removes its two unix sockets (the daemon's and
+    our client's, both in /tmp) if this process dies."""
+    reaper.watch(p2p._child.pid)  # noqa: SLF001 - no public accessor for the daemon's pid
+    for maddr in (p2p.daemon_listen_maddr, p2p._client_listen_maddr):  # noqa: SLF001
+        path = str(maddr)
+        if path.startswith("/unix/"):
+            reaper.remove_on_death(path[len("/unix") :])
 
 
 def _running(pid: int) -> bool:

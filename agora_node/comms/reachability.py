@@ -99,11 +99,11 @@ class Prober:
     def __init__(
         self,
         listen: str = "/ip4/127.0.0.1/tcp/0",
-        on_started: Callable[[int], None] | None = None,
+        on_started: Callable[[P2P], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`listen`: where the probe daemon listens (an address of this host's family, port
-        0); `on_started(pid)`: told the daemon's pid (the node's reaper watches it)."""
+        0); `on_started(p2p)`: told the probe's P2P (the node's reaper watches its daemon)."""
         self.listen, self.on_started, self.clock = listen, on_started, clock
         self._p2p: P2P | None = None
         self._lock = asyncio.Lock()
@@ -175,7 +175,7 @@ class Prober:
                 auto_nat=False,
             )
             if self.on_started is not None:
-                self.on_started(self._p2p._child.pid)  # noqa: SLF001
+                self.on_started(self._p2p)
         return self._p2p
 
     async def close(self) -> None:

@@ -3,7 +3,9 @@
 hivemind's DHT process and the libp2p daemon are children of the node and keep
 running (and answering peers) after the node is SIGKILLed. The reaper is a tiny
 separate process that gets SIGTERM from the kernel when its parent dies
-(PR_SET_PDEATHSIG) and then SIGKILLs every pid it was told to watch.
+(PR_SET_PDEATHSIG) and then SIGKILLs every pid it was told to watch and removes
+the unix socket files those children had open: a libp2p daemon killed this way
+cannot remove its own, and every crash left two behind in /tmp.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import contextlib
 import ctypes
 import os
 import signal
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -22,6 +26,13 @@ def set_parent_death_signal() -> None:
     """In a child, before exec (preexec_fn): SIGTERM when the parent dies, even by SIGKILL."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _arm() -> None:
+    """In the reaper's child before exec: SIGTERM when the parent dies, held back (the mask
+    survives exec) until the reaper's handler is installed, so an early death is not lost."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    set_parent_death_signal()
 
 
 class Reaper:
@@ -35,7 +46,7 @@ class Reaper:
         proc = subprocess.Popen(
             [sys.executable, "-m", "agora_node.comms.reaper", str(os.getpid())],
             stdin=subprocess.PIPE,
-            preexec_fn=set_parent_death_signal,  # noqa: PLW1509 - must run in the child
+            preexec_fn=_arm,  # noqa: PLW1509 - must run in the child
             close_fds=True,
         )
         return cls(proc)
@@ -43,6 +54,15 @@ class Reaper:
     def watch(self, pid: int) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.stdin.write(f"{pid}\n".encode())
+            self._proc.stdin.flush()
+
+    def remove_on_death(self, path: str) -> None:
+        """Have the reaper remove the unix socket at `path` (absolute, one line) if this
+        process dies; a file that is not a socket is left alone."""
+        if "\n" in path or not path.startswith("/"):
+            raise ValueError(f"not an absolute one-line path: {path!r}")
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.stdin.write(f"file {path}\n".encode())
             self._proc.stdin.flush()
 
     def stop(self) -> None:
@@ -55,26 +75,53 @@ class Reaper:
 
 
 def _main(parent: int) -> None:
+    """Read "PID" and "file PATH" lines until "exit" (a clean stop: nothing to do) or until
+    the parent dies: SIGTERM (PR_SET_PDEATHSIG) or the end of stdin. Then kill and remove
+    everything told, the lines the parent wrote just before it died included: the handler
+    only makes stdin non-blocking, and the loop reads what is left before it acts (stdin may
+    never end, as forked children of the parent hold the pipe's other end)."""
     watched: list[int] = []
+    files: list[str] = []
+    dying = False
 
-    def kill_all(*_: object) -> None:
-        for pid in watched:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        os._exit(0)
+    def on_term(*_: object) -> None:
+        nonlocal dying
+        dying = True
+        os.set_blocking(0, False)
 
-    signal.signal(signal.SIGTERM, kill_all)
+    signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the node; it shuts down cleanly
-    if os.getppid() != parent:  # parent died before the signal was armed
-        kill_all()
-    for line in sys.stdin:
-        line = line.strip()
-        if line == "exit":
-            return
-        if line.isdigit():
-            watched.append(int(line))
-    # stdin closed without "exit": the parent is gone (or closed us) -> clean up
-    kill_all()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked until now: _arm
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        on_term()
+    pending = b""
+    while True:
+        try:
+            chunk = os.read(0, 4096)
+        except BlockingIOError:  # dying and nothing more was written
+            break
+        if not chunk:  # the parent is gone (or closed us)
+            break
+        *lines, pending = (pending + chunk).split(b"\n")
+        for raw in lines:
+            line = raw.decode(errors="replace").strip()
+            if line == "exit":
+                return
+            if line.isdigit():
+                watched.append(int(line))
+            elif line.startswith("file /"):
+                files.append(line[len("file ") :])
+    for pid in watched:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for path in files:
+        _remove_socket(path)
+
+
+def _remove_socket(path: str) -> None:
+    with contextlib.suppress(OSError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            Path(path).unlink()
 
 
 if __name__ == "__main__":

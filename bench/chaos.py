@@ -1,0 +1,408 @@
+"""A swarm under a scripted fault schedule against the same swarm without faults (A B A B).
+
+    python bench/chaos.py --json
+    python bench/chaos.py --schedule "kill-bootstrap@0.1,kill:1@0.25+15,stop:0@0.45+20" --json
+
+Each side starts a bootstrap and `--replicas` daemons per stage of a `--layers`-layer,
+`--stages`-stage cut of `tiny` on 127.0.0.1 (one torch thread each, fixed stages), and
+every stage-0 daemon (a head) trains `--tokens-per-head` tokens, then reports its
+validation loss (`final_val_loss`, the daemon's own evaluation). A: no faults. B: the
+schedule, whose times are fractions of A's training time (the preceding A's):
+
+    kill-bootstrap@F     SIGKILL the bootstrap's process group; it never comes back
+    kill:S@F+D           SIGKILL a stage-S daemon's process group (a crash: its libp2p and
+                         DHT processes go too); D seconds later restart it with the same
+                         command, identity and data dir
+    stop:S@F+D           SIGSTOP a stage-S daemon's process group (a frozen machine); D
+                         seconds later SIGCONT it
+    term:S@F+D           SIGTERM (a clean leave); D seconds later restart it
+
+A victim is never a stage's last live replica (the schedule is refused if it would be).
+A daemon restarted after the bootstrap died is given only the bootstrap's address, as
+its operator would: it must rejoin through the peers it remembers.
+
+One JSON line (`--json`): `val_loss` {fault_free, chaos} (medians over repeats of the mean
+of the heads' final validation losses), `gap` (chaos over fault-free - 1),
+`lost_microbatches` (micro-batches heads injected and never got a gradient for, chaos
+median), `recover_s` (the longest time from a victim's restart or SIGCONT until it served
+a micro-batch again, chaos median), `left_behind` (processes of any side's process groups,
+libp2p sockets and control sockets still there after the swarm stopped, namespaces
+created; must be 0), and `runs` with every side's figures and events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agora_node.node.demo import Child, Swarm, fetch_status, wait_for_line  # noqa: E402
+from agora_node.protocol.manifest import parse_manifest  # noqa: E402
+from agora_node.stages.manifest_files import load_manifest  # noqa: E402
+
+ACTIONS = ("kill-bootstrap", "kill", "stop", "term")
+
+
+@dataclass
+class Fault:
+    action: str
+    stage: int | None
+    at: float  # fraction of the fault-free training time
+    down_s: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        """`ACTION[:STAGE]@FRACTION[+DOWN_S]`."""
+        try:
+            head, when = text.strip().split("@")
+            action, _, stage = head.partition(":")
+            at, _, down = when.partition("+")
+            fault = cls(action, int(stage) if stage else None, float(at), float(down or 0))
+        except ValueError:
+            raise ValueError(f"bad fault {text!r}: want ACTION[:STAGE]@FRACTION[+DOWN_S]") from None
+        if action not in ACTIONS:
+            raise ValueError(f"bad fault {text!r}: action must be one of {', '.join(ACTIONS)}")
+        if (action == "kill-bootstrap") != (fault.stage is None) or not 0 <= fault.at < 1:
+            raise ValueError(f"bad fault {text!r}: a stage for node faults, 0 <= FRACTION < 1")
+        return fault
+
+
+def parse_schedule(text: str, stages: int, replicas: int) -> list[Fault]:
+    faults = sorted((Fault.parse(t) for t in text.split(",") if t.strip()), key=lambda f: f.at)
+    for s in range(stages):
+        hit = sum(1 for f in faults if f.stage == s)
+        if hit >= replicas:  # victims are distinct daemons, and one must stay
+            raise ValueError(f"the schedule hits {hit} of stage {s}'s {replicas} replicas")
+    if any(f.stage is not None and not 0 <= f.stage < stages for f in faults):
+        raise ValueError(f"a fault names a stage outside 0..{stages - 1}")
+    return faults
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=3, help="daemons per stage")
+    p.add_argument("--layers", type=int, default=4, help="layers of the cut of tiny")
+    p.add_argument("--inner-steps", type=int, default=20, help="outer round every H inner steps")
+    p.add_argument("--tokens-per-head", type=int, default=60 * 16 * 128)
+    p.add_argument(
+        "--schedule",
+        default="kill-bootstrap@0.1,kill:1@0.25+15,stop:0@0.45+20",
+        help="comma-separated faults (see above); the default fails 2 of 6 daemons",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="A B pairs")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="per side")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if min(args.stages, args.replicas, args.layers, args.inner_steps, args.repeats) < 1:
+        p.error("--stages, --replicas, --layers, --inner-steps and --repeats must be positive")
+    if args.layers < args.stages:
+        p.error("--layers must be at least --stages")
+    try:
+        args.faults = parse_schedule(args.schedule, args.stages, args.replicas)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def write_manifest(path: Path, args: argparse.Namespace) -> Path:
+    text = load_manifest("tiny").to_toml()
+    text = text.replace("n_layers = 8", f"n_layers = {args.layers}")
+    text = text.replace("count = 4", f"count = {args.stages}")
+    text = text.replace("inner_steps = 50", f"inner_steps = {args.inner_steps}")
+    parse_manifest(text)  # refuse a bad cut before a daemon sees it
+    path.write_text(text)
+    return path
+
+
+def _groups_alive(pgids: set[int]) -> list[str]:
+    """`pid:name` of every live process in one of these process groups."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        comm, rest = stat.split(" (", 1)[1].rsplit(")", 1)
+        fields = rest.split()
+        if int(fields[2]) in pgids and fields[0] != "Z":
+            out.append(f"{entry.name}:{comm}")
+    return out
+
+
+def _p2pd_sockets(pgids: set[int]) -> set[str]:
+    """The unix sockets of the libp2p daemons in these groups (theirs and their clients')."""
+    found = set()
+    for entry in _groups_alive(pgids):
+        pid = entry.split(":", 1)[0]
+        with contextlib.suppress(OSError):
+            for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                text = arg.decode(errors="replace")
+                if "/unix/" in text and "p2pd-" in text:
+                    path = text[text.index("/unix/") + len("/unix") :]
+                    found |= {path, path.replace("p2pd-", "p2pclient-")}
+    return found
+
+
+def _namespaces() -> set[str]:
+    try:
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+
+
+class Side:
+    """One run of the swarm: start, drive the faults, wait for every head's final loss."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path, faults: list[Fault]) -> None:
+        self.args, self.workdir, self.faults = args, workdir, faults
+        self.swarm = Swarm(workdir)
+        self.pgids: set[int] = set()
+        self.sockets: set[str] = set()
+        self.events: list[dict] = []
+        self.stopped: set[str] = set()  # names of SIGSTOPped daemons (no status fetch)
+        self.stage_of: dict[str, int] = {}
+
+    def spawn(self, name: str, argv: list[str]) -> Child:
+        child = self.swarm.spawn(name, argv)
+        self.pgids.add(child.proc.pid)
+        return child
+
+    def status(self, child: Child) -> dict | None:
+        if child.name in self.stopped or child.proc.poll() is not None or not child.status_port:
+            return None
+        return fetch_status(child.status_port, timeout=2)
+
+    def nodes(self) -> list[Child]:
+        return [c for c in self.swarm.children if c.name != "bootstrap"]
+
+    def run(self, manifest: Path, duration_hint: float) -> dict:
+        args = self.args
+        before_ns = _namespaces()
+        try:
+            result = self._train(manifest, duration_hint)
+        finally:
+            self.sockets |= _p2pd_sockets(self.pgids)
+            self.swarm.stop(grace_s=30)
+        left = {
+            "processes": _groups_alive(self.pgids),
+            "sockets": sorted(p for p in self.sockets if os.path.exists(p)),
+            "control_sockets": sorted(str(p) for p in self.workdir.glob("*/control.sock")),
+            "namespaces": sorted(_namespaces() - before_ns),
+        }
+        result["left_behind"] = sum(len(v) for v in left.values())
+        result["left_behind_detail"] = left
+        result["faults"] = args.schedule if self.faults else ""
+        return result
+
+    def _train(self, manifest: Path, duration_hint: float) -> dict:
+        args = self.args
+        boot = self.spawn(
+            "bootstrap",
+            ["bootstrap", "--manifest", str(manifest), "--data-dir", str(self.workdir / "b")],
+        )
+        peers = wait_for_line(boot, "--initial-peers", 60).split("--initial-peers", 1)[1].split()
+        common = ["--initial-peers", *peers, "--status-port", "0", "--threads", "1"]
+        common += ["--eval-every", "1000000", "--max-tokens", str(args.tokens_per_head)]
+        for s in range(args.stages):
+            for r in range(args.replicas):
+                name = f"s{s}r{r}"
+                self.stage_of[name] = s
+                argv = ["join", *common, "--stage", str(s), "--data-dir", str(self.workdir / name)]
+                self.spawn(name, argv)
+        for child in self.nodes():
+            line = wait_for_line(child, "status page http://", 180)
+            child.status_port = int(line.rsplit(":", 1)[1].strip("/ \n"))
+        deadline = time.monotonic() + 180
+        while not all((s := self.status(c)) and s["state"] == "active" for c in self.nodes()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the swarm did not become active; logs in {self.workdir}")
+            time.sleep(0.5)  # polling under a deadline
+        started = time.monotonic()
+        pending = [(f, f.at * duration_hint) for f in self.faults]
+        returns: list[tuple[float, Child, str, dict]] = []  # (when, victim, action, event)
+        watching: list[tuple[Child, dict, int]] = []  # victims back, until they serve again
+        finals: dict[str, dict] = {}
+        deadline = started + args.timeout_s
+        while True:
+            now = time.monotonic() - started
+            if now > args.timeout_s:
+                raise RuntimeError(f"no final loss from every head in {args.timeout_s:.0f}s")
+            while pending and pending[0][1] <= now:
+                fault, _ = pending.pop(0)
+                self._strike(fault, now, returns)
+            for item in [r for r in returns if r[0] <= now]:
+                returns.remove(item)
+                watching.append(self._bring_back(item, now))
+            for child, event, before in list(watching):
+                s = self.status(child)
+                if s and s["state"] == "active" and _progress(s) > before:
+                    event["serving_again_s"] = round(now - event["back_at_s"], 1)
+                    event["same_peer_id"] = s["peer_id"] == event["peer_id"]
+                    watching.remove((child, event, before))
+            heads = [c for c in self.nodes() if self.stage_of[c.name] == 0]
+            for head in heads:
+                s = self.status(head)
+                if s and s.get("final_val_loss") is not None:
+                    finals[head.name] = s
+            if len(finals) == len(heads) and not pending and not returns and not watching:
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)  # polling under a deadline
+        trained = time.monotonic() - started
+        m = load_manifest("tiny")
+        per_mb = m.inner.micro_batch * m.model.seq_len
+        losses = [s["final_val_loss"] for s in finals.values()]
+        lost = sum((s["injected_tokens"] - s["completed_tokens"]) // per_mb for s in finals.values())
+        return {
+            "val_loss": round(statistics.fmean(losses), 4),
+            "val_loss_by_head": {k: round(v["final_val_loss"], 4) for k, v in finals.items()},
+            "tokens": sum(s["completed_tokens"] for s in finals.values()),
+            "lost_microbatches": lost,
+            "train_s": round(trained, 1),
+            "recover_s": max((e.get("serving_again_s", 0.0) for e in self.events), default=0.0),
+            "events": self.events,
+        }
+
+    def _strike(self, fault: Fault, now: float, returns: list) -> None:
+        if fault.action == "kill-bootstrap":
+            boot = self.swarm.children[0]
+            _group_signal(boot, signal.SIGKILL)
+            boot.proc.wait()
+            self.events.append({"action": fault.action, "at_s": round(now, 1)})
+            return
+        hit = {e["node"] for e in self.events if "node" in e}
+        live = [
+            c
+            for c in self.nodes()
+            if self.stage_of[c.name] == fault.stage and c.name not in self.stopped
+        ]
+        victim = next(c for c in live if c.name not in hit)
+        status = self.status(victim) or {}
+        sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
+        if fault.action == "term":
+            victim.proc.send_signal(signal.SIGTERM)  # the daemon's own clean leave
+            victim.proc.wait(timeout=60)
+        else:
+            _group_signal(victim, sig[fault.action])
+        if fault.action == "kill":
+            victim.proc.wait()
+        if fault.action == "stop":
+            self.stopped.add(victim.name)
+        event = {
+            "action": fault.action,
+            "node": victim.name,
+            "stage": fault.stage,
+            "peer_id": status.get("peer_id"),
+            "at_s": round(now, 1),
+            "down_s": fault.down_s,
+        }
+        self.events.append(event)
+        returns.append((now + fault.down_s, victim, fault.action, event))
+        returns.sort(key=lambda r: r[0])
+
+    def _bring_back(self, item: tuple, now: float) -> tuple[Child, dict, int]:
+        _, victim, action, event = item
+        event["back_at_s"] = round(now, 1)
+        if action == "stop":
+            _group_signal(victim, signal.SIGCONT)
+            self.stopped.discard(victim.name)
+            return victim, event, _progress(self.status(victim) or {})
+        ports_before = victim.log_path.read_text(errors="replace").count("status page http://")
+        respawned = time.monotonic()
+        child = self.swarm.respawn(victim)
+        self.pgids.add(child.proc.pid)
+        deadline = time.monotonic() + 180
+        while child.log_path.read_text(errors="replace").count("status page http://") <= (
+            ports_before
+        ):
+            if child.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{child.name} did not restart; see {child.log_path}")
+            time.sleep(0.2)  # polling under a deadline
+        last = child.log_path.read_text(errors="replace").rsplit("status page http://", 1)[1]
+        child.status_port = int(last.split("/", 1)[0].rsplit(":", 1)[1])
+        event["status_page_after_s"] = round(time.monotonic() - respawned, 1)
+        return child, event, 0
+
+
+def _progress(status: dict) -> int:
+    """What grows while a daemon serves: micro-batch hops it completed."""
+    return int(status.get("microbatches", {}).get("ok", 0))
+
+
+def _group_signal(child: Child, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.proc.pid, sig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runs: list[dict] = []
+    duration = 0.0
+    cond = {
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "loadavg_1m_before": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="agora-chaos-") as tmp:
+        manifest = write_manifest(Path(tmp) / "chaos.toml", args)
+        for i in range(args.repeats):
+            for faults in ([], args.faults):
+                cond["loadavg_1m_before"].append(round(os.getloadavg()[0], 2))
+                workdir = Path(tmp) / f"{'chaos' if faults else 'clean'}-{i}"
+                workdir.mkdir()
+                side = Side(args, workdir, faults).run(manifest, duration)
+                if not faults:
+                    duration = side["train_s"]
+                runs.append(side)
+                print(json.dumps(side), file=sys.stderr, flush=True)
+    clean = [r for r in runs if not r["faults"]]
+    chaos = [r for r in runs if r["faults"]]
+
+    def med(rs: list[dict], key: str) -> float:
+        return round(statistics.median(r[key] for r in rs), 4)
+
+    result = {
+        "val_loss": {"fault_free": med(clean, "val_loss"), "chaos": med(chaos, "val_loss")},
+        "gap": round(med(chaos, "val_loss") / med(clean, "val_loss") - 1, 4),
+        "tokens": {"fault_free": med(clean, "tokens"), "chaos": med(chaos, "tokens")},
+        "lost_microbatches": med(chaos, "lost_microbatches"),
+        "recover_s": med(chaos, "recover_s"),
+        "left_behind": sum(r["left_behind"] for r in runs),
+        "schedule": args.schedule,
+        "setup": {
+            "stages": args.stages,
+            "replicas": args.replicas,
+            "layers": args.layers,
+            "inner_steps": args.inner_steps,
+            "tokens_per_head": args.tokens_per_head,
+            "repeats": args.repeats,
+        },
+        "conditions": cond,
+        "runs": runs,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+    return 0 if result["left_behind"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

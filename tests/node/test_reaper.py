@@ -1,0 +1,77 @@
+"""The reaper: when its node dies, even by SIGKILL, the node's helpers die and their
+unix sockets are removed (a SIGKILLed libp2p daemon cannot remove its own)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+_NODE = textwrap.dedent(
+    """
+    import socket, subprocess, sys
+    from agora_node.comms.reaper import Reaper
+
+    reaper = Reaper.start()
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(sys.argv[1])
+    reaper.watch(helper.pid)
+    reaper.remove_on_death(sys.argv[1])
+    reaper.remove_on_death(sys.argv[2])  # not a socket: must survive
+    print(helper.pid, flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_sigkilled_node_leaves_neither_its_helper_nor_its_socket(tmp_path):
+    sock, plain = tmp_path / "p2pd.sock", tmp_path / "notes.txt"
+    plain.write_text("keep me")
+    node = subprocess.Popen(
+        [sys.executable, "-c", _NODE, str(sock), str(plain)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    helper = None
+    try:
+        helper = int(node.stdout.readline())
+        assert sock.exists() and _alive(helper)
+        node.send_signal(signal.SIGKILL)
+        node.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while (sock.exists() or _alive(helper)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling under a deadline
+        assert not sock.exists(), "the socket outlived its node"
+        assert not _alive(helper), "the helper outlived its node"
+        assert plain.read_text() == "keep me"  # only sockets are removed
+    finally:
+        node.kill()
+        node.wait()
+        if helper is not None and _alive(helper):
+            os.kill(helper, signal.SIGKILL)
+
+
+def test_remove_on_death_refuses_a_path_that_could_smuggle_a_second_line():
+    import pytest
+
+    from agora_node.comms.reaper import Reaper
+
+    reaper = Reaper(None)
+    with pytest.raises(ValueError):
+        reaper.remove_on_death("/tmp/a.sock\n123")
+    with pytest.raises(ValueError):
+        reaper.remove_on_death("relative.sock")

@@ -269,7 +269,9 @@ class Side:
         m = load_manifest("tiny")
         per_mb = m.inner.micro_batch * m.model.seq_len
         losses = [s["final_val_loss"] for s in finals.values()]
-        lost = sum((s["injected_tokens"] - s["completed_tokens"]) // per_mb for s in finals.values())
+        lost = sum(
+            (s["injected_tokens"] - s["completed_tokens"]) // per_mb for s in finals.values()
+        )
         return {
             "val_loss": round(statistics.fmean(losses), 4),
             "val_loss_by_head": {k: round(v["final_val_loss"], 4) for k, v in finals.items()},

@@ -226,6 +226,14 @@ async def _awaited(future: Any) -> Any:
     return await future
 
 
+def is_valid_maddr(maddr: str) -> bool:
+    try:
+        Multiaddr(maddr)
+    except Exception:  # the multiaddr parser raises several unrelated types
+        return False
+    return True
+
+
 def _check_maddr(maddr: str) -> None:
     try:
         Multiaddr(maddr)

@@ -40,6 +40,7 @@ from agora_node.node.errors import JoinError
 from agora_node.node.liveness import Liveness
 from agora_node.node.loops import Loops
 from agora_node.node.metrics import Metrics
+from agora_node.node.peerbook import PeerBook
 from agora_node.node.pipeline import PipelineStats
 from agora_node.node.private import Admittance
 from agora_node.node.service import ServiceContext, StageService, serve_endpoints
@@ -98,6 +99,8 @@ class Node:
         self.directory: Directory | None = None
         self.view: Snapshot = {}
         self.addrs: list[str] = []
+        self.peerbook = PeerBook(config.data_dir)
+        """Peers seen, remembered in the data dir: a restart rejoins without the bootstrap."""
         self.dialback = DialBack()
         """Whether peers can dial this node, and answering theirs (node/dialback.py)."""
         self.service: StageService | None = None
@@ -127,7 +130,7 @@ class Node:
         self.host = await Host.start(
             HostConfig(
                 identity_path=cfg.identity_path,
-                initial_peers=cfg.initial_peers,
+                initial_peers=self.peerbook.initial_peers(cfg.initial_peers),
                 host_maddrs=cfg.host_maddrs,
                 announce_maddrs=cfg.announce_maddrs,
             )
@@ -261,6 +264,7 @@ class Node:
             if self.service is not None:
                 self.service.pipeline.update_view([r for rs in self.view.values() for r in rs])
             self.liveness.introduce(self._others())
+            self.peerbook.update((r for rs in self.view.values() for r in rs), self.peer_id)
             self._sync_rejections()
             if time.monotonic() - progress_at >= 10:
                 progress_at = time.monotonic()

@@ -60,6 +60,22 @@ def test_auto_placement_spreads_then_bootstrap_dies_and_newcomer_copies_state(sw
     served = [x["anchor_digest"] for x in swarm.status(source)["states_served"]]
     assert origin["anchor_digest"] in served  # the anchor the source held and attested
 
+    # A node that crashes now restarts with its own command line, whose only initial peer is
+    # the dead bootstrap: it rejoins, with its peer id, through the peers it remembered.
+    crashed = nodes[1]
+    crashed_id = swarm.status(crashed)["peer_id"]
+    assert (swarm.workdir / "node-1" / "peers.json").exists()
+    swarm.kill(crashed)
+    crashed.proc.wait(timeout=30)
+    again = swarm.join("node-1")
+    swarm.serving(again)
+    back = poll(
+        lambda: (s := swarm.status(again)) and s["state"] == "active" and s,
+        120,
+        "the crashed node active again",
+    )
+    assert back["peer_id"] == crashed_id
+
 
 def test_sigkill_drops_record_sigterm_leaves_cleanly_and_restart_resumes(swarm, tmp_path):
     swarm.bootstrap("tiny")

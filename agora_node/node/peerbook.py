@@ -1,0 +1,113 @@
+"""Peers a node has seen, remembered in its data dir, so that a restart can rejoin the
+swarm when the peers on its command line are gone (the bootstrap is only an entry point).
+
+`peers.json` holds at most `MAX_PEERS` multiaddrs, each ending in `/p2p/<peer id>`
+(libp2p refuses a connection to a host whose key is not that peer's, so an address a
+hostile record lists can waste a dial, not redirect us). The node writes it from the
+directory (`pick`: active peers, one address each) when the set changes, at most once
+per `SAVE_EVERY_S`, atomically; `load` reads it back bounded and checked, and treats a
+missing, oversized or malformed file as empty (one warning), never as a reason not to
+start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from agora_node.comms.host import is_valid_maddr
+from agora_node.protocol.records import NodeRecord, NodeState
+
+log = logging.getLogger(__name__)
+
+FILE_NAME = "peers.json"
+MAX_PEERS = 8
+MAX_ADDR_CHARS = 256
+MAX_FILE_BYTES = 16 * 1024
+SAVE_EVERY_S = 30.0
+
+
+def usable(addr: object) -> bool:
+    """A multiaddr string that names the peer it reaches (`.../p2p/<id>`)."""
+    if not isinstance(addr, str) or not 0 < len(addr) <= MAX_ADDR_CHARS or "/p2p/" not in addr:
+        return False
+    return is_valid_maddr(addr)
+
+
+def pick(records: Iterable[NodeRecord], me: str) -> list[str]:
+    """One address of each active peer other than `me`, at most MAX_PEERS (by peer id, so
+    the choice is stable from one refresh to the next)."""
+    chosen: list[str] = []
+    for record in sorted(records, key=lambda r: r.peer_id):
+        if record.peer_id == me or record.state != NodeState.ACTIVE:
+            continue
+        suffix = f"/p2p/{record.peer_id}"
+        for addr in record.addrs:
+            if addr.endswith(suffix):
+                full = addr
+            elif "/p2p/" in addr:  # another peer's id: not an address of this one
+                continue
+            else:
+                full = addr + suffix
+            if usable(full):
+                chosen.append(full)
+                break
+        if len(chosen) == MAX_PEERS:
+            break
+    return chosen
+
+
+def load(data_dir: str | os.PathLike) -> list[str]:
+    path = Path(data_dir) / FILE_NAME
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
+        raw = json.loads(path.read_text())
+        if not isinstance(raw, list):
+            raise ValueError("not a list")
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring remembered peers in %s: %s", path, exc)
+        return []
+    return [a for a in raw if usable(a)][:MAX_PEERS]
+
+
+def save(data_dir: str | os.PathLike, addrs: list[str]) -> None:
+    path = Path(data_dir) / FILE_NAME
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(addrs[:MAX_PEERS]))
+    os.replace(tmp, path)
+
+
+class PeerBook:
+    """The node's remembered peers: what to add to `--initial-peers`, and saving the view."""
+
+    def __init__(self, data_dir: str | os.PathLike, clock=time.monotonic) -> None:  # noqa: ANN001
+        self.data_dir, self.clock = data_dir, clock
+        self.saved = load(data_dir)
+        self._saved_at = -SAVE_EVERY_S
+
+    def initial_peers(self, given: list[str]) -> list[str]:
+        """The peers given on the command line first, then the remembered ones."""
+        return list(given) + [a for a in self.saved if a not in given]
+
+    def update(self, records: Iterable[NodeRecord], me: str) -> bool:
+        """Remember the directory's active peers if they changed (rate-limited); True when
+        the file was written. An empty view never replaces a remembered one."""
+        chosen = pick(records, me)
+        if not chosen or set(chosen) == set(self.saved):
+            return False
+        if self.clock() - self._saved_at < SAVE_EVERY_S:
+            return False
+        try:
+            save(self.data_dir, chosen)
+        except OSError as exc:
+            log.warning("could not remember peers in %s: %s", self.data_dir, exc)
+            return False
+        self.saved, self._saved_at = chosen, self.clock()
+        return True

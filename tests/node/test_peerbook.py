@@ -1,0 +1,64 @@
+"""Remembered peers (node/peerbook.py): what a restart may dial besides --initial-peers."""
+
+from __future__ import annotations
+
+import json
+
+from agora_node.node import peerbook
+from agora_node.node.peerbook import MAX_PEERS, SAVE_EVERY_S, PeerBook
+from agora_node.protocol.identity import Identity
+from agora_node.protocol.records import NodeRecord
+
+IDS = sorted(Identity.generate().peer_id for _ in range(MAX_PEERS + 3))
+
+
+def _record(peer: str, state: str = "active", addrs: list[str] | None = None) -> NodeRecord:
+    if addrs is None:
+        addrs = ["/ip4/127.0.0.1/tcp/4001"]
+    return NodeRecord(run_id="r", peer_id=peer, stage=0, state=state, addrs=addrs)
+
+
+def test_pick_takes_one_address_of_each_other_active_peer_naming_that_peer():
+    me, a, b, c, d = IDS[:5]
+    records = [
+        _record(me),
+        _record(a, addrs=["/ip4/127.0.0.1/tcp/1", "/ip4/127.0.0.1/tcp/2"]),
+        _record(b, addrs=[f"/ip4/127.0.0.1/tcp/3/p2p/{a}", f"/ip4/127.0.0.1/tcp/4/p2p/{b}"]),
+        _record(c, state="leaving"),
+        _record(d, addrs=["not a multiaddr"]),
+    ]
+    assert peerbook.pick(records, me) == [
+        f"/ip4/127.0.0.1/tcp/1/p2p/{a}",
+        f"/ip4/127.0.0.1/tcp/4/p2p/{b}",
+    ]
+    many = peerbook.pick([_record(p) for p in IDS], IDS[0])
+    assert len(many) == MAX_PEERS and many == sorted(many, key=lambda x: x.rsplit("/", 1)[1])
+
+
+def test_load_is_bounded_and_a_bad_file_means_no_remembered_peers(tmp_path):
+    path = tmp_path / peerbook.FILE_NAME
+    assert peerbook.load(tmp_path) == []  # none yet
+    good = [f"/ip4/127.0.0.1/tcp/{i}/p2p/{p}" for i, p in enumerate(IDS, 1)]
+    path.write_text(json.dumps(["/ip4/127.0.0.1/tcp/9", 7, "x" * 300, *good]))
+    assert peerbook.load(tmp_path) == good[:MAX_PEERS]  # no peer id, not a string, too long
+    for bad in ("{", json.dumps({"a": 1}), json.dumps(["y" * 100] * 200)):
+        path.write_text(bad)
+        assert peerbook.load(tmp_path) == []
+
+
+def test_a_book_saves_changes_at_most_every_interval_and_never_forgets_on_an_empty_view(tmp_path):
+    now = [1000.0]
+    book = PeerBook(tmp_path, clock=lambda: now[0])
+    given = [f"/ip4/10.0.0.1/tcp/1/p2p/{IDS[9]}"]
+    assert book.initial_peers(given) == given
+    assert book.update([_record(IDS[1]), _record(IDS[2])], IDS[0])
+    first = peerbook.load(tmp_path)
+    assert len(first) == 2
+    assert not book.update([_record(IDS[1])], IDS[0])  # changed, but too soon
+    now[0] += SAVE_EVERY_S
+    assert not book.update([], IDS[0])  # an empty view keeps what was remembered
+    assert book.update([_record(IDS[1])], IDS[0])
+    assert peerbook.load(tmp_path) == first[:1]
+    restarted = PeerBook(tmp_path)
+    assert restarted.initial_peers(given) == given + first[:1]
+    assert restarted.initial_peers(first[:1]) == first[:1]  # no duplicates

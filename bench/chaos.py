@@ -53,6 +53,7 @@ from agora_node.protocol.manifest import parse_manifest  # noqa: E402
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 
 ACTIONS = ("kill-bootstrap", "kill", "stop", "term")
+_PAGE = "status page http://"
 
 
 @dataclass
@@ -177,6 +178,7 @@ class Side:
         self.events: list[dict] = []
         self.stopped: set[str] = set()  # names of SIGSTOPped daemons (no status fetch)
         self.stage_of: dict[str, int] = {}
+        self.starts: dict[str, int] = {}  # status-page lines in a restarted daemon's log before
 
     def spawn(self, name: str, argv: list[str]) -> Child:
         child = self.swarm.spawn(name, argv)
@@ -250,6 +252,7 @@ class Side:
                 returns.remove(item)
                 watching.append(self._bring_back(item, now))
             for child, event, before in list(watching):
+                self._port_of(child)
                 s = self.status(child)
                 if s and s["state"] == "active" and _progress(s) > before:
                     event["serving_again_s"] = round(now - event["back_at_s"], 1)
@@ -320,27 +323,28 @@ class Side:
         returns.sort(key=lambda r: r[0])
 
     def _bring_back(self, item: tuple, now: float) -> tuple[Child, dict, int]:
+        """SIGCONT or restart the victim; what to watch until it serves again (a restarted
+        daemon's status port is read from its log by `_port_of` once it prints it)."""
         _, victim, action, event = item
         event["back_at_s"] = round(now, 1)
         if action == "stop":
             _group_signal(victim, signal.SIGCONT)
             self.stopped.discard(victim.name)
             return victim, event, _progress(self.status(victim) or {})
-        ports_before = victim.log_path.read_text(errors="replace").count("status page http://")
-        respawned = time.monotonic()
+        starts = victim.log_path.read_text(errors="replace").count(_PAGE)
         child = self.swarm.respawn(victim)
+        child.status_port = None  # until this start prints its own
         self.pgids.add(child.proc.pid)
-        deadline = time.monotonic() + 180
-        while child.log_path.read_text(errors="replace").count("status page http://") <= (
-            ports_before
-        ):
-            if child.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{child.name} did not restart; see {child.log_path}")
-            time.sleep(0.2)  # polling under a deadline
-        last = child.log_path.read_text(errors="replace").rsplit("status page http://", 1)[1]
-        child.status_port = int(last.split("/", 1)[0].rsplit(":", 1)[1])
-        event["status_page_after_s"] = round(time.monotonic() - respawned, 1)
+        self.starts[child.name] = starts
         return child, event, 0
+
+    def _port_of(self, child: Child) -> None:
+        """A restarted daemon's status port, once its log (appended to) shows this start's."""
+        text = child.log_path.read_text(errors="replace")
+        if child.status_port is None and text.count(_PAGE) > self.starts.get(child.name, 0):
+            child.status_port = int(text.rsplit(_PAGE, 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+        if child.proc.poll() is not None:
+            raise RuntimeError(f"{child.name} exited after its restart; see {child.log_path}")
 
 
 def _progress(status: dict) -> int:

@@ -22,7 +22,11 @@ Every method spends the same number of training tokens in total:
   error feedback, zstd framing), int8 mixed results and bf16 anchors;
 - diloco_topk4: one group of everyone with sparse pseudo-gradients (the top 1/64 of each
   block of 256 in int4, error feedback) and sparse mixed results (the top 1/64 of the mix).
-  Not in the default list (`--methods` adds it).
+  Not in the default list (`--methods` adds it);
+- diloco_overlap: diloco whose rounds overlap inner steps (manifest `outer.overlap`): each
+  round's new anchor lands --overlap-steps inner steps into the next round, with the
+  progress made since the round's end added to it (what node/rounds.py does when the
+  mixes take that long). Not in the default list.
 
 `refused` counts, per method, the parts reducers refused (norm, direction): a codec that
 makes honest parts look like outliers shows here.
@@ -58,7 +62,7 @@ from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 
 METHODS = ("ddp", "diloco", "gossip", "gossip_int8", "gossip_int4")
 CODECS = {"gossip_int8": "int8", "gossip_int4": "int4", "diloco_topk4": "topk4"}
-KNOWN = (*METHODS, "diloco_topk4")
+KNOWN = (*METHODS, "diloco_topk4", "diloco_overlap")
 # In one process nothing fails and nobody is late: deadlines only need to be generous.
 PATIENT = Deadlines(base=600.0)
 TOGETHER = MatchmakingConfig(window=600.0, settle=0.0, poll_interval=0.01)
@@ -163,17 +167,69 @@ async def run_outer(
     loops = outer_loops([t.model for t in trainers], outer_config(method, args), "bench")
     sent = blocked = 0.0
     refused = 0
+    late = min(args.overlap_steps, h) if method.endswith("_overlap") else 0
+    landing: list[Landing] = []
+
+    def train(steps: int) -> None:
+        for t in trainers:
+            for _ in range(steps):
+                t.train_step()
+
     for _ in range(rounds):
         for loop in loops:
             await loop.begin_round(expect=r)
         # train in a worker thread so the anchor mixes progress on the event loop meanwhile
-        await asyncio.to_thread(lambda: [t.train_step() for t in trainers for _ in range(h)])
-        reports = await asyncio.gather(*(lp.end_round(tokens=h * tokens_per_step) for lp in loops))
+        await asyncio.to_thread(train, late)
+        for pending in landing:  # the previous round's anchors land `late` steps in
+            started = time.perf_counter()
+            pending.land()
+            blocked += time.perf_counter() - started
+        await asyncio.to_thread(train, h - late)
+        if late:
+            landing = [Landing(t.model) for t in trainers]
+        ends = (
+            lp.end_round(tokens=h * tokens_per_step, weights=landing[k] if late else None)
+            for k, lp in enumerate(loops)
+        )
+        reports = await asyncio.gather(*ends)
         sent += sum(rep.bytes_sent for rep in reports)
-        blocked += sum(rep.seconds_blocked for rep in reports)
+        if not late:  # overlapped, what blocks is `land` (timed there), not end_round
+            blocked += sum(rep.seconds_blocked for rep in reports)
         refused += sum(len(rep.outliers) + len(rep.direction_outliers) for rep in reports)
+    for pending in landing:  # the last round's anchors, with no progress since
+        started = time.perf_counter()
+        pending.land()
+        blocked += time.perf_counter() - started
     val = sum(t.evaluate() for t in trainers) / r
     return val, sent / r, blocked / r, refused
+
+
+class Landing:
+    """outer.Weights of an overlapped round in one process: `read` is the weights at the
+    round's end, `write` keeps the new anchor until `land` sets it plus the progress made
+    since (rounds.OverlappedWeights in the daemon)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.at_end = self._flat()
+        self.new: torch.Tensor | None = None
+
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self.model.parameters()])
+
+    async def read(self) -> torch.Tensor:
+        return self.at_end
+
+    async def write(self, flat: torch.Tensor) -> None:
+        self.new = flat
+
+    @torch.no_grad()
+    def land(self) -> None:
+        target = self.new + (self._flat() - self.at_end)
+        offset = 0
+        for p in self.model.parameters():
+            p.copy_(target[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         help="H (the manifest's is too long for the default budget)",
     )
     p.add_argument("--group-size", type=int, default=2)
+    p.add_argument(
+        "--overlap-steps",
+        type=int,
+        default=1,
+        help="diloco_overlap: inner steps into the next round at which a round's anchor lands",
+    )
     p.add_argument("--eval-samples", type=int, default=64)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--momentum-mix", action="store_true", help="also mix outer momenta (ablation)")
@@ -241,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens": args.tokens,
             "inner_steps": args.inner_steps,
             "group_size": args.group_size,
+            "overlap_steps": args.overlap_steps,
             "outer_lr": args.outer_lr,
             "outer_momentum": args.outer_momentum,
             "result_codec": args.result_codec,

@@ -387,11 +387,19 @@ class OuterLoop:
             raise RuntimeError(f"round {self.state.round} already begun")
         self._prep = asyncio.create_task(self._prepare_or_alone(self.state.round, expect))
 
-    async def end_round(self, *, tokens: int, weights: Weights | None = None) -> RoundReport:
+    async def end_round(
+        self,
+        *,
+        tokens: int,
+        weights: Weights | None = None,
+        blocked_s: Callable[[], float] | None = None,
+    ) -> RoundReport:
         """Mix pseudo-gradients, take the outer step, write the new anchor into the weights.
 
         weights: where to read and write them (default: the module, directly); the
-        daemon passes its frozen stage worker's."""
+        daemon passes its frozen stage worker's, or with overlap `rounds.OverlappedWeights`.
+        blocked_s: how long the inner loop was held, asked after the write (default: this
+        call's wall time, which it spends holding the inner loop)."""
         weights = weights or ModuleWeights(self.state)
         started = time.monotonic()
         if self._prep is None:
@@ -428,6 +436,8 @@ class OuterLoop:
             (delta, mixed),
             (started, waited, deadline),
         )
+        if blocked_s is not None:
+            report.seconds_blocked = blocked_s()
         self._account(report)
         self._flag(report)
         del prep_task, prep, outcome, delta, mixed, anchor, momentum  # this round's vectors

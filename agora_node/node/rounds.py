@@ -14,7 +14,10 @@ Replicas of a stage stay in step without a coordinator:
 3. the blocking part of a round (pseudo-gradient mix, Nesterov step, new
    weights) runs while the stage worker is frozen: inner steps wait, forwards
    and backwards go on, and the weights are read and written on the worker
-   thread only.
+   thread only. With `overlap` (manifest `outer.overlap`) the worker is frozen
+   only to read the weights at the round's end and, once the mixes are done, to
+   write the new anchor plus the inner progress made since that read
+   (`OverlappedWeights`); the next round waits for this one to land.
 
 The two decisions are pure functions, tested without a network.
 """
@@ -25,8 +28,11 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
+
+from torch import Tensor
 
 from agora_node.node.attestation import Attestation
 from agora_node.node.outer import OuterLoop
@@ -37,6 +43,27 @@ from agora_node.protocol.records import NodeRecord
 log = logging.getLogger(__name__)
 
 KEPT_DIGESTS = 10
+
+
+class OverlappedWeights:
+    """outer.Weights for a round whose mixes run while inner steps go on.
+
+    `read` gives the weights taken (frozen) at the round's end; `write(new)` freezes the
+    worker only to set `new + (now - at_end)`: the new anchor plus whatever the inner
+    steps added since. `blocked_s` is how long the worker was frozen for it."""
+
+    def __init__(self, worker: StageWorker, at_end: Tensor, blocked_s: float) -> None:
+        self.worker, self.at_end, self.blocked_s = worker, at_end, blocked_s
+
+    async def read(self) -> Tensor:
+        return self.at_end
+
+    async def write(self, new: Tensor) -> None:
+        started = time.monotonic()
+        async with self.worker.frozen() as weights:
+            now = await weights.read()
+            await weights.write(new + (now - self.at_end))
+        self.blocked_s += time.monotonic() - started
 
 
 def target_round(own: int, replica_rounds: Iterable[int]) -> int:
@@ -102,8 +129,11 @@ class OuterRounds:
         replica_count: Callable[[], int],
         replica_ids: Callable[[], list[str]] | None = None,
         poll_s: float = 0.5,
+        overlap: bool = False,
     ) -> None:
-        self.replica_ids = replica_ids
+        self.replica_ids, self.overlap = replica_ids, overlap
+        self._landing: asyncio.Task | None = None
+        """With overlap: the round whose mixes are still under way (at most one)."""
         self.outer, self.worker, self.every = outer, worker, inner_steps
         self.replica_rounds, self.replica_count, self.poll_s = (
             replica_rounds,
@@ -176,6 +206,7 @@ class OuterRounds:
     async def run(self, stop: asyncio.Event) -> None:
         start_step, start_tokens = self.worker.optimizer.steps, self.worker.stats.trained_tokens
         while not stop.is_set():
+            await self._landed()
             self._catch_up()
             await self.attest()  # what the record announces (cached unless the state changed)
             while not stop.is_set():
@@ -187,16 +218,39 @@ class OuterRounds:
                     await asyncio.wait_for(stop.wait(), self.poll_s)
             if stop.is_set():
                 return
+            await self._landed()  # the previous round's anchor first (overlap)
             if self._catch_up():  # the stage moved on while we trained: join its round
                 continue  # instead of a round its replicas have left (our steps count there)
             await self.outer.begin_round(expect=self._expect())
-            async with self._lock, self.worker.frozen() as weights:
-                tokens = self.worker.stats.trained_tokens - start_tokens
-                await self.outer.end_round(tokens=tokens, weights=weights)
-                self._epoch += 1
-                self._blob = None
+            tokens = self.worker.stats.trained_tokens - start_tokens
+            if self.overlap:
+                started = time.monotonic()
+                async with self.worker.frozen() as weights:
+                    at_end = await weights.read()
+                blocked = time.monotonic() - started
+                overlapped = OverlappedWeights(self.worker, at_end, blocked)
+                self._landing = asyncio.create_task(self._end_round(tokens, overlapped))
+            else:
+                async with self.worker.frozen() as weights:
+                    await self._end_round(tokens, weights)
             start_step, start_tokens = self.worker.optimizer.steps, self.worker.stats.trained_tokens
-            await self.attest()  # notes the new anchor's digest (anchor_digests)
+            if not self.overlap:
+                await self.attest()  # notes the new anchor's digest (anchor_digests)
+
+    async def _end_round(self, tokens: int, weights: Any) -> None:
+        async with self._lock:
+            blocked = (lambda: weights.blocked_s) if self.overlap else None
+            await self.outer.end_round(tokens=tokens, weights=weights, blocked_s=blocked)
+            self._epoch += 1
+            self._blob = None
+        if self.overlap:
+            await self.attest()
+
+    async def _landed(self) -> None:
+        """Wait for an overlapped round to finish; its failure is this loop's failure."""
+        if self._landing is not None:
+            await self._landing
+            self._landing = None
 
     def _expect(self) -> int | set[str]:
         if self.replica_ids is not None:
@@ -239,5 +293,13 @@ class OuterRounds:
         ]
         return status
 
+    def abandon(self) -> None:
+        """Stop an overlapped round under way (a drain abandons rounds, as the run loop's)."""
+        if self._landing is not None:
+            self._landing.cancel()
+
     async def close(self) -> None:
+        self.abandon()
+        if self._landing is not None:
+            await asyncio.gather(self._landing, return_exceptions=True)
         await self.outer.close()

@@ -168,6 +168,7 @@ class StageService:
             ],
             replica_count=lambda: len(ctx.peers_of(stage)) or 1,
             replica_ids=lambda: ctx.peers_of(stage),
+            overlap=ctx.manifest.outer.overlap,
         )
         service = cls(ctx, worker, rounds, loaded.origin, on_failure)
         service._rounds = service._loops.spawn(rounds.run(service._stop))
@@ -182,6 +183,7 @@ class StageService:
         self._stop.set()
         if self._rounds is not None:
             self._rounds.cancel()
+            self.rounds.abandon()
             await asyncio.gather(self._rounds, return_exceptions=True)
         self.pipeline.accepting = False
         if not await self.pipeline.drain(timeout):

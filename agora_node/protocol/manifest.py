@@ -35,6 +35,7 @@ this: honest ones measured on tiny were never below 0.64, a random direction is 
 CANONICAL_DEFAULTS = {
     ("outer", "aggregation"): "centered_clip",
     ("outer", "min_cosine"): DEFAULT_MIN_COSINE,
+    ("outer", "overlap"): False,
     ("model", "cp_degree"): 1,
     ("model", "kv_rank"): 0,
     ("model", "kv_subspaces"): 4,
@@ -191,9 +192,15 @@ class OuterSpec:
     """A reducer refuses a pseudo-gradient part whose cosine with the median of the others'
     (3+ parts) is at most this; -1 turns the check off. Run-wide: a span's owner and its
     witness must refuse the same parts."""
+    overlap: bool = False
+    """Run each round's mixes while the next round's inner steps go on, then swap in the
+    new anchor plus the inner progress made meanwhile (node/rounds.py); false: inner
+    steps wait for the round."""
 
     def __post_init__(self) -> None:
         _positive(self, "outer", "inner_steps", "lr")
+        if not isinstance(self.overlap, bool):
+            _fail("outer.overlap", self.overlap, "must be true or false")
         if not -1 <= self.min_cosine < 1:
             _fail("outer.min_cosine", self.min_cosine, "must be in [-1, 1) (-1: off)")
         if self.aggregation not in AGGREGATIONS:

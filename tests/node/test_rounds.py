@@ -172,3 +172,77 @@ async def test_outer_writes_while_forwards_run_never_touch_their_weight_copies()
             await worker.call(worker.backward, f"mb{i}", grad)
     finally:
         worker.close()
+
+
+async def test_an_overlapped_outer_step_keeps_the_inner_progress_made_during_the_mix():
+    """With overlap the mixes run while inner steps go on: the new anchor lands with the
+    progress made since the round's end added to it, under one short freeze."""
+    from agora_node.node.rounds import OverlappedWeights
+
+    worker = StageWorker(load_manifest("tiny"), 1)
+    try:
+        async with worker.frozen() as weights:
+            at_end = await weights.read()
+        progress = torch.randn_like(at_end) * 1e-3
+        async with worker.frozen() as weights:  # stands in for inner steps during the mix
+            await weights.write(at_end + progress)
+        overlapped = OverlappedWeights(worker, at_end, blocked_s=0.0)
+        assert (await overlapped.read()) is at_end  # the pseudo-gradient is the round's
+        new_anchor = at_end - 0.01
+        version = worker.version
+        await overlapped.write(new_anchor)
+        async with worker.frozen() as weights:
+            torch.testing.assert_close(await weights.read(), new_anchor + progress)
+        assert worker.version == version + 1 and overlapped.blocked_s > 0.0
+        assert not worker.hold_steps
+    finally:
+        worker.close()
+
+
+async def test_overlapped_rounds_end_with_one_anchor_and_never_hold_steps_during_the_mix():
+    network, board = LocalNetwork(), MemoryBoard()
+    replicas = [_replica(i, network, board) for i in range(2)]
+    stop = asyncio.Event()
+    rounds = [
+        OuterRounds(
+            outer,
+            worker,
+            inner_steps=4,
+            replica_rounds=list,
+            replica_count=lambda: 2,
+            poll_s=0.02,
+            overlap=True,
+        )
+        for worker, outer in replicas
+    ]
+    tasks = [asyncio.create_task(r.run(stop)) for r in rounds]
+    try:
+        (wa, _), (wb, _) = replicas
+        await asyncio.sleep(0)  # both loops start their round (they read the step counters)
+        wa.optimizer.steps += 4  # A's round ends; its mix waits for B (window 0.5 s)
+        deadline = time.monotonic() + 60
+        while rounds[0]._landing is None:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        held_while_mixing = []
+        for _ in range(10):  # A's mix is under way: its inner steps are not held
+            held_while_mixing.append(wa.hold_steps)
+            await asyncio.sleep(0.01)
+        wb.optimizer.steps += 1
+        while not all(1 in r.anchor_digests for r in rounds):
+            assert time.monotonic() < deadline, [r.round for r in rounds]
+            assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+            await asyncio.sleep(0.02)
+        assert not any(held_while_mixing)
+        assert rounds[0].anchor_digests[1] == rounds[1].anchor_digests[1]
+        for worker, outer in replicas:
+            assert outer.last_report.participants == 2
+            async with worker.frozen() as weights:  # no inner progress was made meanwhile
+                torch.testing.assert_close(await weights.read(), outer.state.anchor)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for r in rounds:
+            await r.close()
+        for worker, _ in replicas:
+            worker.close()

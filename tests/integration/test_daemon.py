@@ -334,6 +334,7 @@ def test_daemons_with_own_identities_get_own_data_dirs_and_a_clash_fails_at_once
     assert all(node.proc.poll() is None for node in nodes)
 
 
+@pytest.mark.slow  # 45-65 s; the switch decision is tests/policy/test_should_switch.py
 def test_auto_node_moves_to_a_stage_that_lost_its_last_replica(swarm):
     swarm.bootstrap("tiny")
     fixed = [swarm.join(f"fixed-{s}", "--stage", str(s)) for s in (1, 2, 3)]
@@ -363,6 +364,7 @@ def test_auto_node_moves_to_a_stage_that_lost_its_last_replica(swarm):
     )
 
 
+@pytest.mark.slow  # 35-40 s
 def test_joiner_retries_another_replica_when_its_source_dies_mid_transfer(swarm):
     # `bench` stage 0 state is ~47 MiB (weights + AdamW moments).
     swarm.bootstrap("bench")

@@ -50,6 +50,7 @@ def test_replicas_of_a_stage_agree_after_outer_rounds(swarm, tmp_path):
 
 
 @pytest.mark.timeout(480)
+@pytest.mark.slow  # 40 s; groups are formed in tests/outer (real peers), rounds in the test above
 def test_gossip_splits_a_stage_of_four_replicas_into_groups_of_two(swarm, tmp_path):
     """Gossip in daemons: with group_size 2, four replicas of a stage mix their deltas in two
     disjoint pairs that agree on their result, round after round."""

@@ -1,7 +1,8 @@
 """A swarm under a scripted fault schedule against the same swarm without faults (A B A B).
 
-    python bench/chaos.py --json
+    python bench/chaos.py --repeats 2 --json
     python bench/chaos.py --schedule "kill-bootstrap@0.1,kill:1@0.25+15,stop:0@0.45+20" --json
+    python bench/chaos.py --vs-overlap --emulate-link 100,25 --json
 
 Each side starts a bootstrap and `--replicas` daemons per stage of a `--layers`-layer,
 `--stages`-stage cut of `tiny` on 127.0.0.1 (one torch thread each, fixed stages), and
@@ -27,7 +28,13 @@ of the heads' final validation losses), `gap` (chaos over fault-free - 1),
 median), `recover_s` (the longest time from a victim's restart or SIGCONT until it served
 a micro-batch again, chaos median), `left_behind` (processes of any side's process groups,
 libp2p sockets and control sockets still there after the swarm stopped, namespaces
-created; must be 0), and `runs` with every side's figures and events.
+created; must be 0), `tokens_per_s` and `outer_blocked_share` (the mean over daemons of
+the time outer rounds held inner steps, over the training time) per side, and `runs`
+with every side's figures and events.
+
+`--vs-overlap` compares outer rounds that hold inner steps (A) with overlapped ones (B,
+manifest `outer.overlap`), both without faults; the keys name the sides (`blocking`,
+`overlap`). `--emulate-link MBIT,MS` shapes every daemon's uplink in the transport.
 """
 
 from __future__ import annotations
@@ -104,6 +111,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated faults (see above); the default fails 2 of 6 daemons",
     )
     p.add_argument("--repeats", type=int, default=1, help="A B pairs")
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="both sides with overlapped outer rounds (manifest outer.overlap)",
+    )
+    p.add_argument(
+        "--vs-overlap",
+        action="store_true",
+        help="no faults: A = outer rounds that block inner steps, B = overlapped ones",
+    )
+    p.add_argument(
+        "--emulate-link",
+        default="",
+        help="MBIT,MS: every daemon's uplink shaped in the transport (comms/linkemu.py)",
+    )
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per side")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -118,8 +140,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def write_manifest(path: Path, args: argparse.Namespace) -> Path:
+def write_manifest(path: Path, args: argparse.Namespace, overlap: bool) -> Path:
     text = load_manifest("tiny").to_toml()
+    text = text.replace("overlap = false", f"overlap = {str(overlap).lower()}")
     text = text.replace("n_layers = 8", f"n_layers = {args.layers}")
     text = text.replace("count = 4", f"count = {args.stages}")
     text = text.replace("inner_steps = 50", f"inner_steps = {args.inner_steps}")
@@ -194,7 +217,6 @@ class Side:
         return [c for c in self.swarm.children if c.name != "bootstrap"]
 
     def run(self, manifest: Path, duration_hint: float) -> dict:
-        args = self.args
         before_ns = _namespaces()
         try:
             result = self._train(manifest, duration_hint)
@@ -209,7 +231,7 @@ class Side:
         }
         result["left_behind"] = sum(len(v) for v in left.values())
         result["left_behind_detail"] = left
-        result["faults"] = args.schedule if self.faults else ""
+        result["faults"] = ",".join(f"{f.action}:{f.stage}@{f.at}+{f.down_s}" for f in self.faults)
         return result
 
     def _train(self, manifest: Path, duration_hint: float) -> dict:
@@ -221,6 +243,8 @@ class Side:
         peers = wait_for_line(boot, "--initial-peers", 60).split("--initial-peers", 1)[1].split()
         common = ["--initial-peers", *peers, "--status-port", "0", "--threads", "1"]
         common += ["--eval-every", "1000000", "--max-tokens", str(args.tokens_per_head)]
+        if args.emulate_link:
+            common += ["--emulate-link", args.emulate_link]
         for s in range(args.stages):
             for r in range(args.replicas):
                 name = f"s{s}r{r}"
@@ -269,6 +293,8 @@ class Side:
                 break
             time.sleep(0.5)  # polling under a deadline
         trained = time.monotonic() - started
+        outer = [(s or {}).get("outer") or {} for s in map(self.status, self.nodes())]
+        blocked = [o["seconds_blocked"] for o in outer if "seconds_blocked" in o]
         m = load_manifest("tiny")
         per_mb = m.inner.micro_batch * m.model.seq_len
         losses = [s["final_val_loss"] for s in finals.values()]
@@ -281,6 +307,9 @@ class Side:
             "tokens": sum(s["completed_tokens"] for s in finals.values()),
             "lost_microbatches": lost,
             "train_s": round(trained, 1),
+            "tokens_per_s": round(sum(s["completed_tokens"] for s in finals.values()) / trained, 1),
+            "outer_rounds": max((o.get("rounds", 0) for o in outer), default=0),
+            "outer_blocked_share": round(statistics.fmean(blocked) / trained, 4) if blocked else 0,
             "recover_s": max((e.get("serving_again_s", 0.0) for e in self.events), default=0.0),
             "events": self.events,
         }
@@ -367,31 +396,38 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_1m_before": [],
     }
     with tempfile.TemporaryDirectory(prefix="agora-chaos-") as tmp:
-        manifest = write_manifest(Path(tmp) / "chaos.toml", args)
+        plain = write_manifest(Path(tmp) / "chaos.toml", args, args.overlap)
+        overlapped = write_manifest(Path(tmp) / "overlap.toml", args, True)
+        if args.vs_overlap:  # A: rounds that block, B: overlapped; no faults
+            sides = [("blocking", [], plain), ("overlap", [], overlapped)]
+        else:
+            sides = [("fault_free", [], plain), ("chaos", args.faults, plain)]
         for i in range(args.repeats):
-            for faults in ([], args.faults):
+            for label, faults, manifest in sides:
                 cond["loadavg_1m_before"].append(round(os.getloadavg()[0], 2))
-                workdir = Path(tmp) / f"{'chaos' if faults else 'clean'}-{i}"
+                workdir = Path(tmp) / f"{label}-{i}"
                 workdir.mkdir()
                 side = Side(args, workdir, faults).run(manifest, duration)
+                side["side"] = label
                 if not faults:
                     duration = side["train_s"]
                 runs.append(side)
                 print(json.dumps(side), file=sys.stderr, flush=True)
-    clean = [r for r in runs if not r["faults"]]
-    chaos = [r for r in runs if r["faults"]]
+    a, b = sides[0][0], sides[1][0]
 
-    def med(rs: list[dict], key: str) -> float:
-        return round(statistics.median(r[key] for r in rs), 4)
+    def med(label: str, key: str) -> float:
+        return round(statistics.median(r[key] for r in runs if r["side"] == label), 4)
 
     result = {
-        "val_loss": {"fault_free": med(clean, "val_loss"), "chaos": med(chaos, "val_loss")},
-        "gap": round(med(chaos, "val_loss") / med(clean, "val_loss") - 1, 4),
-        "tokens": {"fault_free": med(clean, "tokens"), "chaos": med(chaos, "tokens")},
-        "lost_microbatches": med(chaos, "lost_microbatches"),
-        "recover_s": med(chaos, "recover_s"),
+        "val_loss": {a: med(a, "val_loss"), b: med(b, "val_loss")},
+        "gap": round(med(b, "val_loss") / med(a, "val_loss") - 1, 4),
+        "tokens": {a: med(a, "tokens"), b: med(b, "tokens")},
+        "tokens_per_s": {a: med(a, "tokens_per_s"), b: med(b, "tokens_per_s")},
+        "outer_blocked_share": {a: med(a, "outer_blocked_share"), b: med(b, "outer_blocked_share")},
+        "lost_microbatches": med(b, "lost_microbatches"),
+        "recover_s": med(b, "recover_s"),
         "left_behind": sum(r["left_behind"] for r in runs),
-        "schedule": args.schedule,
+        "schedule": "" if args.vs_overlap else args.schedule,
         "setup": {
             "stages": args.stages,
             "replicas": args.replicas,
@@ -399,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
             "inner_steps": args.inner_steps,
             "tokens_per_head": args.tokens_per_head,
             "repeats": args.repeats,
+            "overlap": "B" if args.vs_overlap else args.overlap,
+            "emulate_link": args.emulate_link,
         },
         "conditions": cond,
         "runs": runs,

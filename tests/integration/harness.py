@@ -116,9 +116,16 @@ class TestSwarm(Swarm):
 
 
 def small_manifest(
-    path: Path, *, stages: int, layers: int, inner_steps: int = 50, group_size: int = 4
+    path: Path,
+    *,
+    stages: int,
+    layers: int,
+    inner_steps: int = 50,
+    group_size: int = 4,
+    overlap: bool = False,
 ) -> str:
-    """tiny with another stage cut, outer cadence H and gossip group size (written to `path`)."""
+    """tiny with another stage cut, outer cadence H, gossip group size and overlapped outer
+    rounds or not (written to `path`)."""
     from agora_node.protocol.manifest import parse_manifest
     from agora_node.stages.manifest_files import load_manifest
 
@@ -127,6 +134,7 @@ def small_manifest(
     text = text.replace("count = 4", f"count = {stages}")
     text = text.replace("inner_steps = 50", f"inner_steps = {inner_steps}")
     text = text.replace("group_size = 4", f"group_size = {group_size}")
+    text = text.replace("overlap = false", f"overlap = {str(overlap).lower()}")
     parse_manifest(text)  # validate before a daemon sees it
     path.write_text(text)
     return str(path)

@@ -7,8 +7,11 @@ from tests.integration.harness import poll, small_manifest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def test_replicas_of_a_stage_agree_after_outer_rounds(swarm, tmp_path):
-    manifest = small_manifest(tmp_path / "two.toml", stages=2, layers=4, inner_steps=3)
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_replicas_of_a_stage_agree_after_outer_rounds(swarm, tmp_path, overlap):
+    manifest = small_manifest(
+        tmp_path / "two.toml", stages=2, layers=4, inner_steps=3, overlap=overlap
+    )
     swarm.bootstrap(manifest)
     nodes = [swarm.join(f"node-{i}", "--stage", str(s)) for i, s in enumerate([0, 0, 1, 1])]
     for node in nodes:

@@ -54,7 +54,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey 
 from torch import nn  # noqa: E402
 
 from agora_node.comms.collective import Deadlines, LocalNetwork, MatchmakingConfig, MemoryBoard  # noqa: E402
-from agora_node.node.outer import OuterConfig, OuterLoop  # noqa: E402
+from agora_node.node.outer import OuterConfig, OuterLoop, OuterState  # noqa: E402
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer  # noqa: E402
 from agora_node.protocol.identity import Identity  # noqa: E402
 from agora_node.protocol.manifest import Manifest  # noqa: E402
@@ -186,7 +186,10 @@ async def run_outer(
             blocked += time.perf_counter() - started
         await asyncio.to_thread(train, h - late)
         if late:
-            landing = [Landing(t.model) for t in trainers]
+            landing = [
+                Landing(t.model, lp.state, args.eager)
+                for t, lp in zip(trainers, loops, strict=True)
+            ]
         ends = (
             lp.end_round(tokens=h * tokens_per_step, weights=landing[k] if late else None)
             for k, lp in enumerate(loops)
@@ -209,10 +212,13 @@ class Landing:
     round's end, `write` keeps the new anchor until `land` sets it plus the progress made
     since (rounds.OverlappedWeights in the daemon)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, state: OuterState, eager: bool) -> None:
         self.model = model
-        self.at_end = self._flat()
+        self.at_end = self.start = self._flat()
         self.new: torch.Tensor | None = None
+        if eager:  # go on from the outer step the own pseudo-gradient would make
+            self.start = state.preview(state.anchor - self.at_end)
+            self._load(self.start)
 
     def _flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self.model.parameters()])
@@ -223,12 +229,14 @@ class Landing:
     async def write(self, flat: torch.Tensor) -> None:
         self.new = flat
 
-    @torch.no_grad()
     def land(self) -> None:
-        target = self.new + (self._flat() - self.at_end)
+        self._load(self.new + (self._flat() - self.start))
+
+    @torch.no_grad()
+    def _load(self, flat: torch.Tensor) -> None:
         offset = 0
         for p in self.model.parameters():
-            p.copy_(target[offset : offset + p.numel()].view_as(p))
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
 
@@ -255,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="diloco_overlap: inner steps into the next round at which a round's anchor lands",
+    )
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="diloco_overlap: inner steps go on from the outer step of the replica's own "
+        "pseudo-gradient, corrected when the mixed one lands",
     )
     p.add_argument("--eval-samples", type=int, default=64)
     p.add_argument("--methods", default=",".join(METHODS))
@@ -304,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             "inner_steps": args.inner_steps,
             "group_size": args.group_size,
             "overlap_steps": args.overlap_steps,
+            "eager": args.eager,
             "outer_lr": args.outer_lr,
             "outer_momentum": args.outer_momentum,
             "result_codec": args.result_codec,

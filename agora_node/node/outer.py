@@ -202,6 +202,14 @@ class OuterState:
         self.warming = False
         return self.anchor
 
+    @torch.no_grad()
+    def preview(self, delta: Tensor) -> Tensor:
+        """The anchor `step(delta)` would make from this replica's own anchor and momentum,
+        changing nothing: where an overlapped round's inner steps go on from while the
+        mixes run (an eager outer step with the replica's own pseudo-gradient)."""
+        momentum = self.momentum * self.mu + delta
+        return self.anchor - self.lr * (delta + self.mu * momentum)
+
     def apply(
         self,
         mixed_delta: Tensor,

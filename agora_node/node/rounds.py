@@ -15,9 +15,10 @@ Replicas of a stage stay in step without a coordinator:
    weights) runs while the stage worker is frozen: inner steps wait, forwards
    and backwards go on, and the weights are read and written on the worker
    thread only. With `overlap` (manifest `outer.overlap`) the worker is frozen
-   only to read the weights at the round's end and, once the mixes are done, to
-   write the new anchor plus the inner progress made since that read
-   (`OverlappedWeights`); the next round waits for this one to land.
+   only at the round's end, to read the weights and set them to the outer step
+   of this replica's own pseudo-gradient (an eager step), and, once the mixes
+   are done, to write the mixed round's anchor plus the inner progress made
+   since (`OverlappedWeights`); the next round waits for this one to land.
 
 The two decisions are pure functions, tested without a network.
 """
@@ -48,12 +49,16 @@ KEPT_DIGESTS = 10
 class OverlappedWeights:
     """outer.Weights for a round whose mixes run while inner steps go on.
 
-    `read` gives the weights taken (frozen) at the round's end; `write(new)` freezes the
-    worker only to set `new + (now - at_end)`: the new anchor plus whatever the inner
-    steps added since. `blocked_s` is how long the worker was frozen for it."""
+    `read` gives the weights taken (frozen) at the round's end, `at_end`. The inner steps
+    went on from `start`: the outer step this replica's own pseudo-gradient makes
+    (`OuterState.preview`, an eager step; `at_end` itself works too). `write(new)`
+    freezes the worker only to set `new + (now - start)`: the mixed round's anchor plus
+    whatever the inner steps added since. `blocked_s` is how long the worker was frozen."""
 
-    def __init__(self, worker: StageWorker, at_end: Tensor, blocked_s: float) -> None:
-        self.worker, self.at_end, self.blocked_s = worker, at_end, blocked_s
+    def __init__(
+        self, worker: StageWorker, at_end: Tensor, start: Tensor, blocked_s: float
+    ) -> None:
+        self.worker, self.at_end, self.start, self.blocked_s = worker, at_end, start, blocked_s
 
     async def read(self) -> Tensor:
         return self.at_end
@@ -62,7 +67,7 @@ class OverlappedWeights:
         started = time.monotonic()
         async with self.worker.frozen() as weights:
             now = await weights.read()
-            await weights.write(new + (now - self.at_end))
+            await weights.write(new + (now - self.start))
         self.blocked_s += time.monotonic() - started
 
 
@@ -225,10 +230,13 @@ class OuterRounds:
             tokens = self.worker.stats.trained_tokens - start_tokens
             if self.overlap:
                 started = time.monotonic()
+                state = self.outer.state
                 async with self.worker.frozen() as weights:
                     at_end = await weights.read()
+                    start = await asyncio.to_thread(state.preview, state.anchor - at_end)
+                    await weights.write(start)
                 blocked = time.monotonic() - started
-                overlapped = OverlappedWeights(self.worker, at_end, blocked)
+                overlapped = OverlappedWeights(self.worker, at_end, start, blocked)
                 self._landing = asyncio.create_task(self._end_round(tokens, overlapped))
             else:
                 async with self.worker.frozen() as weights:

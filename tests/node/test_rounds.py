@@ -183,10 +183,11 @@ async def test_an_overlapped_outer_step_keeps_the_inner_progress_made_during_the
     try:
         async with worker.frozen() as weights:
             at_end = await weights.read()
+        start = at_end - 0.005  # where the inner steps went on from (an eager outer step)
         progress = torch.randn_like(at_end) * 1e-3
         async with worker.frozen() as weights:  # stands in for inner steps during the mix
-            await weights.write(at_end + progress)
-        overlapped = OverlappedWeights(worker, at_end, blocked_s=0.0)
+            await weights.write(start + progress)
+        overlapped = OverlappedWeights(worker, at_end, start, blocked_s=0.0)
         assert (await overlapped.read()) is at_end  # the pseudo-gradient is the round's
         new_anchor = at_end - 0.01
         version = worker.version

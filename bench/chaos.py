@@ -260,6 +260,7 @@ class Side:
                 raise RuntimeError(f"the swarm did not become active; logs in {self.workdir}")
             time.sleep(0.5)  # polling under a deadline
         started = time.monotonic()
+        self.sockets |= _p2pd_sockets(self.pgids)  # every incarnation's, before any dies
         pending = [(f, f.at * duration_hint) for f in self.faults]
         returns: list[tuple[float, Child, str, dict]] = []  # (when, victim, action, event)
         watching: list[tuple[Child, dict, int]] = []  # victims back, until they serve again
@@ -315,6 +316,7 @@ class Side:
         }
 
     def _strike(self, fault: Fault, now: float, returns: list) -> None:
+        self.sockets |= _p2pd_sockets(self.pgids)  # the victim's, while it lives
         if fault.action == "kill-bootstrap":
             boot = self.swarm.children[0]
             _group_signal(boot, signal.SIGKILL)

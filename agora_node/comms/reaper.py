@@ -48,6 +48,9 @@ class Reaper:
             stdin=subprocess.PIPE,
             preexec_fn=_arm,  # noqa: PLW1509 - must run in the child
             close_fds=True,
+            # its own session: a SIGKILL of the node's whole process group (an operator's
+            # `kill -9 -PGID`, a service manager) must not take the reaper with it
+            start_new_session=True,
         )
         return cls(proc)
 

@@ -11,6 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 _NODE = textwrap.dedent(
     """
     import socket, subprocess, sys
@@ -37,7 +39,10 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_a_sigkilled_node_leaves_neither_its_helper_nor_its_socket(tmp_path):
+@pytest.mark.parametrize("whole_group", [False, True])
+def test_a_sigkilled_node_leaves_neither_its_helper_nor_its_socket(tmp_path, whole_group):
+    """SIGKILL of the node alone, or of its whole process group (the reaper has a session
+    of its own, so it survives the latter to clean up)."""
     sock, plain = tmp_path / "p2pd.sock", tmp_path / "notes.txt"
     plain.write_text("keep me")
     node = subprocess.Popen(
@@ -45,12 +50,16 @@ def test_a_sigkilled_node_leaves_neither_its_helper_nor_its_socket(tmp_path):
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
     helper = None
     try:
         helper = int(node.stdout.readline())
         assert sock.exists() and _alive(helper)
-        node.send_signal(signal.SIGKILL)
+        if whole_group:
+            os.killpg(node.pid, signal.SIGKILL)
+        else:
+            node.send_signal(signal.SIGKILL)
         node.wait(timeout=10)
         deadline = time.monotonic() + 20
         while (sock.exists() or _alive(helper)) and time.monotonic() < deadline:
@@ -66,8 +75,6 @@ def test_a_sigkilled_node_leaves_neither_its_helper_nor_its_socket(tmp_path):
 
 
 def test_remove_on_death_refuses_a_path_that_could_smuggle_a_second_line():
-    import pytest
-
     from agora_node.comms.reaper import Reaper
 
     reaper = Reaper(None)

@@ -288,7 +288,11 @@ class Side:
                 s = self.status(head)
                 if s and s.get("final_val_loss") is not None:
                     finals[head.name] = s
-            if len(finals) == len(heads) and not pending and not returns and not watching:
+            if len(finals) == len(heads) and not returns:  # training is over
+                for fault, _ in pending:  # due after the end: never struck
+                    self.events.append({"action": fault.action, "skipped": "training ended"})
+                for _, event, _ in watching:  # back, but no traffic left to serve
+                    event["serving_again_s"] = None
                 break
             if time.monotonic() > deadline:
                 break
@@ -311,7 +315,7 @@ class Side:
             "tokens_per_s": round(sum(s["completed_tokens"] for s in finals.values()) / trained, 1),
             "outer_rounds": max((o.get("rounds", 0) for o in outer), default=0),
             "outer_blocked_share": round(statistics.fmean(blocked) / trained, 4) if blocked else 0,
-            "recover_s": max((e.get("serving_again_s", 0.0) for e in self.events), default=0.0),
+            "recover_s": max((e.get("serving_again_s") or 0.0 for e in self.events), default=0.0),
             "events": self.events,
         }
 

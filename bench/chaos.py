@@ -55,7 +55,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agora_node.node.demo import Child, Swarm, fetch_status, wait_for_line  # noqa: E402
+from agora_node.node.demo import (  # noqa: E402
+    Child,
+    Swarm,
+    _signal_group,
+    fetch_status,
+    wait_for_line,
+)
 from agora_node.protocol.manifest import parse_manifest  # noqa: E402
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 
@@ -265,7 +271,6 @@ class Side:
         returns: list[tuple[float, Child, str, dict]] = []  # (when, victim, action, event)
         watching: list[tuple[Child, dict, int]] = []  # victims back, until they serve again
         finals: dict[str, dict] = {}
-        deadline = started + args.timeout_s
         while True:
             now = time.monotonic() - started
             if now > args.timeout_s:
@@ -294,9 +299,7 @@ class Side:
                 for _, event, _ in watching:  # back, but no traffic left to serve
                     event["serving_again_s"] = None
                 break
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.5)  # polling under a deadline
+            time.sleep(0.5)  # polling under a deadline (timeout_s, above)
         trained = time.monotonic() - started
         outer = [(s or {}).get("outer") or {} for s in map(self.status, self.nodes())]
         blocked = [o["seconds_blocked"] for o in outer if "seconds_blocked" in o]
@@ -388,8 +391,7 @@ def _progress(status: dict) -> int:
 
 
 def _group_signal(child: Child, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.proc.pid, sig)
+    _signal_group(child.proc, sig)  # the demo's: its process group, if still there
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,7 +56,8 @@ from agora_node.comms.collective import (  # noqa: E402
     MatchmakingConfig,
     MemoryBoard,
 )
-from agora_node.node.outer import ModuleWeights, OuterConfig, OuterLoop, OuterState  # noqa: E402
+from agora_node.node.outer import OuterLoop  # noqa: E402
+from agora_node.node.outer_state import ModuleWeights, OuterConfig, OuterState  # noqa: E402
 from agora_node.node.suspects import Suspects  # noqa: E402
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer  # noqa: E402
 from agora_node.protocol.identity import Identity  # noqa: E402

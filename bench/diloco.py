@@ -54,7 +54,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey 
 from torch import nn  # noqa: E402
 
 from agora_node.comms.collective import Deadlines, LocalNetwork, MatchmakingConfig, MemoryBoard  # noqa: E402
-from agora_node.node.outer import OuterConfig, OuterLoop, OuterState  # noqa: E402
+from agora_node.node.outer import OuterLoop  # noqa: E402
+from agora_node.node.outer_state import OuterConfig, OuterState  # noqa: E402
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer  # noqa: E402
 from agora_node.protocol.identity import Identity  # noqa: E402
 from agora_node.protocol.manifest import Manifest  # noqa: E402

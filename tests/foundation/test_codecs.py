@@ -51,7 +51,7 @@ def test_from_name_rejects_with_the_valid_list(bad):
 
 def test_every_consumer_takes_the_registry_names():
     from agora_node.compression import ActivationCodec
-    from agora_node.node.outer import OuterConfig
+    from agora_node.node.outer_state import OuterConfig
 
     for name in CODEC_NAMES:
         assert OuterConfig(codec=name).delta_format().part is from_name(name)

@@ -124,7 +124,7 @@ def test_outer_aggregation_is_robust_by_default_validated_and_hashed_only_when_s
 
 
 def test_outer_min_cosine_is_on_by_default_validated_and_hashed_only_when_set():
-    from agora_node.node.outer import OuterConfig
+    from agora_node.node.outer_state import OuterConfig
 
     m = load_manifest("tiny")
     assert m.outer.min_cosine == 0.1 == OuterConfig.from_manifest(m).aggregation.min_cosine

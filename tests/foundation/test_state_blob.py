@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agora_node.node.outer import OuterState
+from agora_node.node.outer_state import OuterState
 from agora_node.protocol import state_blob
 from agora_node.protocol.state_blob import StateFormatError, decode, encode
 

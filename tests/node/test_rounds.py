@@ -9,7 +9,8 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agora_node.comms.collective import LocalNetwork, MatchmakingConfig, MemoryBoard
-from agora_node.node.outer import OuterConfig, OuterLoop
+from agora_node.node.outer import OuterLoop
+from agora_node.node.outer_state import OuterConfig
 from agora_node.node.rounds import OuterRounds, round_should_end, target_round
 from agora_node.node.worker import StageWorker, WorkerWeights
 from agora_node.protocol import state_blob

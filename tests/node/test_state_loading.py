@@ -221,7 +221,7 @@ async def test_a_source_one_round_ahead_makes_the_joiner_read_again(worker, tmp_
 
 
 async def test_concurrent_joiners_cost_one_serialization_per_round(monkeypatch):
-    from agora_node.node.outer import OuterState
+    from agora_node.node.outer_state import OuterState
     from agora_node.node.rounds import OuterRounds
 
     state = OuterState(torch.nn.Linear(8, 8), lr=0.7, momentum=0.9)

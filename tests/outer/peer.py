@@ -29,7 +29,8 @@ from agora_node.comms.collective import (  # noqa: E402
     Deadlines,
     MatchmakingConfig,
 )
-from agora_node.node.outer import OuterConfig, OuterLoop  # noqa: E402
+from agora_node.node.outer import OuterLoop  # noqa: E402
+from agora_node.node.outer_state import OuterConfig  # noqa: E402
 from agora_node.protocol.identity import Identity  # noqa: E402
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 from agora_node.stages.model import Stage  # noqa: E402

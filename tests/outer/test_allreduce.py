@@ -304,7 +304,7 @@ async def test_a_query_about_an_unregistered_round_is_answered_with_a_promise() 
 async def test_the_daemons_aggregation_bounds_one_byzantine_of_five(attack: str) -> None:
     """With the aggregation the daemon builds from the manifest (main: plain mean), one
     replica of five sending a 1000x or sign-flipped delta barely moves the honest result."""
-    from agora_node.node.outer import OuterConfig
+    from agora_node.node.outer_state import OuterConfig
     from agora_node.stages.manifest_files import load_manifest
 
     spec = OuterConfig.from_manifest(load_manifest("tiny")).aggregation

@@ -8,7 +8,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from torch import nn
 
 from agora_node.comms.collective import LocalNetwork, MatchmakingConfig, MemoryBoard
-from agora_node.node.outer import OuterConfig, OuterLoop, OuterState
+from agora_node.node.outer import OuterLoop
+from agora_node.node.outer_state import OuterConfig, OuterState
 from agora_node.node.round_report import RoundReport
 from agora_node.protocol.identity import Identity
 from tests.outer.helpers import LOCAL

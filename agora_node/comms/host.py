@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import logging
 import os
 import re
+import secrets
 import signal
 import threading
 import time
@@ -32,7 +34,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from agora_node.comms.dht_validator import SignedSubkeys
-from agora_node.comms.reaper import Reaper
+from agora_node.comms.reaper import Reaper, remove_socket
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +76,7 @@ class Host:
             _check_maddr(maddr)
         reaper = Reaper.start()
         try:
-            p2p = await P2P.create(
+            p2p = await create_p2p(
                 initial_peers=list(config.initial_peers) or None,
                 host_maddrs=list(config.host_maddrs),
                 announce_maddrs=list(config.announce_maddrs) or None,
@@ -99,7 +101,7 @@ class Host:
                 record_validators=[SignedSubkeys()],  # no squatting a peer's subkey
             )
         except Exception as exc:
-            await p2p.shutdown()
+            await shutdown_p2p(p2p, SHUTDOWN_STEP_S)
             reaper.stop()
             raise _clock_error(exc) or HostError(f"DHT failed to start: {_one_line(exc)}") from None
         reaper.watch(dht.pid)
@@ -159,8 +161,7 @@ class Host:
         except TimeoutError:
             log.warning("the DHT process did not stop within %.0fs", SHUTDOWN_STEP_S)
         finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.p2p.shutdown(), SHUTDOWN_STEP_S)
+            await shutdown_p2p(self.p2p, SHUTDOWN_STEP_S)
             self._kill_leftovers()
             self._reaper.stop()
         log.debug("host shut down in %.1fs", time.monotonic() - started)
@@ -168,8 +169,7 @@ class Host:
     def _kill_leftovers(self) -> None:
         """A child that did not stop in time (say it got a signal meant for its group and
         hangs) is killed: our own children, so their pids cannot have been reused."""
-        children = [("DHT", self.dht.pid), ("libp2p", getattr(self.p2p._child, "pid", None))]  # noqa: SLF001
-        for name, pid in children:
+        for name, pid in [("DHT", self.dht.pid)]:
             if pid is None or not _running(pid):
                 continue
             log.warning("the %s process %d did not stop: killing it", name, pid)
@@ -181,10 +181,48 @@ def watch_p2p(reaper: Reaper, p2p: P2P) -> None:
     """The reaper kills `p2p`'s daemon and removes its two unix sockets (the daemon's and
     our client's, both in /tmp) if this process dies."""
     reaper.watch(p2p._child.pid)  # noqa: SLF001 - no public accessor for the daemon's pid
-    for maddr in (p2p.daemon_listen_maddr, p2p._client_listen_maddr):  # noqa: SLF001
-        path = str(maddr)
-        if path.startswith("/unix/"):
-            reaper.remove_on_death(path[len("/unix") :])
+    for path in _socket_paths(p2p):
+        reaper.remove_on_death(path)
+
+
+async def create_p2p(**options: Any) -> P2P:
+    """`P2P.create(**options)`, whose unix sockets are removed if it fails.
+
+    A libp2p daemon that exits while starting (say no initial peer answered) leaves its
+    socket in /tmp, and hivemind names it at random inside `create`: the sockets here
+    carry a tag of this call's own, so that exactly they can be found and removed."""
+    prefix = f"/tmp/hivemind-{secrets.token_hex(4)}-"
+    tagged = type("P2P", (P2P,), {"_UNIX_SOCKET_PREFIX": "/unix" + prefix})
+    try:
+        return await tagged.create(**options)
+    except BaseException:
+        for path in glob.glob(glob.escape(prefix) + "*.sock"):
+            remove_socket(path)
+        raise
+
+
+async def shutdown_p2p(p2p: P2P, timeout_s: float) -> None:
+    """Stop `p2p` and its daemon, and remove the unix sockets they leave.
+
+    hivemind removes the daemon's socket only if the daemon was still running at
+    shutdown, and p2pd does not remove it when a signal ends it: a SIGTERM to the
+    node's process group (systemd, `kill -- -PGID`) reaches p2pd first and left the
+    socket in /tmp. A daemon that does not stop in time is killed (our own child, so
+    its pid cannot have been reused)."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(p2p.shutdown(), timeout_s)
+    pid = getattr(p2p._child, "pid", None)  # noqa: SLF001 - no public accessor
+    if pid is not None and _running(pid):
+        log.warning("the libp2p process %d did not stop: killing it", pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for path in _socket_paths(p2p):
+        remove_socket(path)
+
+
+def _socket_paths(p2p: P2P) -> list[str]:
+    maddrs = (p2p.daemon_listen_maddr, p2p._client_listen_maddr)  # noqa: SLF001
+    return [str(m)[len("/unix") :] for m in maddrs if str(m).startswith("/unix/")]
 
 
 def _running(pid: int) -> bool:

@@ -40,6 +40,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from agora_node.comms import streams
+from agora_node.comms.host import create_p2p, shutdown_p2p
 from agora_node.protocol.names import reachability_protocol
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class Prober:
 
     async def _started(self) -> P2P:
         if self._p2p is None:
-            self._p2p = await P2P.create(
+            self._p2p = await create_p2p(
                 host_maddrs=[self.listen],
                 dht_mode="client",
                 use_relay=False,
@@ -180,8 +181,7 @@ class Prober:
 
     async def close(self) -> None:
         if self._p2p is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._p2p.shutdown(), 5.0)
+            await shutdown_p2p(self._p2p, 5.0)
             self._p2p = None
 
 

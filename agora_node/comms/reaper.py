@@ -118,10 +118,11 @@ def _main(parent: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     for path in files:
-        _remove_socket(path)
+        remove_socket(path)
 
 
-def _remove_socket(path: str) -> None:
+def remove_socket(path: str) -> None:
+    """Remove the file at `path` if it is a unix socket (anything else is left alone)."""
     with contextlib.suppress(OSError):
         if stat.S_ISSOCK(os.lstat(path).st_mode):
             Path(path).unlink()

@@ -22,6 +22,7 @@ import threading
 from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import P2P, PeerID
 
+from agora_node.comms.host import watch_p2p
 from agora_node.comms.membership import messages as wire
 from agora_node.comms.membership.messages import MemberMeta, MsgKind
 from agora_node.comms.membership.p2p import (
@@ -30,6 +31,7 @@ from agora_node.comms.membership.p2p import (
 )
 from agora_node.comms.membership.settings import MembershipSettings
 from agora_node.comms.membership.swim import MemberView
+from agora_node.comms.reaper import Reaper
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.names import STANDALONE_SWIM_NAMESPACE
 
@@ -88,6 +90,9 @@ async def serve(args: argparse.Namespace) -> int:
         identity_path=args.identity,
         check_if_identity_free=False,
     )
+    # the tests SIGKILL this process's group: the reaper (a session of its own) then
+    # kills nothing left but removes p2pd's unix sockets, as it does for a daemon
+    watch_p2p(Reaper.start(), p2p)
     service = MembershipService(
         p2p, identity, seeds=args.seed, settings=settings, meta=MemberMeta(stage=args.stage)
     )

@@ -82,3 +82,37 @@ def test_remove_on_death_refuses_a_path_that_could_smuggle_a_second_line():
         reaper.remove_on_death("/tmp/a.sock\n123")
     with pytest.raises(ValueError):
         reaper.remove_on_death("relative.sock")
+
+
+def _tagged_sockets(tag: str) -> list[str]:
+    return [p for p in os.listdir("/tmp") if p.startswith(f"hivemind-{tag}-")]
+
+
+@pytest.mark.timeout(120)
+def test_libp2p_daemons_leave_no_socket_when_they_fail_to_start_or_die_first(monkeypatch):
+    """Two ways hivemind left p2pd's socket in /tmp: the daemon exits while starting (no
+    initial peer answered; hivemind names the socket inside `create`, out of our reach),
+    or a signal to the process group ends it before `shutdown` (hivemind then removes
+    the daemon's socket only if the daemon still runs)."""
+    import asyncio
+
+    from hivemind.p2p import P2PDaemonError
+
+    from agora_node.comms import host
+
+    tags = iter(["feedc0de", "c0ffee00"])
+    monkeypatch.setattr(host.secrets, "token_hex", lambda n: next(tags))
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJTjvve5CHTecvRiyBZSEgRN7cHWUDhThRpcBxcUEb3xX"
+
+    async def scenario() -> None:
+        with pytest.raises(P2PDaemonError):
+            await host.create_p2p(initial_peers=[dead], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        assert _tagged_sockets("feedc0de") == []
+        p2p = await host.create_p2p(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        assert _tagged_sockets("c0ffee00")  # the daemon's (our client's once it serves)
+        p2p._child.terminate()  # as a SIGTERM to the group would
+        await p2p._child.wait()
+        await host.shutdown_p2p(p2p, 10.0)
+        assert _tagged_sockets("c0ffee00") == []
+
+    asyncio.run(scenario())

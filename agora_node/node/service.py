@@ -134,7 +134,13 @@ class StageService:
                 compute.device,
                 graphs,
             )
-        worker = StageWorker(ctx.manifest, stage, max_graphs=graphs, compute=compute)
+        worker = StageWorker(
+            ctx.manifest,
+            stage,
+            max_graphs=graphs,
+            compute=compute,
+            predict_weights=ctx.manifest.inner.weight_prediction,
+        )
         try:
             loaded = await joining.load_state(ctx, worker)
             outer = await OuterLoop.create(

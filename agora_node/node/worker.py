@@ -13,6 +13,14 @@ forward used (its graph references it) and its gradient lands in the next
 step, one step late. Nothing is recomputed with mixed weights and no graph sees
 an in-place update.
 
+Weight prediction (`predict_weights`): a gradient computed on version v lands in a step
+`lag` steps after the one that made v, so it is a gradient at weights the master has
+already moved away from. With prediction, a published version copy is not the master
+but the master extrapolated along its last step by the lag measured on this stage
+(copy = master + lag * (master - master before the last step)), so forwards run closer
+to the weights their gradient will be applied to. Validation and canaries use the
+master weights; an outer step's write or a loaded state resets the extrapolation.
+
 What backward needs: the autograd graph of each in-flight micro-batch while at
 most `max_graphs` are open; beyond that only the stage input is kept and the
 forward is recomputed on the same version copy at backward time.
@@ -119,8 +127,10 @@ class StageWorker:
         max_graphs: int = MAX_GRAPHS,
         pending_ttl_s: float = 120.0,
         compute: Compute = CPU,
+        predict_weights: bool = False,
     ) -> None:
         self.manifest, self.index, self.compute = manifest, index, compute
+        self.predict_weights = predict_weights
         self.device = compute.device
         self.stage = Stage(manifest, index).to(self.device)
         self._master_of = {name: p for name, p in self.stage.named_parameters() if p.requires_grad}
@@ -141,6 +151,11 @@ class StageWorker:
         self.hold_steps = False
         """While an outer step reads and rewrites the weights (`frozen`), inner steps wait."""
         self._versions_with_grads: dict[int, dict[str, Tensor]] = {}
+        self.lag = 0.0
+        """Steps a gradient lands after the step its forward's version came from (a moving
+        average over finished micro-batches): 0 when every forward sees the latest step."""
+        self._last_move: dict[str, Tensor] | None = None
+        """master - master before the last inner step (weight prediction only)."""
         self._lock = threading.Lock()  # guards state snapshots taken from the worker thread
         self._thread: threading.Thread | None = None
         self._threaded = False
@@ -168,12 +183,16 @@ class StageWorker:
     def in_flight(self) -> int:
         return len(self._pending)
 
+    @torch.no_grad()
     def _publish_version(self, version: int) -> None:
         self._version = version
-        self._params = {
-            name: p.detach().clone().requires_grad_(True)
-            for name, p in self.stage.named_parameters()
-        }
+        move = self._last_move if self.lag > 0 else None
+        self._params = {}
+        for name, p in self.stage.named_parameters():
+            copy = p.detach().clone()
+            if move is not None and name in move:
+                copy.add_(move[name], alpha=self.lag)
+            self._params[name] = copy.requires_grad_(True)
         if self.in_backward:
             for name, copy in self._params.items():
                 if name in self._master_of:
@@ -290,7 +309,9 @@ class StageWorker:
         started = time.perf_counter()
         x_in, tokens = self._inputs(c_in, tokens, leaf=False)
         inputs = tokens[:, :-1]
-        out = self._forward(self._params, x_in, inputs)
+        # the master weights, not a predicted version copy (they are the same without prediction)
+        params = dict(self.stage.named_parameters()) if self.predict_weights else self._params
+        out = self._forward(params, x_in, inputs)
         result = (
             float(lm_loss(out, tokens[:, 1:]))
             if self.stage.is_last
@@ -312,6 +333,8 @@ class StageWorker:
         self._versions_with_grads[version] = params
         if version != self._version:
             self.stats.stale_grads += 1
+        if self.predict_weights:
+            self.lag = 0.9 * self.lag + 0.1 * (self._version - version)
         self._finished_since_step += 1
         self.stats.trained_tokens += tokens
         if self._finished_since_step >= self.micro_per_step and not self.hold_steps:
@@ -339,6 +362,7 @@ class StageWorker:
         """Resume stepping; publish the outer step's weights to new forwards."""
         self.hold_steps = False
         if weights_changed:
+            self._last_move = None  # the outer step's jump is no inner step to extrapolate
             self._publish_version(self._version + 1)
         if self._finished_since_step >= self.micro_per_step:
             self._step()
@@ -367,8 +391,14 @@ class StageWorker:
         self._versions_with_grads.clear()
         self._check_thread()
         with self._lock:
+            before = [p.detach().clone() for p in self.masters] if self.predict_weights else None
             self.optimizer.step()
             self.optimizer.zero_grad()
+            if before is not None:
+                self._last_move = {
+                    name: p.detach() - b
+                    for (name, p), b in zip(self._master_of.items(), before, strict=True)
+                }
             self._publish_version(self._version + 1)
         self._finished_since_step = 0
         self.stats.steps += 1
@@ -390,6 +420,7 @@ class StageWorker:
             self.optimizer.load_state_dict(state["optimizer"])
             self._pending.clear()
             self._versions_with_grads.clear()
+            self._last_move = None
             self._publish_version(int(state.get("version", 0)))
 
     def _fresh_optimizer(self) -> InnerOptimizer:
@@ -424,6 +455,7 @@ class StageWorker:
             self._pending.clear()
             self._versions_with_grads.clear()
             self._finished_since_step = 0
+            self._last_move = None
             self._publish_version(self._version + 1)
 
     def parameter_checksum(self) -> str:

@@ -36,6 +36,7 @@ CANONICAL_DEFAULTS = {
     ("outer", "aggregation"): "centered_clip",
     ("outer", "min_cosine"): DEFAULT_MIN_COSINE,
     ("outer", "overlap"): False,
+    ("inner", "weight_prediction"): False,
     ("model", "cp_degree"): 1,
     ("model", "kv_rank"): 0,
     ("model", "kv_subspaces"): 4,
@@ -154,8 +155,14 @@ class InnerSpec:
     """Sequences per micro-batch (the unit that travels between stages)."""
     local_batch: int = 16
     """Sequences accumulated before an inner optimizer step; a multiple of micro_batch."""
+    weight_prediction: bool = False
+    """Forwards run on the weights extrapolated along the last inner step by the lag this
+    stage measures between a forward and the step its gradient lands in (node/worker.py),
+    instead of on the latest weights: staleness corrected, not tolerated."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.weight_prediction, bool):
+            _fail("inner.weight_prediction", self.weight_prediction, "must be true or false")
         if self.optimizer not in OPTIMIZERS:
             _fail("inner.optimizer", self.optimizer, f"must be one of {', '.join(OPTIMIZERS)}")
         _positive(self, "inner", "lr", "grad_clip", "micro_batch", "local_batch")

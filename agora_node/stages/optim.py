@@ -282,6 +282,12 @@ class InnerOptimizer:
 def in_backward_refusal(spec: InnerSpec) -> str | None:
     """Why `--optimizer-step in-backward` cannot train a run with inner settings `spec`
     (one that accumulates micro-batches), or None when it can."""
+    if spec.weight_prediction:
+        return (
+            "--optimizer-step in-backward steps each parameter inside the backward, where "
+            "weight prediction (inner.weight_prediction in the manifest) cannot see the "
+            "step's move; use --optimizer-step after-backward"
+        )
     if spec.local_batch == spec.micro_batch:
         return None
     return (

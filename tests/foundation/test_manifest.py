@@ -135,3 +135,20 @@ def test_outer_min_cosine_is_on_by_default_validated_and_hashed_only_when_set():
     assert manifest_from_canonical(off.canonical_bytes()) == off
     with pytest.raises(ManifestError, match=r"outer\.min_cosine"):
         parse_manifest(m.to_toml().replace("min_cosine = 0.1", "min_cosine = 1.5"))
+
+
+def test_inner_weight_prediction_is_off_by_default_validated_and_hashed_only_when_set():
+    from agora_node.stages.optim import in_backward_refusal
+
+    m = load_manifest("tiny")
+    assert m.inner.weight_prediction is False
+    assert b"weight_prediction" not in m.canonical_bytes()  # run ids stay (pinned above)
+    text = m.to_toml()
+    assert "weight_prediction = false" in text
+    on = parse_manifest(text.replace("weight_prediction = false", "weight_prediction = true"))
+    assert on.inner.weight_prediction is True and on.run_id != m.run_id
+    assert manifest_from_canonical(on.canonical_bytes()) == on
+    with pytest.raises(ManifestError, match=r"inner\.weight_prediction"):
+        parse_manifest(text.replace("weight_prediction = false", "weight_prediction = 1"))
+    # the optimizer step inside the backward leaves no step for the prediction to read
+    assert "weight prediction" in in_backward_refusal(on.inner)

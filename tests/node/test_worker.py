@@ -104,6 +104,63 @@ def test_step_between_forward_and_backward_uses_stashed_weights():
         torch.testing.assert_close(got, expected)
 
 
+def _stale_steps(worker, tokens, c_like, rounds):
+    """A micro-batch forwarded, then a full step of others, then its backward: lag 1 each time."""
+    for r in range(rounds):
+        worker.forward(f"late{r}", None, tokens)
+        for mb in ("b", "c"):
+            worker.forward(f"{mb}{r}", None, tokens)
+            worker.backward(f"{mb}{r}", torch.randn_like(c_like))
+        worker.backward(f"late{r}", torch.randn_like(c_like))
+
+
+def test_weight_prediction_extrapolates_the_last_step_by_the_measured_lag():
+    m = load_manifest("tiny")
+    torch.manual_seed(0)
+    w = StageWorker(m, 0, predict_weights=True)
+    tokens = torch.randint(0, 256, (m.inner.micro_batch, m.model.seq_len + 1))
+    c = w.forward("probe", None, tokens)
+    w.discard("probe")
+    torch.manual_seed(1)
+    _stale_steps(w, tokens, c, rounds=4)
+    assert 0 < w.lag < 1  # a moving average of lags 0 and 1
+    masters = dict(w.stage.named_parameters())
+    moved = [n for n, d in w._last_move.items() if d.abs().max() > 0]
+    assert moved, "the last step moved no weight"
+    for name, copy in w._params.items():
+        expected = masters[name].detach() + w.lag * w._last_move[name]
+        torch.testing.assert_close(copy.detach(), expected, msg=name)
+    # validation reads the master weights, not the prediction
+    plain = StageWorker(m, 0)
+    with torch.no_grad():
+        for n, p in plain.stage.named_parameters():
+            p.copy_(masters[n])
+    plain._publish_version(0)
+    torch.testing.assert_close(w.forward_eval(None, tokens), plain.forward_eval(None, tokens))
+    # an outer step's write is not an inner step to extrapolate
+    w._release(weights_changed=True)
+    for name, copy in w._params.items():
+        assert torch.equal(copy.detach(), masters[name].detach()), name
+
+
+def test_weight_prediction_changes_nothing_when_no_gradient_is_late():
+    m = load_manifest("tiny")
+    tokens = torch.randint(0, 256, (m.inner.micro_batch, m.model.seq_len + 1))
+    grads = [torch.randn(m.inner.micro_batch, m.model.seq_len, 32) for _ in range(6)]
+    workers = []
+    for predict in (False, True):
+        torch.manual_seed(0)
+        w = StageWorker(m, 0, predict_weights=predict)
+        for i, g in enumerate(grads):  # one micro-batch at a time: every forward is current
+            c = w.forward(f"{i}", None, tokens)
+            w.backward(f"{i}", g.reshape(c.shape))
+        workers.append(w)
+    off, on = workers
+    assert on.lag == 0 and on.stats.steps == 3
+    for (n, a), b in zip(off.stage.named_parameters(), on.stage.parameters(), strict=True):
+        assert torch.equal(a, b), n
+
+
 def test_recompute_when_graph_budget_is_exhausted():
     m = load_manifest("tiny")
     kept, recomputed = StageWorker(m, 0), StageWorker(m, 0, max_graphs=0)

@@ -22,21 +22,20 @@ def _active(swarm: TestSwarm, children) -> list[dict]:
 def test_auto_placement_spreads_then_bootstrap_dies_and_newcomer_copies_state(swarm, tmp_path):
     manifest = small_manifest(tmp_path / "three.toml", stages=3, layers=6)
     swarm.bootstrap(manifest)
-    nodes = [swarm.join(f"node-{i}") for i in range(6)]  # all at once
+    nodes = [swarm.join(f"node-{i}") for i in range(4)]  # all at once
     for node in nodes:
         swarm.serving(node)
-    statuses = poll(lambda: _active(swarm, nodes), 120, "6 active nodes")
-    # Every stage is served and none holds more than half the swarm. Placement balances measured
-    # capacity, not counts: six daemons sharing two cores measure compute rates up to ~2x
-    # apart (CI saw 1-2-3 once), so the exact 2-2-2 split of equal joiners is checked where
-    # the rates are given (tests/policy/test_choose_stage.py).
+    statuses = poll(lambda: _active(swarm, nodes), 120, "4 active nodes")
+    # Every stage is served and none holds half the swarm. Placement balances measured
+    # capacity, not counts: daemons sharing two cores measure compute rates up to ~2x
+    # apart, so the exact split of equal joiners is checked where the rates are given
+    # (tests/policy/test_choose_stage.py).
     counts = sorted(sum(1 for s in statuses if s["stage"] == k) for k in range(3))
-    assert counts[0] >= 1 and counts[-1] <= 3, [s["stage"] for s in statuses]
+    assert counts == [1, 1, 2], [s["stage"] for s in statuses]
 
     # The bootstrap peer dies: the others keep seeing each other...
     swarm.kill(swarm.children[0])
     swarm.children[0].proc.wait(timeout=30)
-    time.monotonic()
     ids = {s["peer_id"] for s in statuses}
     for node in nodes:  # records are re-read every second and live 6 s: wait past one expiry
         poll(

@@ -80,7 +80,11 @@ def _start_demo(workdir: Path) -> subprocess.Popen:
     )
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+# SIGTERM's clean exit is the node's and the bootstrap's above; the demo's own (it forwards
+# the signal to its children) runs with the slow tests, to keep the default suite's time
+@pytest.mark.parametrize(
+    "sig", [pytest.param(signal.SIGTERM, marks=pytest.mark.slow), signal.SIGKILL]
+)
 def test_demo_stopped_or_killed_leaves_no_process_behind(tmp_path, sig):
     workdir = tmp_path / "demo"
     workdir.mkdir()

@@ -38,6 +38,7 @@ def test_daemon_publishes_status_and_leaves_cleanly(swarm, mosquitto):
     assert "telemetry: publishing to 127.0.0.1" in swarm.log(node)
 
 
+@pytest.mark.slow  # 18 s; a broker that is down costing a bounded queue is tests/surfaces/test_telemetry.py
 def test_daemon_with_its_broker_down_serves_and_leaves_as_usual(swarm):
     pytest.importorskip("aiomqtt", reason="aiomqtt is not installed (the mqtt or dev extra)")
     from tests.broker import free_port

@@ -2,7 +2,7 @@
 masquerading NAT router that can dial out but cannot be dialed.
 
     lab = NetLab.create()                  # needs root, `ip netns` and iptables
-    boot = lab.public("boot")              # 10.X.0.N on the switch
+    boot = lab.public("boot")              # 11.X.0.N on the switch
     home = lab.behind_nat("home")          # 192.168.X.2 behind its own router
     lab.exec_prefix(home)                  # ["ip", "netns", "exec", NS]: run a command there
     lab.destroy()                          # deletes every namespace it made (and their links)
@@ -10,7 +10,10 @@ masquerading NAT router that can dial out but cannot be dialed.
 Each lab takes its own name prefix and /16 from its pid, so labs of parallel runs do
 not meet. Links are veth pairs; the switch is a bridge inside a namespace of its own,
 so nothing touches the machine's own network: the test process reaches the hosts
-only through `ip netns exec`, and the hosts reach nothing but each other. (This
+only through `ip netns exec`, and the hosts reach nothing but each other. The switch's
+net looks public (11.X.0.0/24, not RFC 1918) because libp2p treats a private address
+as unroutable: a relay there never yields a relayed address (AutoRelay keeps only a
+relay's public addresses); the packets still never leave the lab. (This
 kernel has no netem: bandwidth can be shaped with tc tbf/htb, latency and loss are
 the transport's to emulate: comms/linkemu.py.)
 
@@ -61,7 +64,7 @@ class Host:
 class NetLab:
     prefix: str
     net: int
-    """Second octet of the lab's public 10.N.0.0/24 and private 192.168.N.0/24 nets."""
+    """Second octet of the lab's public 11.N.0.0/24 and private 192.168.N.0/24 nets."""
     namespaces: list[str] = field(default_factory=list)
     hosts: dict[str, Host] = field(default_factory=dict)
     _next_public: int = 1
@@ -94,7 +97,7 @@ class NetLab:
         return "eth0"
 
     def _public_ip(self) -> str:
-        ip = f"10.{self.net}.0.{self._next_public}"
+        ip = f"11.{self.net}.0.{self._next_public}"
         self._next_public += 1
         return ip
 

@@ -7,7 +7,10 @@ fixture) and namespaces (lab fixture)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -108,3 +111,58 @@ def test_a_partition_that_splits_a_stage_heals_with_equal_anchors(
 
 
 _ROUND = re.compile(r"outer round (\d+) \| group (\d+/\d+) \| anchor (in sync|mixed)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_peer_behind_nat_is_reached_through_a_relay(lab: NetLab, tmp_path) -> None:
+    """libp2p alone (no daemon of ours yet): a peer behind NAT, told it is private,
+    reserves a slot on a public peer and announces a relayed address; a stranger that
+    never had a connection to it calls it through the relay. The bundled p2pd waits 3
+    minutes (AutoRelay's boot delay) before it reserves."""
+    import json
+    import subprocess
+    import sys
+
+    procs: list[subprocess.Popen] = []
+
+    def start(host, *argv: str) -> subprocess.Popen:  # noqa: ANN001
+        cmd = [*lab.exec_prefix(host), sys.executable, "-m", "tests.integration.relay_peer"]
+        proc = subprocess.Popen(
+            [*cmd, *argv],
+            stdout=subprocess.PIPE,
+            stderr=open(tmp_path / f"{host.name}.log", "w"),  # noqa: SIM115 - closed with it
+            text=True,
+            start_new_session=True,
+        )
+        procs.append(proc)
+        return proc
+
+    def event(proc: subprocess.Popen) -> dict:
+        line = proc.stdout.readline()  # each role prints within its own bounded wait
+        assert line, f"peer exited with {proc.wait()}"
+        return json.loads(line)
+
+    try:
+        relay, home, stranger = lab.public("relay"), lab.behind_nat("home"), lab.public("c")
+        r = start(relay, "--role", "relay", "--listen", f"/ip4/{relay.ip}/tcp/4001")
+        relay_addr = f"/ip4/{relay.ip}/tcp/4001/p2p/{event(r)['peer_id']}"
+        n = start(home, "--role", "natted", "--listen", f"/ip4/{home.ip}/tcp/4001",
+                  "--relay", relay_addr, "--wait", "300")  # fmt: skip
+        natted_id = event(n)["peer_id"]
+        relayed = event(n)
+        assert relayed["event"] == "relayed", relayed
+        assert f"{relay_addr}/p2p-circuit/p2p/{natted_id}" in relayed["addrs"]
+        print(f"relayed address after {relayed['after_s']} s")
+        c = start(stranger, "--role", "caller", "--listen", f"/ip4/{stranger.ip}/tcp/4001",
+                  "--relay", relay_addr, "--target", natted_id)  # fmt: skip
+        assert event(c)["event"] == "ready"
+        reply = event(c)
+        assert reply["value"] == "echo:hi", reply
+        # over the relay, not over a connection the NATed peer happened to open to it
+        assert all("/p2p-circuit" in a for a in reply["via"]), reply
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

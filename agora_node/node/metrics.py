@@ -164,6 +164,10 @@ class Metrics:
         )
         self.queue_length = gauge("queue_length", "Micro-batches waiting at this node.")
         self.in_flight = gauge("in_flight", "Micro-batches in flight from this node.")
+        self.gradient_lag = gauge(
+            "gradient_lag_steps",
+            "Steps a gradient lands after the step its forward's weights came from (average).",
+        )
         self.peers_alive = gauge("peers_alive", "Non-leaving peers seen per stage.", ("stage",))
         self.loss = gauge("loss", "Last training loss reported to this node.")
         self.val_loss = gauge("val_loss", "Last validation loss.")
@@ -267,6 +271,7 @@ class Metrics:
         self.utilization.set(node.get("utilization", 0.0))
         self.queue_length.set(node.get("queue", 0))
         self.in_flight.set(node.get("in_flight", 0))
+        self.gradient_lag.set(node.get("gradient_lag", 0.0))
         losses = node.get("last_losses") or []
         self.loss.set(losses[-1] if losses else float("nan"))
         val = node.get("val_loss")

@@ -210,6 +210,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "precision": node.compute.precision,
             "queue": p.active_requests if p else 0,
             "in_flight": w.in_flight if w else 0,
+            "gradient_lag": round(w.lag, 3) if w else 0.0,
             "microbatches": dict(stats.results),
             "bytes_sent": sent,
             "bytes_received": received,

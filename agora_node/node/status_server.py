@@ -91,6 +91,8 @@ class NodeStatus(TypedDict):
     throughput: float  # compute rate (tokens per compute-second, last minute), as announced
     queue: int  # micro-batches waiting at this node
     in_flight: int  # micro-batches this node has sent and not yet got back
+    gradient_lag: float  # steps a gradient lands after the step its forward's weights came
+    # from (moving average; 0 when every forward sees the latest step): the staleness
     microbatches: dict[str, int]  # {"ok", "dropped", "rejected"} totals
     bytes_sent: dict[str, int]  # per peer id (bounded; "other" beyond the cap)
     bytes_received: dict[str, int]

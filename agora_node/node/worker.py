@@ -153,7 +153,8 @@ class StageWorker:
         self._versions_with_grads: dict[int, dict[str, Tensor]] = {}
         self.lag = 0.0
         """Steps a gradient lands after the step its forward's version came from (a moving
-        average over finished micro-batches): 0 when every forward sees the latest step."""
+        average over finished micro-batches): 0 when every forward sees the latest step.
+        Measured with or without prediction (the status page shows it)."""
         self._last_move: dict[str, Tensor] | None = None
         """master - master before the last inner step (weight prediction only)."""
         self._lock = threading.Lock()  # guards state snapshots taken from the worker thread
@@ -333,8 +334,7 @@ class StageWorker:
         self._versions_with_grads[version] = params
         if version != self._version:
             self.stats.stale_grads += 1
-        if self.predict_weights:
-            self.lag = 0.9 * self.lag + 0.1 * (self._version - version)
+        self.lag = 0.9 * self.lag + 0.1 * (self._version - version)
         self._finished_since_step += 1
         self.stats.trained_tokens += tokens
         if self._finished_since_step >= self.micro_per_step and not self.hold_steps:

@@ -70,6 +70,7 @@ def make_snapshot(state: str = "active") -> dict[str, Any]:
             "throughput": 1234.5,
             "queue": 2,
             "in_flight": 1,
+            "gradient_lag": 0.42,
             "microbatches": {"ok": 40, "dropped": 1, "rejected": 0},
             "bytes_sent": {OTHER_ID: 1000},
             "bytes_received": {OTHER_ID: 2000},

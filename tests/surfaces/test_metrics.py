@@ -111,7 +111,7 @@ def test_outer_and_membership_counters_come_from_the_snapshot():
     assert s[("agora_membership_events_total", (("event", "probes"),))] == 4
 
 
-def test_compute_rate_and_utilization_are_labelled_levels():
+def test_compute_rate_utilization_and_gradient_lag_are_levels():
     m = Metrics()
     snap = make_snapshot()
     snap["node"]["utilization"] = 0.25
@@ -119,6 +119,7 @@ def test_compute_rate_and_utilization_are_labelled_levels():
     s = samples(m)
     assert s[("agora_compute_rate_tokens_per_s", ())] == 1234.5  # the record's throughput
     assert s[("agora_utilization_ratio", ())] == 0.25
+    assert s[("agora_gradient_lag_steps", ())] == 0.42
 
 
 def test_refused_requests_are_counted_by_protocol_and_reason():

@@ -185,8 +185,13 @@ class StageWorker:
         return len(self._pending)
 
     @torch.no_grad()
-    def _publish_version(self, version: int) -> None:
+    def _publish_version(self, version: int, *, inner_step: bool = False) -> None:
+        """New forwards run on `version`. Only after an inner step is there a move to
+        extrapolate (weight prediction); weights written any other way (an outer step, a
+        loaded state, an adopted anchor) clear it."""
         self._version = version
+        if not inner_step:
+            self._last_move = None
         move = self._last_move if self.lag > 0 else None
         self._params = {}
         for name, p in self.stage.named_parameters():
@@ -362,7 +367,6 @@ class StageWorker:
         """Resume stepping; publish the outer step's weights to new forwards."""
         self.hold_steps = False
         if weights_changed:
-            self._last_move = None  # the outer step's jump is no inner step to extrapolate
             self._publish_version(self._version + 1)
         if self._finished_since_step >= self.micro_per_step:
             self._step()
@@ -399,7 +403,7 @@ class StageWorker:
                     name: p.detach() - b
                     for (name, p), b in zip(self._master_of.items(), before, strict=True)
                 }
-            self._publish_version(self._version + 1)
+            self._publish_version(self._version + 1, inner_step=True)
         self._finished_since_step = 0
         self.stats.steps += 1
 
@@ -420,7 +424,6 @@ class StageWorker:
             self.optimizer.load_state_dict(state["optimizer"])
             self._pending.clear()
             self._versions_with_grads.clear()
-            self._last_move = None
             self._publish_version(int(state.get("version", 0)))
 
     def _fresh_optimizer(self) -> InnerOptimizer:
@@ -455,7 +458,6 @@ class StageWorker:
             self._pending.clear()
             self._versions_with_grads.clear()
             self._finished_since_step = 0
-            self._last_move = None
             self._publish_version(self._version + 1)
 
     def parameter_checksum(self) -> str:

@@ -1,4 +1,5 @@
-"""Rates over a sliding window of recent events: compute rate, utilization, tokens/s.
+"""Rates over a sliding window of recent events: compute rate, utilization, tokens/s;
+and `WorkerStats`, what a stage worker's compute did (counts and those windows).
 
 A lifetime average hides a node that slowed down an hour ago; an EMA of
 per-call rates averages ratios (a fast forward and a slow backward do not
@@ -15,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 SPAN_S = 60.0
 """Seconds the windows of a node cover (about one rebalance interval)."""
@@ -70,3 +72,46 @@ class RateWindow:
             self._trim(now)
             elapsed = min(self.span_s, now - self._created)
             return self._amount / elapsed if elapsed > 0 else 0.0
+
+
+@dataclass
+class WorkerStats:
+    """What this node's compute did. Each micro-batch's tokens count once, when its
+    backward ends; its compute time is its forward and backward together."""
+
+    microbatches: int = 0
+    """Micro-batches whose forward and backward both ran here."""
+    compute_s: float = 0.0
+    """Seconds the worker spent computing (training and validation, wasted forwards too)."""
+    recomputed: int = 0
+    expired: int = 0
+    steps: int = 0
+    stale_grads: int = 0
+    """Micro-batches whose gradient was computed on an older weight version than the step used."""
+    trained_tokens: int = 0
+    """Tokens of micro-batches whose gradient this stage accumulated (the outer-step weight)."""
+    completed: RateWindow = field(default_factory=RateWindow)
+    """Recent micro-batches: (tokens, their forward + backward seconds)."""
+    busy: RateWindow = field(default_factory=RateWindow)
+    """Recent compute seconds, for utilization."""
+
+    @property
+    def compute_rate(self) -> float:
+        """Tokens per compute-second over the window: this node's speed on its stage when
+        busy, comparable across stages (not the swarm's tokens/s)."""
+        return self.completed.per_second()
+
+    @property
+    def utilization(self) -> float:
+        """Fraction of wall time the worker computed, over the window."""
+        return min(1.0, self.busy.per_wall_second())
+
+    @property
+    def throughput(self) -> float:
+        """What the node announces in its record: the compute rate."""
+        return self.compute_rate
+
+    @property
+    def tokens(self) -> int:
+        """Tokens this node trained (each micro-batch once); the record's tokens_seen."""
+        return self.trained_tokens

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
-from agora_node.node.rates import RateWindow
+from agora_node.node.rates import WorkerStats
 from agora_node.protocol.manifest import Manifest
 from agora_node.stages.device import CPU, Compute
 from agora_node.stages.model import Stage, lm_loss
@@ -73,49 +73,6 @@ class _Pending:
     compute_s: float = 0.0
     """Seconds the forward took; the backward adds its own."""
     created: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class WorkerStats:
-    """What this node's compute did. Each micro-batch's tokens count once, when its
-    backward ends; its compute time is its forward and backward together."""
-
-    microbatches: int = 0
-    """Micro-batches whose forward and backward both ran here."""
-    compute_s: float = 0.0
-    """Seconds the worker spent computing (training and validation, wasted forwards too)."""
-    recomputed: int = 0
-    expired: int = 0
-    steps: int = 0
-    stale_grads: int = 0
-    """Micro-batches whose gradient was computed on an older weight version than the step used."""
-    trained_tokens: int = 0
-    """Tokens of micro-batches whose gradient this stage accumulated (the outer-step weight)."""
-    completed: RateWindow = field(default_factory=RateWindow)
-    """Recent micro-batches: (tokens, their forward + backward seconds)."""
-    busy: RateWindow = field(default_factory=RateWindow)
-    """Recent compute seconds, for utilization."""
-
-    @property
-    def compute_rate(self) -> float:
-        """Tokens per compute-second over the window: this node's speed on its stage when
-        busy, comparable across stages (not the swarm's tokens/s)."""
-        return self.completed.per_second()
-
-    @property
-    def utilization(self) -> float:
-        """Fraction of wall time the worker computed, over the window."""
-        return min(1.0, self.busy.per_wall_second())
-
-    @property
-    def throughput(self) -> float:
-        """What the node announces in its record: the compute rate."""
-        return self.compute_rate
-
-    @property
-    def tokens(self) -> int:
-        """Tokens this node trained (each micro-batch once); the record's tokens_seen."""
-        return self.trained_tokens
 
 
 class StageWorker:

@@ -4,7 +4,8 @@ equal nodes at two per stage stay, and a stage made slower draws a node."""
 import pytest
 import torch
 
-from agora_node.node.worker import StageWorker, WorkerStats
+from agora_node.node.rates import WorkerStats
+from agora_node.node.worker import StageWorker
 from agora_node.protocol.records import NodeRecord
 from agora_node.stages.manifest_files import load_manifest
 from agora_node.stages.placement import directory_from_records, should_switch

@@ -167,12 +167,12 @@ class Host:
         log.debug("host shut down in %.1fs", time.monotonic() - started)
 
     def _kill_leftovers(self) -> None:
-        """A child that did not stop in time (say it got a signal meant for its group and
-        hangs) is killed: our own children, so their pids cannot have been reused."""
-        for name, pid in [("DHT", self.dht.pid)]:
-            if pid is None or not _running(pid):
-                continue
-            log.warning("the %s process %d did not stop: killing it", name, pid)
+        """A DHT process that did not stop in time (say it got a signal meant for its group
+        and hangs) is killed: our own child, so its pid cannot have been reused. (The
+        libp2p daemon's is shutdown_p2p's.)"""
+        pid = self.dht.pid
+        if pid is not None and _running(pid):
+            log.warning("the DHT process %d did not stop: killing it", pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 

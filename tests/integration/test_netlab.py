@@ -128,13 +128,14 @@ def test_a_peer_behind_nat_is_reached_through_a_relay(lab: NetLab, tmp_path) -> 
 
     def start(host, *argv: str) -> subprocess.Popen:  # noqa: ANN001
         cmd = [*lab.exec_prefix(host), sys.executable, "-m", "tests.integration.relay_peer"]
-        proc = subprocess.Popen(
-            [*cmd, *argv],
-            stdout=subprocess.PIPE,
-            stderr=open(tmp_path / f"{host.name}.log", "w"),  # noqa: SIM115 - closed with it
-            text=True,
-            start_new_session=True,
-        )
+        with open(tmp_path / f"{host.name}.log", "w") as log:  # the child keeps its own copy
+            proc = subprocess.Popen(
+                [*cmd, *argv],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                start_new_session=True,
+            )
         procs.append(proc)
         return proc
 

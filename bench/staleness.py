@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from agora_node.node.train_local import ids_in_order  # noqa: E402
 from agora_node.node.worker import StageWorker  # noqa: E402
 from agora_node.stages.data import TokenWindows  # noqa: E402
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
@@ -79,15 +80,12 @@ class SimulatedPipeline:
         self.cursor = 0  # samples read, in the reference trainer's order
         self.clock = 0
         self.busy_ticks = 0
-        self.losses: list[float] = []
         self.lags: list[list[int]] = [[] for _ in self.workers]
 
     def _next_batch(self) -> torch.Tensor:
-        ids = []
-        for _ in range(self.manifest.inner.micro_batch):
-            epoch, offset = divmod(self.cursor, len(self.windows))
-            ids.append(int(self.windows.epoch_order(epoch)[offset]))
-            self.cursor += 1
+        count = self.manifest.inner.micro_batch
+        ids = ids_in_order(self.windows, self.cursor, count)
+        self.cursor += count
         return self.windows.batch(ids)
 
     def train(self, microbatches: int) -> None:
@@ -118,8 +116,7 @@ class SimulatedPipeline:
             worker, batch = self.workers[a.stage], batches[a.mb]
             begin = max(a.at, free[a.stage])
             if a.kind == "fwd" and a.stage == last:
-                loss, grad = worker.forward_backward_last(a.payload, batch, self.scale)
-                self.losses.append(loss)
+                _, grad = worker.forward_backward_last(a.payload, batch, self.scale)
                 self.lags[a.stage].append(0)  # the last stage steps on its latest version
                 end = begin + FORWARD_TICKS + BACKWARD_TICKS
                 push(end + self.latency, a.stage - 1, "bwd", a.mb, grad)

@@ -84,6 +84,16 @@ def evaluate(
     return total / count
 
 
+def ids_in_order(windows: TokenWindows, cursor: int, count: int) -> list[int]:
+    """The `count` training windows after the first `cursor` of the reference trainer's
+    order (each epoch's own shuffle, one epoch after the other)."""
+    ids = []
+    for position in range(cursor, cursor + count):
+        epoch, offset = divmod(position, len(windows))
+        ids.append(int(windows.epoch_order(epoch)[offset]))
+    return ids
+
+
 class LocalTrainer:
     """Owns the chained model, its optimizer and the data order."""
 
@@ -108,11 +118,8 @@ class LocalTrainer:
         self.cursor = 0  # samples consumed, across epochs
 
     def next_batch_ids(self, count: int) -> list[int]:
-        ids = []
-        while len(ids) < count:
-            epoch, offset = divmod(self.cursor, len(self.train))
-            ids.append(int(self.train.epoch_order(epoch)[offset]))
-            self.cursor += 1
+        ids = ids_in_order(self.train, self.cursor, count)
+        self.cursor += count
         return ids
 
     def train_step(self) -> float:

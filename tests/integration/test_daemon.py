@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -19,6 +20,8 @@ def _active(swarm: TestSwarm, children) -> list[dict]:
     return statuses if all(s and s["state"] == "active" for s in statuses) else []
 
 
+@pytest.mark.slow  # 85-90 s; the default suite has placement in tests/policy and
+# tests/node/test_measured_placement.py, and a restart that resumes in the test below
 def test_auto_placement_spreads_then_bootstrap_dies_and_newcomer_copies_state(swarm, tmp_path):
     manifest = small_manifest(tmp_path / "three.toml", stages=3, layers=6)
     swarm.bootstrap(manifest)
@@ -233,40 +236,30 @@ def _one_clear_line(result: subprocess.CompletedProcess, needle: str) -> None:
 
 def test_bad_cli_input_is_one_clear_line(swarm, tmp_path):
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJTjvve5CHTecvRiyBZSEgRN7cHWUDhThRpcBxcUEb3xX"
-    _one_clear_line(
-        _cli(
-            "join", "--initial-peers", dead, "--data-dir", str(tmp_path / "a"), "--status-port", "0"
-        ),
-        "could not reach",
-    )
     swarm.bootstrap("tiny")
-    peers = swarm.initial_peers
-    base = ["join", "--initial-peers", *peers, "--status-port", "0"]
-    _one_clear_line(
-        _cli(*base, "--data-dir", str(tmp_path / "b"), "--stage", "9"), "--stage 9 does not exist"
-    )
+    base = ["join", "--initial-peers", *swarm.initial_peers, "--status-port", "0"]
+    other = small_manifest(tmp_path / "other.toml", stages=2, layers=8)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = str(busy.getsockname()[1])
-        argv = [
-            "join",
-            "--initial-peers",
-            *peers,
-            "--data-dir",
-            str(tmp_path / "c"),
-            "--status-port",
-            port,
+        cases = [  # (argv, what the one error line says); each in a data dir of its own
+            (["join", "--initial-peers", dead, "--status-port", "0"], "could not reach"),
+            ([*base, "--stage", "9"], "--stage 9 does not exist"),
+            ([*base[:-1], port], "in use"),
+            ([*base, "--manifest", other], "does not serve your manifest"),
+            ([*base, "--stage", "two"], "--stage must be"),
         ]
-        _one_clear_line(_cli(*argv), "in use")
-    other = small_manifest(tmp_path / "other.toml", stages=2, layers=8)
-    _one_clear_line(
-        _cli(*base, "--data-dir", str(tmp_path / "d"), "--manifest", other),
-        "does not serve your manifest",
-    )
-    _one_clear_line(
-        _cli(*base, "--data-dir", str(tmp_path / "e"), "--stage", "two"), "--stage must be"
-    )
+        # independent processes: run them side by side (each spends seconds importing)
+        with ThreadPoolExecutor(len(cases)) as pool:
+            results = list(
+                pool.map(
+                    lambda i: _cli(*cases[i][0], "--data-dir", str(tmp_path / f"d{i}")),
+                    range(len(cases)),
+                )
+            )
+    for (_, needle), result in zip(cases, results, strict=True):
+        _one_clear_line(result, needle)
 
 
 def test_dry_run_status_table_and_leave_through_the_control_api(swarm, tmp_path):

@@ -57,6 +57,8 @@ def _raw_signed(identity, body: dict) -> dict[str, bytes]:
     return {"r": data, "s": identity.sign(data)}
 
 
+@pytest.mark.slow  # 90 s; the default suite has forged records among real daemons in
+# tests/integration/test_daemon.py and thousands of hostile records in tests/foundation
 def test_hostile_peer_records_and_run_pointers_are_ignored(swarm, tmp_path):
     import hivemind
     from hivemind.utils import get_dht_time

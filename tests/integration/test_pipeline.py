@@ -61,6 +61,8 @@ def test_swarm_matches_reference_trainer_at_equal_token_budget(swarm, tmp_path):
     assert head["microbatches"].get("dropped", 0) == 0
 
 
+@pytest.mark.slow  # 65-75 s; the default suite kills a node in a training swarm in
+# tests/integration/test_daemon.py and a member mid-round in tests/outer
 def test_killing_a_middle_replica_mid_training_loses_only_in_flight_work(swarm):
     swarm.bootstrap("tiny")
     stages = [0, 1, 1, 2, 3]

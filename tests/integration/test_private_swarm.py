@@ -71,6 +71,8 @@ def _plant_unlisted_inputs(swarm: TestSwarm, run_id: str, stranger: Identity) ->
         dht.shutdown()
 
 
+@pytest.mark.slow  # 30-35 s; the default suite refuses unlisted peers over real libp2p in
+# tests/policy/test_private_swarm.py
 def test_listed_nodes_train_and_an_unlisted_node_is_turned_away(swarm, tmp_path):
     manifest = small_manifest(tmp_path / "two.toml", stages=2, layers=2, inner_steps=3)
     swarm.bootstrap(manifest)

@@ -25,6 +25,8 @@ def _reach(swarm: TestSwarm, node) -> dict:  # noqa: ANN001
     return (swarm.status(node) or {}).get("reachability") or {}
 
 
+@pytest.mark.slow  # 25 s; where the network lab can be built, the default suite has a node
+# behind NAT told it cannot be dialed and a public one confirmed (test_netlab.py)
 def test_a_node_announcing_an_undialable_address_is_told_and_a_dialable_one_is_confirmed(
     swarm: TestSwarm,
 ) -> None:

@@ -10,6 +10,7 @@ from tests.integration.harness import poll
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
+@pytest.mark.slow  # 20 s; publishing to a real broker is tests/surfaces/test_telemetry.py
 def test_daemon_publishes_status_and_leaves_cleanly(swarm, mosquitto):
     swarm.bootstrap("demo")
     node = swarm.join("node", "--stage", "0", "--mqtt-url", mosquitto.url)

@@ -40,6 +40,12 @@ log = logging.getLogger(__name__)
 
 DHT_TIMEOUT_S = 10.0
 SHUTDOWN_STEP_S = 5.0
+MAX_RELAYS = 8
+"""Initial peers offered to AutoRelay as relays, at most."""
+RELAY_LIMITS = {"relayDataLimit": 1 << 30, "relayTimeLimit": "1h"}
+"""What this node grants each connection it relays (bytes each way, duration), rather than
+libp2p's budget for hole punching (128 KiB, 2 minutes). Relayed micro-batches were still
+reset in the network lab with these (docs/operating.md, NAT and reachability)."""
 
 
 class HostError(RuntimeError):
@@ -53,7 +59,8 @@ class HostConfig:
     host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)
     announce_maddrs: Sequence[str] = ()
     nat: bool = False
-    """Let libp2p use UPnP/NAT-PMP and AutoNAT (off: contact nothing but the given peers)."""
+    """Let libp2p ask the local router for a port mapping (UPnP/NAT-PMP); off, it talks to
+    nothing but peers."""
 
 
 def _one_line(exc: BaseException) -> str:
@@ -85,8 +92,15 @@ class Host:
                 # (HIVEMIND_NOTES.md). The node checks for a duplicate itself.
                 check_if_identity_free=False,
                 nat_port_map=config.nat,
-                auto_nat=config.nat,
-                use_auto_relay=False,
+                # Peers tell each other whether they can be dialed (AutoNAT, over their own
+                # connections). A public node then offers circuit relays; a node behind NAT
+                # reserves a slot on one of its initial peers (AutoRelay, about 3 minutes
+                # after start) and announces the relayed address (docs/operating.md).
+                auto_nat=True,
+                use_relay=True,
+                use_auto_relay=True,
+                trusted_relays=relay_candidates(config.initial_peers) or None,
+                p2pd_flags=RELAY_LIMITS,
             )
         except Exception as exc:  # hivemind raises bare P2PDaemonError / RuntimeError
             reaper.stop()
@@ -112,8 +126,18 @@ class Host:
         sockets if this process dies."""
         watch_p2p(self._reaper, p2p)
 
-    async def visible_maddrs(self) -> list[str]:
-        return [str(m) for m in await self.p2p.get_visible_maddrs()]
+    async def visible_maddrs(self, latest: bool = False) -> list[str]:
+        """The addresses libp2p announces; `latest`: ask p2pd again (a relayed address
+        appears later), not the list cached at start."""
+        return [str(m) for m in await self.p2p.get_visible_maddrs(latest=latest)]
+
+    async def relayed_peers(self) -> list[str]:
+        """Peers this node is connected to only through a relay circuit."""
+        return [
+            info.peer_id.to_base58()
+            for info in await self.p2p.list_peers()
+            if info.addrs and all(is_relayed(str(a)) for a in info.addrs)
+        ]
 
     async def store(
         self,
@@ -185,14 +209,22 @@ def watch_p2p(reaper: Reaper, p2p: P2P) -> None:
         reaper.remove_on_death(path)
 
 
-async def create_p2p(**options: Any) -> P2P:
+async def create_p2p(*, p2pd_flags: dict[str, Any] | None = None, **options: Any) -> P2P:
     """`P2P.create(**options)`, whose unix sockets are removed if it fails.
 
     A libp2p daemon that exits while starting (say no initial peer answered) leaves its
     socket in /tmp, and hivemind names it at random inside `create`: the sockets here
-    carry a tag of this call's own, so that exactly they can be found and removed."""
+    carry a tag of this call's own, so that exactly they can be found and removed.
+    `p2pd_flags`: more command-line flags of p2pd, which `create` has no keyword for."""
     prefix = f"/tmp/hivemind-{secrets.token_hex(4)}-"
-    tagged = type("P2P", (P2P,), {"_UNIX_SOCKET_PREFIX": "/unix" + prefix})
+    attrs: dict[str, Any] = {"_UNIX_SOCKET_PREFIX": "/unix" + prefix}
+    if p2pd_flags:
+
+        def process_args(*args: Any, **kwargs: Any) -> list[str]:
+            return P2P._make_process_args(*args, **kwargs, **p2pd_flags)  # noqa: SLF001
+
+        attrs["_make_process_args"] = staticmethod(process_args)
+    tagged = type("P2P", (P2P,), attrs)
     try:
         return await tagged.create(**options)
     except BaseException:
@@ -262,6 +294,16 @@ def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> N
 async def _awaited(future: Any) -> Any:
     """hivemind's MPFuture is awaitable when created inside a running loop."""
     return await future
+
+
+def is_relayed(maddr: str) -> bool:
+    """A circuit address: reached through a relay (`.../p2p/<relay>/p2p-circuit/...`)."""
+    return "/p2p-circuit" in maddr
+
+
+def relay_candidates(peers: Sequence[str]) -> list[str]:
+    """The direct addresses of known peers (`.../p2p/<id>`) that may relay for this node."""
+    return [p for p in peers if "/p2p/" in p and not is_relayed(p)][:MAX_RELAYS]
 
 
 def is_valid_maddr(maddr: str) -> bool:

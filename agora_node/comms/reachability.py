@@ -256,7 +256,8 @@ class Reachability:
             return (
                 f"NOT reachable: {len(self.failed)} peer(s) could not dial this node at {addrs} "
                 f"({why[:120]}); peers reach it only over connections it opened itself, so a "
-                "peer that restarts or joins later may not. Forward the TCP port to this "
+                "peer that restarts or joins later may not (a relayed address makes it "
+                "findable, not yet a path for training). Forward the TCP port to this "
                 "machine, or set --announce-maddrs to an address peers can dial"
             )
         return "reachability unknown: no peer answered yet"

@@ -31,7 +31,7 @@ from collections.abc import Awaitable
 
 from agora_node.comms import admission, reachability
 from agora_node.comms.directory import Directory, Snapshot, list_runs, publish_manifest
-from agora_node.comms.host import Host, HostConfig
+from agora_node.comms.host import Host, HostConfig, is_relayed
 from agora_node.comms.membership.messages import MemberMeta
 from agora_node.node import joining
 from agora_node.node.config import NodeConfig
@@ -51,7 +51,7 @@ from agora_node.node.telemetry import Telemetry
 from agora_node.node.waits import SAMPLE_S, Waits
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
-from agora_node.protocol.records import NodeState, RecordLimits
+from agora_node.protocol.records import MAX_ADDRS, NodeState, RecordLimits
 from agora_node.stages import placement
 from agora_node.stages.device import Compute
 
@@ -300,11 +300,11 @@ class Node:
                 self.stop_event.set()
 
     async def _reachability_loop(self) -> None:
+        direct = [a for a in self.addrs if not is_relayed(a)]  # what peers are asked to dial
         while not self.stop_event.is_set():
             peers = set(self._others()) | reachability.peer_ids(self.config.initial_peers)
-            await self.dialback.check_if_due(
-                self.host, self.manifest.run_id, sorted(peers), self.addrs
-            )
+            await self.dialback.check_if_due(self.host, self.manifest.run_id, sorted(peers), direct)
+            self.addrs = (await self.dialback.refresh_relay(self.host, direct))[:MAX_ADDRS]
             await self._wait_stop(self.config.refresh_s)
 
     async def _wait_stop(self, seconds: float) -> None:

@@ -1,22 +1,67 @@
 """This node's side of dial-back checks (comms/reachability.py): answering peers that ask
 to be dialed back, from a probe daemon started on the first request, and asking a few
-peers to dial us, with one log line whenever their answer changes."""
+peers to dial us, with one log line whenever their answer changes. And whether peers
+reach it through a relay: libp2p's AutoRelay reserves a slot on a public peer for a node
+that cannot be dialed (comms/host.py), and the relayed address joins those it announces."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from agora_node.comms import reachability
-from agora_node.comms.host import Host
+from agora_node.comms.host import Host, is_relayed
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Relayed:
+    """The relayed addresses this node announces and the peers connected to it only through
+    a relay (pure bookkeeping; the daemon refreshes it from libp2p)."""
+
+    addrs: list[str] = field(default_factory=list)
+    peers: list[str] = field(default_factory=list)
+    since: float | None = None
+
+    def relays(self) -> list[str]:
+        """The relays' peer ids, from `.../p2p/<relay>/p2p-circuit/p2p/<us>`."""
+        return [a.split("/p2p-circuit")[0].rpartition("/p2p/")[2] for a in self.addrs]
+
+    def update(self, announced: Sequence[str], peers: Sequence[str], now: float) -> str | None:
+        """Take what libp2p announces now; one line for the log if the relayed addresses
+        changed, else None."""
+        self.peers = list(peers)
+        relayed = sorted(a for a in announced if is_relayed(a))
+        if relayed == self.addrs:
+            return None
+        self.addrs, self.since = relayed, (now if relayed else None)
+        if not relayed:
+            return "relay: no relayed address any more; only peers that can dial this node reach it"
+        via = ", ".join(r[-8:] for r in self.relays())
+        return (
+            f"relay: peers that cannot dial this node reach it through relay(s) {via} at "
+            f"{relayed[0]}"
+        )
+
+    def status(self, sent: dict[str, int], received: dict[str, int]) -> dict:
+        """`sent`/`received`: pipeline bytes per peer (metrics.bytes_by_peer)."""
+        return {
+            "addrs": self.addrs,
+            "relays": [r[-8:] for r in self.relays()],
+            "since": self.since,
+            "relayed_peers": [p[-8:] for p in self.peers],
+            "bytes_sent": sum(sent.get(p, 0) for p in self.peers),
+            "bytes_received": sum(received.get(p, 0) for p in self.peers),
+        }
 
 
 class DialBack:
     def __init__(self) -> None:
         self.reach = reachability.Reachability()
+        self.relayed = Relayed()
         """What the peers asked found (the status page's `reachability`)."""
         self.prober: reachability.Prober | None = None
 
@@ -41,6 +86,16 @@ class DialBack:
         if await reachability.check(host.p2p, run_id, peers, addrs, self.reach):
             unreachable = self.reach.state == reachability.Reach.UNREACHABLE
             log.log(logging.WARNING if unreachable else logging.INFO, self.reach.line())
+
+    async def refresh_relay(self, host: Host, direct: Sequence[str]) -> list[str]:
+        """Ask libp2p for the relayed addresses and relayed peers; the addresses to announce:
+        `direct` (those of start), then the relayed ones."""
+        line = self.relayed.update(
+            await host.visible_maddrs(latest=True), await host.relayed_peers(), time.time()
+        )
+        if line is not None:
+            log.info(line)
+        return [*direct, *self.relayed.addrs]
 
     async def close(self) -> None:
         if self.prober is not None:

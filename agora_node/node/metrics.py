@@ -168,6 +168,13 @@ class Metrics:
             "gradient_lag_steps",
             "Steps a gradient lands after the step its forward's weights came from (average).",
         )
+        self.relayed_peers = gauge(
+            "relayed_peers", "Peers connected to this node only through a relay circuit."
+        )
+        self.relayed_addrs = gauge(
+            "relayed_addrs",
+            "Relayed addresses this node announces (0: dialed directly or not at all).",
+        )
         self.peers_alive = gauge("peers_alive", "Non-leaving peers seen per stage.", ("stage",))
         self.loss = gauge("loss", "Last training loss reported to this node.")
         self.val_loss = gauge("val_loss", "Last validation loss.")
@@ -272,6 +279,9 @@ class Metrics:
         self.queue_length.set(node.get("queue", 0))
         self.in_flight.set(node.get("in_flight", 0))
         self.gradient_lag.set(node.get("gradient_lag", 0.0))
+        relay = node.get("relay") or {}
+        self.relayed_peers.set(len(relay.get("relayed_peers") or ()))
+        self.relayed_addrs.set(len(relay.get("addrs") or ()))
         losses = node.get("last_losses") or []
         self.loss.set(losses[-1] if losses else float("nan"))
         val = node.get("val_loss")

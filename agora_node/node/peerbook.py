@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from agora_node.comms.host import is_valid_maddr
+from agora_node.comms.host import is_relayed, is_valid_maddr
 from agora_node.protocol.records import NodeRecord, NodeState
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ def pick(records: Iterable[NodeRecord], me: str) -> list[str]:
             continue
         suffix = f"/p2p/{record.peer_id}"
         for addr in record.addrs:
+            if is_relayed(addr):  # a relay's address: may not be dialable as a first peer
+                continue
             if addr.endswith(suffix):
                 full = addr
             elif "/p2p/" in addr:  # another peer's id: not an address of this one

@@ -221,6 +221,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "last_checkpoint": node.last_checkpoint,
             "addrs": node.addrs,
             "reachability": node.dialback.reach.status(),
+            "relay": node.dialback.relayed.status(sent, received),
             "state_origin": service.origin if service else {},
             "states_served": node.states_served,
             "records_rejected": node.records_rejected,

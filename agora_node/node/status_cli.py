@@ -89,6 +89,9 @@ def format_node(s: dict[str, Any]) -> str:
     )
     if (s.get("reachability") or {}).get("state") == "unreachable":
         first += "  NOT DIALABLE by peers"
+    relays = (s.get("relay") or {}).get("relays") or []
+    if relays:
+        first += f"  RELAYED via {', '.join(relays)}"
     second = (
         f"           inner {s.get('inner_step', 0)}  outer {s.get('outer_step', 0)}  "
         f"compute {_num(s.get('compute_rate', s.get('throughput')))} tok/compute-s  "

@@ -40,10 +40,8 @@ async def main() -> None:
         options["initial_peers"] = [args.relay]
     if args.role == "relay":
         options["auto_nat"] = True
-    elif args.role == "natted":  # what a node told by its dial-back check would run
-        options.update(
-            use_auto_relay=True, force_reachability="private", trusted_relays=[args.relay]
-        )
+    elif args.role == "natted":  # as comms/host.py starts every node: AutoNAT finds it private
+        options.update(auto_nat=True, use_auto_relay=True, trusted_relays=[args.relay])
     p2p: P2P = await create_p2p(**options)
     try:
         await p2p.add_protobuf_handler("echo", echo, BytesValue)

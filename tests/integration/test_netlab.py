@@ -116,7 +116,7 @@ _ROUND = re.compile(r"outer round (\d+) \| group (\d+/\d+) \| anchor (in sync|mi
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_peer_behind_nat_is_reached_through_a_relay(lab: NetLab, tmp_path) -> None:
-    """libp2p alone (no daemon of ours yet): a peer behind NAT, told it is private,
+    """libp2p alone (no daemon of ours): a peer behind NAT, found private by AutoNAT,
     reserves a slot on a public peer and announces a relayed address; a stranger that
     never had a connection to it calls it through the relay. The bundled p2pd waits 3
     minutes (AutoRelay's boot delay) before it reserves."""
@@ -167,3 +167,48 @@ def test_a_peer_behind_nat_is_reached_through_a_relay(lab: NetLab, tmp_path) -> 
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_nodes_behind_nat_announce_a_relayed_address_on_a_public_peer(
+    lab: NetLab, swarm: TestSwarm
+) -> None:
+    """Both stages behind NATs of their own: neither can dial the other. libp2p's AutoNAT
+    tells each it is private and AutoRelay reserves a slot on the bootstrap, a public
+    peer, after its fixed boot delay of 3 minutes; each daemon says so in one line,
+    announces the relayed address and shows the relay in its status. (Micro-batches over
+    that relayed connection were reset in this lab: docs/operating.md.)"""
+    from tests.integration.harness import small_manifest
+
+    manifest = small_manifest(swarm.workdir / "two.toml", stages=2, layers=2)
+    boot, home0, home1 = lab.public("boot"), lab.behind_nat("home0"), lab.behind_nat("home1")
+    swarm.bootstrap(manifest, *_listen(boot), prefix=tuple(lab.exec_prefix(boot)))
+    nodes = [
+        swarm.join(f"h{i}", "--stage", str(i), *_listen(h), prefix=tuple(lab.exec_prefix(h)))
+        for i, h in enumerate((home0, home1))
+    ]
+    for node in nodes:
+        swarm.serving(node)
+    assert "NOT reachable" in wait_for_line(nodes[1], "NOT reachable", 90)
+    boot_id = swarm.initial_peers[0].rpartition("/p2p/")[2]
+    for node, host in zip(nodes, (home0, home1), strict=True):
+        line = wait_for_line(node, "relay: peers that cannot dial", 420)
+        assert f"/p2p/{boot_id}/p2p-circuit/p2p/" in line
+        relay = poll(lambda n=node, h=host: _relay(lab, h, n).get("addrs") and _relay(lab, h, n),
+                     30, "the relay in the status")  # fmt: skip
+        assert relay["relays"] == [boot_id[-8:]]
+        assert all(f"/p2p/{boot_id}/p2p-circuit/p2p/" in a for a in relay["addrs"])
+
+
+def _relay(lab: NetLab, host, node) -> dict:  # noqa: ANN001
+    """The node's status `relay`, read inside its namespace (its status page is there)."""
+    import json
+    import sys
+
+    url = f"http://127.0.0.1:{node.status_port}/api/v1/status"
+    code = f"import urllib.request as u; print(u.urlopen({url!r}, timeout=5).read().decode())"
+    try:
+        return json.loads(lab.run_in(host, sys.executable, "-c", code)).get("relay") or {}
+    except Exception:  # not answering yet: the caller polls
+        return {}

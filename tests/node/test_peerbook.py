@@ -19,17 +19,20 @@ def _record(peer: str, state: str = "active", addrs: list[str] | None = None) ->
 
 
 def test_pick_takes_one_address_of_each_other_active_peer_naming_that_peer():
-    me, a, b, c, d = IDS[:5]
+    me, a, b, c, d, e = IDS[:6]
+    relayed = f"/ip4/127.0.0.1/tcp/5/p2p/{a}/p2p-circuit/p2p/{e}"
     records = [
         _record(me),
         _record(a, addrs=["/ip4/127.0.0.1/tcp/1", "/ip4/127.0.0.1/tcp/2"]),
         _record(b, addrs=[f"/ip4/127.0.0.1/tcp/3/p2p/{a}", f"/ip4/127.0.0.1/tcp/4/p2p/{b}"]),
         _record(c, state="leaving"),
         _record(d, addrs=["not a multiaddr"]),
+        _record(e, addrs=[relayed, f"/ip4/127.0.0.1/tcp/6/p2p/{e}"]),  # a relay's: skipped
     ]
     assert peerbook.pick(records, me) == [
         f"/ip4/127.0.0.1/tcp/1/p2p/{a}",
         f"/ip4/127.0.0.1/tcp/4/p2p/{b}",
+        f"/ip4/127.0.0.1/tcp/6/p2p/{e}",
     ]
     many = peerbook.pick([_record(p) for p in IDS], IDS[0])
     assert len(many) == MAX_PEERS and many == sorted(many, key=lambda x: x.rsplit("/", 1)[1])

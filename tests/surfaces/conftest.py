@@ -13,6 +13,10 @@ from agora_node.node.status_server import History, StatusServer
 
 SELF_ID = "12D3KooWSelfPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 OTHER_ID = "12D3KooWOtherPeerBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"
+RELAYED_ADDR = (
+    "/ip4/203.0.113.9/tcp/4001/p2p/12D3KooWRelayPeerCCCCCCCCCCCCCCCCCCCCCCCZz99Yy88"
+    f"/p2p-circuit/p2p/{SELF_ID}"
+)
 
 
 def make_snapshot(state: str = "active") -> dict[str, Any]:
@@ -61,6 +65,14 @@ def make_snapshot(state: str = "active") -> dict[str, Any]:
                 "dialed_by": [],
                 "failed": {"Ab12Cd34": "all dials failed"},
                 "checked_at": now - 30,
+            },
+            "relay": {
+                "addrs": [RELAYED_ADDR],
+                "relays": ["Zz99Yy88"],
+                "since": now - 20,
+                "relayed_peers": [OTHER_ID[-8:]],
+                "bytes_sent": 1000,
+                "bytes_received": 2000,
             },
             "state": state,
             "started_at": now - 312,

@@ -120,6 +120,7 @@ def test_compute_rate_utilization_and_gradient_lag_are_levels():
     assert s[("agora_compute_rate_tokens_per_s", ())] == 1234.5  # the record's throughput
     assert s[("agora_utilization_ratio", ())] == 0.25
     assert s[("agora_gradient_lag_steps", ())] == 0.42
+    assert s[("agora_relayed_peers", ())] == 1 and s[("agora_relayed_addrs", ())] == 1
 
 
 def test_refused_requests_are_counted_by_protocol_and_reason():

@@ -117,3 +117,6 @@ def test_the_node_line_says_when_peers_could_not_dial_it():
     assert "NOT DIALABLE" not in format_node({"reachability": {"state": "reachable"}})
     assert "NOT DIALABLE" not in format_node({})  # not checked yet, or an older daemon
     assert "NOT DIALABLE by peers" in format_node({"reachability": {"state": "unreachable"}})
+    relayed = {"reachability": {"state": "unreachable"}, "relay": {"relays": ["Zz99Yy88"]}}
+    assert "NOT DIALABLE by peers  RELAYED via Zz99Yy88" in format_node(relayed)
+    assert "RELAYED" not in format_node({"relay": {"addrs": [], "relays": []}})

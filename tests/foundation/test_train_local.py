@@ -11,11 +11,17 @@ from agora_node.stages.manifest_files import load_manifest
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_train_local_lowers_validation_loss():
+def _half_tiny():
     from agora_node.protocol.manifest import parse_manifest
 
     text = load_manifest("tiny").to_toml().replace("n_layers = 8", "n_layers = 4")
-    m = parse_manifest(text.replace("count = 4", "count = 2"))  # half of tiny: half the time
+    return parse_manifest(text.replace("count = 4", "count = 2"))  # half of tiny: half the time
+
+
+@pytest.mark.slow  # 30 s; the default suite's swarm-vs-reference test checks that the
+# reference trainer learns (tests/integration/test_pipeline.py)
+def test_train_local_lowers_validation_loss():
+    m = _half_tiny()
     result = LocalTrainer(m, LocalTrainConfig(steps=30, eval_every=30, eval_samples=16)).run(
         report=lambda _: None
     )
@@ -25,7 +31,7 @@ def test_train_local_lowers_validation_loss():
 
 
 def test_resume_continues_exactly(tmp_path):
-    m = load_manifest("tiny")
+    m = _half_tiny()
     straight = LocalTrainer(m, LocalTrainConfig(steps=4, eval_every=100, eval_samples=4))
     straight.run(report=lambda _: None)
 

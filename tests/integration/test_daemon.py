@@ -262,6 +262,8 @@ def test_bad_cli_input_is_one_clear_line(swarm, tmp_path):
         _one_clear_line(result, needle)
 
 
+@pytest.mark.slow  # 26 s; the default suite has dry runs in tests/surfaces/test_daemon_options.py, the
+# status table in tests/surfaces/test_status_cli.py and the control API in test_control.py
 def test_dry_run_status_table_and_leave_through_the_control_api(swarm, tmp_path):
     swarm.bootstrap("tiny")
     dry = _cli(

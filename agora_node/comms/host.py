@@ -42,10 +42,6 @@ DHT_TIMEOUT_S = 10.0
 SHUTDOWN_STEP_S = 5.0
 MAX_RELAYS = 8
 """Initial peers offered to AutoRelay as relays, at most."""
-RELAY_LIMITS = {"relayDataLimit": 1 << 30, "relayTimeLimit": "1h"}
-"""What this node grants each connection it relays (bytes each way, duration), rather than
-libp2p's budget for hole punching (128 KiB, 2 minutes). Relayed micro-batches were still
-reset in the network lab with these (docs/operating.md, NAT and reachability)."""
 
 
 class HostError(RuntimeError):
@@ -95,12 +91,13 @@ class Host:
                 # Peers tell each other whether they can be dialed (AutoNAT, over their own
                 # connections). A public node then offers circuit relays; a node behind NAT
                 # reserves a slot on one of its initial peers (AutoRelay, about 3 minutes
-                # after start) and announces the relayed address (docs/operating.md).
+                # after start) and announces the relayed address. The bundled p2pd resets a
+                # relayed connection after 128 KiB each way: small calls only, no training
+                # (docs/operating.md).
                 auto_nat=True,
                 use_relay=True,
                 use_auto_relay=True,
                 trusted_relays=relay_candidates(config.initial_peers) or None,
-                p2pd_flags=RELAY_LIMITS,
             )
         except Exception as exc:  # hivemind raises bare P2PDaemonError / RuntimeError
             reaper.stop()
@@ -209,22 +206,14 @@ def watch_p2p(reaper: Reaper, p2p: P2P) -> None:
         reaper.remove_on_death(path)
 
 
-async def create_p2p(*, p2pd_flags: dict[str, Any] | None = None, **options: Any) -> P2P:
+async def create_p2p(**options: Any) -> P2P:
     """`P2P.create(**options)`, whose unix sockets are removed if it fails.
 
     A libp2p daemon that exits while starting (say no initial peer answered) leaves its
     socket in /tmp, and hivemind names it at random inside `create`: the sockets here
-    carry a tag of this call's own, so that exactly they can be found and removed.
-    `p2pd_flags`: more command-line flags of p2pd, which `create` has no keyword for."""
+    carry a tag of this call's own, so that exactly they can be found and removed."""
     prefix = f"/tmp/hivemind-{secrets.token_hex(4)}-"
-    attrs: dict[str, Any] = {"_UNIX_SOCKET_PREFIX": "/unix" + prefix}
-    if p2pd_flags:
-
-        def process_args(*args: Any, **kwargs: Any) -> list[str]:
-            return P2P._make_process_args(*args, **kwargs, **p2pd_flags)  # noqa: SLF001
-
-        attrs["_make_process_args"] = staticmethod(process_args)
-    tagged = type("P2P", (P2P,), attrs)
+    tagged = type("P2P", (P2P,), {"_UNIX_SOCKET_PREFIX": "/unix" + prefix})
     try:
         return await tagged.create(**options)
     except BaseException:

@@ -16,7 +16,8 @@ import time
 from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import P2P, PeerID
 
-from agora_node.comms.host import create_p2p, shutdown_p2p
+from agora_node.comms.host import create_p2p, shutdown_p2p, watch_p2p
+from agora_node.comms.reaper import Reaper
 
 
 def emit(**fields: object) -> None:
@@ -40,9 +41,14 @@ async def main() -> None:
         options["initial_peers"] = [args.relay]
     if args.role == "relay":
         options["auto_nat"] = True
-    elif args.role == "natted":  # as comms/host.py starts every node: AutoNAT finds it private
-        options.update(auto_nat=True, use_auto_relay=True, trusted_relays=[args.relay])
+    elif args.role == "natted":  # private forced; daemons let AutoNAT find it (test_netlab.py)
+        options.update(
+            use_auto_relay=True, force_reachability="private", trusted_relays=[args.relay]
+        )
     p2p: P2P = await create_p2p(**options)
+    # the test SIGKILLs this process's group: the reaper (a session of its own) then
+    # stops p2pd and removes its sockets
+    watch_p2p(Reaper.start(), p2p)
     try:
         await p2p.add_protobuf_handler("echo", echo, BytesValue)
         emit(event="ready", peer_id=p2p.peer_id.to_base58())

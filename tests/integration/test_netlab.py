@@ -116,7 +116,7 @@ _ROUND = re.compile(r"outer round (\d+) \| group (\d+/\d+) \| anchor (in sync|mi
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_peer_behind_nat_is_reached_through_a_relay(lab: NetLab, tmp_path) -> None:
-    """libp2p alone (no daemon of ours): a peer behind NAT, found private by AutoNAT,
+    """libp2p alone (no daemon of ours): a peer behind NAT, told it is private,
     reserves a slot on a public peer and announces a relayed address; a stranger that
     never had a connection to it calls it through the relay. The bundled p2pd waits 3
     minutes (AutoRelay's boot delay) before it reserves."""

@@ -61,8 +61,9 @@ class Relayed:
 class DialBack:
     def __init__(self) -> None:
         self.reach = reachability.Reachability()
-        self.relayed = Relayed()
         """What the peers asked found (the status page's `reachability`)."""
+        self.relayed = Relayed()
+        """Relayed addresses and relayed peers (the status page's `relay`)."""
         self.prober: reachability.Prober | None = None
 
     async def serve(

@@ -195,7 +195,7 @@ def test_nodes_behind_nat_announce_a_relayed_address_on_a_public_peer(
     for node, host in zip(nodes, (home0, home1), strict=True):
         line = wait_for_line(node, "relay: peers that cannot dial", 420)
         assert f"/p2p/{boot_id}/p2p-circuit/p2p/" in line
-        relay = poll(lambda n=node, h=host: _relay(lab, h, n).get("addrs") and _relay(lab, h, n),
+        relay = poll(lambda n=node, h=host: (r := _relay(lab, h, n)).get("addrs") and r,
                      30, "the relay in the status")  # fmt: skip
         assert relay["relays"] == [boot_id[-8:]]
         assert all(f"/p2p/{boot_id}/p2p-circuit/p2p/" in a for a in relay["addrs"])

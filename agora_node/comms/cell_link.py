@@ -54,15 +54,34 @@ class CellLink:
     max_inbox: int = 256
     refused: Counter = field(default_factory=Counter)
     bytes_sent: int = 0
+    wait_s: float = 0.0
+    """Seconds the compute thread waited for other members' frames."""
 
     def __post_init__(self) -> None:
-        if self.me not in self.members:
-            raise ValueError("this node is not a member of the cell")
-        self.rank = list(self.members).index(self.me)
+        self.set_members(self.members)
         self._inbox: dict[tuple[str, bytes, int], tuple[bytes, float]] = {}
+        self._aborted: dict[bytes, float] = {}
         self._arrived = threading.Condition()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
+
+    def set_members(self, members: Sequence[str]) -> None:
+        """The cell changed (a regroup): exchanges begun before keep the members they began
+        with; frames from peers no longer members are refused from now on."""
+        if self.me not in members:
+            raise ValueError("this node is not a member of the cell")
+        self.members = list(members)
+        self.rank = self.members.index(self.me)
+
+    def abort(self, mb_id: bytes) -> None:
+        """Fail this micro-batch's exchanges now (a member's part of it failed): the compute
+        thread waiting on them raises CellTimeout at once instead of at the deadline."""
+        with self._arrived:
+            now = time.monotonic()
+            for key in [k for k, at in self._aborted.items() if now - at > self.timeout_s]:
+                del self._aborted[key]
+            self._aborted[mb_id] = now
+            self._arrived.notify_all()
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -119,37 +138,42 @@ class CellLink:
 
     def _take(self, peer: str, mb_id: bytes, seq: int, deadline: float) -> bytes:
         key = (peer, mb_id, seq)
-        with self._arrived:
-            while key not in self._inbox:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CellTimeout(
-                        f"cell member {peer[-8:]} sent nothing for exchange {seq} "
-                        f"within {self.timeout_s:.0f}s"
-                    )
-                self._arrived.wait(left)
-            return self._inbox.pop(key)[0]
+        started = time.monotonic()
+        try:
+            with self._arrived:
+                while key not in self._inbox:
+                    if mb_id in self._aborted:
+                        raise CellTimeout("the micro-batch failed at another cell member")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise CellTimeout(
+                            f"cell member {peer[-8:]} sent nothing for exchange {seq} "
+                            f"within {self.timeout_s:.0f}s"
+                        )
+                    self._arrived.wait(left)
+                return self._inbox.pop(key)[0]
+        finally:
+            self.wait_s += time.monotonic() - started
 
     def exchange(self, mb_id: bytes) -> MicrobatchExchange:
         """The exchange of one micro-batch (an `Exchange` of stages/context_parallel.py)."""
         if len(mb_id) != 16:
             raise ValueError("micro-batch ids are 16 bytes")
-        return MicrobatchExchange(self, mb_id)
+        return MicrobatchExchange(self, mb_id, list(self.members), self.rank)
 
 
 @dataclass(eq=False)
 class MicrobatchExchange:
     link: CellLink
     mb_id: bytes
+    members: list[str]
+    """The cell as it was when this micro-batch began (a regroup does not change it)."""
+    rank: int
     seq: int = 0
 
     @property
-    def rank(self) -> int:
-        return self.link.rank
-
-    @property
     def size(self) -> int:
-        return len(self.link.members)
+        return len(self.members)
 
     def all_to_all(self, sends: list[torch.Tensor]) -> list[torch.Tensor]:
         link = self.link
@@ -163,13 +187,13 @@ class MicrobatchExchange:
             asyncio.run_coroutine_threadsafe(
                 link._push(peer, self.mb_id, self.seq, sends[j].numpy().tobytes()), link._loop
             )
-            for j, peer in enumerate(link.members)
-            if j != link.rank
+            for j, peer in enumerate(self.members)
+            if j != self.rank
         ]
         try:
             got = []
-            for j, peer in enumerate(link.members):
-                if j == link.rank:
+            for j, peer in enumerate(self.members):
+                if j == self.rank:
                     got.append(sends[j])
                 else:
                     got.append(_as_tensor(link._take(peer, self.mb_id, self.seq, deadline)))

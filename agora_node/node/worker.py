@@ -260,11 +260,12 @@ class StageWorker:
         return float(loss.detach()), grad_in
 
     def _input_grad(self, x_in: Tensor | None) -> Tensor | None:
-        """dL/dc for the upstream stage: the k-dim projection dL/dx U (or dL/dx when dense),
-        on the host."""
-        if x_in is None:
-            return None
-        return (x_in.grad @ self.stage.basis if self.stage.subspace else x_in.grad).cpu()
+        return None if x_in is None else self.boundary_grad(x_in.grad)
+
+    def boundary_grad(self, grad_x: Tensor) -> Tensor:
+        """dL/dc for the upstream stage from dL/dx of this stage's input: the k-dim
+        projection dL/dx U (or dL/dx when dense), on the host."""
+        return (grad_x @ self.stage.basis if self.stage.subspace else grad_x).cpu()
 
     @torch.no_grad()
     def forward_eval(self, c_in: Tensor | None, tokens: Tensor) -> Tensor | float:
@@ -282,6 +283,53 @@ class StageWorker:
         )
         self._busy(started)  # busy, but no training tokens: not in the compute rate
         return result
+
+    # ---- a context-parallel cell's leader (node/cell.py; worker thread only) ------------
+    def current_version(self) -> tuple[int, dict[str, Tensor]]:
+        """The version new forwards run on, and its weight copies (never written in place)."""
+        return self._version, self._params
+
+    def accumulate(
+        self,
+        version: int,
+        params: dict[str, Tensor],
+        grads: dict[str, Tensor],
+        tokens: int,
+        compute_s: float,
+    ) -> None:
+        """Gradients computed outside this worker's own backward (a cell's members, summed)
+        land on `params` as its backward would have put them; the micro-batch finishes."""
+        for name, grad in grads.items():
+            copy = params[name]
+            if self.in_backward and not self.hold_steps:
+                with self._lock:
+                    self.optimizer.step_param(self._master_of[name], grad)
+            else:
+                copy.grad = grad.clone() if copy.grad is None else copy.grad.add_(grad)
+        self._finish(version, params, tokens)
+        self._completed(tokens, compute_s)
+
+    def keep_for_recompute(
+        self, mb_id: str, version: int, params: dict[str, Tensor], c_in: Tensor | None,
+        tokens: Tensor,
+    ) -> None:  # fmt: skip
+        """Hold a micro-batch whose forward ran elsewhere (a cell that broke) so that
+        `backward` recomputes it whole on the same weight version."""
+        x_in, tokens = self._inputs(c_in, tokens)
+        self._pending[mb_id] = _Pending(version, params, tokens, x_in, None, len(tokens))
+
+    @torch.no_grad()
+    def mirror(self, flat: Tensor) -> None:
+        """Weights := a cell leader's (trainable, flat float32): a helper's replica follows
+        the cell it computes for, so its outer rounds carry the cell's weights and it goes
+        on from them if the leader vanishes."""
+        self._check_thread()
+        with self._lock:
+            offset = 0
+            for p in self.masters:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            self._publish_version(self._version + 1)
 
     def discard(self, mb_id: str) -> None:
         self._pending.pop(mb_id, None)

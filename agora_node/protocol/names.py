@@ -64,6 +64,11 @@ def cell_protocol(run_id: str) -> str:
     return f"/agora/{run_id}/cell/1"
 
 
+def cell_work_protocol(run_id: str) -> str:
+    """Stream protocol on which a cell's leader hands a helper its chunk of a micro-batch."""
+    return f"/agora/{run_id}/cellwork/1"
+
+
 def admission_protocol(run_id: str) -> str:
     """Stream protocol a joiner asks peers it sees "do you admit me?" (private swarms)."""
     return f"/agora/{run_id}/admission/1"

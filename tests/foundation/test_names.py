@@ -24,6 +24,7 @@ def all_names(run_id: str) -> dict[str, str]:
         "forward_protocol": names.forward_protocol(run_id),
         "state_protocol": names.state_protocol(run_id),
         "cell_protocol": names.cell_protocol(run_id),
+        "cell_work_protocol": names.cell_work_protocol(run_id),
         "reachability_protocol": names.reachability_protocol(run_id),
     }
 
@@ -41,6 +42,7 @@ def test_exact_spellings_are_pinned():
         "forward_protocol": "/agora/r1/forward/1",
         "state_protocol": "/agora/r1/state/2",  # 2: attested anchor state (docs/security.md)
         "cell_protocol": "/agora/r1/cell/1",
+        "cell_work_protocol": "/agora/r1/cellwork/1",
         "reachability_protocol": "/agora/r1/reachability/1",
     }
 

@@ -1,0 +1,170 @@
+"""Context-parallel cells of daemons' stage workers over real hivemind peers on 127.0.0.1:
+a leader and a helper compute what one replica computes (outputs, input gradients and
+the inner step), a helper that dies fails the micro-batch at once and the leader redoes
+it whole, and a helper refuses anyone but its leader."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+from agora_node.comms import streams
+from agora_node.comms.cell_link import CellLink
+from agora_node.node.cell import (
+    CellFailed,
+    CellHelper,
+    CellLeader,
+    cell_groups,
+    cell_of,
+    routable,
+)
+from agora_node.node.worker import StageWorker
+from agora_node.protocol.manifest import Manifest
+from agora_node.protocol.names import cell_work_protocol
+from agora_node.stages.manifest_files import load_manifest
+from tests.p2p_peers import start_peers, stop_p2p
+
+pytestmark = [pytest.mark.timeout(120)]
+RUN = "cells-test"
+
+
+def test_cells_are_consecutive_sorted_peers_and_only_leaders_are_routed_to():
+    peers = ["e", "a", "d", "c", "b"]
+    assert cell_groups(peers, 2) == [["a", "b"], ["c", "d"], ["e"]]
+    assert routable(peers, 2) == ["a", "c", "e"]
+    assert cell_groups(peers, 1) == [["a"], ["b"], ["c"], ["d"], ["e"]]
+    assert cell_of("d", ["a", "b", "c"], 2) == ["c", "d"]
+    assert cell_of("z", ["a"], 2) == ["a", "z"]
+    assert cell_of("z", [], 2) == ["z"]
+
+
+def cell_manifest(stages: int = 3, seq_len: int = 30, kv_rank: int = 4) -> Manifest:
+    m = load_manifest("tiny")
+    model = dataclasses.replace(
+        m.model, d_model=32, n_layers=stages, n_heads=4, n_kv_heads=2, ffn_dim=64,
+        seq_len=seq_len, subspace_rank=8, cp_degree=2, kv_rank=kv_rank, kv_subspaces=3,
+    )  # fmt: skip
+    inner = dataclasses.replace(m.inner, micro_batch=2, local_batch=2)
+    return dataclasses.replace(
+        m, model=model, inner=inner, stages=dataclasses.replace(m.stages, count=stages)
+    )
+
+
+@contextlib.asynccontextmanager
+async def cell_of_two(manifest: Manifest, stage: int, timeout_s: float = 20.0):
+    """(leader, helper, the helper's p2p, a stranger's p2p), all on real peers."""
+    a, b, stranger = await start_peers(3)
+    workers = [StageWorker(manifest, stage) for _ in range(2)]
+    try:
+        ids = [a.peer_id.to_base58(), b.peer_id.to_base58()]
+        links = [
+            CellLink(p, RUN, members=ids, me=me, timeout_s=timeout_s)
+            for p, me in zip((a, b), ids, strict=True)
+        ]
+        for link in links:
+            await link.start()
+        m = manifest.model
+        helper = CellHelper(workers[1], links[1], m.seq_len, manifest.inner.micro_batch)
+        helper.leader = ids[0]
+        await helper.start(b, RUN)
+        leader = CellLeader(workers[0], links[0], a, RUN, m.seq_len)
+        yield leader, helper, b, stranger
+    finally:
+        for w in workers:
+            w.close()
+        for p in (a, b, stranger):
+            await stop_p2p(p)
+
+
+def _batch(manifest: Manifest, stage: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    m = manifest.model
+    tokens = torch.randint(0, m.vocab_size, (2, m.seq_len + 1), generator=g)
+    c_in = torch.randn(2, m.seq_len, m.subspace_rank, generator=g) if stage else None
+    return tokens, c_in
+
+
+def _masters(worker: StageWorker) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in worker.masters]
+
+
+@pytest.mark.integration
+async def test_a_cell_of_two_computes_what_one_replica_computes():
+    manifest = cell_manifest()
+    tokens, c_in = _batch(manifest, 1)
+    alone = StageWorker(manifest, 1)
+    try:
+        c_out_ref = alone.forward("mb", c_in, tokens)
+        grad_out = torch.randn_like(c_out_ref)
+        grad_in_ref = alone.backward("mb", grad_out)  # one micro-batch is one inner step
+        ref_after = _masters(alone)
+    finally:
+        alone.close()
+    async with cell_of_two(manifest, 1) as (leader, helper, _, _):
+        before = _masters(leader.worker)
+        c_out = await leader.forward("mb", c_in, tokens)
+        torch.testing.assert_close(c_out, c_out_ref, rtol=1e-4, atol=1e-5)
+        grad_in = await leader.backward("mb", grad_out)
+        torch.testing.assert_close(grad_in, grad_in_ref, rtol=1e-4, atol=1e-5)
+        after = _masters(leader.worker)
+        assert leader.worker.stats.steps == 1 and leader.completed == 1
+        for b, a, r in zip(before, after, ref_after, strict=True):
+            assert not torch.equal(a, b)  # the step moved the weights...
+            torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)  # ...as one replica's did
+        # the helper mirrors the weights it computed with, and K/V crossed the network
+        assert helper.chunks == 2
+        assert leader.link.bytes_sent > 0 and helper.link.bytes_sent > 0
+        # the next micro-batch runs on the new version: its weights travel, and the helper's
+        # replica mirrors them (its outer rounds carry the cell's weights)
+        tokens2, c_in2 = _batch(manifest, 1, seed=1)
+        await leader.forward("mb2", c_in2, tokens2)
+        for h, a in zip(_masters(helper.worker), after, strict=True):
+            assert torch.equal(h, a)
+        await leader.backward("mb2", torch.randn_like(c_out))
+        assert leader.worker.stats.steps == 2
+
+
+@pytest.mark.integration
+async def test_the_last_stage_as_a_cell_gives_the_loss_and_gradient_of_one_replica():
+    manifest = cell_manifest(stages=2)
+    tokens, c_in = _batch(manifest, 1)
+    alone = StageWorker(manifest, 1)
+    try:
+        loss_ref, grad_ref = alone.forward_backward_last(c_in, tokens, 0.5)
+        ref_after = _masters(alone)
+    finally:
+        alone.close()
+    async with cell_of_two(manifest, 1) as (leader, _, _, _):
+        loss, grad = await leader.last(c_in, tokens, 0.5)
+        assert loss == pytest.approx(loss_ref, rel=1e-5)
+        torch.testing.assert_close(grad, grad_ref, rtol=1e-4, atol=1e-6)
+        for a, r in zip(_masters(leader.worker), ref_after, strict=True):
+            torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.integration
+async def test_a_dead_helper_fails_the_micro_batch_at_once_and_the_leader_redoes_it_whole():
+    manifest = cell_manifest()
+    tokens, c_in = _batch(manifest, 1)
+    async with cell_of_two(manifest, 1, timeout_s=30.0) as (leader, _, helper_p2p, stranger):
+        # a stranger is refused before its request is read
+        with pytest.raises(streams.RefusedError):
+            await streams.request(
+                stranger, helper_p2p.peer_id.to_base58(), cell_work_protocol(RUN), b"\0" * 64,
+                timeout=10,
+            )  # fmt: skip
+        c_out = await leader.forward("mb", c_in, tokens)
+        await stop_p2p(helper_p2p)  # the helper dies between forward and backward
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(CellFailed):
+            await leader.backward("mb", torch.ones_like(c_out))
+        assert asyncio.get_running_loop().time() - started < 15  # not the 30 s deadline
+        assert not leader.ready and leader.failed == 1
+        # redone whole: the worker recomputes the forward on the same weights
+        leader.worker.keep_for_recompute("mb", 0, leader.worker.current_version()[1], c_in, tokens)
+        grad_in = await leader.worker.call(leader.worker.backward, "mb", torch.ones_like(c_out))
+        assert grad_in.shape == c_in.shape and bool(torch.isfinite(grad_in).all())

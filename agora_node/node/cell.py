@@ -54,7 +54,7 @@ from agora_node.comms import streams
 from agora_node.comms.cell_link import CellLink, CellTimeout
 from agora_node.comms.guard import Guard, Limits
 from agora_node.node.worker import StageWorker
-from agora_node.protocol.names import cell_work_protocol
+from agora_node.protocol.names import cell_protocol, cell_work_protocol
 from agora_node.stages.context_parallel import CellContext, ChunkLayout
 from agora_node.stages.kv_frames import FramedExchange, KVFrameError
 from agora_node.stages.model import AttentionContext, lm_loss
@@ -260,6 +260,8 @@ class CellHelper:
         self.leader: str | None = None
         self.refused: Counter = Counter()
         self.chunks = 0
+        self.tokens = 0
+        """Tokens of the micro-batches this node computed a chunk of (forwards)."""
         self._versions: OrderedDict[int, dict[str, Tensor]] = OrderedDict()
         self._held: dict[bytes, _Chunk] = {}
         self._numel = sum(p.numel() for p in worker.current_version()[1].values())
@@ -353,6 +355,7 @@ class CellHelper:
             return _answer(grad_in, grads)
         params = self._versions[req.version]  # KeyError: the leader must send the weights
         c_in, ids, targets = req.tensors
+        self.tokens += req.batch * self.seq_len
         exchange = FramedExchange(self.link.exchange(req.xid))
         started = time.perf_counter()
         x, out = _forward_chunk(
@@ -403,11 +406,14 @@ class CellLeader:
         self.members = list(link.members)
         self.failed = 0
         self.completed = 0
+        self.tokens = 0
+        """Tokens of the micro-batches this cell computed (K/V bytes per token divide by it)."""
         self._lock = asyncio.Lock()
         self._shipped: dict[str, int] = {}
         """The weight version each helper holds."""
         self._held: dict[str, _Chunk] = {}
         self._broken: set[str] = set()
+        self.broken_at = 0.0
 
     @property
     def ready(self) -> bool:
@@ -427,11 +433,12 @@ class CellLeader:
                 self._own_forward, mb_id, xid, version, params, layout, c_in, tokens
             )
             parts = await self._together(xid, own, requests, self._parse_out(layout, tokens))
+            self.tokens += tokens[:, :-1].numel()
             return layout.assemble(parts)
 
     async def backward(self, mb_id: str, grad_out: Tensor) -> Tensor | None:
         async with self._lock:
-            chunk = self._held[mb_id]
+            chunk = self._held.pop(mb_id)
             xid = exchange_id(mb_id)
             layout = ChunkLayout(self.seq_len, len(self.members))
             requests = [
@@ -444,8 +451,9 @@ class CellLeader:
                 results = await self._together(
                     xid, own, requests, self._parse_grads(layout, len(grad_out))
                 )
-            finally:
-                self._held.pop(mb_id, None)
+            except CellFailed:
+                self._held[mb_id] = chunk  # the pipeline hands it back to the worker
+                raise
             return await self._commit(chunk, layout, results)
 
     async def last(
@@ -467,6 +475,7 @@ class CellLeader:
             )
             chunk = results[0][2]
             loss = sum(r[3] for r in results)
+            self.tokens += tokens[:, :-1].numel()
             return loss, await self._commit(chunk, layout, results)
 
     def discard(self, mb_id: str) -> None:
@@ -529,6 +538,7 @@ class CellLeader:
             for peer, _ in requests:
                 self._shipped.pop(peer, None)
                 self._broken.add(peer)
+            self.broken_at = time.monotonic()
             self.failed += 1
             raise CellFailed(f"cell of {len(self.members)} failed: {exc}") from exc
         finally:
@@ -637,3 +647,104 @@ class CellLeader:
 
     def kv_bytes(self) -> int:
         return self.link.bytes_sent
+
+
+# ---- a stage service's part in cells -------------------------------------------------------
+
+REFORM_AFTER_S = (5.0, 60.0)
+"""A cell whose helper failed trains whole sequences; it is formed again after the first
+of these (a helper that was only slow, or a frame lost), doubling with each failure in a
+row up to the second, if the directory still puts the same peers in it."""
+
+
+class Cells:
+    """This node's cell for its stage: the K/V link, the helper side, and the leader side
+    when it leads. `regroup` follows the directory; the pipeline asks `leader`."""
+
+    def __init__(self, worker: StageWorker, p2p, me: str, run_id: str, timeout_s: float):  # noqa: ANN001
+        m = worker.manifest
+        self.size, self.seq_len = m.model.cp_degree, m.model.seq_len
+        self.worker, self.p2p, self.me, self.run_id = worker, p2p, me, run_id
+        self.link = CellLink(p2p, run_id, members=[me], me=me, timeout_s=timeout_s)
+        self.helper = CellHelper(worker, self.link, m.model.seq_len, m.inner.micro_batch)
+        self.leader: CellLeader | None = None
+        self.members = [me]
+        self._failures_in_row = 0
+        self.failed = 0
+        self.completed = 0
+        self.tokens = 0
+
+    @staticmethod
+    def wanted(worker: StageWorker) -> bool:
+        """Cells serve stages past the head of a manifest with cp_degree > 1."""
+        return worker.manifest.model.cp_degree > 1 and not worker.stage.is_first
+
+    async def start(self) -> None:
+        await self.link.start()
+        await self.helper.start(self.p2p, self.run_id)
+
+    async def close(self) -> None:
+        """Stop serving the cell protocols (another stage's service may serve them next)."""
+        for name in (cell_protocol(self.run_id), cell_work_protocol(self.run_id)):
+            with contextlib.suppress(Exception):
+                await self.p2p.remove_binary_stream_handler(name)
+
+    def regroup(self, peers: list[str]) -> None:
+        """Take this node's place among the stage's live replicas `peers`."""
+        members = cell_of(self.me, peers, self.size)
+        leader = self.leader
+        if members == self.members and (leader is None or leader.ready):
+            if leader is not None and leader.completed:
+                self._failures_in_row = 0
+            return
+        if members == self.members:  # the same cell, broken: again after a backoff
+            first, most = REFORM_AFTER_S
+            wait = min(most, first * 2**self._failures_in_row)
+            if time.monotonic() - leader.broken_at < wait:
+                return
+            self._failures_in_row += 1
+        else:
+            self._failures_in_row = 0
+        if leader is not None:
+            self.failed += leader.failed
+            self.completed += leader.completed
+            self.tokens += leader.tokens
+        self.members = members
+        self.link.set_members(members)
+        leads = members[0] == self.me and len(members) > 1
+        self.leader = (
+            CellLeader(self.worker, self.link, self.p2p, self.run_id, self.seq_len)
+            if leads
+            else None
+        )
+        self.helper.leader = members[0] if len(members) > 1 and not leads else None
+        if len(members) == 1:
+            log.info("cell: this node trains whole sequences (no cell of %d to join)", self.size)
+        else:
+            log.info(
+                "cell: %s of %s", "leader" if leads else "helper",
+                ", ".join(p[-8:] for p in members),
+            )  # fmt: skip
+
+    @property
+    def role(self) -> str:
+        if len(self.members) == 1:
+            return "alone"
+        return "leader" if self.members[0] == self.me else "helper"
+
+    def status(self) -> dict:
+        leader = self.leader
+        tokens = self.tokens + (leader.tokens if leader else 0) + self.helper.tokens
+        return {
+            "size": self.size,
+            "role": self.role,
+            "members": list(self.members),
+            "ready": bool(leader and leader.ready) if self.role == "leader" else None,
+            "microbatches": self.completed + (leader.completed if leader else 0),
+            "failed": self.failed + (leader.failed if leader else 0),
+            "helped": self.helper.chunks,
+            "kv_bytes_sent": self.link.bytes_sent,
+            "kv_bytes_per_token": round(self.link.bytes_sent / tokens, 2) if tokens else None,
+            "exchange_wait_s": round(self.link.wait_s, 3),
+            "refused": dict(self.link.refused + self.helper.refused),
+        }

@@ -263,6 +263,7 @@ class Node:
             self.view = await self.directory.fetch()
             if self.service is not None:
                 self.service.pipeline.update_view([r for rs in self.view.values() for r in rs])
+                self.service.regroup()
             self.liveness.introduce(self._others())
             self.peerbook.update((r for rs in self.view.values() for r in rs), self.peer_id)
             self._sync_rejections()

@@ -51,13 +51,6 @@ async def discover_manifest(
     while True:
         try:
             manifest = await fetch_manifest(host, wanted, run_id or None)
-            if manifest.model.cp_degree > 1:
-                log.warning(
-                    "the manifest asks for context parallelism (cp_degree %d); daemons do not "
-                    "form cells yet, so this node trains each sequence whole "
-                    "(docs/architecture.md, 'Context parallelism')",
-                    manifest.model.cp_degree,
-                )
             return manifest
         except RunChoiceError as exc:
             raise JoinError(str(exc)) from None  # several runs: waiting will not choose one

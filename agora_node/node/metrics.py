@@ -175,6 +175,21 @@ class Metrics:
             "relayed_addrs",
             "Relayed addresses this node announces (0: dialed directly or not at all).",
         )
+        self.cell_members = gauge(
+            "cell_members", "Members of this node's context-parallel cell (1: none, alone)."
+        )
+        self.cell_kv_bytes = gauge(
+            "cell_kv_bytes_sent",
+            "K/V frame bytes this node sent to its cell's other members (total).",
+        )
+        self.cell_wait = gauge(
+            "cell_exchange_wait_seconds",
+            "Seconds this node's compute waited on its cell's K/V frames (total).",
+        )
+        self.cell_failed = gauge(
+            "cell_failed_microbatches",
+            "Micro-batches this node's cell could not finish (then trained whole; total).",
+        )
         self.peers_alive = gauge("peers_alive", "Non-leaving peers seen per stage.", ("stage",))
         self.loss = gauge("loss", "Last training loss reported to this node.")
         self.val_loss = gauge("val_loss", "Last validation loss.")
@@ -282,6 +297,11 @@ class Metrics:
         relay = node.get("relay") or {}
         self.relayed_peers.set(len(relay.get("relayed_peers") or ()))
         self.relayed_addrs.set(len(relay.get("addrs") or ()))
+        cell = node.get("cell") or {}
+        self.cell_members.set(len(cell.get("members") or ()) or 1)
+        self.cell_kv_bytes.set(cell.get("kv_bytes_sent", 0))
+        self.cell_wait.set(cell.get("exchange_wait_s", 0.0))
+        self.cell_failed.set(cell.get("failed", 0))
         losses = node.get("last_losses") or []
         self.loss.set(losses[-1] if losses else float("nan"))
         val = node.get("val_loss")

@@ -43,6 +43,7 @@ from agora_node.comms.pipeline_wire import (
 from agora_node.comms.routing import FailureKind, Router, RouterConfig
 from agora_node.compression import ActivationCodec, CodecError, NonFiniteError
 from agora_node.node.canary import departing
+from agora_node.node.cell import CellFailed, Cells, routable
 from agora_node.node.config import PipelineConfig
 from agora_node.node.metrics import Metrics
 from agora_node.node.suspects import NormWatch, Reason, Suspects
@@ -142,6 +143,8 @@ class Pipeline:
         self._sent_for_training = 0
         self._canaries: set[asyncio.Task] = set()
         self.canary_counts = {"sent": 0, "compared": 0, "flagged": 0}
+        self.cells: Cells | None = None
+        """This stage's context-parallel cell (node/cell.py), when the manifest has them."""
 
     @property
     def stage(self) -> int:
@@ -201,31 +204,65 @@ class Pipeline:
         started: float,
     ) -> bytes:
         if self.worker.stage.is_last:
-            loss, grad = await self.worker.call(
-                self.worker.forward_backward_last, c_in, tokens, header.loss_scale
-            )
+            loss, grad = await self._train_last(c_in, tokens, header.loss_scale)
             answer = await self._ok(loss, grad)  # raises NonFiniteError before counting "ok"
             self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
             return answer
         mb_id = f"{remote}/{header.mb_id}"
-        c_out = await self.worker.call(self.worker.forward, mb_id, c_in, tokens)
+        leader = self.cells.leader if self.cells is not None else None
+        c_out = await self._forward(leader, mb_id, c_in, tokens)
         downstream = ForwardHeader(**{**header.__dict__, "stage": self.stage + 1})
         try:
             reply = await self.send(downstream, tokens, c_out)
         except NonFiniteError:
-            await self.worker.call(self.worker.discard, mb_id)
+            await self._discard(leader, mb_id)
             raise
         if reply is None:
-            await self.worker.call(self.worker.discard, mb_id)
+            await self._discard(leader, mb_id)
             self.events.count_microbatch("dropped")
             return error_response(
                 Status.FAILED, Code.DOWNSTREAM, f"no stage {self.stage + 1} replica answered"
             )
         loss, grad_out = reply
-        grad_in = await self.worker.call(self.worker.backward, mb_id, grad_out)
+        grad_in = await self._backward(leader, mb_id, grad_out)
         answer = await self._ok(loss, grad_in)  # raises NonFiniteError before counting "ok"
         self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
         return answer
+
+    # ---- compute: this worker alone, or the cell it leads (node/cell.py) -----------------
+    async def _train_last(
+        self, c_in: torch.Tensor, tokens: torch.Tensor, loss_scale: float
+    ) -> tuple[float, torch.Tensor | None]:
+        leader = self.cells.leader if self.cells is not None else None
+        if leader is not None and leader.ready:
+            try:
+                return await leader.last(c_in, tokens, loss_scale)
+            except CellFailed as exc:
+                log.info("%s; this micro-batch is trained whole", exc)
+        return await self.worker.call(self.worker.forward_backward_last, c_in, tokens, loss_scale)
+
+    async def _forward(self, leader, mb_id: str, c_in, tokens) -> torch.Tensor:  # noqa: ANN001
+        if leader is not None and leader.ready:
+            try:
+                return await leader.forward(mb_id, c_in, tokens)
+            except CellFailed as exc:
+                log.info("%s; this micro-batch is trained whole", exc)
+                leader.discard(mb_id)
+        return await self.worker.call(self.worker.forward, mb_id, c_in, tokens)
+
+    async def _backward(self, leader, mb_id: str, grad_out) -> torch.Tensor | None:  # noqa: ANN001
+        if leader is not None and leader.holds(mb_id):
+            try:
+                return await leader.backward(mb_id, grad_out)
+            except CellFailed as exc:
+                log.info("%s; this micro-batch is recomputed whole", exc)
+                await self.worker.call(leader.take_back, mb_id)
+        return await self.worker.call(self.worker.backward, mb_id, grad_out)
+
+    async def _discard(self, leader, mb_id: str) -> None:  # noqa: ANN001
+        if leader is not None:
+            leader.discard(mb_id)
+        await self.worker.call(self.worker.discard, mb_id)
 
     async def _admit(self, data: bytes) -> tuple[ForwardHeader, torch.Tensor, torch.Tensor]:
         header, raw_tokens, payload = decode_forward(data)
@@ -322,7 +359,7 @@ class Pipeline:
         deadline = time.monotonic() + self.config.deadline_s
         tried: set[str] = set()
         while time.monotonic() < deadline:
-            candidates = [p for p in self.peers_of(header.stage) if p != self.peer_id]
+            candidates = [p for p in self._replicas(header.stage) if p != self.peer_id]
             trusted = [p for p in candidates if not self.suspects.is_banned(p)]
             # banned replicas only when the stage has nobody else (their replies are checked)
             peer = self._router.choose(trusted or candidates, time.monotonic(), exclude=tried)
@@ -339,6 +376,12 @@ class Pipeline:
                 return result
             tried.add(peer)
         return None
+
+    def _replicas(self, stage: int) -> list[str]:
+        """Who takes micro-batches for `stage`: its live replicas, each cell's leader only."""
+        size = self.manifest.model.cp_degree
+        peers = self.peers_of(stage)
+        return routable(peers, size) if size > 1 and stage > 0 else peers
 
     async def _request(self, peer: str, payload: bytes) -> bytes:
         """One forward request to `peer`, its answer within a hop's timeout."""
@@ -421,7 +464,7 @@ class Pipeline:
 
     async def _canary(self, header: ForwardHeader, tokens: torch.Tensor, encoded: bytes) -> None:
         """Probe several replicas of `header.stage` with one input; flag who departs."""
-        replicas = [p for p in self.peers_of(header.stage) if p != self.peer_id]
+        replicas = [p for p in self._replicas(header.stage) if p != self.peer_id]
         trusted = [p for p in replicas if not self.suspects.is_banned(p)]
         chosen = random.sample(trusted, min(len(trusted), self.config.canary_replicas))
         if len(chosen) < 3:

@@ -27,6 +27,7 @@ from agora_node.comms.guard import Guard
 from agora_node.comms.host import Host
 from agora_node.comms.pipeline_wire import Code, Status, error_response
 from agora_node.node import joining
+from agora_node.node.cell import Cells
 from agora_node.node.checkpoint import save_checkpoint
 from agora_node.node.config import NodeConfig, PipelineConfig
 from agora_node.node.head import Head, Sampler
@@ -177,10 +178,24 @@ class StageService:
             overlap=ctx.manifest.outer.overlap,
         )
         service = cls(ctx, worker, rounds, loaded.origin, on_failure)
+        if Cells.wanted(worker):
+            cells = Cells(
+                worker, ctx.host.p2p, ctx.peer_id, ctx.manifest.run_id,
+                timeout_s=ctx.config.pipeline.hop_timeout_s / 2,
+            )  # fmt: skip
+            await cells.start()
+            service.pipeline.cells = cells
+            service.regroup()
         service._rounds = service._loops.spawn(rounds.run(service._stop))
         if worker.stage.is_first:
             service._head = service._loops.spawn(service._head_loop())
         return service
+
+    def regroup(self) -> None:
+        """Take this node's place in its stage's cells (node/cell.py), after the directory
+        or the membership changed."""
+        if self.pipeline.cells is not None:
+            self.pipeline.cells.regroup(self.ctx.peers_of(self.index))
 
     async def drain(self, timeout: float) -> None:
         """Stop taking micro-batches, let the head and the ones in flight finish.
@@ -203,6 +218,8 @@ class StageService:
         self._stop.set()
         await self._loops.cancel_and_wait()
         await self.rounds.close()
+        if self.pipeline.cells is not None:
+            await self.pipeline.cells.close()
         self.worker.close()
 
     # ---- state ------------------------------------------------------------------------

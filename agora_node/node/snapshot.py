@@ -222,6 +222,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "addrs": node.addrs,
             "reachability": node.dialback.reach.status(),
             "relay": node.dialback.relayed.status(sent, received),
+            "cell": p.cells.status() if p is not None and p.cells is not None else None,
             "state_origin": service.origin if service else {},
             "states_served": node.states_served,
             "records_rejected": node.records_rejected,

@@ -92,6 +92,10 @@ def format_node(s: dict[str, Any]) -> str:
     relays = (s.get("relay") or {}).get("relays") or []
     if relays:
         first += f"  RELAYED via {', '.join(relays)}"
+    cell = s.get("cell") or {}
+    if cell.get("role") in ("leader", "helper"):
+        others = [_short(m) for m in cell.get("members", []) if m != s.get("peer_id")]
+        first += f"  CELL {cell['role']} with {', '.join(others)}"
     second = (
         f"           inner {s.get('inner_step', 0)}  outer {s.get('outer_step', 0)}  "
         f"compute {_num(s.get('compute_rate', s.get('throughput')))} tok/compute-s  "

@@ -116,6 +116,9 @@ class NodeStatus(TypedDict):
     # and requests_refused ({protocol: {reason: count}}: what handlers' guards refused or cut).
     # suspects: {"ban_s", "banned": [{"peer", "reason", "evidence", "flags", "flagged_s_ago",
     # "ban_left_s"}], "flagged_total": {reason: count}} (node/suspects.py).
+    # cell: this stage's context-parallel cell (node/cell.py), None without one: {"size",
+    # "role": alone | leader | helper, "members", "ready", "microbatches", "failed",
+    # "helped", "kv_bytes_sent", "kv_bytes_per_token", "exchange_wait_s", "refused"}.
 
 
 class Snapshot(TypedDict):

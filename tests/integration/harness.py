@@ -123,9 +123,11 @@ def small_manifest(
     inner_steps: int = 50,
     group_size: int = 4,
     overlap: bool = False,
+    cp_degree: int = 1,
+    kv_rank: int = 0,
 ) -> str:
-    """tiny with another stage cut, outer cadence H, gossip group size and overlapped outer
-    rounds or not (written to `path`)."""
+    """tiny with another stage cut, outer cadence H, gossip group size, overlapped outer
+    rounds or not, and context-parallel cells of `cp_degree` (written to `path`)."""
     from agora_node.protocol.manifest import parse_manifest
     from agora_node.stages.manifest_files import load_manifest
 
@@ -135,6 +137,8 @@ def small_manifest(
     text = text.replace("inner_steps = 50", f"inner_steps = {inner_steps}")
     text = text.replace("group_size = 4", f"group_size = {group_size}")
     text = text.replace("overlap = false", f"overlap = {str(overlap).lower()}")
+    text = text.replace("cp_degree = 1", f"cp_degree = {cp_degree}")
+    text = text.replace("kv_rank = 0", f"kv_rank = {kv_rank}")
     parse_manifest(text)  # validate before a daemon sees it
     path.write_text(text)
     return str(path)

@@ -165,6 +165,54 @@ async def test_a_dead_helper_fails_the_micro_batch_at_once_and_the_leader_redoes
         assert asyncio.get_running_loop().time() - started < 15  # not the 30 s deadline
         assert not leader.ready and leader.failed == 1
         # redone whole: the worker recomputes the forward on the same weights
-        leader.worker.keep_for_recompute("mb", 0, leader.worker.current_version()[1], c_in, tokens)
+        await leader.worker.call(leader.take_back, "mb")
         grad_in = await leader.worker.call(leader.worker.backward, "mb", torch.ones_like(c_out))
         assert grad_in.shape == c_in.shape and bool(torch.isfinite(grad_in).all())
+
+
+@pytest.mark.integration
+async def test_a_helper_refuses_malformed_work_from_its_leader_and_counts_it():
+    from agora_node.node.cell import OP_FORWARD, WorkRequest, encode_request
+
+    manifest = cell_manifest()
+    tokens, c_in = _batch(manifest, 1)
+    async with cell_of_two(manifest, 1) as (leader, helper, helper_p2p, _):
+        m, n = manifest.model, 15  # member 1's chunk of 30 positions
+        good = WorkRequest(
+            OP_FORWARD, b"x" * 16, 0, 1, 2, 2, 1.0, None,
+            (torch.zeros(2, n, m.subspace_rank), torch.zeros(2, n, dtype=torch.long),
+             torch.empty(0, dtype=torch.long)),
+        )  # fmt: skip
+        nan_input = dataclasses.replace(
+            good, tensors=(torch.full((2, n, m.subspace_rank), float("nan")), *good.tensors[1:])
+        )
+        bad = {
+            "no header": b"\0" * 8,
+            "wrong member": encode_request(dataclasses.replace(good, rank=0)),
+            "too short": encode_request(good)[:-4],
+            "too long": encode_request(good) + b"\0\0\0\0",
+            "non-finite input": encode_request(nan_input),
+            "token outside the vocabulary": encode_request(
+                dataclasses.replace(
+                    good, tensors=(good.tensors[0], torch.full((2, n), 999), good.tensors[2])
+                )
+            ),
+        }
+        for what, payload in bad.items():
+            with pytest.raises(streams.StreamError):
+                await streams.request(
+                    leader.p2p, helper_p2p.peer_id.to_base58(), cell_work_protocol(RUN),
+                    payload, timeout=10,
+                )  # fmt: skip
+            assert helper.refused["bad_request"] >= 1, what
+        assert helper.refused["bad_request"] == len(bad)
+        # weights it was never sent: refused, and the leader's next try ships them
+        with pytest.raises(streams.StreamError):
+            await streams.request(
+                leader.p2p, helper_p2p.peer_id.to_base58(), cell_work_protocol(RUN),
+                encode_request(dataclasses.replace(good, version=7)), timeout=10,
+            )  # fmt: skip
+        assert helper.refused["failed"] == 1
+        assert helper.chunks == 0
+        await leader.forward("mb", c_in, tokens)  # the cell still works
+        assert helper.chunks == 1

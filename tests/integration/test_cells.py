@@ -1,0 +1,58 @@
+"""Context-parallel cells with real daemons on 127.0.0.1: two replicas of the last stage
+form a cell by themselves, train the swarm's sequences split between them (loss falls),
+and when the helper is SIGKILLed the leader goes on alone without a stuck micro-batch."""
+
+import pytest
+
+from tests.integration.harness import TestSwarm, poll, small_manifest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+
+def _cell(swarm: TestSwarm, node) -> dict:  # noqa: ANN001
+    return (swarm.status(node) or {}).get("cell") or {}
+
+
+def test_two_replicas_form_a_cell_train_and_survive_the_helper_being_killed(swarm, tmp_path):
+    path = small_manifest(tmp_path / "cells.toml", stages=2, layers=2, cp_degree=2, kv_rank=8)
+    swarm.bootstrap(path)
+    head = swarm.join("head", "--stage", "0")
+    last = [swarm.join(f"last-{i}", "--stage", "1") for i in range(2)]
+    for node in (head, *last):
+        swarm.serving(node)
+    poll(
+        lambda: sorted(_cell(swarm, n).get("role", "") for n in last) == ["helper", "leader"],
+        120,
+        "a leader and a helper",
+    )
+    leader, helper = sorted(last, key=lambda n: _cell(swarm, n).get("role") != "leader")
+    # the cell computes micro-batches: the helper its chunk of each, K/V both ways
+    poll(lambda: _cell(swarm, leader).get("microbatches", 0) >= 20, 240, "20 cell micro-batches")
+    cell = _cell(swarm, leader)
+    # a micro-batch may fail while the two are forming (one already leads, the other does
+    # not yet help): it is trained whole, and the cell forms again seconds later
+    assert cell["failed"] <= 3, cell
+    helped = _cell(swarm, helper)
+    assert helped["helped"] >= 20 and helped["kv_bytes_sent"] > 0, helped
+    assert cell["refused"] == {} and helped["refused"] == {}
+    # compressed K/V (rank 8 + a choice byte, bf16) per token and layer, each way, plus headers
+    assert 0 < cell["kv_bytes_per_token"] < 64, cell
+    losses = poll(lambda: (swarm.status(head) or {}).get("last_losses"), 30, "losses")
+    first = losses[0]
+    poll(
+        lambda: (
+            (ls := (swarm.status(head) or {}).get("last_losses")) and sum(ls[-5:]) / 5 < first - 0.5
+        ),
+        240,
+        "the loss falling by 0.5",
+    )
+    # the helper dies: the leader's cell fails at once, it trains whole and goes on alone
+    ok_before = (swarm.status(head) or {})["microbatches"].get("ok", 0)
+    swarm.kill(helper)
+    poll(lambda: _cell(swarm, leader).get("role") == "alone", 120, "the leader alone")
+    poll(
+        lambda: (swarm.status(head) or {})["microbatches"].get("ok", 0) >= ok_before + 20,
+        180,
+        "20 more micro-batches after the kill",
+    )
+    assert "Traceback" not in swarm.log(leader)

@@ -34,6 +34,9 @@ from agora_node.comms.guard import Guard, Limits
 from agora_node.protocol.names import cell_protocol
 
 _HEADER = struct.Struct("<16sI")  # micro-batch id, exchange sequence number
+ABORT = 0xFFFFFFFF
+"""The sequence number of a push that carries no frame: "this micro-batch failed, stop
+waiting for it" (a member's compute thread is freed at once, not at the deadline)."""
 MAX_FRAME = 64 << 20
 
 
@@ -54,6 +57,8 @@ class CellLink:
     max_inbox: int = 256
     refused: Counter = field(default_factory=Counter)
     bytes_sent: int = 0
+    retried: int = 0
+    """Pushes sent again after their stream broke."""
     wait_s: float = 0.0
     """Seconds the compute thread waited for other members' frames."""
 
@@ -82,6 +87,16 @@ class CellLink:
                 del self._aborted[key]
             self._aborted[mb_id] = now
             self._arrived.notify_all()
+
+    async def tell_abort(self, peers: Sequence[str], mb_id: bytes) -> None:
+        """Abort this micro-batch here and at `peers` (best effort, a few seconds at most)."""
+        self.abort(mb_id)
+        payload = _HEADER.pack(mb_id, ABORT)
+        name = cell_protocol(self.run_id)
+        await asyncio.gather(
+            *(streams.request(self.p2p, p, name, payload, timeout=3.0) for p in peers),
+            return_exceptions=True,
+        )
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -114,6 +129,10 @@ class CellLink:
             self.refused["malformed"] += 1
             raise streams.StreamError("cell frame without its header")
         mb_id, seq = _HEADER.unpack_from(request)
+        if seq == ABORT:
+            self.abort(mb_id)
+            yield b"ok"
+            return
         now = time.monotonic()
         with self._arrived:
             self._expire(now)
@@ -130,10 +149,21 @@ class CellLink:
             self.refused["expired"] += 1
 
     async def _push(self, peer: str, mb_id: bytes, seq: int, frame: bytes) -> None:
+        """Deliver one frame; once more if the stream broke (a frame that did arrive the
+        first time is only stored again under the same key)."""
         payload = _HEADER.pack(mb_id, seq) + frame
-        await streams.request(
-            self.p2p, peer, cell_protocol(self.run_id), payload, timeout=self.timeout_s
-        )
+        for attempt in range(2):
+            try:
+                await streams.request(
+                    self.p2p, peer, cell_protocol(self.run_id), payload, timeout=self.timeout_s
+                )
+                break
+            except streams.RefusedError:
+                raise
+            except streams.StreamError:
+                if attempt:
+                    raise
+                self.retried += 1
         self.bytes_sent += len(payload)
 
     def _take(self, peer: str, mb_id: bytes, seq: int, deadline: float) -> bytes:

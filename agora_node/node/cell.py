@@ -400,7 +400,15 @@ def _answer(grad_in: Tensor | None, grads: dict[str, Tensor]) -> bytes:
 class CellLeader:
     """Drives a cell's micro-batches from its leader; see the module docstring."""
 
-    def __init__(self, worker: StageWorker, link: CellLink, p2p, run_id: str, seq_len: int):  # noqa: ANN001
+    def __init__(
+        self,
+        worker: StageWorker,
+        link: CellLink,
+        p2p,  # noqa: ANN001 - hivemind P2P
+        run_id: str,
+        seq_len: int,
+        turn: asyncio.Lock | None = None,
+    ) -> None:
         self.worker, self.link, self.p2p, self.run_id = worker, link, p2p, run_id
         self.seq_len = seq_len
         self.members = list(link.members)
@@ -408,7 +416,9 @@ class CellLeader:
         self.completed = 0
         self.tokens = 0
         """Tokens of the micro-batches this cell computed (K/V bytes per token divide by it)."""
-        self._lock = asyncio.Lock()
+        self._lock = turn or asyncio.Lock()
+        """One cell micro-batch at a time from this node: shared by the leaders it forms one
+        after another, whose micro-batches may still be finishing."""
         self._shipped: dict[str, int] = {}
         """The weight version each helper holds."""
         self._held: dict[str, _Chunk] = {}
@@ -530,9 +540,9 @@ class CellLeader:
                     self._shipped[peer] = req.version
             return [own_task.result(), *(a.result() for a in asks)]
         except (TimeoutError, CellTimeout, streams.StreamError, KVFrameError, ValueError) as exc:
-            self.link.abort(xid)
             for task in asks:
                 task.cancel()
+            await self.link.tell_abort([peer for peer, _ in requests], xid)
             with contextlib.suppress(BaseException):
                 await own_task  # its exchange was aborted: it ends now
             for peer, _ in requests:
@@ -670,6 +680,7 @@ class Cells:
         self.leader: CellLeader | None = None
         self.members = [me]
         self._failures_in_row = 0
+        self._turn = asyncio.Lock()
         self.failed = 0
         self.completed = 0
         self.tokens = 0
@@ -713,7 +724,7 @@ class Cells:
         self.link.set_members(members)
         leads = members[0] == self.me and len(members) > 1
         self.leader = (
-            CellLeader(self.worker, self.link, self.p2p, self.run_id, self.seq_len)
+            CellLeader(self.worker, self.link, self.p2p, self.run_id, self.seq_len, self._turn)
             if leads
             else None
         )
@@ -747,4 +758,5 @@ class Cells:
             "kv_bytes_per_token": round(self.link.bytes_sent / tokens, 2) if tokens else None,
             "exchange_wait_s": round(self.link.wait_s, 3),
             "refused": dict(self.link.refused + self.helper.refused),
+            "frames_resent": self.link.retried,
         }

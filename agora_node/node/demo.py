@@ -358,8 +358,20 @@ class Summary:
             f"demo: summary: {rounds} outer rounds ({grouped} of {len(nodes)} nodes mixed in a "
             f"group of 2+ last round, {outer_mb:.1f} MB sent); micro-batch hops ok "
             f"{mbs['ok']}, dropped {mbs['dropped']}, rejected {mbs['rejected']}; "
-            f"{served} state copies served; val_loss {val}"
+            f"{served} state copies served; val_loss {val}" + cells_text(nodes)
         )
+
+
+def cells_text(nodes: list[dict]) -> str:
+    """The context-parallel cells the nodes last reported, for the summary ("" if none)."""
+    leaders = [c for n in nodes if (c := n.get("cell") or {}).get("role") == "leader"]
+    if not leaders:
+        return ""
+    mbs = sum(c.get("microbatches", 0) for c in leaders)
+    failed = sum(c.get("failed", 0) for c in leaders)
+    per_token = [c["kv_bytes_per_token"] for c in leaders if c.get("kv_bytes_per_token")]
+    kv = f", K/V {max(per_token):.1f} B/token sent by a leader" if per_token else ""
+    return f"; {len(leaders)} cell(s): {mbs} micro-batches split, {failed} trained whole{kv}"
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -253,6 +253,8 @@ class Pipeline:
     async def _backward(self, leader, mb_id: str, grad_out) -> torch.Tensor | None:  # noqa: ANN001
         if leader is not None and leader.holds(mb_id):
             try:
+                if not leader.ready:  # a helper failed since this forward
+                    raise CellFailed("the cell broke after this micro-batch's forward")
                 return await leader.backward(mb_id, grad_out)
             except CellFailed as exc:
                 log.info("%s; this micro-batch is recomputed whole", exc)

@@ -19,7 +19,7 @@ from typing import Any
 from agora_node.protocol.codecs import CODEC_NAMES
 
 MANIFEST_VERSION = 1
-BUILTIN_MANIFESTS = ("tiny", "demo", "bench", "gpu-1b", "long")
+BUILTIN_MANIFESTS = ("tiny", "demo", "bench", "gpu-1b", "long", "cells")
 BUILTIN_DATA_PREFIX = "builtin:"
 BUILTIN_CORPORA = ("tinyshakespeare",)
 OPTIMIZERS = ("adamw", "muon")

@@ -13,6 +13,10 @@ def _cell(swarm: TestSwarm, node) -> dict:  # noqa: ANN001
     return (swarm.status(node) or {}).get("cell") or {}
 
 
+def _ok(swarm: TestSwarm, node) -> int:  # noqa: ANN001
+    return ((swarm.status(node) or {}).get("microbatches") or {}).get("ok", 0)
+
+
 def test_two_replicas_form_a_cell_train_and_survive_the_helper_being_killed(swarm, tmp_path):
     path = small_manifest(tmp_path / "cells.toml", stages=2, layers=2, cp_degree=2, kv_rank=8)
     swarm.bootstrap(path)
@@ -47,11 +51,11 @@ def test_two_replicas_form_a_cell_train_and_survive_the_helper_being_killed(swar
         "the loss falling by 0.5",
     )
     # the helper dies: the leader's cell fails at once, it trains whole and goes on alone
-    ok_before = (swarm.status(head) or {})["microbatches"].get("ok", 0)
+    ok_before = poll(lambda: _ok(swarm, head), 30, "the head's count")
     swarm.kill(helper)
     poll(lambda: _cell(swarm, leader).get("role") == "alone", 120, "the leader alone")
     poll(
-        lambda: (swarm.status(head) or {})["microbatches"].get("ok", 0) >= ok_before + 20,
+        lambda: _ok(swarm, head) >= ok_before + 20,
         180,
         "20 more micro-batches after the kill",
     )

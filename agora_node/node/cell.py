@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import struct
@@ -62,6 +63,10 @@ from agora_node.stages.model import AttentionContext, lm_loss
 log = logging.getLogger(__name__)
 
 OP_FORWARD, OP_BACKWARD, OP_LAST = 1, 2, 3
+RESEND = 0x80
+"""Set on an op: "send me again the answer to that request" (its stream broke on the way
+back; the work is not done twice). Header only."""
+KEPT_ANSWERS = 8
 _REQUEST = struct.Struct("<B16sQBBHBd")
 """op, exchange id, weight version, member rank, cell size, batch, weights attached, loss scale"""
 _LOSS = struct.Struct("<d")
@@ -264,6 +269,8 @@ class CellHelper:
         """Tokens of the micro-batches this node computed a chunk of (forwards)."""
         self._versions: OrderedDict[int, dict[str, Tensor]] = OrderedDict()
         self._held: dict[bytes, _Chunk] = {}
+        self._answers: OrderedDict[tuple[bytes, int], asyncio.Future] = OrderedDict()
+        """The last requests' answers, for a leader whose stream broke on the way back."""
         self._numel = sum(p.numel() for p in worker.current_version()[1].values())
 
     def max_request(self) -> int:
@@ -293,17 +300,32 @@ class CellHelper:
 
     async def _handle(self, remote: str, request: bytes):  # noqa: ANN202 - async generator
         try:
-            req = self._decode(request)
-        except ValueError as exc:
+            if len(request) >= 1 and request[0] & RESEND:
+                answer = self._answers[self._resend_key(request)]
+            else:
+                req = self._decode(request)
+                answer = asyncio.ensure_future(self.worker.call(self._compute, req))
+                answer.add_done_callback(_retrieved)
+                self._answers[(req.xid, req.op)] = answer
+                while len(self._answers) > KEPT_ANSWERS:
+                    self._answers.popitem(last=False)
+        except (ValueError, KeyError) as exc:
             self.refused["bad_request"] += 1
-            raise streams.StreamError(f"cell work refused: {exc}") from None
+            raise streams.StreamError(f"cell work refused: {exc!r}") from None
         try:
-            answer = await self.worker.call(self._compute, req)
+            data = await asyncio.shield(answer)
         except (CellTimeout, KVFrameError, KeyError) as exc:
             self.refused["failed"] += 1
             raise streams.StreamError(f"cell work failed: {exc!r}") from None
-        self.chunks += 1
-        yield answer
+        if not request[0] & RESEND:
+            self.chunks += 1
+        yield data
+
+    def _resend_key(self, data: bytes) -> tuple[bytes, int]:
+        if len(data) != _REQUEST.size:
+            raise ValueError("a resend is a header only")
+        op, xid, *_ = _REQUEST.unpack_from(data)
+        return xid, op & ~RESEND
 
     def _decode(self, data: bytes) -> WorkRequest:
         if len(data) < _REQUEST.size:
@@ -390,6 +412,12 @@ class CellHelper:
             del self._held[next(iter(self._held))]
 
 
+def _retrieved(future: asyncio.Future) -> None:
+    """An answer nobody waits for any more (its leader gave up): its error is not news."""
+    if not future.cancelled():
+        future.exception()
+
+
 def _answer(grad_in: Tensor | None, grads: dict[str, Tensor]) -> bytes:
     return (b"" if grad_in is None else _f32(grad_in)) + _f32(_flat(grads))
 
@@ -424,6 +452,7 @@ class CellLeader:
         self._held: dict[str, _Chunk] = {}
         self._broken: set[str] = set()
         self.broken_at = 0.0
+        self.answers_resent = 0
 
     @property
     def ready(self) -> bool:
@@ -435,6 +464,7 @@ class CellLeader:
     async def forward(self, mb_id: str, c_in: Tensor | None, tokens: Tensor) -> Tensor:
         """The whole micro-batch's boundary output, computed by the cell."""
         async with self._lock:
+            self._check_ready()
             version, params = await self.worker.call(self.worker.current_version)
             xid = exchange_id(mb_id)
             layout = ChunkLayout(self.seq_len, len(self.members))
@@ -448,6 +478,7 @@ class CellLeader:
 
     async def backward(self, mb_id: str, grad_out: Tensor) -> Tensor | None:
         async with self._lock:
+            self._check_ready()
             chunk = self._held.pop(mb_id)
             xid = exchange_id(mb_id)
             layout = ChunkLayout(self.seq_len, len(self.members))
@@ -471,6 +502,7 @@ class CellLeader:
     ) -> tuple[float, Tensor | None]:
         """The last stage's loss and input gradient, computed by the cell."""
         async with self._lock:
+            self._check_ready()
             version, params = await self.worker.call(self.worker.current_version)
             xid = exchange_id(f"last/{id(tokens)}/{time.monotonic_ns()}")
             layout = ChunkLayout(self.seq_len, len(self.members))
@@ -490,6 +522,12 @@ class CellLeader:
 
     def discard(self, mb_id: str) -> None:
         self._held.pop(mb_id, None)
+
+    def _check_ready(self) -> None:
+        """The cell broke while this micro-batch waited for its turn: it goes whole."""
+        if not self.ready:
+            self.failed += 1
+            raise CellFailed("the cell broke while this micro-batch waited for its turn")
 
     def take_back(self, mb_id: str) -> None:
         """The cell failed this micro-batch after its forward: hand it to the worker to
@@ -556,10 +594,18 @@ class CellLeader:
                 task.cancel()
 
     async def _ask(self, peer: str, req: WorkRequest, parse):  # noqa: ANN001, ANN202
-        data = await streams.request(
-            self.p2p, peer, cell_work_protocol(self.run_id), encode_request(req),
-            timeout=self.link.timeout_s,
-        )  # fmt: skip
+        name = cell_work_protocol(self.run_id)
+        timeout = self.link.timeout_s
+        try:
+            data = await streams.request(self.p2p, peer, name, encode_request(req), timeout=timeout)
+        except streams.RefusedError:
+            raise
+        except streams.StreamError:  # broken on the way: the answer may be waiting there
+            again = dataclasses.replace(req, op=req.op | RESEND, weights=None, tensors=())
+            data = await streams.request(
+                self.p2p, peer, name, encode_request(again), timeout=timeout
+            )
+            self.answers_resent += 1
         return parse(req.rank, data)
 
     def _parse_out(self, layout: ChunkLayout, tokens: Tensor):  # noqa: ANN202
@@ -681,6 +727,7 @@ class Cells:
         self.members = [me]
         self._failures_in_row = 0
         self._turn = asyncio.Lock()
+        self.answers_resent = 0
         self.failed = 0
         self.completed = 0
         self.tokens = 0
@@ -720,6 +767,7 @@ class Cells:
             self.failed += leader.failed
             self.completed += leader.completed
             self.tokens += leader.tokens
+            self.answers_resent += leader.answers_resent
         self.members = members
         self.link.set_members(members)
         leads = members[0] == self.me and len(members) > 1
@@ -759,4 +807,5 @@ class Cells:
             "exchange_wait_s": round(self.link.wait_s, 3),
             "refused": dict(self.link.refused + self.helper.refused),
             "frames_resent": self.link.retried,
+            "answers_resent": self.answers_resent + (leader.answers_resent if leader else 0),
         }

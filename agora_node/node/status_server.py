@@ -118,7 +118,7 @@ class NodeStatus(TypedDict):
     # "ban_left_s"}], "flagged_total": {reason: count}} (node/suspects.py).
     # cell: this stage's context-parallel cell (node/cell.py), None without one: {"size",
     # "role": alone | leader | helper, "members", "ready", "microbatches", "failed",
-    # "helped", "kv_bytes_sent", "kv_bytes_per_token", "exchange_wait_s", "refused", "frames_resent"}.
+    # "helped", "kv_bytes_sent", "kv_bytes_per_token", "exchange_wait_s", "refused", "frames_resent", "answers_resent"}.
 
 
 class Snapshot(TypedDict):

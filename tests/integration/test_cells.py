@@ -39,7 +39,11 @@ def test_two_replicas_form_a_cell_train_and_survive_the_leader_being_killed(swar
     assert cell["failed"] <= 3, cell
     helped = _cell(swarm, helper)
     assert helped["helped"] >= 10 and helped["kv_bytes_sent"] > 0, helped  # status lags
-    assert cell["refused"] == {} and helped["refused"] == {}
+    # nothing an honest member sends is refused as malformed: what is refused is the
+    # formation race above (work or frames from a peer the other does not yet count in
+    # its cell: not_leader, not_member) and a frame stored twice after a resent push
+    refused = {**cell["refused"], **helped["refused"]}
+    assert set(refused) <= {"not_leader", "not_member", "expired"}, refused
     # compressed K/V (rank 8 + a choice byte, bf16) per token and layer, each way, plus headers
     assert 0 < cell["kv_bytes_per_token"] < 64, cell
     losses = poll(lambda: (swarm.status(head) or {}).get("last_losses"), 30, "losses")

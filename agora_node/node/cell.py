@@ -101,6 +101,12 @@ def routable(peers: list[str], size: int) -> list[str]:
     return [cell[0] for cell in cell_groups(peers, size)]
 
 
+def standing_replicas(peers: list[str], cp_degree: int, stage: int) -> list[str]:
+    """A stage's replicas as routing and outer rounds count them: where cells form
+    (cp_degree > 1, past stage 0) each cell is one replica, its leader."""
+    return routable(peers, cp_degree) if cp_degree > 1 and stage > 0 else list(peers)
+
+
 def cell_of(me: str, peers: list[str], size: int) -> list[str]:
     """The cell `me` belongs to (itself alone when it is in none)."""
     for cell in cell_groups([*peers, me], size):

@@ -43,7 +43,7 @@ from agora_node.comms.pipeline_wire import (
 from agora_node.comms.routing import FailureKind, Router, RouterConfig
 from agora_node.compression import ActivationCodec, CodecError, NonFiniteError
 from agora_node.node.canary import departing
-from agora_node.node.cell import CellFailed, Cells, routable
+from agora_node.node.cell import CellFailed, Cells, standing_replicas
 from agora_node.node.config import PipelineConfig
 from agora_node.node.metrics import Metrics
 from agora_node.node.suspects import NormWatch, Reason, Suspects
@@ -381,9 +381,7 @@ class Pipeline:
 
     def _replicas(self, stage: int) -> list[str]:
         """Who takes micro-batches for `stage`: its live replicas, each cell's leader only."""
-        size = self.manifest.model.cp_degree
-        peers = self.peers_of(stage)
-        return routable(peers, size) if size > 1 and stage > 0 else peers
+        return standing_replicas(self.peers_of(stage), self.manifest.model.cp_degree, stage)
 
     async def _request(self, peer: str, payload: bytes) -> bytes:
         """One forward request to `peer`, its answer within a hop's timeout."""

@@ -27,7 +27,7 @@ from agora_node.comms.guard import Guard
 from agora_node.comms.host import Host
 from agora_node.comms.pipeline_wire import Code, Status, error_response
 from agora_node.node import joining
-from agora_node.node.cell import Cells, routable
+from agora_node.node.cell import Cells, standing_replicas
 from agora_node.node.checkpoint import save_checkpoint
 from agora_node.node.config import NodeConfig, PipelineConfig
 from agora_node.node.head import Head, Sampler
@@ -162,25 +162,28 @@ class StageService:
         except BaseException:
             worker.close()
             raise
-        cp = ctx.manifest.model.cp_degree if Cells.wanted(worker) else 1
 
         def replicas() -> list[str]:
             """The stage's replicas in outer rounds: a cell is one (its leader), so a
             leader never waits for its helpers, which take no rounds while they help."""
-            return routable(ctx.peers_of(stage), cp) if cp > 1 else ctx.peers_of(stage)
+            return standing_replicas(ctx.peers_of(stage), ctx.manifest.model.cp_degree, stage)
 
-        rounds = OuterRounds(
-            outer,
-            worker,
-            inner_steps=ctx.manifest.outer.inner_steps,
-            replica_rounds=lambda: [
+        def replica_rounds() -> list[int]:
+            helping = set(ctx.peers_of(stage)) - set(replicas())  # in a cell, not its leader
+            return [
                 r.outer_step
                 for r in ctx.records_of(stage)
                 if r.peer_id != ctx.peer_id
                 and r.state == NodeState.ACTIVE
                 and not ctx.suspects.is_banned(r.peer_id)  # a banned peer's round moves nobody
-                and (cp == 1 or r.peer_id in replicas())
-            ],
+                and r.peer_id not in helping
+            ]
+
+        rounds = OuterRounds(
+            outer,
+            worker,
+            inner_steps=ctx.manifest.outer.inner_steps,
+            replica_rounds=replica_rounds,
             replica_count=lambda: len(replicas()) or 1,
             replica_ids=replicas,
             overlap=ctx.manifest.outer.overlap,

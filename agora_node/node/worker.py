@@ -324,11 +324,15 @@ class StageWorker:
         the cell it computes for, and goes on from them if the leader vanishes."""
         self._check_thread()
         with self._lock:
-            offset = 0
-            for p in self.masters:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            self._write_masters(flat)
             self._publish_version(self._version + 1)
+
+    def _write_masters(self, flat: Tensor) -> None:
+        """The trainable weights := `flat` (their values in order); caller holds the lock."""
+        offset = 0
+        for p in self.masters:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
     def discard(self, mb_id: str) -> None:
         self._pending.pop(mb_id, None)
@@ -453,11 +457,9 @@ class StageWorker:
                 f"anchor has {flat.numel()} values, this stage {self.trainable_numel()}"
             )
         with self._lock:
-            offset = 0
+            self._write_masters(flat)
             for p in params:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 p.grad = None
-                offset += p.numel()
             self.optimizer = self._fresh_optimizer()
             self._pending.clear()
             self._versions_with_grads.clear()
@@ -495,11 +497,8 @@ class WorkerWeights:
     @torch.no_grad()
     def _load(self, flat: Tensor) -> None:
         self.worker._check_thread()
-        offset = 0
         with self.worker._lock:
-            for p in self._params:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            self.worker._write_masters(flat)
 
 
 def _to_host(state: Any) -> Any:

@@ -63,13 +63,14 @@ from agora_node.node.cell_work import (
     chunk_loss,
     encode_request,
     forward_chunk,
+    framed,
     gradients,
     unflat,
 )
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.names import cell_protocol, cell_work_protocol
 from agora_node.stages.context_parallel import ChunkLayout
-from agora_node.stages.kv_frames import FramedExchange, KVFrameError
+from agora_node.stages.kv_frames import KVFrameError
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,11 @@ def cell_of(me: str, peers: list[str], size: int) -> list[str]:
         if me in cell:
             return cell
     return [me]
+
+
+def _flatten(params: dict[str, Tensor]) -> Tensor:
+    """All of a version's weights, float32, in named_parameters order (what a helper gets)."""
+    return torch.cat([p.detach().reshape(-1).float().cpu() for p in params.values()])
 
 
 def exchange_id(mb_id: str) -> bytes:
@@ -166,7 +172,9 @@ class CellLeader:
             version, params = await self.worker.call(self.worker.current_version)
             xid = exchange_id(mb_id)
             layout = ChunkLayout(self.seq_len, len(self.members))
-            requests = self._chunk_requests(OP_FORWARD, xid, version, params, layout, c_in, tokens)
+            requests = await self._chunk_requests(
+                OP_FORWARD, xid, version, params, layout, c_in, tokens
+            )
             own = self.worker.call(
                 self._own_forward, mb_id, xid, version, params, layout, c_in, tokens
             )
@@ -204,7 +212,7 @@ class CellLeader:
             version, params = await self.worker.call(self.worker.current_version)
             xid = exchange_id(f"last/{id(tokens)}/{time.monotonic_ns()}")
             layout = ChunkLayout(self.seq_len, len(self.members))
-            requests = self._chunk_requests(
+            requests = await self._chunk_requests(
                 OP_LAST, xid, version, params, layout, c_in, tokens, loss_scale
             )
             own = self.worker.call(
@@ -236,18 +244,17 @@ class CellLeader:
         )
 
     # ---- the parts ----------------------------------------------------------------------
-    def _chunk_requests(self, op, xid, version, params, layout, c_in, tokens, scale=1.0):  # noqa: ANN001, ANN202
+    async def _chunk_requests(self, op, xid, version, params, layout, c_in, tokens, scale=1.0):  # noqa: ANN001, ANN202
         reqs = []
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        flat = None
+        if any(self._shipped.get(p) != version for p in self.members[1:]):
+            # the version's copies are never written in place: read off the event loop, once
+            flat = await asyncio.to_thread(_flatten, params)
         for r, peer in enumerate(self.members):
             if not r:
                 continue
-            ship = self._shipped.get(peer) != version
-            weights = (
-                torch.cat([p.detach().reshape(-1).float().cpu() for p in params.values()])
-                if ship
-                else None
-            )
+            weights = flat if self._shipped.get(peer) != version else None
             chunk_in = layout.take(c_in, r) if c_in is not None else torch.empty(0)
             chunk_targets = (
                 layout.take(targets, r) if op == OP_LAST else torch.empty(0, dtype=torch.long)
@@ -299,7 +306,8 @@ class CellLeader:
         name = cell_work_protocol(self.run_id)
         timeout = self.link.timeout_s
         try:
-            data = await streams.request(self.p2p, peer, name, encode_request(req), timeout=timeout)
+            payload = await asyncio.to_thread(encode_request, req)
+            data = await streams.request(self.p2p, peer, name, payload, timeout=timeout)
         except streams.RefusedError:
             raise
         except streams.StreamError:  # broken on the way: the answer may be waiting there
@@ -308,7 +316,7 @@ class CellLeader:
                 self.p2p, peer, name, encode_request(again), timeout=timeout
             )
             self.answers_resent += 1
-        return parse(req.rank, data)
+        return await asyncio.to_thread(parse, req.rank, data)  # checks every value
 
     def _parse_out(self, layout: ChunkLayout, tokens: Tensor):  # noqa: ANN202
         width = self.worker.stage.boundary_width
@@ -345,13 +353,13 @@ class CellLeader:
     def _own_forward(self, mb_id, xid, version, params, layout, c_in, tokens) -> Tensor:  # noqa: ANN001
         w, started = self.worker, time.perf_counter()
         inputs = layout.take(tokens[:, :-1], 0)
-        exchange = FramedExchange(self.link.exchange(xid))
+        exchange = framed(self.link, xid)
         x, out = forward_chunk(
             w, params, None if c_in is None else layout.take(c_in, 0), inputs, layout, exchange
         )
         c_out = w.stage.encode_boundary(out.float(), inputs.to(w.device))
         self._held[mb_id] = Chunk(
-            version, params, exchange, x, c_out, tokens[:, :-1].numel(), time.perf_counter() - started,
+            version, params, x, c_out, tokens[:, :-1].numel(), time.perf_counter() - started,
             c_in=c_in, full_tokens=tokens,
         )  # fmt: skip
         return c_out.detach().cpu()
@@ -367,14 +375,13 @@ class CellLeader:
     def _own_last(self, xid, version, params, layout, c_in, tokens, scale):  # noqa: ANN001, ANN202
         w, started = self.worker, time.perf_counter()
         inputs, targets = layout.take(tokens[:, :-1], 0), layout.take(tokens[:, 1:], 0)
-        exchange = FramedExchange(self.link.exchange(xid))
+        exchange = framed(self.link, xid)
         x, logits = forward_chunk(w, params, layout.take(c_in, 0), inputs, layout, exchange)
         loss = chunk_loss(logits, targets, tokens[:, :-1].numel())
         grad_in, grads = gradients(w, loss * scale, None, params, x)
         chunk = Chunk(
             version,
             params,
-            exchange,
             x,
             logits,
             tokens[:, :-1].numel(),
@@ -384,27 +391,21 @@ class CellLeader:
 
     async def _commit(self, chunk: Chunk, layout: ChunkLayout, results: list) -> Tensor | None:
         """Every member succeeded: the summed gradients land on the leader's replica."""
-        own_grads = results[0][1]
-        total = dict(own_grads)
-        for _, flat, _, _ in results[1:]:
-            for name, g in unflat(flat, own_grads).items():
-                total[name] = total[name] + g
-        await self.worker.call(
-            self.worker.accumulate,
-            chunk.version,
-            chunk.params,
-            total,
-            chunk.tokens,
-            chunk.compute_s,
-        )
+        await self.worker.call(self._sum_and_accumulate, chunk, results)
         self.completed += 1
         grad_parts = [results[0][0], *(r[0] for r in results[1:])]
         if grad_parts[0] is None:
             return None
         return layout.assemble([g.cpu() for g in grad_parts])
 
-    def kv_bytes(self) -> int:
-        return self.link.bytes_sent
+    def _sum_and_accumulate(self, chunk: Chunk, results: list) -> None:
+        """(Worker thread) the members' gradients, summed, land on the replica."""
+        own_grads = results[0][1]
+        total = dict(own_grads)
+        for _, flat, _, _ in results[1:]:
+            for name, g in unflat(flat, own_grads).items():
+                total[name] = total[name] + g
+        self.worker.accumulate(chunk.version, chunk.params, total, chunk.tokens, chunk.compute_s)
 
 
 # ---- a stage service's part in cells -------------------------------------------------------

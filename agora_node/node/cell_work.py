@@ -117,7 +117,6 @@ class Chunk:
 
     version: int
     params: dict[str, Tensor]
-    exchange: FramedExchange
     x: Tensor | None
     out: Tensor
     """Boundary coefficients of the chunk's output, with the graph."""
@@ -128,6 +127,12 @@ class Chunk:
     c_in: Tensor | None = None
     full_tokens: Tensor | None = None
     """The whole micro-batch's input (a leader keeps it to redo the micro-batch whole)."""
+
+
+def framed(link: CellLink, xid: bytes) -> FramedExchange:
+    """One micro-batch's checked K/V exchange; a refused frame counts in the link's refusals
+    (the status page's `cell.refused`)."""
+    return FramedExchange(link.exchange(xid), refused=link.refused)
 
 
 def _context(layout: ChunkLayout, exchange: FramedExchange) -> AttentionContext:
@@ -240,7 +245,7 @@ class CellHelper:
             if len(request) >= 1 and request[0] & RESEND:
                 answer = self._answers[self._resend_key(request)]
             else:
-                req = self._decode(request)
+                req = await asyncio.to_thread(self._decode, request)  # checks every value
                 answer = asyncio.ensure_future(self.worker.call(self._compute, req))
                 answer.add_done_callback(_retrieved)
                 self._answers[(req.xid, req.op)] = answer
@@ -315,7 +320,7 @@ class CellHelper:
         params = self._versions[req.version]  # KeyError: the leader must send the weights
         c_in, ids, targets = req.tensors
         self.tokens += req.batch * self.seq_len
-        exchange = FramedExchange(self.link.exchange(req.xid))
+        exchange = framed(self.link, req.xid)
         started = time.perf_counter()
         x, out = forward_chunk(w, params, None if w.stage.is_first else c_in, ids, layout, exchange)
         if req.op == OP_LAST:
@@ -326,7 +331,7 @@ class CellHelper:
         c_out = w.stage.encode_boundary(out.float(), ids.to(w.device))
         self._expire()
         self._held[req.xid] = Chunk(
-            req.version, params, exchange, x, c_out, ids.numel(), time.perf_counter() - started
+            req.version, params, x, c_out, ids.numel(), time.perf_counter() - started
         )
         return f32(c_out)
 

@@ -43,7 +43,8 @@ from agora_node.comms.pipeline_wire import (
 from agora_node.comms.routing import FailureKind, Router, RouterConfig
 from agora_node.compression import ActivationCodec, CodecError, NonFiniteError
 from agora_node.node.canary import departing
-from agora_node.node.cell import CellFailed, Cells, standing_replicas
+from agora_node.node.cell import Cells, standing_replicas
+from agora_node.node.cell_leader import CellFailed
 from agora_node.node.config import PipelineConfig
 from agora_node.node.metrics import Metrics
 from agora_node.node.suspects import NormWatch, Reason, Suspects

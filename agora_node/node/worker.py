@@ -284,7 +284,7 @@ class StageWorker:
         self._busy(started)  # busy, but no training tokens: not in the compute rate
         return result
 
-    # ---- a context-parallel cell's leader (node/cell.py; worker thread only) ------------
+    # ---- a context-parallel cell's leader (node/cell_leader.py; worker thread only) -----
     def current_version(self) -> tuple[int, dict[str, Tensor]]:
         """The version new forwards run on, and its weight copies (never written in place)."""
         return self._version, self._params

@@ -15,7 +15,8 @@ import torch
 
 from agora_node.comms import streams
 from agora_node.comms.cell_link import CellLink
-from agora_node.node.cell import CellFailed, CellLeader, cell_groups, cell_of, routable
+from agora_node.node.cell import cell_groups, cell_of, routable
+from agora_node.node.cell_leader import CellFailed, CellLeader
 from agora_node.node.cell_work import CellHelper
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.manifest import Manifest
@@ -167,7 +168,7 @@ async def test_a_dead_helper_fails_the_micro_batch_at_once_and_the_leader_redoes
 
 @pytest.mark.integration
 async def test_a_helper_refuses_malformed_work_from_its_leader_and_counts_it():
-    from agora_node.node.cell import exchange_id
+    from agora_node.node.cell_leader import exchange_id
     from agora_node.node.cell_work import OP_FORWARD, RESEND, WorkRequest, encode_request
     from agora_node.stages.context_parallel import ChunkLayout
 

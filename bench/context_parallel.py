@@ -2,14 +2,15 @@
 
     python bench/context_parallel.py --json [--manifest long] [--seq-lens 512,1024,2048]
         [--steps 100] [--eval-every 10] [--eval-samples 8] [--threads 2] [--reps 3]
+        [--kv-rank R] [--kv-subspaces N] [--kv-tokens on|off]
 
 A cell's members run as threads of this process (`LocalCell`), so K/V frames are real
 bytes (encoded, sent, checked, decoded) but cross no network.
 
 Per sequence length (the manifest with model.seq_len replaced), on one middle stage:
 - `kv_bytes_per_token_layer`: K/V frame bytes one member sends per token it holds, per
-  layer, forward (dense bf16: 2 d values; compressed: r bf16 coefficients and a byte of
-  choice) and backward (fp32 gradients of what was received); headers included.
+  layer, forward (dense bf16: 2 d values; compressed: r bf16 coefficients, a byte of
+  choice and, with `kv_tokens`, the token's id) and backward (fp32 gradients of what was received); headers included.
 - `ms_per_microbatch`: forward + backward of one micro-batch for c = 1, 2, 4, alternated
   (c1 c2 c4 c1 c2 c4 ...) `--reps` times on the same threads; medians.
 - `saved_bytes`: activation bytes one member keeps for backward (torch's saved tensors,
@@ -163,7 +164,9 @@ def per_length(base: Manifest, seq_len: int, reps: int) -> dict[str, Any]:
     wire = {}
     for name, kv_rank, dtype in (("dense", 0, torch.bfloat16), ("compressed", None, None)):
         rank = base.model.kv_rank if kv_rank is None else kv_rank
-        manifest = with_model(base, seq_len=seq_len, kv_rank=rank)
+        manifest = with_model(
+            base, seq_len=seq_len, kv_rank=rank, kv_tokens=bool(rank) and base.model.kv_tokens
+        )
         stage = Stage(manifest, 1)
         batch = manifest.inner.micro_batch
         x = torch.randn(batch, seq_len, manifest.model.d_model)
@@ -221,7 +224,7 @@ def quality(base: Manifest, steps: int, eval_every: int, eval_samples: int) -> d
     c = max(2, base.model.cp_degree)
     variants = {
         "dense_cp": CellTrainer(
-            with_model(base, kv_rank=0),
+            with_model(base, kv_rank=0, kv_tokens=False),
             LocalTrainConfig(steps=steps, eval_samples=eval_samples),
             Cell(c, base.model.seq_len, torch.bfloat16),
         ),
@@ -272,6 +275,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--kv-subspaces", type=int, default=0, help="override the manifest's kv_subspaces"
     )
+    p.add_argument(
+        "--kv-tokens",
+        choices=("on", "off"),
+        help="override the manifest's kv_tokens (the mixture's token table)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p.parse_args(argv)
 
@@ -283,6 +291,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         base = with_model(base, kv_rank=args.kv_rank)
     if args.kv_subspaces:
         base = with_model(base, kv_subspaces=args.kv_subspaces)
+    if args.kv_tokens:
+        base = with_model(base, kv_tokens=args.kv_tokens == "on")
     check_data_available(base)
     if not base.model.kv_rank:
         raise SystemExit(f"manifest {args.manifest} has kv_rank 0: nothing to compare")
@@ -293,6 +303,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "manifest": args.manifest,
         "kv_rank": base.model.kv_rank,
         "kv_subspaces": base.model.kv_subspaces,
+        "kv_tokens": base.model.kv_tokens,
         "threads": args.threads,
         "kv_bytes_per_token": {
             "dense": longest["kv_bytes_per_token_layer"]["dense"]["forward"],

@@ -33,7 +33,9 @@ lengths and finite values. A helper that lies about its gradients can bend its c
 replica as any replica can bend its own; the outer steps' checks bound what reaches the
 stage (docs/security.md).
 
-Stage 0 does not form cells: its head injects whole sequences.
+Stage 0 forms cells too: the cell's leader is its head, sampling and injecting as one
+head (node/head.py: a helper injects nothing while it helps, and sampling counts a cell
+once), and the helpers embed and run their chunks of each sequence it injects.
 """
 
 from __future__ import annotations
@@ -70,10 +72,10 @@ def routable(peers: list[str], size: int) -> list[str]:
     return [cell[0] for cell in cell_groups(peers, size)]
 
 
-def standing_replicas(peers: list[str], cp_degree: int, stage: int) -> list[str]:
-    """A stage's replicas as routing and outer rounds count them: where cells form
-    (cp_degree > 1, past stage 0) each cell is one replica, its leader."""
-    return routable(peers, cp_degree) if cp_degree > 1 and stage > 0 else list(peers)
+def standing_replicas(peers: list[str], cp_degree: int) -> list[str]:
+    """A stage's replicas as routing, outer rounds and stage 0's sampling count them:
+    where cells form (cp_degree > 1) each cell is one replica, its leader."""
+    return routable(peers, cp_degree) if cp_degree > 1 else list(peers)
 
 
 def cell_of(me: str, peers: list[str], size: int) -> list[str]:
@@ -113,8 +115,8 @@ class Cells:
 
     @staticmethod
     def wanted(worker: StageWorker) -> bool:
-        """Cells serve stages past the head of a manifest with cp_degree > 1."""
-        return worker.manifest.model.cp_degree > 1 and not worker.stage.is_first
+        """Every stage of a manifest with cp_degree > 1 forms cells."""
+        return worker.manifest.model.cp_degree > 1
 
     async def start(self) -> None:
         await self.link.start()

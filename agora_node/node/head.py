@@ -9,6 +9,7 @@ pipeline's validation loss on fixed windows (`evaluate`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -22,6 +23,9 @@ from agora_node.node.pipeline import Pipeline
 from agora_node.stages.data import TokenWindows
 
 log = logging.getLogger(__name__)
+
+HELPER_RECHECK_S = 1.0
+"""How often a head that helps a cell (and so injects nothing) looks whether it still does."""
 
 
 class Head:
@@ -48,6 +52,10 @@ class Head:
         tasks: set[asyncio.Task] = set()
         tokens_per_mb = self.manifest.inner.micro_batch * self.manifest.model.seq_len
         while not stop.is_set() and not (max_tokens and self.injected_tokens >= max_tokens):
+            if self._helping():  # its compute belongs to the cell's leader, who injects
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), HELPER_RECHECK_S)
+                continue
             await slots.acquire()
             if stop.is_set():
                 break
@@ -59,15 +67,17 @@ class Head:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _helping(self) -> bool:
+        cells = self.pipeline.cells
+        return cells is not None and cells.role == "helper"
+
     async def _run_microbatch(self, batch: torch.Tensor) -> None:
         spec = self.manifest.inner
         scale = spec.micro_batch / spec.local_batch
         started = time.monotonic()
         try:
             if self.worker.stage.is_last:  # a one-stage run: everything is local
-                loss, _ = await self.worker.call(
-                    self.worker.forward_backward_last, None, batch, scale
-                )
+                loss, _ = await self.pipeline.compute_last(None, batch, scale)
             else:
                 loss = await self._pipeline_microbatch(batch, scale)
         except Exception:
@@ -82,14 +92,16 @@ class Head:
 
     async def _pipeline_microbatch(self, batch: torch.Tensor, scale: float) -> float | None:
         mb_id = uuid.uuid4().hex[:16]
-        c = await self.worker.call(self.worker.forward, mb_id, None, batch)
+        pipeline = self.pipeline
+        leader = pipeline.cell_leader()  # this head's cell splits the sequence when formed
+        c = await pipeline.compute_forward(leader, mb_id, None, batch)
         header = self._header(mb_id, batch, scale, train=True)
-        reply = await self.pipeline.send(header, batch, c)
+        reply = await pipeline.send(header, batch, c)
         if reply is None:
-            await self.worker.call(self.worker.discard, mb_id)
+            await pipeline.compute_discard(leader, mb_id)
             return None
         loss, grad = reply
-        await self.worker.call(self.worker.backward, mb_id, grad)
+        await pipeline.compute_backward(leader, mb_id, grad)
         return loss
 
     def _header(

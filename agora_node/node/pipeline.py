@@ -44,7 +44,7 @@ from agora_node.comms.routing import FailureKind, Router, RouterConfig
 from agora_node.compression import ActivationCodec, CodecError, NonFiniteError
 from agora_node.node.canary import departing
 from agora_node.node.cell import Cells, standing_replicas
-from agora_node.node.cell_leader import CellFailed
+from agora_node.node.cell_leader import CellFailed, CellLeader
 from agora_node.node.config import PipelineConfig
 from agora_node.node.metrics import Metrics
 from agora_node.node.suspects import NormWatch, Reason, Suspects
@@ -205,36 +205,41 @@ class Pipeline:
         started: float,
     ) -> bytes:
         if self.worker.stage.is_last:
-            loss, grad = await self._train_last(c_in, tokens, header.loss_scale)
+            loss, grad = await self.compute_last(c_in, tokens, header.loss_scale)
             answer = await self._ok(loss, grad)  # raises NonFiniteError before counting "ok"
             self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
             return answer
         mb_id = f"{remote}/{header.mb_id}"
-        leader = self.cells.leader if self.cells is not None else None
-        c_out = await self._forward(leader, mb_id, c_in, tokens)
+        leader = self.cell_leader()
+        c_out = await self.compute_forward(leader, mb_id, c_in, tokens)
         downstream = ForwardHeader(**{**header.__dict__, "stage": self.stage + 1})
         try:
             reply = await self.send(downstream, tokens, c_out)
         except NonFiniteError:
-            await self._discard(leader, mb_id)
+            await self.compute_discard(leader, mb_id)
             raise
         if reply is None:
-            await self._discard(leader, mb_id)
+            await self.compute_discard(leader, mb_id)
             self.events.count_microbatch("dropped")
             return error_response(
                 Status.FAILED, Code.DOWNSTREAM, f"no stage {self.stage + 1} replica answered"
             )
         loss, grad_out = reply
-        grad_in = await self._backward(leader, mb_id, grad_out)
+        grad_in = await self.compute_backward(leader, mb_id, grad_out)
         answer = await self._ok(loss, grad_in)  # raises NonFiniteError before counting "ok"
         self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
         return answer
 
     # ---- compute: this worker alone, or the cell it leads (node/cell.py) -----------------
-    async def _train_last(
+    # A micro-batch's backward and discard go to the leader its forward went to.
+    def cell_leader(self) -> CellLeader | None:
+        """The cell this node leads now (None: it computes alone)."""
+        return self.cells.leader if self.cells is not None else None
+
+    async def compute_last(
         self, c_in: torch.Tensor, tokens: torch.Tensor, loss_scale: float
     ) -> tuple[float, torch.Tensor | None]:
-        leader = self.cells.leader if self.cells is not None else None
+        leader = self.cell_leader()
         if leader is not None and leader.ready:
             try:
                 return await leader.last(c_in, tokens, loss_scale)
@@ -242,7 +247,13 @@ class Pipeline:
                 log.info("%s; this micro-batch is trained whole", exc)
         return await self.worker.call(self.worker.forward_backward_last, c_in, tokens, loss_scale)
 
-    async def _forward(self, leader, mb_id: str, c_in, tokens) -> torch.Tensor:  # noqa: ANN001
+    async def compute_forward(
+        self,
+        leader: CellLeader | None,
+        mb_id: str,
+        c_in: torch.Tensor | None,
+        tokens: torch.Tensor,
+    ) -> torch.Tensor:
         if leader is not None and leader.ready:
             try:
                 return await leader.forward(mb_id, c_in, tokens)
@@ -251,7 +262,9 @@ class Pipeline:
                 leader.discard(mb_id)
         return await self.worker.call(self.worker.forward, mb_id, c_in, tokens)
 
-    async def _backward(self, leader, mb_id: str, grad_out) -> torch.Tensor | None:  # noqa: ANN001
+    async def compute_backward(
+        self, leader: CellLeader | None, mb_id: str, grad_out: torch.Tensor
+    ) -> torch.Tensor | None:
         if leader is not None and leader.holds(mb_id):
             try:
                 if not leader.ready:  # a helper failed since this forward
@@ -262,7 +275,7 @@ class Pipeline:
                 await self.worker.call(leader.take_back, mb_id)
         return await self.worker.call(self.worker.backward, mb_id, grad_out)
 
-    async def _discard(self, leader, mb_id: str) -> None:  # noqa: ANN001
+    async def compute_discard(self, leader: CellLeader | None, mb_id: str) -> None:
         if leader is not None:
             leader.discard(mb_id)
         await self.worker.call(self.worker.discard, mb_id)
@@ -382,7 +395,7 @@ class Pipeline:
 
     def _replicas(self, stage: int) -> list[str]:
         """Who takes micro-batches for `stage`: its live replicas, each cell's leader only."""
-        return standing_replicas(self.peers_of(stage), self.manifest.model.cp_degree, stage)
+        return standing_replicas(self.peers_of(stage), self.manifest.model.cp_degree)
 
     async def _request(self, peer: str, payload: bytes) -> bytes:
         """One forward request to `peer`, its answer within a hop's timeout."""

@@ -166,7 +166,7 @@ class StageService:
         def replicas() -> list[str]:
             """The stage's replicas in outer rounds: a cell is one (its leader), so a
             leader never waits for its helpers, which take no rounds while they help."""
-            return standing_replicas(ctx.peers_of(stage), ctx.manifest.model.cp_degree, stage)
+            return standing_replicas(ctx.peers_of(stage), ctx.manifest.model.cp_degree)
 
         def replica_rounds() -> list[int]:
             helping = set(ctx.peers_of(stage)) - set(replicas())  # in a cell, not its leader
@@ -280,7 +280,9 @@ class StageService:
         more when the token budget (max_tokens) is spent."""
         ctx, cfg = self.ctx, self.ctx.config
         train, val = TokenWindows(ctx.manifest, "train"), TokenWindows(ctx.manifest, "val")
-        sampler = Sampler(train, ctx.peer_id, lambda: ctx.peers_of(0))
+        # A cell of heads samples as one head, its leader (a helper injects nothing).
+        cp = ctx.manifest.model.cp_degree
+        sampler = Sampler(train, ctx.peer_id, lambda: standing_replicas(ctx.peers_of(0), cp))
         head = Head(self.pipeline)
         inject = asyncio.create_task(head.run(sampler, self._stop, cfg.max_tokens))
         stopped = asyncio.create_task(self._stop.wait())

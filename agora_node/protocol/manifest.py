@@ -40,6 +40,7 @@ CANONICAL_DEFAULTS = {
     ("model", "cp_degree"): 1,
     ("model", "kv_rank"): 0,
     ("model", "kv_subspaces"): 4,
+    ("model", "kv_tokens"): False,
 }
 
 
@@ -85,6 +86,10 @@ class ModelSpec:
     """r: keys and values come from a rank-r mixture of subspaces of their input; 0 = dense."""
     kv_subspaces: int = 4
     """How many learned rank-r bases each block's mixture chooses from (per token)."""
+    kv_tokens: bool = False
+    """With a mixture: each block also learns a table of one d-vector per token id; K/V
+    sources are compressed after subtracting their token's row and rebuilt by adding it
+    back, so the token's own part is not squeezed into rank r (its id travels, 1-4 bytes)."""
 
     def __post_init__(self) -> None:
         _positive(self, "model", "d_model", "n_layers", "n_heads", "n_kv_heads")
@@ -105,6 +110,10 @@ class ModelSpec:
             _fail("model.kv_rank", self.kv_rank, f"must be 0 (dense) .. {self.d_model}")
         if not isinstance(self.kv_subspaces, int) or not 1 <= self.kv_subspaces <= 256:
             _fail("model.kv_subspaces", self.kv_subspaces, "must be 1 .. 256 (one byte a token)")
+        if not isinstance(self.kv_tokens, bool):
+            _fail("model.kv_tokens", self.kv_tokens, "must be true or false")
+        if self.kv_tokens and not self.kv_rank:
+            _fail("model.kv_tokens", self.kv_tokens, "needs kv_rank > 0 (a mixture to go with)")
 
     @property
     def head_dim(self) -> int:

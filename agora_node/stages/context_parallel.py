@@ -15,7 +15,11 @@ model* by its projection onto one of `kv_subspaces` learned rank-r bases, chosen
 per token (the basis that keeps the most of z), and the r coefficients are rounded
 to bf16 with a straight-through gradient. The wire then carries r bf16 values and
 a one-byte choice per token per layer, and the receiver rebuilds exactly what the
-sender used; nothing is lost on the wire that the model did not already drop.
+sender used; nothing is lost on the wire that the model did not already drop. With
+`kv_tokens` each block also learns one d-vector per token id: the mixture compresses
+z minus its token's row and the receiver adds the row back, so what a token is (the
+part of z a rank-r subspace cannot hold for a whole vocabulary) costs only its id on
+the wire, and the subspaces carry what the context made of it.
 
 Packed sequences: a query sees a key only when it is not later in the sequence
 and lies in the same document (`document_ids`).
@@ -174,19 +178,22 @@ class CellContext:
 
 
 class _GatherSources(torch.autograd.Function):
-    """Forward: every member's K/V source values, concatenated in member order.
-    Backward: each member gets back the gradients the others put on its values."""
+    """Forward: every member's K/V source values (and choices, token ids), concatenated
+    in member order. Backward: each member gets back the gradients the others put on
+    its values."""
 
     @staticmethod
     def forward(
         ctx,
         values: Tensor,
         choice: Tensor | None,
+        tokens: Tensor | None,
         cell: CellContext,
         layer: int,
         kind: int,
         dtype: torch.dtype,
         num_subspaces: int,
+        vocab: int,
     ):
         b, _, width = values.shape
         me, size = cell.member, cell.layout.size
@@ -195,32 +202,38 @@ class _GatherSources(torch.autograd.Function):
             member=me,
             kind=kind,
             values=values.detach().to(dtype),
-            choice=None if choice is None else choice,
+            choice=choice,
+            tokens=tokens,
+            vocab=vocab,
         )
         expects = [
-            KVExpect(layer, src, kind, b, cell.layout.length(src), width, dtype)
+            KVExpect(layer, src, kind, b, cell.layout.length(src), width, dtype, vocab)
             for src in range(size)
         ]
         got = cell.exchange.exchange_frames(
             [b"" if j == me else frame for j in range(size)], expects, num_subspaces
         )
-        parts, choices = [], []
+        parts, choices, ids = [], [], []
         for item in got:
             if item is None:
                 parts.append(values.detach())
                 choices.append(choice)
+                ids.append(tokens)
             else:
                 parts.append(item[0].to(values.dtype))
                 choices.append(item[1])
+                ids.append(item[2])
         ctx.cell, ctx.layer, ctx.width = cell, layer, width
         gathered = torch.cat(parts, dim=1)
         gathered_choice = None if choice is None else torch.cat(choices, dim=1)
-        if gathered_choice is not None:
-            ctx.mark_non_differentiable(gathered_choice)
-        return gathered, gathered_choice
+        gathered_ids = None if tokens is None else torch.cat(ids, dim=1)
+        for side in (gathered_choice, gathered_ids):
+            if side is not None:
+                ctx.mark_non_differentiable(side)
+        return gathered, gathered_choice, gathered_ids
 
     @staticmethod
-    def backward(ctx, grad: Tensor, _grad_choice: Tensor | None):
+    def backward(ctx, grad: Tensor, _grad_choice: Tensor | None, _grad_ids: Tensor | None):
         cell: CellContext = ctx.cell
         me, size, layout = cell.member, cell.layout.size, cell.layout
         lengths = [layout.length(m) for m in range(size)]
@@ -243,7 +256,7 @@ class _GatherSources(torch.autograd.Function):
         for item in got:
             if item is not None:
                 total += item[0].to(total.dtype)
-        return total, None, None, None, None, None, None
+        return total, None, None, None, None, None, None, None, None
 
 
 def gather_sources(
@@ -253,16 +266,21 @@ def gather_sources(
     layer: int,
     dtype: torch.dtype,
     num_subspaces: int = 0,
-) -> tuple[Tensor, Tensor | None]:
-    """[B, n_me, w] local values -> [B, seq_len, w] for the whole sequence, in global order."""
+    tokens: Tensor | None = None,
+    vocab: int = 0,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """[B, n_me, w] local values (with their choices and token ids, for a mixture) ->
+    [B, seq_len, w] for the whole sequence, in global order."""
     kind = KIND_DENSE if choice is None else KIND_MIXTURE
-    gathered, gathered_choice = _GatherSources.apply(
-        values, choice, cell, layer, kind, dtype, num_subspaces
+    gathered, *sides = _GatherSources.apply(
+        values, choice, tokens, cell, layer, kind, dtype, num_subspaces, vocab
     )
-    full = cell.layout.assemble(list(torch.split(gathered, _lengths(cell), dim=1)))
-    if gathered_choice is None:
-        return full, None
-    return full, cell.layout.assemble(list(torch.split(gathered_choice, _lengths(cell), dim=1)))
+    lengths = _lengths(cell)
+    full, choice_full, ids_full = (
+        None if t is None else cell.layout.assemble(list(torch.split(t, lengths, dim=1)))
+        for t in (gathered, *sides)
+    )
+    return full, choice_full, ids_full
 
 
 def _lengths(cell: CellContext) -> list[int]:
@@ -280,29 +298,43 @@ def round_through(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 class SubspaceMixture(nn.Module):
-    """`count` trainable d x r bases; each token keeps its projection on one of them."""
+    """`count` trainable d x r bases; each token keeps its projection on one of them.
 
-    def __init__(self, d_model: int, rank: int, count: int) -> None:
+    With `vocab` > 0 (manifest `kv_tokens`) a trainable table holds one d-vector per
+    token id (zero at start): the bases then code z minus its token's row, and decoding
+    adds the row back."""
+
+    def __init__(self, d_model: int, rank: int, count: int, vocab: int = 0) -> None:
         super().__init__()
         if not 1 <= count <= 256:
             raise ValueError(f"kv_subspaces must be 1..256 (one byte per token), not {count}")
-        self.rank, self.count = rank, count
+        self.rank, self.count, self.vocab = rank, count, vocab
         self.bases = nn.Parameter(torch.empty(d_model, count * rank))
+        self.tokens = nn.Parameter(torch.zeros(vocab, d_model)) if vocab else None
 
-    def encode(self, z: Tensor) -> tuple[Tensor, Tensor]:
+    def encode(self, z: Tensor, tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """z [B, n, d] -> (coefficients [B, n, r] on the bf16 grid, choice [B, n])."""
+        if self.tokens is not None:
+            z = z - self.tokens[_ids(tokens)]
         proj = (z @ self.bases).unflatten(-1, (self.count, self.rank))
         choice = proj.detach().norm(dim=-1).argmax(dim=-1)
         index = choice[..., None, None].expand(*choice.shape, 1, self.rank)
         coeffs = proj.gather(-2, index).squeeze(-2)
         return round_through(coeffs, torch.bfloat16), choice
 
-    def decode(self, coeffs: Tensor, choice: Tensor) -> Tensor:
-        """(coefficients, choice) -> the rank-r reconstruction of z, [B, n, d]."""
+    def decode(self, coeffs: Tensor, choice: Tensor, tokens: Tensor | None = None) -> Tensor:
+        """(coefficients, choice[, token ids]) -> the reconstruction of z, [B, n, d]."""
         spread = coeffs.new_zeros(*coeffs.shape[:-1], self.count, self.rank)
         index = choice[..., None, None].expand(*choice.shape, 1, self.rank)
         spread = spread.scatter(-2, index, coeffs.unsqueeze(-2))
-        return spread.flatten(-2) @ self.bases.t()
+        out = spread.flatten(-2) @ self.bases.t()
+        return out if self.tokens is None else out + self.tokens[_ids(tokens)]
+
+
+def _ids(tokens: Tensor | None) -> Tensor:
+    if tokens is None:
+        raise ValueError("this mixture keeps a token table (kv_tokens): it needs the token ids")
+    return tokens
 
 
 def init_mixture_bases(bases: Tensor, rank: int, generator: torch.Generator) -> None:
@@ -314,21 +346,30 @@ def init_mixture_bases(bases: Tensor, rank: int, generator: torch.Generator) -> 
 
 
 def kv_source(
-    z: Tensor, mixture: SubspaceMixture | None, cell: CellContext | None, layer: int
+    z: Tensor,
+    mixture: SubspaceMixture | None,
+    cell: CellContext | None,
+    layer: int,
+    tokens: Tensor | None = None,
 ) -> Tensor:
     """The activation K and V are computed from, for the whole sequence: [B, T, d].
 
     Alone (cell None) that is z itself, or its mixture reconstruction. In a cell the
-    members all-gather what they send: z (dense) or coefficients and choices."""
+    members all-gather what they send: z (dense) or coefficients and choices (and the
+    token ids, with a token table). `tokens` are the ids of z's tokens."""
     if mixture is None:
         if cell is None:
             return z
         z = round_through(z, cell.dense_dtype)
         return gather_sources(z, None, cell, layer, cell.dense_dtype)[0]
-    coeffs, choice = mixture.encode(z)
+    coeffs, choice = mixture.encode(z, tokens)
+    if mixture.tokens is None:
+        tokens = None
     if cell is not None:
-        coeffs, choice = gather_sources(coeffs, choice, cell, layer, torch.bfloat16, mixture.count)
-    return mixture.decode(coeffs, choice)
+        coeffs, choice, tokens = gather_sources(
+            coeffs, choice, cell, layer, torch.bfloat16, mixture.count, tokens, mixture.vocab
+        )
+    return mixture.decode(coeffs, choice, tokens)
 
 
 def masked_attention(

@@ -3,10 +3,12 @@ receiver accepts.
 
 A frame is a 20-byte header (magic, layer, sending member, kind, batch, length,
 width, dtype) and the values, plus one byte of subspace choice per token for a
-mixture frame. The receiver knows before reading what each frame must be
-(`KVExpect`: from the layer it is at and the chunk layout) and refuses anything
-else with a code: `layer`, `chunk`, `length`, `rank`, `dtype`, `nonfinite`,
-`choice` or `malformed`; `FramedExchange` counts the refusals.
+mixture frame and, when the mixture keeps a token table (`kv_tokens`), each token's
+id in the fewest bytes the vocabulary allows (`token_id_bytes`). The receiver knows
+before reading what each frame must be (`KVExpect`: from the layer it is at and the
+chunk layout) and refuses anything else with a code: `layer`, `chunk`, `length`,
+`rank`, `dtype`, `nonfinite`, `choice`, `token` or `malformed`; `FramedExchange`
+counts the refusals.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -56,23 +59,44 @@ class KVExpect:
     length: int
     width: int
     dtype: torch.dtype
+    vocab: int = 0
+    """> 0: a mixture frame also carries each token's id, below this."""
+
+
+_ID_TYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def token_id_bytes(vocab: int) -> int:
+    """Bytes one token id takes on the wire for a vocabulary of `vocab`."""
+    return 1 if vocab <= 1 << 8 else 2 if vocab <= 1 << 16 else 4
 
 
 def encode_kv_frame(
-    *, layer: int, member: int, kind: int, values: Tensor, choice: Tensor | None = None
+    *,
+    layer: int,
+    member: int,
+    kind: int,
+    values: Tensor,
+    choice: Tensor | None = None,
+    tokens: Tensor | None = None,
+    vocab: int = 0,
 ) -> bytes:
-    """values [B, n, width] (fp32 or bf16); choice [B, n] uint8 for mixture frames."""
+    """values [B, n, width] (fp32 or bf16); choice [B, n] uint8 for mixture frames, and
+    with a token table the tokens' ids [B, n] (ids below `vocab`)."""
     b, n, width = values.shape
     header = _HEADER.pack(_MAGIC, layer, member, kind, b, n, width, _DTYPE_CODES[values.dtype])
     raw = values.contiguous().view(torch.uint8).numpy().tobytes()
     tail = b"" if choice is None else choice.to(torch.uint8).contiguous().numpy().tobytes()
+    if tokens is not None:
+        tail += tokens.contiguous().numpy().astype(_ID_TYPES[token_id_bytes(vocab)]).tobytes()
     return header + raw + tail
 
 
 def decode_kv_frame(
     frame: bytes, expect: KVExpect, num_subspaces: int = 0
-) -> tuple[Tensor, Tensor | None]:
-    """Check a received frame against what it must be; (values, choice) or KVFrameError."""
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Check a received frame against what it must be; (values, choice, token ids) or
+    KVFrameError."""
     if len(frame) < _HEADER.size or len(frame) > MAX_FRAME_BYTES:
         raise KVFrameError("malformed", f"{len(frame)} bytes")
     magic, layer, member, kind, b, n, width, dtype_code = _HEADER.unpack_from(frame)
@@ -90,21 +114,30 @@ def decode_kv_frame(
         raise KVFrameError("dtype", f"dtype code {dtype_code}, expected {expect.dtype}")
     itemsize = torch.empty(0, dtype=expect.dtype).element_size()
     body = b * n * width * itemsize
-    tail = b * n if kind == KIND_MIXTURE else 0
+    mixture = kind == KIND_MIXTURE
+    id_bytes = token_id_bytes(expect.vocab) if mixture and expect.vocab else 0
+    tail = b * n * (1 + id_bytes) if mixture else 0
     if len(frame) != _HEADER.size + body + tail:
         raise KVFrameError("length", f"{len(frame)} bytes, expected {_HEADER.size + body + tail}")
     raw = torch.frombuffer(bytearray(frame[_HEADER.size : _HEADER.size + body]), dtype=torch.uint8)
     values = raw.view(expect.dtype).view(b, n, width)
     if not torch.isfinite(values).all():
         raise KVFrameError("nonfinite", "NaN or inf in values")
-    choice = None
-    if kind == KIND_MIXTURE:
-        choice = torch.frombuffer(bytearray(frame[_HEADER.size + body :]), dtype=torch.uint8)
+    choice = tokens = None
+    if mixture:
+        start = _HEADER.size + body
+        choice = torch.frombuffer(bytearray(frame[start : start + b * n]), dtype=torch.uint8)
         top = int(choice.max()) if choice.numel() else 0
         if num_subspaces and top >= num_subspaces:
             raise KVFrameError("choice", f"subspace {top} of {num_subspaces}")
         choice = choice.view(b, n).long()
-    return values, choice
+    if id_bytes:
+        ids = np.frombuffer(frame, dtype=_ID_TYPES[id_bytes], offset=_HEADER.size + body + b * n)
+        tokens = torch.from_numpy(ids.astype(np.int64)).view(b, n)
+        top = int(tokens.max()) if tokens.numel() else 0
+        if top >= expect.vocab:
+            raise KVFrameError("token", f"token id {top} of a vocabulary of {expect.vocab}")
+    return values, choice, tokens
 
 
 @dataclass
@@ -125,7 +158,7 @@ class FramedExchange:
 
     def exchange_frames(
         self, frames: list[bytes], expects: list[KVExpect | None], num_subspaces: int = 0
-    ) -> list[tuple[Tensor, Tensor | None] | None]:
+    ) -> list[tuple[Tensor, Tensor | None, Tensor | None] | None]:
         """Send frames[j] to member j; decode what each member sent (None for self)."""
         self.frame_bytes_sent += sum(len(f) for j, f in enumerate(frames) if j != self.rank)
         sends = [

@@ -42,6 +42,8 @@ def _stage_tensors(manifest: Manifest, stage: int) -> tuple[list[int], list[int]
     for i in manifest.stage_layers(stage):
         hidden += _block_matrices(spec, constrained=not manifest.dense and i < last_start)
         other += [spec.d_model, spec.d_model]  # the block's two norm gains
+        if spec.kv_rank and spec.kv_tokens:
+            other.append(spec.vocab_size * spec.d_model)  # the mixture's token table
     if stage == 0:
         other.append(spec.vocab_size * (spec.d_model if manifest.dense else spec.subspace_rank))
     if stage == last:
@@ -80,6 +82,11 @@ def _activation_floats_per_token(manifest: Manifest, stage: int, cp_degree: int 
         # Whole-sequence part: the K/V source, K and V; a mixture adds its coefficients
         # spread over the subspaces and the (int64) choice index, 2 floats' worth each.
         whole = d + 2 * kv + (spec.kv_subspaces * spec.kv_rank + 2 * spec.kv_rank)
+        if spec.kv_rank and spec.kv_tokens:
+            # A token table: z minus its token's row is kept for the projection, and
+            # the whole sequence's (int64) token ids for the lookup's backward.
+            per_block += d
+            whole += 2
         per_block = (per_block - whole) / cp_degree + whole
     floats = per_block * len(manifest.stage_layers(stage))
     if stage == last:

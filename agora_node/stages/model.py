@@ -110,7 +110,10 @@ class Block(nn.Module):
         self.w_up = nn.Linear(d, spec.ffn_dim, bias=False)
         self.w_down = nn.Linear(spec.ffn_dim, out_dim, bias=False)
         # Keys and values come from a learned mixture of rank-r subspaces of z (kv_rank > 0).
-        self.kv_mix = SubspaceMixture(d, spec.kv_rank, spec.kv_subspaces) if spec.kv_rank else None
+        self.kv_mix = None
+        if spec.kv_rank:
+            vocab = spec.vocab_size if spec.kv_tokens else 0
+            self.kv_mix = SubspaceMixture(d, spec.kv_rank, spec.kv_subspaces, vocab)
 
     def attention(
         self,
@@ -119,6 +122,7 @@ class Block(nn.Module):
         sin: Tensor,
         context: AttentionContext | None = None,
         layer: int = 0,
+        tokens: Tensor | None = None,
     ) -> Tensor:
         b, t, _ = z.shape
         q = self.wq(z).view(b, t, self.n_heads, -1).transpose(1, 2)
@@ -130,7 +134,7 @@ class Block(nn.Module):
             return self.wo(y.transpose(1, 2).reshape(b, t, -1))
         cell = context.cell if context is not None else None
         q_pos = cell.positions if cell is not None else torch.arange(t, device=z.device)
-        full = kv_source(z, self.kv_mix, cell, layer)  # [B, seq, d]: every position's source
+        full = kv_source(z, self.kv_mix, cell, layer, tokens)  # [B, seq, d]: every position
         seq = full.shape[1]
         k = self.wk(full).view(b, seq, self.n_kv_heads, -1).transpose(1, 2)
         v = self.wv(full).view(b, seq, self.n_kv_heads, -1).transpose(1, 2)
@@ -146,8 +150,9 @@ class Block(nn.Module):
         basis_t: Tensor | None,
         context: AttentionContext | None = None,
         layer: int = 0,
+        tokens: Tensor | None = None,
     ) -> Tensor:
-        h = self.attention(self.attn_norm(x), cos, sin, context, layer)
+        h = self.attention(self.attn_norm(x), cos, sin, context, layer, tokens)
         x = x + (h @ basis_t if basis_t is not None else h)
         z = self.mlp_norm(x)
         h = self.w_down(F.silu(self.w_gate(z)) * self.w_up(z))
@@ -192,10 +197,13 @@ class _Layers(nn.Module):
         e = self.embed(tokens)
         return self.fixed_table[tokens] + e @ self.basis_t if self.subspace else e
 
-    def run_blocks(self, x: Tensor, context: AttentionContext | None = None) -> Tensor:
+    def run_blocks(
+        self, x: Tensor, context: AttentionContext | None = None, tokens: Tensor | None = None
+    ) -> Tensor:
+        """`tokens`: the ids of x's tokens (a K/V mixture with a token table needs them)."""
         for name, block in self.blocks.items():
             basis_t = self.basis_t if self.constrained[int(name)] else None
-            x = block(x, self.rope_cos, self.rope_sin, basis_t, context, int(name))
+            x = block(x, self.rope_cos, self.rope_sin, basis_t, context, int(name), tokens)
         return x
 
     def logits(self, x: Tensor) -> Tensor:
@@ -210,6 +218,8 @@ def init_parameters(module: nn.Module, manifest: Manifest) -> None:
             g = seeded_generator(manifest.run.seed, name)
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith("kv_mix.tokens"):
+                p.zero_()
             elif name.endswith("kv_mix.bases"):
                 init_mixture_bases(p, manifest.model.kv_rank, g)
             elif name == "embed.weight":
@@ -241,7 +251,7 @@ class Stage(_Layers):
     ) -> Tensor:
         """In a context-parallel cell, x and tokens are this member's chunk only."""
         h = self.embed_tokens(tokens) if self.is_first else x
-        h = self.run_blocks(h, context)
+        h = self.run_blocks(h, context, tokens)
         return self.logits(h) if self.is_last else h
 
     # ---- the stage boundary -----------------------------------------------------
@@ -271,7 +281,7 @@ class Transformer(_Layers):
         super().__init__(manifest, range(manifest.model.n_layers), embed=True, head=True)
 
     def forward(self, tokens: Tensor, context: AttentionContext | None = None) -> Tensor:
-        return self.logits(self.run_blocks(self.embed_tokens(tokens), context))
+        return self.logits(self.run_blocks(self.embed_tokens(tokens), context, tokens))
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:

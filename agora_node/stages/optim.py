@@ -148,7 +148,13 @@ class InnerOptimizer:
         for name, p in module.named_parameters():
             if not p.requires_grad:
                 continue
-            if spec.optimizer == "muon" and p.ndim == 2 and name.startswith("blocks."):
+            table = name.endswith("kv_mix.tokens")  # a lookup table, not a hidden matrix
+            if (
+                spec.optimizer == "muon"
+                and p.ndim == 2
+                and name.startswith("blocks.")
+                and not table
+            ):
                 hidden.append(p)
             elif p.ndim >= 2:
                 decay.append(p)

@@ -30,7 +30,7 @@ from agora_node.stages.model import AttentionContext, Stage
 pytestmark = pytest.mark.timeout(120)
 
 
-def cp_manifest(seq_len: int = 30, kv_rank: int = 0, layers: int = 2):
+def cp_manifest(seq_len: int = 30, kv_rank: int = 0, layers: int = 2, kv_tokens: bool = False):
     m = load_manifest("tiny")
     model = dataclasses.replace(
         m.model,
@@ -43,6 +43,7 @@ def cp_manifest(seq_len: int = 30, kv_rank: int = 0, layers: int = 2):
         subspace_rank=0,
         kv_rank=kv_rank,
         kv_subspaces=3,
+        kv_tokens=kv_tokens,
     )
     return dataclasses.replace(m, model=model, stages=dataclasses.replace(m.stages, count=1))
 
@@ -105,12 +106,13 @@ def run_cell(stage: Stage, tokens, targets, doc_ids, size: int):
 
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("kv_rank", [0, 4])
-def test_a_cell_computes_the_loss_and_every_gradient_of_one_peer(size, packed, kv_rank):
+@pytest.mark.parametrize(("kv_rank", "kv_tokens"), [(0, False), (4, False), (4, True)])
+def test_a_cell_computes_the_loss_and_every_gradient_of_one_peer(size, packed, kv_rank, kv_tokens):
     torch.manual_seed(0)
     seq_len = 30 if size == 2 else 37  # 30 over 4 pieces and 37 over 8: uneven chunks
-    m = cp_manifest(seq_len, kv_rank)
+    m = cp_manifest(seq_len, kv_rank, kv_tokens=kv_tokens)
     stage = Stage(m, 0)
+    randomize_token_tables(stage)
     batch = torch.randint(0, 256, (2, seq_len + 1))
     tokens, targets = batch[:, :-1], batch[:, 1:]
     doc_ids = document_ids(seq_len, torch.tensor([0, 7, 19])) if packed else None
@@ -146,38 +148,52 @@ def test_packed_documents_do_not_see_each_other():
     assert not torch.equal(plain_before[:, 10:], plain_after[:, 10:])  # unmasked it would see it
 
 
-def test_mixture_coefficients_decode_exactly_from_the_frame_a_peer_receives():
-    torch.manual_seed(0)
-    m = cp_manifest(30, kv_rank=4)
-    block = Stage(m, 0).blocks["0"]
-    z = torch.randn(2, 15, 32)
-    coeffs, choice = block.kv_mix.encode(z)
-    assert torch.equal(coeffs.to(torch.bfloat16).float(), coeffs)  # on the bf16 grid already
-    frame = encode_kv_frame(
-        layer=0,
-        member=1,
-        kind=KIND_MIXTURE,
-        values=coeffs.detach().to(torch.bfloat16),
-        choice=choice,
-    )
-    expect = KVExpect(0, 1, KIND_MIXTURE, 2, 15, 4, torch.bfloat16)
-    got, got_choice = decode_kv_frame(frame, expect, num_subspaces=3)
-    assert torch.equal(got.float(), coeffs.detach()) and torch.equal(got_choice, choice)
+def randomize_token_tables(stage: Stage) -> None:
+    """Token tables start at zero, where they change nothing: give them values to check."""
     with torch.no_grad():
-        assert torch.equal(
-            block.kv_mix.decode(got.float(), got_choice), block.kv_mix.decode(coeffs, choice)
-        )
-    # r bf16 values and one byte per token, against 2d bytes for dense bf16
-    header = len(
-        encode_kv_frame(
+        for name, p in stage.named_parameters():
+            if name.endswith("kv_mix.tokens"):
+                p.normal_()
+
+
+@pytest.mark.parametrize("kv_tokens", [False, True])
+def test_mixture_coefficients_decode_exactly_from_the_frame_a_peer_receives(kv_tokens):
+    torch.manual_seed(0)
+    m = cp_manifest(30, kv_rank=4, kv_tokens=kv_tokens)
+    stage = Stage(m, 0)
+    randomize_token_tables(stage)
+    block = stage.blocks["0"]
+    z = torch.randn(2, 15, 32)
+    tokens = torch.randint(0, 256, (2, 15))
+    coeffs, choice = block.kv_mix.encode(z, tokens)
+    assert torch.equal(coeffs.to(torch.bfloat16).float(), coeffs)  # on the bf16 grid already
+    sent = tokens if kv_tokens else None
+    vocab = 256 if kv_tokens else 0
+
+    def frame_of(n: int) -> bytes:
+        return encode_kv_frame(
             layer=0,
             member=1,
             kind=KIND_MIXTURE,
-            values=coeffs[:, :0].to(torch.bfloat16),
-            choice=choice[:, :0],
+            values=coeffs[:, :n].detach().to(torch.bfloat16),
+            choice=choice[:, :n],
+            tokens=None if sent is None else sent[:, :n],
+            vocab=vocab,
         )
-    )
-    assert (len(frame) - header) / z[..., 0].numel() == 2 * 4 + 1
+
+    frame = frame_of(15)
+    expect = KVExpect(0, 1, KIND_MIXTURE, 2, 15, 4, torch.bfloat16, vocab)
+    got, got_choice, got_tokens = decode_kv_frame(frame, expect, num_subspaces=3)
+    assert torch.equal(got.float(), coeffs.detach()) and torch.equal(got_choice, choice)
+    assert got_tokens is None if not kv_tokens else torch.equal(got_tokens, tokens)
+    with torch.no_grad():
+        assert torch.equal(
+            block.kv_mix.decode(got.float(), got_choice, got_tokens),
+            block.kv_mix.decode(coeffs, choice, sent),
+        )
+    # r bf16 values, one byte of choice and one of token id per token (vocab 256),
+    # against 2d bytes for dense bf16
+    assert (len(frame) - len(frame_of(0))) / z[..., 0].numel() == 2 * 4 + 1 + kv_tokens
 
 
 def valid_dense_frame():
@@ -201,7 +217,7 @@ EXPECT = KVExpect(3, 1, KIND_DENSE, 2, 5, 8, torch.float32)
 )
 def test_frames_of_the_wrong_layer_chunk_length_rank_or_dtype_are_refused(expect, code):
     frame, values = valid_dense_frame()
-    got, _ = decode_kv_frame(frame, EXPECT)
+    got, _, _ = decode_kv_frame(frame, EXPECT)
     assert torch.equal(got, values)
     with pytest.raises(KVFrameError) as err:
         decode_kv_frame(frame, expect)
@@ -226,6 +242,24 @@ def test_truncated_nonfinite_and_out_of_range_frames_are_refused():
     with pytest.raises(KVFrameError) as err:
         decode_kv_frame(mixed, expect, num_subspaces=4)
     assert err.value.code == "choice"
+    # token ids: one byte each for a vocabulary of 100, and 200 is not in it
+    ids = torch.full((2, 5), 99)
+    for top, code in [(99, None), (200, "token")]:
+        ids[1, 4] = top
+        frame = encode_kv_frame(
+            layer=3, member=1, kind=KIND_MIXTURE, values=coeffs,
+            choice=torch.zeros(2, 5), tokens=ids, vocab=100,
+        )  # fmt: skip
+        with_ids = dataclasses.replace(expect, vocab=100)
+        if code is None:
+            assert torch.equal(decode_kv_frame(frame, with_ids, num_subspaces=4)[2], ids)
+            with pytest.raises(KVFrameError) as err:  # the ids it was not told to expect
+                decode_kv_frame(frame, expect, num_subspaces=4)
+            assert err.value.code == "length"
+            continue
+        with pytest.raises(KVFrameError) as err:
+            decode_kv_frame(frame, with_ids, num_subspaces=4)
+        assert err.value.code == code
 
 
 def test_a_member_refuses_and_counts_a_frame_for_the_wrong_layer():
@@ -258,3 +292,10 @@ def test_manifest_fields_keep_existing_run_ids_and_reject_bad_values():
     for field, value in [("cp_degree", 0), ("cp_degree", 65), ("kv_rank", -1), ("kv_subspaces", 0)]:
         with pytest.raises(ManifestError, match=f"model.{field}"):
             dataclasses.replace(tiny.model, **{field: value})
+    assert b"kv_tokens" not in compressed.canonical_bytes()
+    with pytest.raises(ManifestError, match="model.kv_tokens.*needs kv_rank"):
+        dataclasses.replace(tiny.model, kv_tokens=True)
+    tokens = dataclasses.replace(
+        compressed, model=dataclasses.replace(compressed.model, kv_tokens=True)
+    )
+    assert b"kv_tokens" in tokens.canonical_bytes() and tokens.run_id != compressed.run_id

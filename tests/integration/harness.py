@@ -125,6 +125,7 @@ def small_manifest(
     overlap: bool = False,
     cp_degree: int = 1,
     kv_rank: int = 0,
+    kv_tokens: bool = False,
 ) -> str:
     """tiny with another stage cut, outer cadence H, gossip group size, overlapped outer
     rounds or not, and context-parallel cells of `cp_degree` (written to `path`)."""
@@ -139,6 +140,7 @@ def small_manifest(
     text = text.replace("overlap = false", f"overlap = {str(overlap).lower()}")
     text = text.replace("cp_degree = 1", f"cp_degree = {cp_degree}")
     text = text.replace("kv_rank = 0", f"kv_rank = {kv_rank}")
+    text = text.replace("kv_tokens = false", f"kv_tokens = {str(kv_tokens).lower()}")
     parse_manifest(text)  # validate before a daemon sees it
     path.write_text(text)
     return str(path)

@@ -1,7 +1,8 @@
-"""Context-parallel cells with real daemons on 127.0.0.1: two replicas of the last stage
-form a cell by themselves, train the swarm's sequences split between them (loss falls),
-and when the leader is SIGKILLed the helper trains on alone from the cell's weights, and
-the head's micro-batches reach it. (A helper that dies: tests/node/test_cells.py.)"""
+"""Context-parallel cells with real daemons on 127.0.0.1: the two replicas of each stage
+(the heads too) form a cell by themselves, train the swarm's sequences split between
+them (loss falls), and when the last stage's leader is SIGKILLed its helper trains on
+alone from the cell's weights, and the head's micro-batches reach it. (A helper that
+dies: tests/node/test_cells.py.)"""
 
 import pytest
 
@@ -19,18 +20,25 @@ def _ok(swarm: TestSwarm, node) -> int:  # noqa: ANN001
 
 
 def test_two_replicas_form_a_cell_train_and_survive_the_leader_being_killed(swarm, tmp_path):
-    path = small_manifest(tmp_path / "cells.toml", stages=2, layers=2, cp_degree=2, kv_rank=8)
-    swarm.bootstrap(path)
-    head = swarm.join("head", "--stage", "0")
-    last = [swarm.join(f"last-{i}", "--stage", "1") for i in range(2)]
-    for node in (head, *last):
-        swarm.serving(node)
-    poll(
-        lambda: sorted(_cell(swarm, n).get("role", "") for n in last) == ["helper", "leader"],
-        120,
-        "a leader and a helper",
+    path = small_manifest(
+        tmp_path / "cells.toml", stages=2, layers=2, cp_degree=2, kv_rank=8, kv_tokens=True
     )
-    leader, helper = sorted(last, key=lambda n: _cell(swarm, n).get("role") != "leader")
+    swarm.bootstrap(path)
+    heads = [swarm.join(f"head-{i}", "--stage", "0") for i in range(2)]
+    last = [swarm.join(f"last-{i}", "--stage", "1") for i in range(2)]
+    for node in (*heads, *last):
+        swarm.serving(node)
+
+    def leader_and_helper(pair: list) -> list:
+        poll(
+            lambda: sorted(_cell(swarm, n).get("role", "") for n in pair) == ["helper", "leader"],
+            120,
+            "a leader and a helper",
+        )
+        return sorted(pair, key=lambda n: _cell(swarm, n).get("role") != "leader")
+
+    head, head_helper = leader_and_helper(heads)  # the head's cell injects as one head
+    leader, helper = leader_and_helper(last)
     # the cell computes micro-batches: the helper its chunk of each, K/V both ways
     poll(lambda: _cell(swarm, leader).get("microbatches", 0) >= 20, 240, "20 cell micro-batches")
     cell = _cell(swarm, leader)
@@ -44,8 +52,12 @@ def test_two_replicas_form_a_cell_train_and_survive_the_leader_being_killed(swar
     # its cell: not_leader, not_member) and a frame stored twice after a resent push
     refused = {**cell["refused"], **helped["refused"]}
     assert set(refused) <= {"not_leader", "not_member", "expired"}, refused
-    # compressed K/V (rank 8 + a choice byte, bf16) per token and layer, each way, plus headers
+    # compressed K/V (rank 8 bf16, a choice byte and a token id byte) per token and layer,
+    # each way, plus headers
     assert 0 < cell["kv_bytes_per_token"] < 64, cell
+    # the heads' cell splits the sequences it injects the same way
+    poll(lambda: _cell(swarm, head).get("microbatches", 0) >= 10, 120, "10 head-cell micro-batches")
+    assert _cell(swarm, head_helper)["helped"] >= 5, _cell(swarm, head_helper)
     losses = poll(lambda: (swarm.status(head) or {}).get("last_losses"), 30, "losses")
     first = losses[0]
     poll(

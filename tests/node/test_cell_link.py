@@ -37,20 +37,25 @@ async def peers(n: int):
             await stop_p2p(p)
 
 
-def small_stage(kv_rank: int) -> Stage:
+def small_stage(kv_rank: int, kv_tokens: bool = False) -> Stage:
     m = load_manifest("tiny")
     model = dataclasses.replace(
         m.model, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, seq_len=30,
-        subspace_rank=0, kv_rank=kv_rank, kv_subspaces=3,
+        subspace_rank=0, kv_rank=kv_rank, kv_subspaces=3, kv_tokens=kv_tokens,
     )  # fmt: skip
     manifest = dataclasses.replace(m, model=model, stages=dataclasses.replace(m.stages, count=1))
     torch.manual_seed(0)
-    return Stage(manifest, 0)
+    stage = Stage(manifest, 0)
+    with torch.no_grad():  # token tables start at zero, where they would go unchecked
+        for name, p in stage.named_parameters():
+            if name.endswith("kv_mix.tokens"):
+                p.normal_()
+    return stage
 
 
-@pytest.mark.parametrize("kv_rank", [0, 4])
-async def test_two_members_over_libp2p_compute_what_one_peer_computes(kv_rank):
-    stage = small_stage(kv_rank)
+@pytest.mark.parametrize(("kv_rank", "kv_tokens"), [(0, False), (4, False), (4, True)])
+async def test_two_members_over_libp2p_compute_what_one_peer_computes(kv_rank, kv_tokens):
+    stage = small_stage(kv_rank, kv_tokens)
     batch = torch.randint(0, 256, (2, 31))
     tokens, targets = batch[:, :-1], batch[:, 1:]
     single = copy.deepcopy(stage)

@@ -33,6 +33,9 @@ lengths and finite values. A helper that lies about its gradients can bend its c
 replica as any replica can bend its own; the outer steps' checks bound what reaches the
 stage (docs/security.md).
 
+The pipeline and the head run each micro-batch through `Compute`: on the cell this node
+leads when it is ready, else on the worker alone (whole sequences).
+
 Stage 0 forms cells too: the cell's leader is its head, sampling and injecting as one
 head (node/head.py: a helper injects nothing while it helps, and sampling counts a cell
 once), and the helpers embed and run their chunks of each sequence it injects.
@@ -45,8 +48,10 @@ import contextlib
 import logging
 import time
 
+import torch
+
 from agora_node.comms.cell_link import CellLink
-from agora_node.node.cell_leader import CellLeader
+from agora_node.node.cell_leader import CellFailed, CellLeader
 from agora_node.node.cell_work import CellHelper
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.names import cell_protocol, cell_work_protocol
@@ -190,3 +195,61 @@ class Cells:
             "frames_resent": self.link.retried,
             "answers_resent": self.answers_resent + (leader.answers_resent if leader else 0),
         }
+
+
+class Compute:
+    """Where a stage's micro-batches run: this node's worker alone, or the cell it leads
+    (the cell's leader when it is ready; the worker whole when the cell fails). A
+    micro-batch's backward and discard go to the leader its forward went to."""
+
+    def __init__(self, worker: StageWorker) -> None:
+        self.worker = worker
+        self.cells: Cells | None = None
+
+    def leader(self) -> CellLeader | None:
+        """The cell this node leads now (None: it computes alone)."""
+        return self.cells.leader if self.cells is not None else None
+
+    async def last(
+        self, c_in: torch.Tensor | None, tokens: torch.Tensor, loss_scale: float
+    ) -> tuple[float, torch.Tensor | None]:
+        leader = self.leader()
+        if leader is not None and leader.ready:
+            try:
+                return await leader.last(c_in, tokens, loss_scale)
+            except CellFailed as exc:
+                log.info("%s; this micro-batch is trained whole", exc)
+        return await self.worker.call(self.worker.forward_backward_last, c_in, tokens, loss_scale)
+
+    async def forward(
+        self,
+        leader: CellLeader | None,
+        mb_id: str,
+        c_in: torch.Tensor | None,
+        tokens: torch.Tensor,
+    ) -> torch.Tensor:
+        if leader is not None and leader.ready:
+            try:
+                return await leader.forward(mb_id, c_in, tokens)
+            except CellFailed as exc:
+                log.info("%s; this micro-batch is trained whole", exc)
+                leader.discard(mb_id)
+        return await self.worker.call(self.worker.forward, mb_id, c_in, tokens)
+
+    async def backward(
+        self, leader: CellLeader | None, mb_id: str, grad_out: torch.Tensor
+    ) -> torch.Tensor | None:
+        if leader is not None and leader.holds(mb_id):
+            try:
+                if not leader.ready:  # a helper failed since this forward
+                    raise CellFailed("the cell broke after this micro-batch's forward")
+                return await leader.backward(mb_id, grad_out)
+            except CellFailed as exc:
+                log.info("%s; this micro-batch is recomputed whole", exc)
+                await self.worker.call(leader.take_back, mb_id)
+        return await self.worker.call(self.worker.backward, mb_id, grad_out)
+
+    async def discard(self, leader: CellLeader | None, mb_id: str) -> None:
+        if leader is not None:
+            leader.discard(mb_id)
+        await self.worker.call(self.worker.discard, mb_id)

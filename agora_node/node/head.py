@@ -77,7 +77,7 @@ class Head:
         started = time.monotonic()
         try:
             if self.worker.stage.is_last:  # a one-stage run: everything is local
-                loss, _ = await self.pipeline.compute_last(None, batch, scale)
+                loss, _ = await self.pipeline.compute.last(None, batch, scale)
             else:
                 loss = await self._pipeline_microbatch(batch, scale)
         except Exception:
@@ -92,16 +92,16 @@ class Head:
 
     async def _pipeline_microbatch(self, batch: torch.Tensor, scale: float) -> float | None:
         mb_id = uuid.uuid4().hex[:16]
-        pipeline = self.pipeline
-        leader = pipeline.cell_leader()  # this head's cell splits the sequence when formed
-        c = await pipeline.compute_forward(leader, mb_id, None, batch)
+        compute = self.pipeline.compute
+        leader = compute.leader()  # this head's cell splits the sequence when formed
+        c = await compute.forward(leader, mb_id, None, batch)
         header = self._header(mb_id, batch, scale, train=True)
-        reply = await pipeline.send(header, batch, c)
+        reply = await self.pipeline.send(header, batch, c)
         if reply is None:
-            await pipeline.compute_discard(leader, mb_id)
+            await compute.discard(leader, mb_id)
             return None
         loss, grad = reply
-        await pipeline.compute_backward(leader, mb_id, grad)
+        await compute.backward(leader, mb_id, grad)
         return loss
 
     def _header(

@@ -43,8 +43,7 @@ from agora_node.comms.pipeline_wire import (
 from agora_node.comms.routing import FailureKind, Router, RouterConfig
 from agora_node.compression import ActivationCodec, CodecError, NonFiniteError
 from agora_node.node.canary import departing
-from agora_node.node.cell import Cells, standing_replicas
-from agora_node.node.cell_leader import CellFailed, CellLeader
+from agora_node.node.cell import Cells, Compute, standing_replicas
 from agora_node.node.config import PipelineConfig
 from agora_node.node.metrics import Metrics
 from agora_node.node.suspects import NormWatch, Reason, Suspects
@@ -144,8 +143,17 @@ class Pipeline:
         self._sent_for_training = 0
         self._canaries: set[asyncio.Task] = set()
         self.canary_counts = {"sent": 0, "compared": 0, "flagged": 0}
-        self.cells: Cells | None = None
-        """This stage's context-parallel cell (node/cell.py), when the manifest has them."""
+        self.compute = Compute(worker)
+        """Runs micro-batches on this node's worker, or the cell it leads (node/cell.py)."""
+
+    @property
+    def cells(self) -> Cells | None:
+        """This stage's context-parallel cell, when the manifest has them."""
+        return self.compute.cells
+
+    @cells.setter
+    def cells(self, cells: Cells | None) -> None:
+        self.compute.cells = cells
 
     @property
     def stage(self) -> int:
@@ -205,80 +213,30 @@ class Pipeline:
         started: float,
     ) -> bytes:
         if self.worker.stage.is_last:
-            loss, grad = await self.compute_last(c_in, tokens, header.loss_scale)
+            loss, grad = await self.compute.last(c_in, tokens, header.loss_scale)
             answer = await self._ok(loss, grad)  # raises NonFiniteError before counting "ok"
             self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
             return answer
         mb_id = f"{remote}/{header.mb_id}"
-        leader = self.cell_leader()
-        c_out = await self.compute_forward(leader, mb_id, c_in, tokens)
+        leader = self.compute.leader()
+        c_out = await self.compute.forward(leader, mb_id, c_in, tokens)
         downstream = ForwardHeader(**{**header.__dict__, "stage": self.stage + 1})
         try:
             reply = await self.send(downstream, tokens, c_out)
         except NonFiniteError:
-            await self.compute_discard(leader, mb_id)
+            await self.compute.discard(leader, mb_id)
             raise
         if reply is None:
-            await self.compute_discard(leader, mb_id)
+            await self.compute.discard(leader, mb_id)
             self.events.count_microbatch("dropped")
             return error_response(
                 Status.FAILED, Code.DOWNSTREAM, f"no stage {self.stage + 1} replica answered"
             )
         loss, grad_out = reply
-        grad_in = await self.compute_backward(leader, mb_id, grad_out)
+        grad_in = await self.compute.backward(leader, mb_id, grad_out)
         answer = await self._ok(loss, grad_in)  # raises NonFiniteError before counting "ok"
         self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
         return answer
-
-    # ---- compute: this worker alone, or the cell it leads (node/cell.py) -----------------
-    # A micro-batch's backward and discard go to the leader its forward went to.
-    def cell_leader(self) -> CellLeader | None:
-        """The cell this node leads now (None: it computes alone)."""
-        return self.cells.leader if self.cells is not None else None
-
-    async def compute_last(
-        self, c_in: torch.Tensor, tokens: torch.Tensor, loss_scale: float
-    ) -> tuple[float, torch.Tensor | None]:
-        leader = self.cell_leader()
-        if leader is not None and leader.ready:
-            try:
-                return await leader.last(c_in, tokens, loss_scale)
-            except CellFailed as exc:
-                log.info("%s; this micro-batch is trained whole", exc)
-        return await self.worker.call(self.worker.forward_backward_last, c_in, tokens, loss_scale)
-
-    async def compute_forward(
-        self,
-        leader: CellLeader | None,
-        mb_id: str,
-        c_in: torch.Tensor | None,
-        tokens: torch.Tensor,
-    ) -> torch.Tensor:
-        if leader is not None and leader.ready:
-            try:
-                return await leader.forward(mb_id, c_in, tokens)
-            except CellFailed as exc:
-                log.info("%s; this micro-batch is trained whole", exc)
-                leader.discard(mb_id)
-        return await self.worker.call(self.worker.forward, mb_id, c_in, tokens)
-
-    async def compute_backward(
-        self, leader: CellLeader | None, mb_id: str, grad_out: torch.Tensor
-    ) -> torch.Tensor | None:
-        if leader is not None and leader.holds(mb_id):
-            try:
-                if not leader.ready:  # a helper failed since this forward
-                    raise CellFailed("the cell broke after this micro-batch's forward")
-                return await leader.backward(mb_id, grad_out)
-            except CellFailed as exc:
-                log.info("%s; this micro-batch is recomputed whole", exc)
-                await self.worker.call(leader.take_back, mb_id)
-        return await self.worker.call(self.worker.backward, mb_id, grad_out)
-
-    async def compute_discard(self, leader: CellLeader | None, mb_id: str) -> None:
-        if leader is not None:
-            leader.discard(mb_id)
-        await self.worker.call(self.worker.discard, mb_id)
 
     async def _admit(self, data: bytes) -> tuple[ForwardHeader, torch.Tensor, torch.Tensor]:
         header, raw_tokens, payload = decode_forward(data)

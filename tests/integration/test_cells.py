@@ -58,6 +58,9 @@ def test_two_replicas_form_a_cell_train_and_survive_the_leader_being_killed(swar
     # the heads' cell splits the sequences it injects the same way
     poll(lambda: _cell(swarm, head).get("microbatches", 0) >= 10, 120, "10 head-cell micro-batches")
     assert _cell(swarm, head_helper)["helped"] >= 5, _cell(swarm, head_helper)
+    # what the helping head injected before the cell formed is back by now; from here on it
+    # injects nothing of its own (checked at the end)
+    injected = _ok(swarm, head_helper)
     losses = poll(lambda: (swarm.status(head) or {}).get("last_losses"), 30, "losses")
     first = losses[0]
     poll(
@@ -74,4 +77,5 @@ def test_two_replicas_form_a_cell_train_and_survive_the_leader_being_killed(swar
     poll(lambda: _cell(swarm, helper).get("role") == "alone", 120, "the helper alone")
     poll(lambda: _ok(swarm, head) >= ok_before + 20, 180, "20 more micro-batches after the kill")
     assert "no longer helping" in swarm.log(helper)
+    assert _ok(swarm, head_helper) <= injected + 2, "a helping head injected micro-batches"
     assert "Traceback" not in swarm.log(helper)

@@ -171,7 +171,9 @@ class NodeConfig:
     eval_samples: int = 16
     drain_timeout_s: float = 30.0
     max_tokens: int = option(
-        0, help="stage 0: stop injecting after this many tokens and evaluate (0: never)"
+        0,
+        help="stage 0: stop injecting after this many tokens and evaluate (0: never); a "
+        "head helping a context-parallel cell counts the tokens it helped split",
     )
     emulate_link: str = option(
         "", help="benchmarks: shape this node's uplink as 'MBIT_PER_S,LATENCY_MS'"

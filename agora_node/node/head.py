@@ -44,6 +44,13 @@ class Head:
     def injected_tokens(self) -> int:
         return self.events.injected_tokens
 
+    @property
+    def trained_tokens(self) -> int:
+        """Tokens toward a budget: those injected, plus those of the sequences this head
+        helped its cell's leader split (it injects nothing while it helps)."""
+        cells = self.pipeline.cells
+        return self.injected_tokens + (cells.helper.tokens if cells is not None else 0)
+
     async def run(self, sampler: Sampler, stop: asyncio.Event, max_tokens: int = 0) -> None:
         """Keep up to max_in_flight micro-batches in the pipeline until `stop` is set
         (or, with max_tokens, until that many tokens have been injected)."""
@@ -51,7 +58,7 @@ class Head:
         slots = asyncio.Semaphore(self.config.max_in_flight or spec.local_batch // spec.micro_batch)
         tasks: set[asyncio.Task] = set()
         tokens_per_mb = self.manifest.inner.micro_batch * self.manifest.model.seq_len
-        while not stop.is_set() and not (max_tokens and self.injected_tokens >= max_tokens):
+        while not stop.is_set() and not (max_tokens and self.trained_tokens >= max_tokens):
             if self._helping():  # its compute belongs to the cell's leader, who injects
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), HELPER_RECHECK_S)

@@ -67,3 +67,31 @@ def test_bytes_are_counted_once():
         assert events.bytes_by_peer() == ({"peer": 15}, {"peer": 3})
     finally:
         worker.close()
+
+
+def test_a_head_that_helps_a_cell_injects_nothing_and_counts_what_it_helped():
+    """Pure logic of the head's loop: `cells` is a stand-in with the two fields it reads."""
+    from types import SimpleNamespace
+
+    m = one_stage_manifest()
+    worker = StageWorker(m, 0)
+    pipeline = Pipeline(m, worker, None, "me", lambda s: [], PipelineConfig())
+    sampler = Sampler(TokenWindows(m, "train"), "me", lambda: [])
+    per_mb = m.inner.micro_batch * m.model.seq_len
+    helper = SimpleNamespace(tokens=0)
+    pipeline.cells = SimpleNamespace(role="helper", helper=helper)
+
+    async def scenario() -> None:
+        head = Head(pipeline)
+        run = asyncio.create_task(head.run(sampler, asyncio.Event(), max_tokens=2 * per_mb))
+        await asyncio.sleep(0)  # the loop takes its first look: helping, so it waits
+        assert not run.done() and head.injected_tokens == 0
+        helper.tokens = 2 * per_mb  # its cell split two micro-batches of its budget
+        await asyncio.wait_for(run, timeout=30)
+        assert head.injected_tokens == 0 and head.trained_tokens == 2 * per_mb
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        worker.close()
+    assert pipeline.stats.results == {"ok": 0, "dropped": 0, "rejected": 0}

@@ -56,7 +56,10 @@ def test_three_replicas_complete_rounds_with_equal_anchors() -> None:
             assert len({e["digest"] for e in events}) == 1, f"anchors differ after round {r}"
             # every span fetched from its owner was confirmed by its witness (over libp2p
             # for one span of each replica: the daemon's configuration verifies results)
-            assert all(e["checked"] == 2 and e["unchecked"] == 0 for e in events)
+            witnessed = [(e["checked"], e["unchecked"]) for e in events]
+            assert all(w == (2, 0) for w in witnessed), (
+                f"round {r}: (checked, unchecked) {witnessed}"
+            )
             assert all(not e["mismatched"] for e in events)
 
 

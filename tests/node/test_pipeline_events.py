@@ -69,29 +69,41 @@ def test_bytes_are_counted_once():
         worker.close()
 
 
-def test_a_head_that_helps_a_cell_injects_nothing_and_counts_what_it_helped():
+def test_a_head_that_helps_a_cell_injects_nothing_and_counts_what_it_helped(monkeypatch):
     """Pure logic of the head's loop: `cells` is a stand-in with the two fields it reads."""
     from types import SimpleNamespace
 
+    import agora_node.node.head as head_module
+
+    monkeypatch.setattr(head_module, "HELPER_RECHECK_S", 0.01)
     m = one_stage_manifest()
     worker = StageWorker(m, 0)
     pipeline = Pipeline(m, worker, None, "me", lambda s: [], PipelineConfig())
     sampler = Sampler(TokenWindows(m, "train"), "me", lambda: [])
     per_mb = m.inner.micro_batch * m.model.seq_len
-    helper = SimpleNamespace(tokens=0)
-    pipeline.cells = SimpleNamespace(role="helper", helper=helper)
 
-    async def scenario() -> None:
-        head = Head(pipeline)
-        run = asyncio.create_task(head.run(sampler, asyncio.Event(), max_tokens=2 * per_mb))
-        await asyncio.sleep(0)  # the loop takes its first look: helping, so it waits
-        assert not run.done() and head.injected_tokens == 0
-        helper.tokens = 2 * per_mb  # its cell split two micro-batches of its budget
-        await asyncio.wait_for(run, timeout=30)
-        assert head.injected_tokens == 0 and head.trained_tokens == 2 * per_mb
+    class HelpingCell:
+        """Helps throughout; its leader's split micro-batches arrive at the third look."""
 
+        def __init__(self) -> None:
+            self.helper, self.looks = SimpleNamespace(tokens=0), 0
+
+        @property
+        def role(self) -> str:
+            self.looks += 1
+            if self.looks == 3:
+                self.helper.tokens = 2 * per_mb  # its cell split two micro-batches of the budget
+            return "helper"
+
+    cell = HelpingCell()
+    pipeline.cells = cell
+    head = Head(pipeline)
     try:
-        asyncio.run(scenario())
+        asyncio.run(
+            asyncio.wait_for(head.run(sampler, asyncio.Event(), max_tokens=2 * per_mb), timeout=30)
+        )
     finally:
         worker.close()
+    assert cell.looks == 3  # it waited while helping, and stopped once its budget was met
+    assert head.injected_tokens == 0 and head.trained_tokens == 2 * per_mb
     assert pipeline.stats.results == {"ok": 0, "dropped": 0, "rejected": 0}

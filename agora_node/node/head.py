@@ -53,7 +53,7 @@ class Head:
 
     async def run(self, sampler: Sampler, stop: asyncio.Event, max_tokens: int = 0) -> None:
         """Keep up to max_in_flight micro-batches in the pipeline until `stop` is set
-        (or, with max_tokens, until that many tokens have been injected)."""
+        (or, with max_tokens, until `trained_tokens` reaches it)."""
         spec = self.manifest.inner
         slots = asyncio.Semaphore(self.config.max_in_flight or spec.local_batch // spec.micro_batch)
         tasks: set[asyncio.Task] = set()

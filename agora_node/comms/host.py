@@ -128,13 +128,17 @@ class Host:
         appears later), not the list cached at start."""
         return [str(m) for m in await self.p2p.get_visible_maddrs(latest=latest)]
 
-    async def relayed_peers(self) -> list[str]:
-        """Peers this node is connected to only through a relay circuit."""
-        return [
-            info.peer_id.to_base58()
-            for info in await self.p2p.list_peers()
-            if info.addrs and all(is_relayed(str(a)) for a in info.addrs)
-        ]
+    async def relayed_peers(self) -> tuple[list[str], set[str]]:
+        """Peers this node is connected to only through a relay circuit, and the peers it
+        holds a direct connection to."""
+        relayed, direct = [], set()
+        for info in await self.p2p.list_peers():
+            peer = info.peer_id.to_base58()
+            if any(not is_relayed(str(a)) for a in info.addrs):
+                direct.add(peer)
+            elif info.addrs:
+                relayed.append(peer)
+        return relayed, direct
 
     async def store(
         self,

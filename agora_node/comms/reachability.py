@@ -255,9 +255,9 @@ class Reachability:
             why = next(iter(self.failed.values()), "")
             return (
                 f"NOT reachable: {len(self.failed)} peer(s) could not dial this node at {addrs} "
-                f"({why[:120]}); peers reach it only over connections it opened itself, so a "
-                "peer that restarts or joins later may not (a relayed address makes it "
-                "findable, not yet a path for training). Forward the TCP port to this "
+                f"({why[:120]}); peers reach it over connections it opened itself, and "
+                "others through a relay once it has a relayed address (about 3 minutes), "
+                "which costs the relay's bandwidth and a hop. Forward the TCP port to this "
                 "machine, or set --announce-maddrs to an address peers can dial"
             )
         return "reachability unknown: no peer answered yet"

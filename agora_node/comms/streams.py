@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 from hivemind.p2p import P2P, PeerID
 
@@ -25,9 +28,30 @@ KIND_DATA, KIND_END, KIND_ERROR = b"D", b"E", b"X"
 KIND_REFUSED = b"R"
 """Sent instead of reading the request: this peer does not take requests from the remote
 (a private swarm's allow list); the payload says so in one line."""
-_LEN_BYTES = 8
+KIND_SIGNED = b"S"
+"""Before END of an answer that came through a relay (comms/relay.py): the answering
+peer's signature over the request's nonce and every data frame."""
+LEN_BYTES = 8
 DEFAULT_MAX_FRAME = 64 << 20
 CHUNK = 1 << 20
+
+
+class Route(Protocol):
+    """Where requests to peers that cannot be dialed go (comms/relay.py's `Relaying`)."""
+
+    def relays_of(self, peer_id: str) -> list[str]: ...
+
+    def request_stream(
+        self, p2p: P2P, peer_id: str, name: str, payload: bytes, timeout: float, max_response: int
+    ) -> AsyncIterator[bytes]: ...
+
+
+_routes: weakref.WeakKeyDictionary[P2P, Route] = weakref.WeakKeyDictionary()
+
+
+def set_route(p2p: P2P, route: Route) -> None:
+    """Requests this node sends over `p2p` to peers `route` names a relay for go through it."""
+    _routes[p2p] = route
 
 
 class StreamError(ConnectionError):
@@ -46,8 +70,8 @@ async def write_frame(writer: asyncio.StreamWriter, kind: bytes, payload: bytes 
     # the header leaves at once and the payload after the emulated link's delay, as on a
     # real link, so a reader's header deadline does not count a shaped uplink's queue;
     # an empty frame (END) follows its message's data without another latency
-    writer.write(kind + len(payload).to_bytes(_LEN_BYTES, "big"))
-    await linkemu.transmit(len(payload) + 1 + _LEN_BYTES, propagate=bool(payload))
+    writer.write(kind + len(payload).to_bytes(LEN_BYTES, "big"))
+    await linkemu.transmit(len(payload) + 1 + LEN_BYTES, propagate=bool(payload))
     view = memoryview(payload)
     for offset in range(0, len(view), CHUNK):
         writer.write(view[offset : offset + CHUNK])
@@ -62,13 +86,13 @@ async def write_frame(writer: asyncio.StreamWriter, kind: bytes, payload: bytes 
 async def read_frame(
     reader: asyncio.StreamReader, max_bytes: int = DEFAULT_MAX_FRAME
 ) -> tuple[bytes, bytes]:
-    kind, length = _parse_head(await _read_exactly(reader, 1 + _LEN_BYTES, "stream closed"))
+    kind, length = parse_head(await read_exactly(reader, 1 + LEN_BYTES, "stream closed"))
     if length > max_bytes:
         raise StreamError(f"frame of {length} bytes exceeds the limit of {max_bytes}")
-    return kind, await _read_exactly(reader, length, "stream closed mid-frame")
+    return kind, await read_exactly(reader, length, "stream closed mid-frame")
 
 
-async def _read_exactly(reader: asyncio.StreamReader, n: int, what: str) -> bytes:
+async def read_exactly(reader: asyncio.StreamReader, n: int, what: str) -> bytes:
     try:
         return await reader.readexactly(n)
     except asyncio.IncompleteReadError as exc:
@@ -79,9 +103,9 @@ async def _read_exactly(reader: asyncio.StreamReader, n: int, what: str) -> byte
         raise StreamError(f"{what} ({exc!r})") from exc
 
 
-def _parse_head(head: bytes) -> tuple[bytes, int]:
+def parse_head(head: bytes) -> tuple[bytes, int]:
     kind, length = head[:1], int.from_bytes(head[1:], "big")
-    if kind not in (KIND_DATA, KIND_END, KIND_ERROR, KIND_REFUSED):
+    if kind not in (KIND_DATA, KIND_END, KIND_ERROR, KIND_REFUSED, KIND_SIGNED):
         raise StreamError(f"bad frame kind {kind!r}")
     return kind, length
 
@@ -92,15 +116,13 @@ async def read_request(
     """A server reads one request frame: its header within the read deadline, a length
     above `max_bytes` refused before the body is read, the body within the read
     deadline plus its bytes at the guard's slowest rate."""
-    head = await guard.read(_read_exactly(reader, 1 + _LEN_BYTES, "stream closed"), 0, remote)
-    _, length = _parse_head(head)
+    head = await guard.read(read_exactly(reader, 1 + LEN_BYTES, "stream closed"), 0, remote)
+    _, length = parse_head(head)
     guard.check_size(length, max_bytes, remote)
-    return await guard.read(
-        _read_exactly(reader, length, "stream closed mid-frame"), length, remote
-    )
+    return await guard.read(read_exactly(reader, length, "stream closed mid-frame"), length, remote)
 
 
-def _close(writer: asyncio.StreamWriter) -> None:
+def close_quietly(writer: asyncio.StreamWriter) -> None:
     try:
         writer.close()
     except Exception:  # already broken: nothing to release
@@ -118,6 +140,85 @@ async def _discard_until_closed(reader: asyncio.StreamReader, timeout: float = 5
 
 # A handler gets (remote peer id, request bytes) and yields response frames.
 Handler = Callable[[str, bytes], AsyncIterator[bytes]]
+Refuse = Callable[[str], str | None]
+
+
+@dataclass
+class Served:
+    """One protocol this node serves: its handler behind its guard (see `serve`)."""
+
+    name: str
+    handler: Handler
+    guard: Guard
+    max_request: int
+    refuse: Refuse | None
+
+
+class Signer(Protocol):
+    """Signs an answer frame by frame (comms/relay.py): `update` with each data frame,
+    then `finish` gives the signature frame's payload."""
+
+    def update(self, chunk: bytes) -> None: ...
+
+    def finish(self) -> bytes: ...
+
+
+_served: weakref.WeakKeyDictionary[P2P, dict[str, Served]] = weakref.WeakKeyDictionary()
+
+
+def served(p2p: P2P, name: str) -> Served | None:
+    """What this node serves under protocol `name`, for requests that come through a relay."""
+    return _served.get(p2p, {}).get(name)
+
+
+async def answer(
+    served: Served,
+    remote: str,
+    body: Callable[[], Awaitable[bytes]],
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    signer: Signer | None = None,
+) -> None:
+    """Serve one request of `remote` (the peer it is from, authenticated): refused before
+    anything is read if `served.refuse` says so, else admitted by the guard; `body()`
+    reads the request under the guard's deadlines. Every failure ends in one frame or a
+    closed stream, never an exception."""
+    name, guard = served.name, served.guard
+    try:
+        refusal = served.refuse(remote) if served.refuse is not None else None
+        if refusal is not None:
+            await write_frame(writer, KIND_REFUSED, refusal.encode()[:1000])
+            await _discard_until_closed(reader)
+            return
+        async with guard.serving(remote):
+            request = await body()
+            async for chunk in served.handler(remote, request):
+                if signer is not None:
+                    signer.update(chunk)
+                await guard.drain(write_frame(writer, KIND_DATA, chunk), len(chunk), remote)
+            if signer is not None:
+                await guard.drain(write_frame(writer, KIND_SIGNED, signer.finish()), 0, remote)
+            await guard.drain(write_frame(writer, KIND_END), 0, remote)
+    except Refused as exc:
+        # admission refusals can come by the thousand (counted, not logged one by one)
+        level = logging.DEBUG if exc.reason in ADMISSION else logging.INFO
+        log.log(level, "stream %s from %s: %s", name, remote[-8:], exc)
+        if exc.reason in ADMISSION:  # nothing was read: say why, briefly
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(write_frame(writer, KIND_ERROR, str(exc).encode()), 1.0)
+    except StreamError as exc:
+        log.debug("stream %s from %s: %s", name, remote[-8:], exc)
+    except (ConnectionError, asyncio.IncompleteReadError):
+        log.debug("stream %s from %s broke", name, remote[-8:])
+    except Exception as exc:
+        log.exception("handler %s failed for %s", name, remote[-8:])
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                write_frame(writer, KIND_ERROR, f"{type(exc).__name__}: {exc}".encode()[:1000]),
+                guard.limits.drain_deadline_s,
+            )
+    finally:
+        close_quietly(writer)
 
 
 async def serve(
@@ -127,49 +228,28 @@ async def serve(
     *,
     max_request: int = DEFAULT_MAX_FRAME,
     guard: Guard | None = None,
-    refuse: Callable[[str], str | None] | None = None,
+    refuse: Refuse | None = None,
 ) -> None:
     """Register `handler` under protocol `name` on this node's libp2p daemon, behind
     `guard` (comms/guard.py): admission by the authenticated remote peer id, the read
     deadline, a drain deadline per write and an overall deadline. `refuse(remote peer
-    id)`: a private swarm's one-line refusal, sent before the request is read, or None."""
-    guard = guard or Guard(name)
+    id)`: a private swarm's one-line refusal, sent before the request is read, or None.
+    Requests that come through a relay (comms/relay.py) reach the same handler."""
+    entry = Served(name, handler, guard or Guard(name), max_request, refuse)
 
     async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         remote = info.peer_id.to_base58()  # authenticated by libp2p's secure channel
-        try:
-            refusal = refuse(remote) if refuse is not None else None
-            if refusal is not None:
-                await write_frame(writer, KIND_REFUSED, refusal.encode()[:1000])
-                await _discard_until_closed(reader)
-                return
-            async with guard.serving(remote):
-                request = await read_request(reader, max_request, guard, remote)
-                async for chunk in handler(remote, request):
-                    await guard.drain(write_frame(writer, KIND_DATA, chunk), len(chunk), remote)
-                await guard.drain(write_frame(writer, KIND_END), 0, remote)
-        except Refused as exc:
-            # admission refusals can come by the thousand (counted, not logged one by one)
-            level = logging.DEBUG if exc.reason in ADMISSION else logging.INFO
-            log.log(level, "stream %s from %s: %s", name, remote[-8:], exc)
-            if exc.reason in ADMISSION:  # nothing was read: say why, briefly
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(write_frame(writer, KIND_ERROR, str(exc).encode()), 1.0)
-        except StreamError as exc:
-            log.debug("stream %s from %s: %s", name, remote[-8:], exc)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            log.debug("stream %s from %s broke", name, remote[-8:])
-        except Exception as exc:
-            log.exception("handler %s failed for %s", name, remote[-8:])
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(
-                    write_frame(writer, KIND_ERROR, f"{type(exc).__name__}: {exc}".encode()[:1000]),
-                    guard.limits.drain_deadline_s,
-                )
-        finally:
-            _close(writer)
+        await answer(
+            entry,
+            remote,
+            lambda: read_request(reader, max_request, entry.guard, remote),
+            reader,
+            writer,
+        )
 
     await p2p.add_binary_stream_handler(name, on_stream)
+    with contextlib.suppress(TypeError):  # a test's stand-in for P2P may not be weak-referable
+        _served.setdefault(p2p, {})[name] = entry
 
 
 async def request_stream(
@@ -181,7 +261,13 @@ async def request_stream(
     timeout: float,
     max_response: int = DEFAULT_MAX_FRAME,
 ) -> AsyncIterator[bytes]:
-    """Send one request, yield the response frames; each frame must arrive within `timeout`."""
+    """Send one request, yield the response frames; each frame must arrive within `timeout`.
+    A peer that cannot be dialed is asked through its relay (comms/relay.py), if known."""
+    route = _routes.get(p2p)
+    if route is not None and route.relays_of(peer_id):
+        async for frame in route.request_stream(p2p, peer_id, name, payload, timeout, max_response):
+            yield frame
+        return
     try:
         _, reader, writer = await asyncio.wait_for(
             p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name), timeout
@@ -205,9 +291,11 @@ async def request_stream(
                 raise RefusedError(data.decode(errors="replace"))
             if kind == KIND_ERROR:
                 raise StreamError(f"{peer_id[-8:]} failed: {data.decode(errors='replace')}")
+            if kind == KIND_SIGNED:  # only answers that came through a relay carry one
+                raise StreamError(f"{peer_id[-8:]} sent a signature frame on a direct stream")
             yield data
     finally:
-        _close(writer)
+        close_quietly(writer)
 
 
 async def request(

@@ -1,5 +1,6 @@
-"""The bootstrap peer: an entry point that publishes a run's manifest and answers
-dial-back checks (comms/reachability.py). It serves no stage.
+"""The bootstrap peer: an entry point that publishes a run's manifest, answers
+dial-back checks (comms/reachability.py) and relays for nodes behind NAT
+(comms/relay.py). It serves no stage.
 
 It only makes the swarm findable: once peers know each other it may die, and
 any live peer works as `--initial-peers` (every node republishes the manifest).
@@ -28,6 +29,7 @@ async def run_bootstrap(
     announce_maddrs: list[str],
     initial_peers: list[str],
     *,
+    relay_for_others: bool = True,
     ready: asyncio.Event | None = None,
 ) -> int:
     identity = Identity.load_or_create(identity_path)
@@ -46,6 +48,10 @@ async def run_bootstrap(
     dialback = DialBack()
     try:
         await dialback.serve(host, manifest.run_id, host_maddrs, None)
+        # nodes behind NAT reserve their libp2p relay slot here first (their initial peer)
+        await dialback.serve_relaying(
+            host, identity, manifest.run_id, offer=relay_for_others, refuse=None
+        )
         await publish_manifest(host, manifest, identity)
         maddrs = await host.visible_maddrs()
         print(

@@ -233,6 +233,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
                 config.host_maddrs,
                 config.announce_maddrs,
                 config.initial_peers,
+                relay_for_others=config.relay_for_others == "on",
             )
         )
 

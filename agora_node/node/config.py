@@ -45,6 +45,12 @@ def _check_codec(name: str) -> None:
         raise UsageError(str(exc)) from None
 
 
+def on_off(text: str) -> str:
+    if text not in ("on", "off"):
+        raise UsageError(f"expected on or off, not {text!r}")
+    return text
+
+
 @dataclass(kw_only=True)
 class PipelineConfig:
     max_in_flight: int = option(
@@ -109,6 +115,12 @@ class NodeConfig:
     host_maddrs: list[str] = option(factory=lambda: [LISTEN], help=_LISTEN_HELP)
     announce_maddrs: list[str] = option(
         factory=list, help="multiaddrs to announce to peers (public address and port)"
+    )
+    relay_for_others: str = option(
+        "on",
+        parse=on_off,
+        help="on: pass requests on to peers behind NAT that keep a connection to this node "
+        "(their streams only, signed end to end, bounded per peer: docs/security.md); off: never",
     )
     status_host: str = option("127.0.0.1", help="status page address")
     status_port: int = option(8421, help="status page port (0: any free port)")
@@ -270,6 +282,12 @@ class BootstrapConfig:
     host_maddrs: list[str] = option(factory=lambda: [LISTEN], help=_LISTEN_HELP)
     announce_maddrs: list[str] = option(
         factory=list, help="multiaddrs to announce (public address and port)"
+    )
+    relay_for_others: str = option(
+        "on",
+        parse=on_off,
+        help="on: pass requests on to peers behind NAT that keep a connection to this node "
+        "(their streams only, signed end to end, bounded per peer: docs/security.md); off: never",
     )
     initial_peers: list[str] = option(
         factory=list, help="other entry points of the same swarm, if any"

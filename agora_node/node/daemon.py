@@ -180,6 +180,14 @@ class Node:
         )
         refuse = admission.refuser(self.admittance.allow, self.peer_id, "reachability")
         await self.dialback.serve(self.host, m.run_id, cfg.host_maddrs, refuse)
+        await self.dialback.serve_relaying(
+            self.host,
+            self.identity,
+            m.run_id,
+            offer=cfg.relay_for_others == "on",
+            refuse=admission.refuser(self.admittance.allow, self.peer_id, "relay"),
+            on_refuse=self.metrics.count_refused,
+        )
         await self._open_service(stage)
         self._loops.spawn(self._refresh_loop())
         self._loops.spawn(self._reachability_loop())
@@ -305,7 +313,10 @@ class Node:
         while not self.stop_event.is_set():
             peers = set(self._others()) | reachability.peer_ids(self.config.initial_peers)
             await self.dialback.check_if_due(self.host, self.manifest.run_id, sorted(peers), direct)
-            self.addrs = (await self.dialback.refresh_relay(self.host, direct))[:MAX_ADDRS]
+            addrs_of = {r.peer_id: r.addrs for records in self.view.values() for r in records}
+            self.addrs = (await self.dialback.refresh_relay(self.host, direct, addrs_of))[
+                :MAX_ADDRS
+            ]
             await self._wait_stop(self.config.refresh_s)
 
     async def _wait_stop(self, seconds: float) -> None:

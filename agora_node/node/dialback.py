@@ -2,17 +2,21 @@
 to be dialed back, from a probe daemon started on the first request, and asking a few
 peers to dial us, with one log line whenever their answer changes. And whether peers
 reach it through a relay: libp2p's AutoRelay reserves a slot on a public peer for a node
-that cannot be dialed (comms/host.py), and the relayed address joins those it announces."""
+that cannot be dialed (comms/host.py), and the relayed address joins those it announces;
+our streams to such peers go through our own relay (comms/relay.py), which this node
+offers others too unless its operator said no."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from agora_node.comms import reachability
+from agora_node.comms import reachability, streams
 from agora_node.comms.host import Host, is_relayed
+from agora_node.comms.relay import Relaying
+from agora_node.protocol.identity import Identity
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,8 @@ class DialBack:
         self.relayed = Relayed()
         """Relayed addresses and relayed peers (the status page's `relay`)."""
         self.prober: reachability.Prober | None = None
+        self.relaying: Relaying | None = None
+        """Streams through relays of our own, and the relay offered (the status's `relay`)."""
 
     async def serve(
         self,
@@ -77,6 +83,22 @@ class DialBack:
         self.prober = reachability.Prober(reachability.probe_listen(host_maddrs), host.watch)
         await reachability.serve_reachability(host.p2p, run_id, self.prober, refuse)
 
+    async def serve_relaying(
+        self,
+        host: Host,
+        identity: Identity,
+        run_id: str,
+        *,
+        offer: bool,
+        refuse: Callable[[str], str | None] | None,
+        on_refuse: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """Take requests that come through relays, relay for others if `offer`, and send
+        our own requests to peers that cannot be dialed through their relays."""
+        self.relaying = Relaying(identity, run_id, offer=offer)
+        await self.relaying.serve(host.p2p, refuse, on_refuse)
+        streams.set_route(host.p2p, self.relaying)
+
     async def check_if_due(
         self, host: Host, run_id: str, peers: Sequence[str], addrs: Sequence[str]
     ) -> None:
@@ -88,15 +110,27 @@ class DialBack:
             unreachable = self.reach.state == reachability.Reach.UNREACHABLE
             log.log(logging.WARNING if unreachable else logging.INFO, self.reach.line())
 
-    async def refresh_relay(self, host: Host, direct: Sequence[str]) -> list[str]:
-        """Ask libp2p for the relayed addresses and relayed peers; the addresses to announce:
-        `direct` (those of start), then the relayed ones."""
-        line = self.relayed.update(
-            await host.visible_maddrs(latest=True), await host.relayed_peers(), time.time()
-        )
+    async def refresh_relay(
+        self, host: Host, direct: Sequence[str], addrs_of: Mapping[str, Sequence[str]]
+    ) -> list[str]:
+        """Ask libp2p for the relayed addresses and relayed peers, and route our streams to
+        peers that announce circuit addresses (`addrs_of`: what each known peer's record
+        says) through their relays; the addresses to announce: `direct` (those of start),
+        then the relayed ones."""
+        relayed, connected = await host.relayed_peers()
+        line = self.relayed.update(await host.visible_maddrs(latest=True), relayed, time.time())
         if line is not None:
             log.info(line)
+        if self.relaying is not None:
+            self.relaying.update_routes(addrs_of, connected)
         return [*direct, *self.relayed.addrs]
+
+    def status(self, sent: dict[str, int], received: dict[str, int]) -> dict:
+        """The status's `relay`: libp2p's relayed addresses and peers, and under `streams`
+        our streams through relays and what this node relayed for others."""
+        status = self.relayed.status(sent, received)
+        status["streams"] = self.relaying.status() if self.relaying is not None else None
+        return status
 
     async def close(self) -> None:
         if self.prober is not None:

@@ -175,6 +175,15 @@ class Metrics:
             "relayed_addrs",
             "Relayed addresses this node announces (0: dialed directly or not at all).",
         )
+        self.relay_via_bytes = gauge(
+            "relay_via_bytes",
+            "Bytes of this node's streams (requests and answers) that went through relays of "
+            "ours to peers behind NAT, since start.",
+        )
+        self.relay_forwarded_bytes = gauge(
+            "relay_forwarded_bytes",
+            "Bytes this node passed on as a relay for other peers' streams, since start.",
+        )
         self.cell_members = gauge(
             "cell_members", "Members of this node's context-parallel cell (1: none, alone)."
         )
@@ -297,6 +306,9 @@ class Metrics:
         relay = node.get("relay") or {}
         self.relayed_peers.set(len(relay.get("relayed_peers") or ()))
         self.relayed_addrs.set(len(relay.get("addrs") or ()))
+        streams = relay.get("streams") or {}
+        self.relay_via_bytes.set(sum((streams.get("bytes_via") or {}).values()))
+        self.relay_forwarded_bytes.set(streams.get("forwarded_bytes", 0))
         cell = node.get("cell") or {}
         self.cell_members.set(len(cell.get("members") or ()) or 1)
         self.cell_kv_bytes.set(cell.get("kv_bytes_sent", 0))

@@ -221,7 +221,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "last_checkpoint": node.last_checkpoint,
             "addrs": node.addrs,
             "reachability": node.dialback.reach.status(),
-            "relay": node.dialback.relayed.status(sent, received),
+            "relay": node.dialback.status(sent, received),
             "cell": p.cells.status() if p is not None and p.cells is not None else None,
             "state_origin": service.origin if service else {},
             "states_served": node.states_served,

@@ -79,6 +79,22 @@ def reachability_protocol(run_id: str) -> str:
     return f"/agora/{run_id}/reachability/1"
 
 
+def protocol_prefix(run_id: str) -> str:
+    """What every stream protocol of a run starts with (a relay passes on only these)."""
+    return f"/agora/{run_id}/"
+
+
+def relay_protocol(run_id: str) -> str:
+    """Stream protocol a caller sends a request on to a relay, for a peer nobody can dial
+    (comms/relay.py)."""
+    return f"/agora/{run_id}/relay/1"
+
+
+def relayed_protocol(run_id: str) -> str:
+    """Stream protocol a relay passes a caller's request on to its target with."""
+    return f"/agora/{run_id}/relayed/1"
+
+
 def telemetry_prefix(run_id: str, peer_id: str) -> str:
     """MQTT topic prefix of a node's telemetry (`/status`, `/events` below it)."""
     return f"agora/{run_id}/{peer_id}"

@@ -26,6 +26,8 @@ def all_names(run_id: str) -> dict[str, str]:
         "cell_protocol": names.cell_protocol(run_id),
         "cell_work_protocol": names.cell_work_protocol(run_id),
         "reachability_protocol": names.reachability_protocol(run_id),
+        "relay_protocol": names.relay_protocol(run_id),
+        "relayed_protocol": names.relayed_protocol(run_id),
     }
 
 
@@ -44,6 +46,8 @@ def test_exact_spellings_are_pinned():
         "cell_protocol": "/agora/r1/cell/1",
         "cell_work_protocol": "/agora/r1/cellwork/1",
         "reachability_protocol": "/agora/r1/reachability/1",
+        "relay_protocol": "/agora/r1/relay/1",
+        "relayed_protocol": "/agora/r1/relayed/1",
     }
 
 

@@ -36,6 +36,7 @@ SAMPLES = {
     "precision": ["fp32", "bf16", "auto", "fp32"],
     "optimizer_states": ["8bit", "fp32", "8bit", "fp32"],  # two formats: file and cli share one
     "optimizer_step": ["in-backward", "after-backward", "in-backward", "after-backward"],
+    "relay_for_others": ["off", "on", "off", "on"],
 }
 JOIN_OPTIONS = options_of(NodeConfig)
 

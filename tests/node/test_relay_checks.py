@@ -1,0 +1,204 @@
+"""What a hostile relay can do to a request or an answer (comms/relay.py, relay_wire.py), on bytes fed
+to a stream reader: the target takes only a request its caller signed, for itself, once,
+within the time window; the caller takes only an answer the target signed."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+
+import pytest
+
+from agora_node.comms import relay_wire, streams
+from agora_node.comms.guard import Guard
+from agora_node.comms.relay import Relaying
+from agora_node.comms.relay_wire import AnswerSigner, Header, RelayError
+from agora_node.protocol.identity import Identity
+
+pytestmark = pytest.mark.timeout(30)
+RUN = "checks"
+ECHO = f"/agora/{RUN}/echo/1"
+NOW = 1_800_000_000.0
+
+
+class _Daemon:
+    """Stands in for a P2P object: streams.serve registers the handler on it."""
+
+    async def add_binary_stream_handler(self, name, handler) -> None:  # noqa: ANN001
+        pass
+
+
+def _frame(kind: bytes, payload: bytes) -> bytes:
+    return kind + len(payload).to_bytes(streams.LEN_BYTES, "big") + payload
+
+
+def _reader(data: bytes) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return reader
+
+
+def _request(
+    caller: Identity, to: str, body: bytes, *, t: float = NOW, origin: str | None = None
+) -> bytes:
+    """A request as a relay passes it on: the caller's signed header plus `from`."""
+    nonce = os.urandom(16).hex()
+    digest = hashlib.sha256(body).digest()
+    t_ms = int(t * 1000)
+    sig = caller.sign(relay_wire.request_message(to, ECHO, t_ms, nonce, digest)).hex()
+    header = Header(to, ECHO, t_ms, nonce, sig, origin or caller.peer_id).encode()
+    return _frame(streams.KIND_DATA, len(header).to_bytes(4, "big") + header + body)
+
+
+@pytest.fixture
+async def target():  # noqa: ANN201
+    daemon, identity = _Daemon(), Identity.generate()
+
+    async def echo(remote: str, request: bytes):  # noqa: ANN202
+        yield request
+
+    await streams.serve(daemon, ECHO, echo, max_request=1024)
+    return daemon, Relaying(identity, RUN, clock=lambda: NOW)
+
+
+async def _take(target, data: bytes):  # noqa: ANN001, ANN202
+    daemon, relaying = target
+    return await relaying.take(daemon, Guard("relayed"), "relay-peer", _reader(data))
+
+
+async def test_an_honest_request_is_taken_as_its_callers(target) -> None:  # noqa: ANN001
+    caller = Identity.generate()
+    served, header, body = await _take(target, _request(caller, target[1].me, b"hello"))
+    assert (served.name, header.origin, body) == (ECHO, caller.peer_id, b"hello")
+
+
+@pytest.mark.parametrize(
+    ("forge", "code"),
+    [
+        ("body", "signature"),  # the relay altered the body
+        ("origin", "signature"),  # the relay names another caller
+        ("stale", "time"),
+        ("future", "time"),
+        ("target", "target"),  # meant for another peer
+        ("protocol", "protocol"),
+        ("header", "header"),
+        ("nobody", "target"),  # no `from`: not a relayed request
+    ],
+)
+async def test_a_forged_request_is_refused_with_its_code(target, forge: str, code: str) -> None:  # noqa: ANN001
+    caller, me = Identity.generate(), target[1].me
+    data = {
+        "body": lambda: _request(caller, me, b"hello").replace(b"hello", b"HELLO"),
+        "origin": lambda: _request(caller, me, b"hello", origin=Identity.generate().peer_id),
+        "stale": lambda: _request(caller, me, b"hello", t=NOW - relay_wire.WINDOW_S - 1),
+        "future": lambda: _request(caller, me, b"hello", t=NOW + relay_wire.WINDOW_S + 1),
+        "target": lambda: _request(caller, Identity.generate().peer_id, b"hello"),
+        "protocol": lambda: _request(caller, me, b"x").replace(b"/echo/1", b"/ohce/1"),
+        "header": lambda: _frame(streams.KIND_DATA, (5000).to_bytes(4, "big") + b"{" * 5000),
+        "nobody": lambda: _unsigned_origin(caller, me),
+    }[forge]()
+    with pytest.raises(RelayError) as err:
+        await _take(target, data)
+    assert err.value.code == code
+
+
+def _unsigned_origin(caller: Identity, me: str) -> bytes:
+    """A header without `from`: what the caller sends its relay, passed on unchanged."""
+    nonce, t_ms = os.urandom(16).hex(), int(NOW * 1000)
+    sig = caller.sign(
+        relay_wire.request_message(me, ECHO, t_ms, nonce, hashlib.sha256(b"").digest())
+    )
+    header = Header(me, ECHO, t_ms, nonce, sig.hex()).encode()
+    return _frame(streams.KIND_DATA, len(header).to_bytes(4, "big") + header)
+
+
+async def test_a_request_passed_on_twice_is_refused_the_second_time(target) -> None:  # noqa: ANN001
+    data = _request(Identity.generate(), target[1].me, b"hello")
+    await _take(target, data)
+    with pytest.raises(RelayError) as err:
+        await _take(target, data)
+    assert err.value.code == "replay"
+
+
+async def test_a_request_larger_than_its_protocol_takes_is_refused_before_its_body(target) -> None:  # noqa: ANN001
+    data = _request(Identity.generate(), target[1].me, b"x" * 2000)  # echo takes 1024
+    with pytest.raises(ConnectionError, match="oversized"):  # cut after the header
+        head = 1 + streams.LEN_BYTES + 4
+        await _take(target, data[: head + int.from_bytes(data[head - 4 : head], "big")])
+
+
+def test_nonces_are_forgotten_after_the_window_and_bounded() -> None:
+    nonces = relay_wire.Nonces(window_s=10, kept=3)
+    assert nonces.fresh("a", 0) and not nonces.fresh("a", 5)
+    assert nonces.fresh("a", 11)  # outside the window: a stale time is refused anyway
+    for n in "bcd":
+        assert nonces.fresh(n, 12)
+    assert len(nonces._seen) == 3
+
+
+def _answer(identity: Identity, nonce: str, frames: list[bytes]) -> bytes:
+    signer = AnswerSigner(identity, nonce)
+    for f in frames:
+        signer.update(f)
+    data = b"".join(_frame(streams.KIND_DATA, f) for f in frames)
+    return data + _frame(streams.KIND_SIGNED, signer.finish()) + _frame(streams.KIND_END, b"")
+
+
+async def _read(data: bytes, peer: str, nonce: str) -> list[bytes]:
+    return await relay_wire.read_signed(_reader(data), peer, "r" * 52, nonce, 5.0, 1 << 20)
+
+
+async def test_the_caller_takes_only_an_answer_its_target_signed() -> None:
+    target, nonce = Identity.generate(), os.urandom(16).hex()
+    frames = [b"one", b"two" * 100]
+    assert await _read(_answer(target, nonce, frames), target.peer_id, nonce) == frames
+    altered = _answer(target, nonce, frames).replace(b"one", b"0ne")
+    with pytest.raises(streams.StreamError, match="altered"):
+        await _read(altered, target.peer_id, nonce)
+    other = os.urandom(16).hex()  # the answer to another request, replayed
+    with pytest.raises(streams.StreamError, match="altered"):
+        await _read(_answer(target, other, frames), target.peer_id, nonce)
+    by_relay = _answer(Identity.generate(), nonce, frames)  # signed by someone else
+    with pytest.raises(streams.StreamError, match="altered"):
+        await _read(by_relay, target.peer_id, nonce)
+    unsigned = _frame(streams.KIND_DATA, b"one") + _frame(streams.KIND_END, b"")
+    with pytest.raises(streams.StreamError, match="framing"):
+        await _read(unsigned, target.peer_id, nonce)
+    appended = _answer(target, nonce, frames)[: -1 - streams.LEN_BYTES]
+    appended += _frame(streams.KIND_DATA, b"more") + _frame(streams.KIND_END, b"")
+    with pytest.raises(streams.StreamError, match="framing"):
+        await _read(appended, target.peer_id, nonce)
+
+
+def test_a_header_is_strict() -> None:
+    me = Identity.generate().peer_id
+    good = Header(me, ECHO, 1, "0" * 32, "0" * 128)
+    assert Header.decode(good.encode()) == good
+    for bad in (
+        b"[]",
+        b'{"to": "x", "proto": "p", "t": 1, "nonce": "'
+        + b"0" * 32
+        + b'", "sig": "'
+        + b"0" * 128
+        + b'"}',
+        good.encode().replace(b'"t":1', b'"t":true'),
+        good.encode().replace(b'"t":1', b'"t":-1'),
+        good.encode().replace(b"0" * 32, b"0" * 31),
+        good.encode().replace(b'"sig":"0', b'"sig":"z'),
+        b"\xff",
+    ):
+        with pytest.raises(RelayError):
+            Header.decode(bad)
+
+
+def test_routes_go_through_a_peers_relays_unless_it_is_connected_directly() -> None:
+    me, nat, public, relay_id = (Identity.generate().peer_id for _ in range(4))
+    relaying = Relaying(Identity.generate(), RUN)
+    circuit = f"/ip4/1.2.3.4/tcp/1/p2p/{relay_id}/p2p-circuit/p2p/{nat}"
+    addrs = {nat: ["/ip4/10.0.0.2/tcp/1", circuit], public: ["/ip4/1.2.3.5/tcp/1"], me: []}
+    relaying.update_routes(addrs, direct=set())
+    assert relaying.routes == {nat: [relay_id]}
+    relaying.update_routes(addrs, direct={nat})  # it dialed us: its streams ride that
+    assert relaying.routes == {}

@@ -54,6 +54,12 @@ def set_route(p2p: P2P, route: Route) -> None:
     _routes[p2p] = route
 
 
+def relayed(p2p: P2P, peer_id: str) -> bool:
+    """Whether this node's requests to `peer_id` go through a relay (see `set_route`)."""
+    route = _routes.get(p2p)
+    return route is not None and bool(route.relays_of(peer_id))
+
+
 class StreamError(ConnectionError):
     """The remote side failed, answered with an error, or broke the framing."""
 
@@ -252,6 +258,12 @@ async def serve(
         _served.setdefault(p2p, {})[name] = entry
 
 
+async def unserve(p2p: P2P, name: str) -> None:
+    """Stop serving protocol `name` (what `serve` registered)."""
+    _served.get(p2p, {}).pop(name, None)
+    await p2p.remove_binary_stream_handler(name)
+
+
 async def request_stream(
     p2p: P2P,
     peer_id: str,
@@ -263,9 +275,10 @@ async def request_stream(
 ) -> AsyncIterator[bytes]:
     """Send one request, yield the response frames; each frame must arrive within `timeout`.
     A peer that cannot be dialed is asked through its relay (comms/relay.py), if known."""
-    route = _routes.get(p2p)
-    if route is not None and route.relays_of(peer_id):
-        async for frame in route.request_stream(p2p, peer_id, name, payload, timeout, max_response):
+    if relayed(p2p, peer_id):
+        async for frame in _routes[p2p].request_stream(
+            p2p, peer_id, name, payload, timeout, max_response
+        ):
             yield frame
         return
     try:

@@ -156,6 +156,7 @@ class OuterLoop:
         guard = Guard("collective", COLLECTIVE_LIMITS, on_refuse=on_refuse)
         servicer = CollectiveServicer(Responder(book, admit=rpc_admit), limit, guard=guard)
         await servicer.add_p2p_handlers(p2p, namespace=namespace)
+        await servicer.serve_streams(p2p, namespace)
         transport = P2PTransport(p2p, namespace=namespace, max_frame_bytes=limit)
         loop = cls(
             module,
@@ -170,6 +171,7 @@ class OuterLoop:
             suspects=suspects,
         )
         loop._closers.append(lambda: servicer.remove_p2p_handlers(p2p, namespace=namespace))
+        loop._closers.append(lambda: servicer.stop_streams(p2p, namespace))
         return loop
 
     async def close(self) -> None:

@@ -40,6 +40,12 @@ def outer_namespace(run_id: str, stage: int) -> str:
     return f"agora/{run_id}/outer/{stage}"
 
 
+def outer_stream_protocol(namespace: str) -> str:
+    """Stream protocol carrying the collective's requests of `namespace`
+    (`outer_namespace`) whole, for peers reached through a relay (comms/relay.py)."""
+    return f"/{namespace}/stream/1"
+
+
 def swim_namespace(run_id: str) -> str:
     """Namespace of the SWIM membership RPCs of a run."""
     return f"agora/{run_id}/swim"

@@ -27,6 +27,7 @@ def all_names(run_id: str) -> dict[str, str]:
         "cell_work_protocol": names.cell_work_protocol(run_id),
         "reachability_protocol": names.reachability_protocol(run_id),
         "relay_protocol": names.relay_protocol(run_id),
+        "outer_stream_protocol": names.outer_stream_protocol(names.outer_namespace(run_id, 2)),
         "relayed_protocol": names.relayed_protocol(run_id),
     }
 
@@ -47,6 +48,7 @@ def test_exact_spellings_are_pinned():
         "cell_work_protocol": "/agora/r1/cellwork/1",
         "reachability_protocol": "/agora/r1/reachability/1",
         "relay_protocol": "/agora/r1/relay/1",
+        "outer_stream_protocol": "/agora/r1/outer/2/stream/1",
         "relayed_protocol": "/agora/r1/relayed/1",
     }
 

@@ -10,6 +10,9 @@ With --stall-round r it freezes inside round r's blocking mix right after its
 first part is delivered and prints `pushed`: the test SIGKILLs it there. With
 --hold-round r it waits for `release` on stdin before round r's blocking mix. After the
 last round it keeps serving until stdin closes, so slower peers can still fetch.
+Before `go`, `route PEER RELAY` lines send every request to PEER through RELAY, a relay
+of ours (comms/relay.py), which every peer offers; `round` events carry `relay`, the
+peer's relaying status.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
+from agora_node.comms import streams  # noqa: E402
 from agora_node.comms.collective import (  # noqa: E402
     Aggregation,
     AggregationSpec,
     Deadlines,
     MatchmakingConfig,
 )
+from agora_node.comms.relay import Relaying  # noqa: E402
 from agora_node.node.outer import OuterLoop  # noqa: E402
 from agora_node.node.outer_state import OuterConfig  # noqa: E402
 from agora_node.protocol.identity import Identity  # noqa: E402
@@ -72,12 +77,16 @@ async def main(args: argparse.Namespace) -> None:
         matchmaking=MatchmakingConfig(window=10.0, settle=0.5, poll_interval=0.1),
     )
     loop = await OuterLoop.create(host.dht, stage, identity, manifest, p2p=host.p2p, config=config)
+    relaying = Relaying(identity, manifest.run_id)
+    await relaying.serve(host.p2p, refuse=None)
+    streams.set_route(host.p2p, relaying)
     emit("ready", peer=identity.peer_id, maddrs=await host.visible_maddrs())
     stdin = asyncio.StreamReader()
     await asyncio.get_running_loop().connect_read_pipe(
         lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin
     )
-    await stdin.readline()  # "go"
+    while (line := (await stdin.readline()).decode().split()) and line[0] == "route":
+        relaying.routes[line[1]] = [line[2]]  # until "go"
     replayed = torch.zeros(0)
     for r in range(args.rounds):
         await loop.begin_round(expect=args.expect)
@@ -121,6 +130,7 @@ async def main(args: argparse.Namespace) -> None:
             excluded=report.excluded,
             ignored=report.ignored,
             banned=sorted(loop.suspects.banned()),
+            relay=relaying.status(),
         )
     emit("done")
     await stdin.read()  # serve until the test closes stdin or kills us

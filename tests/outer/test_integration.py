@@ -28,23 +28,48 @@ ROUND_TIMEOUT = 45.0
 
 
 @contextlib.contextmanager
-def replicas(extra: list[list[str]]) -> Iterator[list[PeerProcess]]:
-    """Start one peer per argument list (the first is the others' entry point), then 'go'."""
+def replicas(
+    extra: list[list[str]], relayed: tuple[int, int, int] | None = None
+) -> Iterator[list[PeerProcess]]:
+    """Start one peer per argument list (the first is the others' entry point), then 'go'.
+    `relayed` (a, b, relay): peers a and b send each other everything through the relay."""
     peers: list[PeerProcess] = []
     try:
         first = PeerProcess([PEER, *extra[0]])
         peers.append(first)
-        maddr = first.expect("ready", START_TIMEOUT)["maddrs"][0]
+        ids = [first.expect("ready", START_TIMEOUT)]
+        maddr = ids[0]["maddrs"][0]
         for args in extra[1:]:
             peers.append(PeerProcess([PEER, "--initial-peer", maddr, *args]))
-        for p in peers[1:]:
-            p.expect("ready", START_TIMEOUT)
+        ids += [p.expect("ready", START_TIMEOUT) for p in peers[1:]]
+        if relayed is not None:
+            a, b, relay = (ids[i]["peer"] for i in relayed)
+            peers[relayed[0]].send(f"route {b} {relay}")
+            peers[relayed[1]].send(f"route {a} {relay}")
         for p in peers:
             p.send("go")
         yield peers
     finally:
         for p in peers:
             p.kill()
+
+
+def test_replicas_that_reach_each_other_only_through_a_relay_agree() -> None:
+    """Replicas 0 and 2 send each other every collective request through replica 1 as a
+    relay of ours (comms/relay.py), as two replicas behind NAT would: the rounds complete
+    with all three in the group and equal anchors, and the bytes went through the relay."""
+    rounds = 2
+    extra = [["--rounds", str(rounds), "--seed", str(i)] for i in range(3)]
+    with replicas(extra, relayed=(0, 2, 1)) as peers:
+        for r in range(rounds):
+            events = [p.expect("round", ROUND_TIMEOUT, round=r) for p in peers]
+            assert all(e["consistent"] and e["finite"] and e["group"] == 3 for e in events)
+            assert len({e["digest"] for e in events}) == 1, f"anchors differ after round {r}"
+        relay = events[1]["peer"][-8:]
+        assert events[0]["relay"]["bytes_via"][relay] > 0, events[0]["relay"]
+        assert events[2]["relay"]["bytes_via"][relay] > 0, events[2]["relay"]
+        assert events[1]["relay"]["forwarded_requests"] > 0, events[1]["relay"]
+        assert events[0]["relay"]["served_relayed"] > 0, events[0]["relay"]
 
 
 def test_three_replicas_complete_rounds_with_equal_anchors() -> None:

@@ -2,7 +2,10 @@
 
 Unary libp2p messages are capped at 4 MiB, so every frame travels as a stream of
 ~1 MiB chunks: `push` streams in (one reply), `fetch` and `query` stream out;
-`check` (a nonce in, a sketch of 72 bytes out) is unary. The
+`check` (a nonce in, a sketch of 72 bytes out) is unary. To a peer reached only
+through a relay (comms/relay.py: libp2p circuits carry 128 KiB), each request goes
+whole as one request of comms/streams.py instead (`outer_stream_protocol`), which the
+relay passes on, and the servicer answers it the same way. The
 message type is built at import time from a descriptor, so no generated _pb2 file
 or protoc run is needed. The sender's identity is the libp2p peer id of the
 connection (authenticated by libp2p's secure channel), never a field in the message.
@@ -23,11 +26,13 @@ from typing import AsyncIterator  # noqa: UP035
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from hivemind.p2p import P2P, P2PContext, PeerID
 
+from agora_node.comms import streams
 from agora_node.comms.collective.handlers import MAX_WAIT, MEMBER_REFUSALS, Responder
 from agora_node.comms.collective.verify import NONCE_BYTES
 from agora_node.comms.collective.wire import Code, Header, Reply, rejected
 from agora_node.comms.guard import Guard, Limits
 from agora_node.comms.guarded_rpc import GuardedServicer
+from agora_node.protocol.names import outer_stream_protocol
 
 CHUNK_BYTES = 1 << 20
 
@@ -173,6 +178,46 @@ class CollectiveServicer(GuardedServicer):
         reply = await self.responder.on_push(sender, _header(first), bytes(buf))
         return _reply_chunks(reply)[0]
 
+    async def serve_streams(self, p2p: P2P, namespace: str) -> None:
+        """Answer whole requests on `outer_stream_protocol` (those that came through a
+        relay), behind the same guard as the RPCs."""
+        await streams.serve(
+            p2p,
+            outer_stream_protocol(namespace),
+            self._on_stream_request,
+            max_request=self.max_frame_bytes + MAX_MESSAGE_BYTES,
+            guard=self.guard,
+        )
+
+    async def stop_streams(self, p2p: P2P, namespace: str) -> None:
+        await streams.unserve(p2p, outer_stream_protocol(namespace))
+
+    async def _on_stream_request(self, sender: str, request: bytes) -> AsyncIterator[bytes]:
+        reply = await self._answer_whole(sender, request)
+        for msg in _reply_chunks(reply):
+            yield msg.SerializeToString()
+
+    async def _answer_whole(self, sender: str, request: bytes) -> Reply:
+        try:
+            msg = CollectiveMessage.FromString(request)
+            code = Code(msg.code)
+        except Exception:  # protobuf's DecodeError, or a code we do not know
+            return rejected("malformed")
+        header = _header(msg)
+        if code == Code.PART:
+            if msg.total != len(msg.data) or msg.total > self.max_frame_bytes:
+                return rejected("oversized" if msg.total > self.max_frame_bytes else "length")
+            refusal = await self.responder.admit_push(sender, header, msg.total)
+            return refusal or await self.responder.on_push(sender, header, bytes(msg.data))
+        if code == Code.FETCH:
+            return await self.responder.on_fetch(sender, header)
+        if code == Code.QUERY:
+            return await self.responder.on_query(sender, header)
+        if code == Code.CHECK:
+            nonce, members = bytes(msg.data[:NONCE_BYTES]), bytes(msg.members)
+            return await self.responder.on_check(sender, header, nonce, members)
+        return rejected("malformed")
+
     async def rpc_fetch(
         self, request: CollectiveMessage, context: P2PContext
     ) -> AsyncIterator[CollectiveMessage]:
@@ -203,6 +248,25 @@ class P2PTransport:
     def __init__(self, p2p: P2P, *, namespace: str, max_frame_bytes: int) -> None:
         self.p2p, self.namespace, self.max_frame_bytes = p2p, namespace, max_frame_bytes
         self._stubs: dict[str, object] = {}
+        self._stream_name = outer_stream_protocol(namespace)
+
+    async def _whole(self, peer: str, request: CollectiveMessage) -> Reply:
+        """One request sent whole through the peer's relay; its reply (servicer's
+        `serve_streams`)."""
+        frames = streams.request_stream(
+            self.p2p,
+            peer,
+            self._stream_name,
+            request.SerializeToString(),
+            timeout=LIMITS.deadline_s,  # the round's own deadlines end it sooner
+            max_response=MAX_MESSAGE_BYTES,
+        )
+
+        async def messages() -> AsyncIterator[CollectiveMessage]:
+            async for frame in frames:
+                yield CollectiveMessage.FromString(frame)
+
+        return await _read_reply(messages(), self.max_frame_bytes)
 
     def _stub(self, peer: str):  # noqa: ANN202 - a generated stub type
         stub = self._stubs.get(peer)
@@ -214,6 +278,10 @@ class P2PTransport:
         return stub
 
     async def push(self, peer: str, header: Header, payload: bytes) -> Reply:
+        if streams.relayed(self.p2p, peer):
+            reply = await self._whole(peer, _request(Code.PART, header, payload, len(payload)))
+            return Reply(reply.code, b"", reply.attempt, reply.weight, reply.reason)
+
         async def chunks() -> AsyncIterator[CollectiveMessage]:
             data = memoryview(payload)
             yield _request(Code.PART, header, bytes(data[:CHUNK_BYTES]), total=len(data))
@@ -224,17 +292,33 @@ class P2PTransport:
         return Reply(Code(msg.code), b"", msg.attempt, msg.weight, msg.reason)
 
     async def fetch(self, peer: str, header: Header) -> Reply:
+        if streams.relayed(self.p2p, peer):
+            return await self._whole(peer, _request(Code.FETCH, header))
         stream = await self._stub(peer).rpc_fetch(_request(Code.FETCH, header))
         return await _read_reply(stream, self.max_frame_bytes)
 
     async def query(self, peer: str, header: Header) -> Reply:
+        if streams.relayed(self.p2p, peer):
+            return await self._whole(peer, _request(Code.QUERY, header))
         stream = await self._stub(peer).rpc_query(_request(Code.QUERY, header))
         return await _read_reply(stream, self.max_frame_bytes)
 
     async def check(self, peer: str, header: Header, nonce: bytes, members: bytes) -> Reply:
         request = _request(Code.CHECK, header, nonce)
         request.members = members
-        msg = await self._stub(peer).rpc_check(request)
-        if len(msg.data) > 1024:
+        if streams.relayed(self.p2p, peer):
+            reply = await self._whole(peer, request)
+            code, data, attempt, weight, reason = (
+                reply.code,
+                reply.payload,
+                reply.attempt,
+                reply.weight,
+                reply.reason,
+            )
+        else:
+            msg = await self._stub(peer).rpc_check(request)
+            code, data = Code(msg.code), bytes(msg.data)
+            attempt, weight, reason = msg.attempt, msg.weight, msg.reason
+        if len(data) > 1024:
             raise ValueError("sketch reply too long")
-        return Reply(Code(msg.code), bytes(msg.data), msg.attempt, msg.weight, msg.reason)
+        return Reply(code, data, attempt, weight, reason)

@@ -109,9 +109,12 @@ class NetLab:
         self.hosts[name] = host
         return host
 
-    def behind_nat(self, name: str) -> Host:
+    def behind_nat(self, name: str, *, symmetric: bool = False) -> Host:
         """A host behind a router of its own that masquerades it onto the switch: it can
-        dial every public host; nothing can dial it."""
+        dial every public host; nothing can dial it. `symmetric`: each connection out gets
+        a random source port (a "hard" NAT), so two such hosts cannot open a connection to
+        each other by dialing at once (TCP simultaneous open through two plain masquerades
+        did, in this lab, now and then)."""
         router = self._netns(f"{name}-nat")
         self._to_switch(router, self._public_ip())
         netns = self._netns(name)
@@ -126,7 +129,7 @@ class NetLab:
         _run("ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         nat = ["ip", "netns", "exec", router, "iptables"]
         _run(*nat, "-t", "nat", "-A", "POSTROUTING", "-s", f"{private}.0/24", "-o", "eth0",
-             "-j", "MASQUERADE")  # fmt: skip
+             "-j", "MASQUERADE", *(["--random-fully"] if symmetric else []))  # fmt: skip
         # like a home router: replies to what the inside opened pass, nothing else comes in
         _run(*nat, "-A", "FORWARD", "-i", "eth0", "-m", "state", "--state",
              "ESTABLISHED,RELATED", "-j", "ACCEPT")  # fmt: skip

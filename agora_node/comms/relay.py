@@ -67,16 +67,29 @@ CONNECTED_TTL_S = 2.0
 MAX_RELAYS_PER_PEER = 2
 
 RELAY_LIMITS = Limits(
-    max_streams=32,
-    max_streams_per_peer=8,
-    rate_per_s=50.0,
-    burst=100.0,
+    # a caller may hold as many requests open through one relay as it has to the peers
+    # behind it: the collective's long-polling fetches and queries (up to 32 per peer,
+    # collective/p2p.py), micro-batches in flight, cell work
+    max_streams=256,
+    max_streams_per_peer=64,
+    rate_per_s=200.0,
+    burst=400.0,
     read_deadline_s=120.0,  # the answer may take a whole hop: forward, then backward
     drain_deadline_s=30.0,
     deadline_s=600.0,
 )
-"""A relay's guard, per caller; the target's guard for what arrives through relays uses
-the same numbers per relay."""
+"""A relay's guard, per caller."""
+RELAYED_LIMITS = Limits(
+    max_streams=256,
+    max_streams_per_peer=128,
+    rate_per_s=1000.0,
+    burst=2000.0,
+    read_deadline_s=30.0,
+    drain_deadline_s=30.0,
+    deadline_s=120.0,  # reading and checking one request; serving it is the protocol's
+)
+"""The target's guard per relay, while it reads and checks a request (one relay passes on
+the requests of many callers; each is then held to its protocol's guard per caller)."""
 
 
 def relays_in(addrs: Iterable[str]) -> list[str]:
@@ -262,7 +275,7 @@ class Relaying:
         on_refuse: Callable[[str, str], None] | None = None,
     ) -> None:
         """Register the target's side, and the relay's when this node offers it."""
-        relayed_guard = Guard("relayed", RELAY_LIMITS, on_refuse=on_refuse)
+        relayed_guard = Guard("relayed", RELAYED_LIMITS, on_refuse=on_refuse)
 
         async def on_relayed(info, reader, writer) -> None:  # noqa: ANN001
             relay = info.peer_id.to_base58()
@@ -314,7 +327,14 @@ class Relaying:
                 await asyncio.wait_for(
                     streams.write_frame(writer, streams.KIND_ERROR, str(exc).encode()[:1000]), 5.0
                 )
-        except (Refused, streams.StreamError, ConnectionError, TimeoutError) as exc:
+        except Refused as exc:  # by a guard: counted by reason, told in one frame
+            self.refused[exc.reason.value] += 1
+            log.debug("relay stream with %s: %s", remote[-8:], exc)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    streams.write_frame(writer, streams.KIND_ERROR, str(exc).encode()[:1000]), 5.0
+                )
+        except (streams.StreamError, ConnectionError, TimeoutError) as exc:
             log.debug("relay stream with %s: %r", remote[-8:], exc)
         except Exception:
             log.exception("relay stream with %s failed", remote[-8:])

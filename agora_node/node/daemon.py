@@ -188,6 +188,8 @@ class Node:
             refuse=admission.refuser(self.admittance.allow, self.peer_id, "relay"),
             on_refuse=self.metrics.count_refused,
         )
+        # routes before the state is fetched: it may come from a replica behind NAT
+        await self._refresh_relay([a for a in self.addrs if not is_relayed(a)])
         await self._open_service(stage)
         self._loops.spawn(self._refresh_loop())
         self._loops.spawn(self._reachability_loop())
@@ -313,11 +315,13 @@ class Node:
         while not self.stop_event.is_set():
             peers = set(self._others()) | reachability.peer_ids(self.config.initial_peers)
             await self.dialback.check_if_due(self.host, self.manifest.run_id, sorted(peers), direct)
-            addrs_of = {r.peer_id: r.addrs for records in self.view.values() for r in records}
-            self.addrs = (await self.dialback.refresh_relay(self.host, direct, addrs_of))[
-                :MAX_ADDRS
-            ]
+            await self._refresh_relay(direct)
             await self._wait_stop(self.config.refresh_s)
+
+    async def _refresh_relay(self, direct: list[str]) -> None:
+        """Relayed addresses to announce, and the routes of our streams through relays."""
+        addrs_of = {r.peer_id: r.addrs for records in self.view.values() for r in records}
+        self.addrs = (await self.dialback.refresh_relay(self.host, direct, addrs_of))[:MAX_ADDRS]
 
     async def _wait_stop(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

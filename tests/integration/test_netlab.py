@@ -183,7 +183,8 @@ def test_nodes_behind_nat_train_through_a_relay_on_a_public_peer(
     from tests.integration.harness import small_manifest
 
     manifest = small_manifest(swarm.workdir / "two.toml", stages=2, layers=2)
-    boot, home0, home1 = lab.public("boot"), lab.behind_nat("home0"), lab.behind_nat("home1")
+    boot = lab.public("boot")
+    home0, home1 = (lab.behind_nat(n, symmetric=True) for n in ("home0", "home1"))
     swarm.bootstrap(manifest, *_listen(boot), prefix=tuple(lab.exec_prefix(boot)))
     nodes = [
         swarm.join(f"h{i}", "--stage", str(i), *_listen(h), prefix=tuple(lab.exec_prefix(h)))
@@ -223,3 +224,49 @@ def _status(lab: NetLab, host, node) -> dict:  # noqa: ANN001
         return json.loads(lab.run_in(host, sys.executable, "-c", code))
     except Exception:  # not answering yet: the caller polls
         return {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_replicas_behind_nat_mix_their_outer_rounds_through_a_relay(
+    lab: NetLab, swarm: TestSwarm
+) -> None:
+    """Both replicas of stage 1 behind NATs of their own: they cannot dial each other, so
+    until their relayed addresses appear (AutoRelay, about 3 minutes) each takes its
+    outer rounds alone. Then the collective's requests between them go through the
+    bootstrap as a relay of ours (comms/relay.py) and they mix a round together, their
+    anchors one again."""
+    from tests.integration.harness import small_manifest
+
+    manifest = small_manifest(swarm.workdir / "two.toml", stages=2, layers=2, inner_steps=2)
+    boot, a0 = lab.public("boot"), lab.public("a0")
+    homes = [lab.behind_nat(n, symmetric=True) for n in ("h1", "h2")]
+    swarm.bootstrap(manifest, *_listen(boot), prefix=tuple(lab.exec_prefix(boot)))
+    head = swarm.join("a0", "--stage", "0", *_listen(a0), prefix=tuple(lab.exec_prefix(a0)))
+    swarm.serving(head)
+    nodes = []
+    for host in homes:
+        nodes.append(
+            swarm.join(
+                host.name, "--stage", "1", *_listen(host), prefix=tuple(lab.exec_prefix(host))
+            )
+        )
+        swarm.serving(nodes[-1], timeout=240)  # the second waits out its state deadline
+    for node in nodes:
+        wait_for_line(node, "relay: peers that cannot dial", 420)
+
+    def relayed_bytes(node, host) -> int:  # noqa: ANN001
+        """Bytes of the node's streams through relays (the bootstrap or the public head)."""
+        return sum((_relay(lab, host, node).get("streams") or {}).get("bytes_via", {}).values())
+
+    pairs = list(zip(nodes, homes, strict=True))
+    poll(lambda: all(relayed_bytes(n, h) > 0 for n, h in pairs), 120,
+         "both NATed replicas sending through a relay")  # fmt: skip
+    marks = [len(swarm.log(n)) for n in nodes]
+
+    def mixed_in_sync(i: int) -> bool:
+        rounds = _ROUND.findall(swarm.log(nodes[i])[marks[i] :])
+        return any(g == "2/2" and a == "in sync" for _, g, a in rounds)
+
+    poll(lambda: mixed_in_sync(0) and mixed_in_sync(1), 300,
+         "both NATed replicas in one round with one anchor, through the relay")  # fmt: skip

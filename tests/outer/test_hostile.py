@@ -9,7 +9,7 @@ from agora_node.comms.collective.handlers import Responder
 from agora_node.comms.collective.payload import decode_span, encode_result, plain_format
 from agora_node.comms.collective.plan import span_bounds
 from agora_node.comms.collective.state import MAX_PENDING
-from agora_node.comms.collective.verify import sketch, sketches_match
+from agora_node.comms.collective.verify import members_mask, sketch, sketches_match
 from agora_node.comms.collective.wire import Code, Header, Reply
 from tests.outer.helpers import all_equal, peers, random_values, run_group
 
@@ -134,6 +134,38 @@ async def test_a_forged_final_is_not_adopted(n: int, keep_mask: bool) -> None:
         assert torch.equal(out.value[lo:hi], values[p][lo:hi])  # its own: nothing forged
         assert forger in out.stats.mismatched and out.stats.rejected["result mismatch"] == 1
         assert not out.consistent and out.stats.fallback_spans == 1
+
+
+class Late(Responder):
+    """A span owner that got no part in time: its result is its own part alone, and it
+    names only itself (what an honest owner serves when every other part was late)."""
+
+    async def on_fetch(self, sender, header):  # noqa: ANN001, ANN201
+        reply = await super().on_fetch(sender, header)
+        if reply.code is not Code.FINAL:
+            return reply
+        state = self.book.states[(header.round, header.phase)]
+        alone = members_mask(state.plan.members, [state.plan.members[header.span]])
+        return Reply(Code.FINAL, reply.payload, reply.attempt, members=alone)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+async def test_a_result_naming_a_minority_is_not_adopted_and_nobody_is_flagged(n: int) -> None:
+    """Flagging such an owner as a forger made two replicas behind NAT, whose parts went
+    through a relay and were sometimes late, ban each other for the rest of the ban."""
+    network = LocalNetwork()
+    for p in peers(n):
+        network.join(p)
+    late = "peer1"
+    network.responders[late] = Late(network.responders[late].book)
+    values = random_values(n, NUMEL, seed=7)
+    outs = await run_group(values, network=network, verify=True)
+    lo, hi = span_bounds(NUMEL, n, 64)[peers(n).index(late)]
+    for p in (p for p in peers(n) if p != late):
+        out = outs[p]
+        assert torch.equal(out.value[lo:hi], values[p][lo:hi])  # not adopted: its own
+        assert not out.stats.mismatched and not out.stats.mismatch_witnesses
+        assert out.stats.rejected["result names a minority"] == 1
 
 
 async def test_verified_results_cost_no_mismatch_among_honest_members() -> None:

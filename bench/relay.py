@@ -14,7 +14,9 @@ requests one after another; a side's figures are the median over `--repeats`.
 
 One JSON line (`--json`): per size, `direct` and `relayed` {`ms_per_request` (median of
 the per-request times), `mb_per_s` (request and answer bytes over the side's wall
-time)}, and `relayed_over_direct` (the ratio of ms per request), plus the conditions.
+time)}, and `relayed_over_direct` (the ratio of ms per request); `failures` {direct,
+relayed}: of `--stress` further requests of 1 MiB per side, how many failed (an answer
+cut short, say); plus the conditions.
 Loopback has no propagation delay, so this is the relay's own cost (two more libp2p
 legs, one more copy through Python, a SHA-256 and an Ed25519 signature each way); on
 real links each relayed byte also crosses the relay's uplink and downlink.
@@ -76,6 +78,18 @@ async def _side(caller, target: str, size: int, requests: int) -> tuple[float, f
     return statistics.median(times) * 1000, 2 * size * requests / wall / 1e6
 
 
+async def _failures(caller, target: str, size: int, requests: int) -> int:  # noqa: ANN001
+    """How many of `requests` requests in a row failed (an answer cut short, say)."""
+    payload, failed = os.urandom(size), 0
+    for _ in range(requests):
+        try:
+            if await streams.request(caller, target, ECHO, payload, timeout=60) != payload:
+                failed += 1
+        except streams.StreamError:
+            failed += 1
+    return failed
+
+
 async def run(args: argparse.Namespace) -> dict:
     folder = Path(tempfile.mkdtemp(prefix="agora-relay-bench-"))
     peers = []
@@ -116,8 +130,13 @@ async def run(args: argparse.Namespace) -> dict:
                 row["relayed"]["ms_per_request"] / row["direct"]["ms_per_request"], 2
             )
             results[str(size)] = row
+        failures = {}
+        for side in ("direct", "relayed"):
+            caller.routes = {target: [relay]} if side == "relayed" else {}
+            failures[side] = await _failures(caller_p2p, target, 1 << 20, args.stress)
         return {
             "sizes": results,
+            "failures": failures,
             "conditions": {
                 "requests": args.requests,
                 "repeats": args.repeats,
@@ -141,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--requests", type=int, default=30, help="requests per side and repeat")
     p.add_argument("--repeats", type=int, default=3, help="direct/relayed pairs per size")
+    p.add_argument(
+        "--stress", type=int, default=400, help="then this many 1 MiB requests per side, counted"
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     result = asyncio.run(run(args))
@@ -154,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['relayed']['ms_per_request']:8.2f} ms {row['relayed']['mb_per_s']:7.1f} MB/s"
                 f"   x{row['relayed_over_direct']}"
             )
+        print(f"failed requests of 1 MiB: {result['failures']}")
     return 0
 
 

@@ -50,6 +50,7 @@ from agora_node.comms.relay_wire import (
     Header,
     Nonces,
     RelayError,
+    copy_answer,
     read_header,
     read_signed,
     request_message,
@@ -224,10 +225,13 @@ class Relaying:
                 + out
             )
             moved = await _copy(reader, target, guard, caller, body)
-            moved += await _copy(answer, writer, guard, caller, None)
+            moved += await copy_answer(answer, writer, guard, caller, MAX_ANSWER)
         finally:
-            streams.close_quietly(target)
+            streams.close_quietly(target)  # the target waits for this before it closes
         self.forwarded.update(requests=1, bytes=moved)
+        # and so does this relay for its caller: a side that closes first can lose what
+        # it wrote last in p2pd
+        await streams.discard_until_closed(reader)
 
     async def _direct_peers(self, p2p: P2P) -> set[str]:
         at, peers = self._connected
@@ -361,21 +365,16 @@ def _const(body: bytes) -> Callable[[], Awaitable[bytes]]:
 
 
 async def _copy(
-    reader: asyncio.StreamReader, writer, guard: Guard, remote: str, nbytes: int | None
+    reader: asyncio.StreamReader, writer, guard: Guard, remote: str, nbytes: int
 ) -> int:
-    """Copy `nbytes` (None: until the end, at most MAX_ANSWER) in chunks under the guard's
-    read and drain deadlines; the bytes copied."""
+    """Copy `nbytes` in chunks under the guard's read and drain deadlines."""
     moved = 0
-    while nbytes is None or moved < nbytes:
-        want = streams.CHUNK if nbytes is None else min(streams.CHUNK, nbytes - moved)
+    while moved < nbytes:
+        want = min(streams.CHUNK, nbytes - moved)
         chunk = await guard.read(reader.read(want), want, remote)
         if not chunk:
-            if nbytes is not None:
-                raise streams.StreamError("the caller closed the stream mid-request")
-            break
+            raise streams.StreamError("the caller closed the stream mid-request")
         moved += len(chunk)
-        if nbytes is None and moved > MAX_ANSWER:
-            raise RelayError("answer", f"an answer of more than {MAX_ANSWER} bytes")
         writer.write(chunk)
         await guard.drain(writer.drain(), len(chunk), remote)
     return moved

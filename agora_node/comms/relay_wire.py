@@ -186,3 +186,33 @@ async def read_signed(
             raise streams.StreamError(
                 f"the answer of {peer_id[-8:]} through relay {relay[-8:]} broke the framing"
             )
+
+
+async def copy_answer(
+    reader: asyncio.StreamReader, writer, guard: Guard, remote: str, cap: int
+) -> int:
+    """A relay copies an answer frame by frame up to its last (END, ERROR or REFUSED),
+    at most `cap` bytes, under the guard's deadlines; the bytes copied. An answer cut
+    short is an error here, not a short answer passed on."""
+    moved = 0
+    while True:
+        head = await guard.read(
+            streams.read_exactly(reader, 1 + streams.LEN_BYTES, "answer cut short"), 0, remote
+        )
+        kind, length = streams.parse_head(head)
+        moved += len(head) + length
+        if moved > cap:
+            raise RelayError("answer", f"an answer of more than {cap} bytes")
+        writer.write(head)
+        left = length
+        while left:
+            want = min(streams.CHUNK, left)
+            chunk = await guard.read(reader.read(want), want, remote)
+            if not chunk:
+                raise streams.StreamError("the target cut its answer short")
+            left -= len(chunk)
+            writer.write(chunk)
+            await guard.drain(writer.drain(), len(chunk), remote)
+        await guard.drain(writer.drain(), 0, remote)
+        if kind in (streams.KIND_END, streams.KIND_ERROR, streams.KIND_REFUSED):
+            return moved

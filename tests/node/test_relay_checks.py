@@ -202,3 +202,30 @@ def test_routes_go_through_a_peers_relays_unless_it_is_connected_directly() -> N
     assert relaying.routes == {nat: [relay_id]}
     relaying.update_routes(addrs, direct={nat})  # it dialed us: its streams ride that
     assert relaying.routes == {}
+
+
+class _Sink:
+    """A stream writer that keeps what is written."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def drain(self) -> None:
+        pass
+
+
+async def test_a_relay_copies_an_answer_up_to_its_last_frame_and_refuses_a_cut_one() -> None:
+    answer = _frame(streams.KIND_DATA, b"x" * 5000) + _frame(streams.KIND_END, b"")
+    sink = _Sink()
+    moved = await relay_wire.copy_answer(
+        _reader(answer + b"ignored"), sink, Guard("relay"), "caller", 1 << 20
+    )
+    assert bytes(sink.data) == answer and moved == len(answer)  # stops at END
+    with pytest.raises(streams.StreamError, match="cut"):  # an answer cut short (p2pd did)
+        await relay_wire.copy_answer(_reader(answer[:3000]), _Sink(), Guard("r"), "c", 1 << 20)
+    with pytest.raises(RelayError) as err:
+        await relay_wire.copy_answer(_reader(answer), _Sink(), Guard("r"), "c", 4096)
+    assert err.value.code == "answer"

@@ -211,12 +211,15 @@ class Relaying:
             raise RelayError("target", f"{header.to[-8:]} holds no direct connection to this relay")
         out = replace(header, origin=caller).encode()
         body = length - HEADER_LEN_BYTES - size
-        _, answer, target = await asyncio.wait_for(
-            p2p.call_binary_stream_handler(
-                PeerID.from_base58(header.to), relayed_protocol(self.run_id)
-            ),
-            guard.limits.read_deadline_s,
-        )
+        try:
+            _, answer, target = await asyncio.wait_for(
+                p2p.call_binary_stream_handler(
+                    PeerID.from_base58(header.to), relayed_protocol(self.run_id)
+                ),
+                guard.limits.read_deadline_s,
+            )
+        except Exception as exc:  # p2pd reports a failed stream as a generic error
+            raise RelayError("target", f"no stream to {header.to[-8:]}: {exc!r}"[:300]) from None
         try:
             target.write(
                 streams.KIND_DATA
@@ -247,7 +250,7 @@ class Relaying:
     # ---- the target's side -------------------------------------------------------------------
     async def take(
         self, p2p: P2P, guard: Guard, relay: str, reader: asyncio.StreamReader
-    ) -> tuple[streams.Served, Header, bytes] | None:
+    ) -> tuple[streams.Served, Header, bytes]:
         """Read and check one request that came through `relay`: what to serve, for whom."""
         head = await guard.read(streams.read_exactly(reader, 1 + streams.LEN_BYTES, "closed"))
         kind, length = streams.parse_head(head)

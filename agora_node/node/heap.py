@@ -11,18 +11,6 @@ at 2.4 GB. MALLOC_ARENA_MAX=2 alone did not stop the growth.
 A no-op where the C library has no `malloc_trim` (macOS, musl), or with
 AGORA_MALLOC_TRIM=0 in the environment (to measure the difference:
 docs/benchmarks.md, "Memory over outer rounds").
-
-Before trimming, a full garbage collection (`collect_cycles`, on the event loop's own
-thread: a cycle may hold coroutines, whose clean-up must not run on a worker thread).
-A round's collective objects form
-reference cycles (an all-reduce and its round state point at each other) that hold the
-round's flat vectors, and Python's collector reaches its oldest generation rarely.
-Measured on 2026-12-02 by instrumenting tests/outer/peer.py's replicas (two replicas of
-`tiny`'s stage 1, 40 rounds): without it live tensors grew from 141 to 608 MB over 25
-rounds (16 rounds' states alive where the book keeps 3) and resident memory from 455 to
-915 MB over 40; with it resident memory stayed at 411-452 MB. The collection takes
-about 100 ms with a stage of `tiny` loaded (209,000 objects), once per round.
-(tests/outer/test_outer.py checks that the rounds' all-reduces no longer pile up.)
 """
 
 from __future__ import annotations
@@ -30,9 +18,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import gc
 import os
-import time
 
 
 @functools.cache
@@ -44,14 +30,6 @@ def _trim():  # noqa: ANN202 - a ctypes function or None
         return getattr(ctypes.CDLL(name), "malloc_trim", None)
     except OSError:
         return None
-
-
-def collect_cycles() -> float:
-    """A full collection of unreachable reference cycles; the seconds it took (tens of
-    milliseconds: once per outer round)."""
-    started = time.perf_counter()
-    gc.collect()
-    return time.perf_counter() - started
 
 
 def release_freed_memory() -> bool:

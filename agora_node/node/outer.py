@@ -57,7 +57,7 @@ from agora_node.comms.collective import (
 from agora_node.comms.collective.groups import MAX_FLAGS, Expect
 from agora_node.comms.collective.payload import max_frame_bytes
 from agora_node.comms.collective.replay import ReplayMemory
-from agora_node.node.heap import collect_cycles, release_freed_memory
+from agora_node.node.heap import release_freed_memory
 from agora_node.node.outer_state import ModuleWeights, OuterConfig, OuterState, Weights
 from agora_node.node.round_report import RoundReport, round_report, round_summary
 from agora_node.node.suspects import ROUND_EVIDENCE, Reason, Suspects
@@ -246,7 +246,6 @@ class OuterLoop:
         self._account(report)
         self._flag(report)
         del prep_task, prep, outcome, delta, mixed, anchor, momentum  # this round's vectors
-        collect_cycles()  # the round's objects hold its vectors in cycles (heap.py)
         await asyncio.to_thread(release_freed_memory)  # glibc keeps them otherwise (heap.py)
         return report
 

@@ -225,8 +225,8 @@ def _all_reduces() -> int:
 async def test_a_rounds_collective_objects_are_freed_after_the_round() -> None:
     """An all-reduce and its round state point at each other, and hold the round's flat
     vectors; Python's collector reaches such cycles rarely, so they piled up (a replica
-    in tests/outer/peer.py went from 455 to 915 MB resident over 40 rounds). end_round
-    collects them (node/heap.py): what stays is the few rounds the book keeps."""
+    in tests/outer/peer.py went from 455 to 915 MB resident over 40 rounds). The book
+    breaks the cycle when it drops a round: what stays is the few rounds it keeps."""
     loops = swarm(3, config(verify_results=True))  # the witness makes the cycle
     counts = []
     for r in range(12):

@@ -245,7 +245,9 @@ class RoundBook:
         self.states[key] = state
         self.latest = plan.round if self.latest is None else max(self.latest, plan.round)
         for old in [k for k in self.states if k[0] < plan.round - LINGER_ROUNDS]:
-            del self.states[old]
+            # its all-reduce and it point at each other (the witness callback), holding
+            # the round's vectors until Python's rare full collection: break the cycle
+            self.states.pop(old).witness = None
         self._prune_pending()
         self.registered.fire()
         return state

@@ -131,14 +131,7 @@ class Host:
     async def relayed_peers(self) -> tuple[list[str], set[str]]:
         """Peers this node is connected to only through a relay circuit, and the peers it
         holds a direct connection to."""
-        relayed, direct = [], set()
-        for info in await self.p2p.list_peers():
-            peer = info.peer_id.to_base58()
-            if any(not is_relayed(str(a)) for a in info.addrs):
-                direct.add(peer)
-            elif info.addrs:
-                relayed.append(peer)
-        return relayed, direct
+        return split_connections(await self.p2p.list_peers())
 
     async def store(
         self,
@@ -287,6 +280,19 @@ def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> N
 async def _awaited(future: Any) -> Any:
     """hivemind's MPFuture is awaitable when created inside a running loop."""
     return await future
+
+
+def split_connections(infos: Sequence[Any]) -> tuple[list[str], set[str]]:
+    """Of libp2p's peer list: the peers connected only through a relay circuit, and those
+    with a direct connection."""
+    relayed, direct = [], set()
+    for info in infos:
+        peer = info.peer_id.to_base58()
+        if any(not is_relayed(str(a)) for a in info.addrs):
+            direct.add(peer)
+        elif info.addrs:
+            relayed.append(peer)
+    return relayed, direct
 
 
 def is_relayed(maddr: str) -> bool:

@@ -42,7 +42,7 @@ from hivemind.p2p import P2P, PeerID
 
 from agora_node.comms import streams
 from agora_node.comms.guard import Guard, Limits, Refused
-from agora_node.comms.host import is_relayed
+from agora_node.comms.host import is_relayed, split_connections
 from agora_node.comms.relay_wire import (
     HEADER_LEN_BYTES,
     WINDOW_S,
@@ -51,6 +51,7 @@ from agora_node.comms.relay_wire import (
     Nonces,
     RelayError,
     copy_answer,
+    copy_bytes,
     read_header,
     read_signed,
     request_message,
@@ -227,7 +228,9 @@ class Relaying:
                 + len(out).to_bytes(HEADER_LEN_BYTES, "big")
                 + out
             )
-            moved = await _copy(reader, target, guard, caller, body)
+            moved = await copy_bytes(
+                reader, target, guard, caller, body, "the caller closed the stream mid-request"
+            )
             moved += await copy_answer(answer, writer, guard, caller, MAX_ANSWER)
         finally:
             streams.close_quietly(target)  # the target waits for this before it closes
@@ -240,10 +243,7 @@ class Relaying:
         at, peers = self._connected
         now = time.monotonic()
         if now - at > CONNECTED_TTL_S:
-            infos = await p2p.list_peers()
-            peers = {
-                i.peer_id.to_base58() for i in infos if any(not is_relayed(str(a)) for a in i.addrs)
-            }
+            peers = split_connections(await p2p.list_peers())[1]
             self._connected = (now, peers)
         return peers
 
@@ -365,19 +365,3 @@ def _const(body: bytes) -> Callable[[], Awaitable[bytes]]:
         return body
 
     return read
-
-
-async def _copy(
-    reader: asyncio.StreamReader, writer, guard: Guard, remote: str, nbytes: int
-) -> int:
-    """Copy `nbytes` in chunks under the guard's read and drain deadlines."""
-    moved = 0
-    while moved < nbytes:
-        want = min(streams.CHUNK, nbytes - moved)
-        chunk = await guard.read(reader.read(want), want, remote)
-        if not chunk:
-            raise streams.StreamError("the caller closed the stream mid-request")
-        moved += len(chunk)
-        writer.write(chunk)
-        await guard.drain(writer.drain(), len(chunk), remote)
-    return moved

@@ -188,6 +188,23 @@ async def read_signed(
             )
 
 
+async def copy_bytes(
+    reader: asyncio.StreamReader, writer, guard: Guard, remote: str, nbytes: int, what: str
+) -> int:
+    """Copy `nbytes` in chunks under the guard's read and drain deadlines; `what` names a
+    stream that ends before them."""
+    moved = 0
+    while moved < nbytes:
+        want = min(streams.CHUNK, nbytes - moved)
+        chunk = await guard.read(reader.read(want), want, remote)
+        if not chunk:
+            raise streams.StreamError(what)
+        moved += len(chunk)
+        writer.write(chunk)
+        await guard.drain(writer.drain(), len(chunk), remote)
+    return moved
+
+
 async def copy_answer(
     reader: asyncio.StreamReader, writer, guard: Guard, remote: str, cap: int
 ) -> int:
@@ -204,15 +221,7 @@ async def copy_answer(
         if moved > cap:
             raise RelayError("answer", f"an answer of more than {cap} bytes")
         writer.write(head)
-        left = length
-        while left:
-            want = min(streams.CHUNK, left)
-            chunk = await guard.read(reader.read(want), want, remote)
-            if not chunk:
-                raise streams.StreamError("the target cut its answer short")
-            left -= len(chunk)
-            writer.write(chunk)
-            await guard.drain(writer.drain(), len(chunk), remote)
+        await copy_bytes(reader, writer, guard, remote, length, "the target cut its answer short")
         await guard.drain(writer.drain(), 0, remote)
         if kind in (streams.KIND_END, streams.KIND_ERROR, streams.KIND_REFUSED):
             return moved

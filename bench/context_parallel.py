@@ -280,6 +280,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("on", "off"),
         help="override the manifest's kv_tokens (the mixture's token table)",
     )
+    p.add_argument(
+        "--kv-compress",
+        choices=("all", "remote"),
+        help="override the manifest's kv_compress (remote: a member's own K/V stay dense)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p.parse_args(argv)
 
@@ -293,6 +298,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         base = with_model(base, kv_subspaces=args.kv_subspaces)
     if args.kv_tokens:
         base = with_model(base, kv_tokens=args.kv_tokens == "on")
+    if args.kv_compress:
+        base = with_model(base, kv_compress=args.kv_compress)
     check_data_available(base)
     if not base.model.kv_rank:
         raise SystemExit(f"manifest {args.manifest} has kv_rank 0: nothing to compare")
@@ -304,6 +311,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "kv_rank": base.model.kv_rank,
         "kv_subspaces": base.model.kv_subspaces,
         "kv_tokens": base.model.kv_tokens,
+        "kv_compress": base.model.kv_compress,
         "threads": args.threads,
         "kv_bytes_per_token": {
             "dense": longest["kv_bytes_per_token_layer"]["dense"]["forward"],

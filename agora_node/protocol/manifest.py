@@ -26,6 +26,7 @@ OPTIMIZERS = ("adamw", "muon")
 TOKENIZERS = ("bytes",)  # or a path ending in .json (HF tokenizers)
 DATA_FORMATS = ("text", "jsonl")
 AGGREGATIONS = ("centered_clip", "trimmed_mean", "mean")
+KV_COMPRESS = ("all", "remote")
 # Fields added after manifest version 1 with a default: left out of the canonical form
 # (and so of the run id) while they hold it, so existing runs keep their ids.
 DEFAULT_MIN_COSINE = 0.1
@@ -41,6 +42,7 @@ CANONICAL_DEFAULTS = {
     ("model", "kv_rank"): 0,
     ("model", "kv_subspaces"): 4,
     ("model", "kv_tokens"): False,
+    ("model", "kv_compress"): "all",
 }
 
 
@@ -90,6 +92,11 @@ class ModelSpec:
     """With a mixture: each block also learns a table of one d-vector per token id; K/V
     sources are compressed after subtracting their token's row and rebuilt by adding it
     back, so the token's own part is not squeezed into rank r (its id travels, 1-4 bytes)."""
+    kv_compress: str = "all"
+    """Which K/V sources go through the mixture: "all" (every token's, alone too: the
+    compression is part of the model) or "remote" (only what a cell member receives from
+    the others; its own tokens' K and V come from z itself, which never crosses the wire,
+    so a peer alone trains the dense model)."""
 
     def __post_init__(self) -> None:
         _positive(self, "model", "d_model", "n_layers", "n_heads", "n_kv_heads")
@@ -114,6 +121,8 @@ class ModelSpec:
             _fail("model.kv_tokens", self.kv_tokens, "must be true or false")
         if self.kv_tokens and not self.kv_rank:
             _fail("model.kv_tokens", self.kv_tokens, "needs kv_rank > 0 (a mixture to go with)")
+        if self.kv_compress not in KV_COMPRESS:
+            _fail("model.kv_compress", self.kv_compress, f"must be one of {KV_COMPRESS}")
 
     @property
     def head_dim(self) -> int:

@@ -16,6 +16,9 @@ per token (the basis that keeps the most of z), and the r coefficients are round
 to bf16 with a straight-through gradient. The wire then carries r bf16 values and
 a one-byte choice per token per layer, and the receiver rebuilds exactly what the
 sender used; nothing is lost on the wire that the model did not already drop. With
+`kv_compress = "remote"` only what crosses the wire is compressed: a member's own
+tokens' K/V come from z itself (the mixture is then a codec the model learns to read,
+and a peer alone trains the dense model). With
 `kv_tokens` each block also learns one d-vector per token id: the mixture compresses
 z minus its token's row and the receiver adds the row back, so what a token is (the
 part of z a rank-r subspace cannot hold for a whole vocabulary) costs only its id on
@@ -351,12 +354,15 @@ def kv_source(
     cell: CellContext | None,
     layer: int,
     tokens: Tensor | None = None,
+    remote_only: bool = False,
 ) -> Tensor:
     """The activation K and V are computed from, for the whole sequence: [B, T, d].
 
     Alone (cell None) that is z itself, or its mixture reconstruction. In a cell the
     members all-gather what they send: z (dense) or coefficients and choices (and the
-    token ids, with a token table). `tokens` are the ids of z's tokens."""
+    token ids, with a token table). `tokens` are the ids of z's tokens. With
+    `remote_only` (manifest kv_compress = "remote") a member's own positions keep z
+    itself and only what it received is the mixture's reconstruction."""
     if mixture is None:
         if cell is None:
             return z
@@ -369,7 +375,10 @@ def kv_source(
         coeffs, choice, tokens = gather_sources(
             coeffs, choice, cell, layer, torch.bfloat16, mixture.count, tokens, mixture.vocab
         )
-    return mixture.decode(coeffs, choice, tokens)
+    full = mixture.decode(coeffs, choice, tokens)
+    if remote_only and cell is not None:
+        full = full.index_copy(1, cell.positions.to(z.device), z)
+    return full
 
 
 def masked_attention(

@@ -114,6 +114,7 @@ class Block(nn.Module):
         if spec.kv_rank:
             vocab = spec.vocab_size if spec.kv_tokens else 0
             self.kv_mix = SubspaceMixture(d, spec.kv_rank, spec.kv_subspaces, vocab)
+        self.kv_remote_only = spec.kv_compress == "remote"
 
     def attention(
         self,
@@ -126,7 +127,8 @@ class Block(nn.Module):
     ) -> Tensor:
         b, t, _ = z.shape
         q = self.wq(z).view(b, t, self.n_heads, -1).transpose(1, 2)
-        if context is None and self.kv_mix is None:  # one whole causal sequence
+        plain = self.kv_mix is None or self.kv_remote_only  # alone, K/V from z itself
+        if context is None and plain:  # one whole causal sequence
             k = self.wk(z).view(b, t, self.n_kv_heads, -1).transpose(1, 2)
             v = self.wv(z).view(b, t, self.n_kv_heads, -1).transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -134,7 +136,8 @@ class Block(nn.Module):
             return self.wo(y.transpose(1, 2).reshape(b, t, -1))
         cell = context.cell if context is not None else None
         q_pos = cell.positions if cell is not None else torch.arange(t, device=z.device)
-        full = kv_source(z, self.kv_mix, cell, layer, tokens)  # [B, seq, d]: every position
+        mixture = None if (cell is None and plain) else self.kv_mix
+        full = kv_source(z, mixture, cell, layer, tokens, self.kv_remote_only)  # [B, seq, d]
         seq = full.shape[1]
         k = self.wk(full).view(b, seq, self.n_kv_heads, -1).transpose(1, 2)
         v = self.wv(full).view(b, seq, self.n_kv_heads, -1).transpose(1, 2)

@@ -14,6 +14,7 @@ from agora_node.stages.context_parallel import (
     ChunkLayout,
     LocalCell,
     document_ids,
+    kv_source,
 )
 from agora_node.stages.kv_frames import (
     KIND_DENSE,
@@ -30,7 +31,13 @@ from agora_node.stages.model import AttentionContext, Stage
 pytestmark = pytest.mark.timeout(120)
 
 
-def cp_manifest(seq_len: int = 30, kv_rank: int = 0, layers: int = 2, kv_tokens: bool = False):
+def cp_manifest(
+    seq_len: int = 30,
+    kv_rank: int = 0,
+    layers: int = 2,
+    kv_tokens: bool = False,
+    kv_compress: str = "all",
+):
     m = load_manifest("tiny")
     model = dataclasses.replace(
         m.model,
@@ -44,6 +51,7 @@ def cp_manifest(seq_len: int = 30, kv_rank: int = 0, layers: int = 2, kv_tokens:
         kv_rank=kv_rank,
         kv_subspaces=3,
         kv_tokens=kv_tokens,
+        kv_compress=kv_compress,
     )
     return dataclasses.replace(m, model=model, stages=dataclasses.replace(m.stages, count=1))
 
@@ -196,6 +204,69 @@ def test_mixture_coefficients_decode_exactly_from_the_frame_a_peer_receives(kv_t
     assert (len(frame) - len(frame_of(0))) / z[..., 0].numel() == 2 * 4 + 1 + kv_tokens
 
 
+@pytest.mark.parametrize("size", [2, 3])
+def test_remote_only_mixture_keeps_a_members_own_sources_and_sums_gradients_exactly(size):
+    """kv_compress = "remote": a member's own positions keep z, every other position is
+    the mixture's reconstruction of what its holder sent; the members' gradients on
+    their z are those of the same function computed in one process."""
+    torch.manual_seed(0)
+    m = cp_manifest(23, kv_rank=4, kv_compress="remote")
+    mixture = Stage(m, 0).blocks["0"].kv_mix
+    layout = ChunkLayout(23, size)
+    z_full = torch.randn(2, 23, 32, dtype=torch.float64)
+    mixture = mixture.double()
+    weights = torch.randn(size, 2, 23, 32, dtype=torch.float64)  # what each member does with K/V
+
+    def reference() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        z = z_full.clone().requires_grad_(True)
+        coeffs, choice = mixture.encode(z)
+        rebuilt = mixture.decode(coeffs, choice)
+        outs = []
+        for member in range(size):
+            own = layout.positions(member)
+            outs.append(rebuilt.index_copy(1, own, z[:, own]))
+        (sum((w * o).sum() for w, o in zip(weights, outs, strict=True))).backward()
+        return z.grad, outs
+
+    cell = LocalCell(size, timeout_s=30)
+    exchanges = [FramedExchange(cell.member(r)) for r in range(size)]
+
+    def member(rank: int):
+        z = layout.take(z_full, rank).clone().requires_grad_(True)
+        context = CellContext(layout, exchanges[rank])
+        full = kv_source(z, mixture, context, layer=0, remote_only=True)
+        (weights[rank] * full).sum().backward()
+        return full.detach(), z.grad
+
+    with ThreadPoolExecutor(size) as pool:
+        results = list(pool.map(member, range(size)))
+    ref_grad, ref_outs = reference()
+    for rank, (full, _) in enumerate(results):
+        own = layout.positions(rank)
+        assert torch.equal(full[:, own], z_full[:, own])  # its own tokens: z itself
+        torch.testing.assert_close(full, ref_outs[rank].detach())
+        others = torch.ones(23, dtype=torch.bool)
+        others[own] = False
+        assert not torch.allclose(full[:, others], z_full[:, others])  # the rest: compressed
+    grads = layout.assemble([g for _, g in results])
+    torch.testing.assert_close(grads, ref_grad)
+    assert all(not e.refused for e in exchanges)
+
+
+def test_remote_only_mixture_leaves_a_peer_alone_with_the_dense_model():
+    torch.manual_seed(0)
+    remote = Stage(cp_manifest(30, kv_rank=4, kv_compress="remote"), 0)
+    dense = Stage(cp_manifest(30), 0)
+    missing = dense.load_state_dict(remote.state_dict(), strict=False)
+    assert not missing.missing_keys and missing.unexpected_keys  # only the bases are extra
+    tokens = torch.randint(0, 256, (2, 30))
+    doc_ids = document_ids(30, torch.tensor([0, 11]))
+    with torch.no_grad():
+        assert torch.equal(remote(None, tokens), dense(None, tokens))
+        packed = AttentionContext(doc_ids=doc_ids)
+        assert torch.equal(remote(None, tokens, packed), dense(None, tokens, packed))
+
+
 def valid_dense_frame():
     values = torch.randn(2, 5, 8, dtype=torch.float32)
     return encode_kv_frame(layer=3, member=1, kind=KIND_DENSE, values=values), values
@@ -299,3 +370,10 @@ def test_manifest_fields_keep_existing_run_ids_and_reject_bad_values():
         compressed, model=dataclasses.replace(compressed.model, kv_tokens=True)
     )
     assert b"kv_tokens" in tokens.canonical_bytes() and tokens.run_id != compressed.run_id
+    assert b"kv_compress" not in compressed.canonical_bytes()
+    remote = dataclasses.replace(
+        compressed, model=dataclasses.replace(compressed.model, kv_compress="remote")
+    )
+    assert b"kv_compress" in remote.canonical_bytes() and remote.run_id != compressed.run_id
+    with pytest.raises(ManifestError, match="model.kv_compress"):
+        dataclasses.replace(tiny.model, kv_compress="some")

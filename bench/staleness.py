@@ -69,10 +69,12 @@ class SimulatedPipeline:
         latency: int,
         predict: bool,
         windows: TokenWindows,
+        lag_momentum: bool = False,
     ) -> None:
         self.manifest, self.in_flight, self.latency = manifest, in_flight, latency
         self.workers = [
-            StageWorker(manifest, i, predict_weights=predict) for i in range(manifest.num_stages)
+            StageWorker(manifest, i, predict_weights=predict, lag_momentum=lag_momentum)
+            for i in range(manifest.num_stages)
         ]
         self.windows = windows
         spec = manifest.inner
@@ -166,6 +168,12 @@ def main() -> None:
     parser.add_argument(
         "--predict", default="both", choices=["off", "on", "both"], help="weight prediction"
     )
+    parser.add_argument(
+        "--lag-momentum",
+        default="off",
+        choices=["off", "on", "both"],
+        help="lower Adam's beta1 by each stage's measured lag (optim.lag_beta1)",
+    )
     parser.add_argument("--eval-every", type=int, default=24_576, help="tokens between evaluations")
     parser.add_argument("--eval-samples", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -179,19 +187,23 @@ def main() -> None:
         parser.error(f"--eval-every must be a multiple of {mb_tokens} and divide --tokens")
     train, val = TokenWindows(manifest, "train"), TokenWindows(manifest, "val")
     val_ids = val.fixed_subset(args.eval_samples)
-    predicts = {"off": [False], "on": [True], "both": [False, True]}[args.predict]
+    choices = {"off": [False], "on": [True], "both": [False, True]}
+    predicts, momenta = choices[args.predict], choices[args.lag_momentum]
     variants: dict[str, SimulatedPipeline] = {}
     for latency in [int(x) for x in args.latency.split(",")]:
         for k in [int(x) for x in args.in_flight.split(",")]:
-            for predict in predicts if k > 1 else [False]:
+            corrections = [(p, m) for p in predicts for m in momenta] if k > 1 else [(False,) * 2]
+            for predict, momentum in corrections:
                 torch.manual_seed(manifest.run.seed)
                 name = f"inflight{k}_lat{latency}" + ("_predict" if predict else "")
+                name += "_lagmomentum" if momentum else ""
                 variants[name] = SimulatedPipeline(
                     manifest,
                     in_flight=k,
                     latency=latency,
                     predict=predict,
                     windows=train,
+                    lag_momentum=momentum,
                 )
     curves: dict[str, list[tuple[int, float]]] = {n: [] for n in variants}
     for name, pipe in variants.items():

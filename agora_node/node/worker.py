@@ -52,7 +52,7 @@ from agora_node.node.rates import WorkerStats
 from agora_node.protocol.manifest import Manifest
 from agora_node.stages.device import CPU, Compute
 from agora_node.stages.model import Stage, lm_loss
-from agora_node.stages.optim import InnerOptimizer
+from agora_node.stages.optim import InnerOptimizer, lag_beta1
 
 log = logging.getLogger(__name__)
 MAX_GRAPHS = 16
@@ -85,9 +85,11 @@ class StageWorker:
         pending_ttl_s: float = 120.0,
         compute: Compute = CPU,
         predict_weights: bool = False,
+        lag_momentum: bool = False,
     ) -> None:
         self.manifest, self.index, self.compute = manifest, index, compute
         self.predict_weights = predict_weights
+        self.lag_momentum = lag_momentum
         self.device = compute.device
         self.stage = Stage(manifest, index).to(self.device)
         self._master_of = {name: p for name, p in self.stage.named_parameters() if p.requires_grad}
@@ -404,6 +406,8 @@ class StageWorker:
         self._check_thread()
         with self._lock:
             before = [p.detach().clone() for p in self.masters] if self.predict_weights else None
+            if self.lag_momentum:
+                self.optimizer.set_beta1(lag_beta1(self.manifest.inner.beta1, self.lag))
             self.optimizer.step()
             self.optimizer.zero_grad()
             if before is not None:

@@ -118,6 +118,14 @@ class AdamW8bit(torch.optim.Optimizer):
                 state["r_codes"], state["r_scale"] = quantize_blockwise(v.sqrt_())
 
 
+def lag_beta1(beta1: float, lag: float) -> float:
+    """The first-moment decay that keeps a stage's total momentum at `beta1` when its
+    gradients land `lag` steps late. Asynchrony acts as momentum (Mitliagkas et al.,
+    "Asynchrony begets momentum", 2016): a delay of tau steps is about an implicit
+    momentum of tau / (1 + tau), and momenta compose as 1 - (1 - a)(1 - b)."""
+    return max(0.0, 1.0 - (1.0 - beta1) * (1.0 + max(0.0, lag)))
+
+
 class InnerOptimizer:
     """The optimizer(s) of one stage behind one step()/zero_grad()/state_dict() surface."""
 
@@ -192,6 +200,14 @@ class InnerOptimizer:
         }
         """The optimizer that steps each parameter and its groups' base lrs (keyed by the
         tensor's identity)."""
+
+    def set_beta1(self, beta1: float) -> None:
+        """AdamW's first-moment decay from the next step on (lag_beta1); Muon keeps its own."""
+        for opt in self.optimizers:
+            if isinstance(opt, Muon):
+                continue
+            for group in opt.param_groups:
+                group["betas"] = (beta1, group["betas"][1])
 
     def lr_scale(self) -> float:
         warmup = self.spec.warmup_steps

@@ -8,6 +8,7 @@ from agora_node.node.train_local import LocalTrainConfig, LocalTrainer, chain_fo
 from agora_node.node.worker import StageWorker
 from agora_node.stages.manifest_files import load_manifest
 from agora_node.stages.model import lm_loss
+from agora_node.stages.optim import lag_beta1
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -159,6 +160,27 @@ def test_weight_prediction_changes_nothing_when_no_gradient_is_late():
     assert on.lag == 0 and on.stats.steps == 3
     for (n, a), b in zip(off.stage.named_parameters(), on.stage.parameters(), strict=True):
         assert torch.equal(a, b), n
+
+
+def test_lag_momentum_lowers_adams_beta1_by_the_measured_lag():
+    assert lag_beta1(0.9, 0.0) == pytest.approx(0.9)
+    assert lag_beta1(0.9, 1.0) == pytest.approx(0.8)  # momenta compose: 1 - 0.1 * 2
+    assert lag_beta1(0.9, 20.0) == 0.0 and lag_beta1(0.9, -1.0) == pytest.approx(0.9)
+    m = load_manifest("tiny")
+    torch.manual_seed(0)
+    w = StageWorker(m, 0, lag_momentum=True)
+    tokens = torch.randint(0, 256, (m.inner.micro_batch, m.model.seq_len + 1))
+    c = w.forward("probe", None, tokens)
+    w.discard("probe")
+    _stale_steps(w, tokens, c, rounds=4)
+    assert w.lag > 0
+    (adam,) = w.optimizer.optimizers
+    used = {g["betas"][0] for g in adam.param_groups}
+    assert len(used) == 1 and m.inner.beta1 > used.pop() >= lag_beta1(m.inner.beta1, 1.0)
+    plain = StageWorker(m, 0)  # off: the manifest's beta1 whatever the lag
+    _stale_steps(plain, tokens, c, rounds=4)
+    assert plain.lag > 0
+    assert {g["betas"][0] for g in plain.optimizer.optimizers[0].param_groups} == {0.9}
 
 
 def test_recompute_when_graph_budget_is_exhausted():

@@ -115,15 +115,21 @@ def _stale_steps(worker, tokens, c_like, rounds):
         worker.backward(f"late{r}", torch.randn_like(c_like))
 
 
-def test_weight_prediction_extrapolates_the_last_step_by_the_measured_lag():
+def _stale_worker(**options):
+    """A tiny stage-0 worker after 4 steps in which one micro-batch each landed a step late."""
     m = load_manifest("tiny")
     torch.manual_seed(0)
-    w = StageWorker(m, 0, predict_weights=True)
+    w = StageWorker(m, 0, **options)
     tokens = torch.randint(0, 256, (m.inner.micro_batch, m.model.seq_len + 1))
     c = w.forward("probe", None, tokens)
     w.discard("probe")
     torch.manual_seed(1)
     _stale_steps(w, tokens, c, rounds=4)
+    return m, w, tokens
+
+
+def test_weight_prediction_extrapolates_the_last_step_by_the_measured_lag():
+    m, w, tokens = _stale_worker(predict_weights=True)
     assert 0 < w.lag < 1  # a moving average of lags 0 and 1
     masters = dict(w.stage.named_parameters())
     moved = [n for n, d in w._last_move.items() if d.abs().max() > 0]
@@ -166,19 +172,12 @@ def test_lag_momentum_lowers_adams_beta1_by_the_measured_lag():
     assert lag_beta1(0.9, 0.0) == pytest.approx(0.9)
     assert lag_beta1(0.9, 1.0) == pytest.approx(0.8)  # momenta compose: 1 - 0.1 * 2
     assert lag_beta1(0.9, 20.0) == 0.0 and lag_beta1(0.9, -1.0) == pytest.approx(0.9)
-    m = load_manifest("tiny")
-    torch.manual_seed(0)
-    w = StageWorker(m, 0, lag_momentum=True)
-    tokens = torch.randint(0, 256, (m.inner.micro_batch, m.model.seq_len + 1))
-    c = w.forward("probe", None, tokens)
-    w.discard("probe")
-    _stale_steps(w, tokens, c, rounds=4)
+    m, w, _ = _stale_worker(lag_momentum=True)
     assert w.lag > 0
     (adam,) = w.optimizer.optimizers
     used = {g["betas"][0] for g in adam.param_groups}
     assert len(used) == 1 and m.inner.beta1 > used.pop() >= lag_beta1(m.inner.beta1, 1.0)
-    plain = StageWorker(m, 0)  # off: the manifest's beta1 whatever the lag
-    _stale_steps(plain, tokens, c, rounds=4)
+    _, plain, _ = _stale_worker()  # off: the manifest's beta1 whatever the lag
     assert plain.lag > 0
     assert {g["betas"][0] for g in plain.optimizer.optimizers[0].param_groups} == {0.9}
 

@@ -78,11 +78,15 @@ def _activation_floats_per_token(manifest: Manifest, stage: int, cp_degree: int 
     # Per block: norm inputs/outputs and linear inputs (9 d), K and V (2 kv), the
     # attention log-sum-exp (one per head), two RMS scales, and four ffn-wide SwiGLU tensors.
     per_block = 9 * d + 2 * kv + spec.n_heads + 2 + 4 * spec.ffn_dim
-    if cp_degree > 1 or spec.kv_rank:
+    # A mixture runs in a cell, and alone only when it compresses every token's sources.
+    mixture = spec.kv_rank and (cp_degree > 1 or spec.kv_compress == "all")
+    if cp_degree > 1 or mixture:
         # Whole-sequence part: the K/V source, K and V; a mixture adds its coefficients
         # spread over the subspaces and the (int64) choice index, 2 floats' worth each.
-        whole = d + 2 * kv + (spec.kv_subspaces * spec.kv_rank + 2 * spec.kv_rank)
-        if spec.kv_rank and spec.kv_tokens:
+        whole = d + 2 * kv
+        if mixture:
+            whole += spec.kv_subspaces * spec.kv_rank + 2 * spec.kv_rank
+        if mixture and spec.kv_tokens:
             # A token table: z minus its token's row is kept for the projection, and
             # the whole sequence's (int64) token ids for the lookup's backward.
             per_block += d

@@ -158,10 +158,13 @@ def test_gpu_manifest_is_sized_without_building_it() -> None:
     assert stage_memory_bytes(manifest, 0)["total_bytes"] > 16 * stage_param_count(manifest, 0)
 
 
-@pytest.mark.parametrize(("kv_rank", "kv_tokens"), [(0, False), (8, False), (8, True)])
+@pytest.mark.parametrize(
+    ("kv_rank", "kv_tokens", "kv_compress"),
+    [(0, False, "all"), (8, False, "all"), (8, True, "all"), (8, False, "remote")],
+)
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_cell_members_activation_estimate_matches_its_saved_tensors(
-    kv_rank: int, kv_tokens: bool, stage: int
+    kv_rank: int, kv_tokens: bool, kv_compress: str, stage: int
 ) -> None:
     """One member of a cell of 2 (its chunk, the whole sequence's K/V) against torch."""
     from concurrent.futures import ThreadPoolExecutor
@@ -171,7 +174,13 @@ def test_a_cell_members_activation_estimate_matches_its_saved_tensors(
     from agora_node.stages.model import AttentionContext
 
     spec = ModelSpec(
-        **{**LONG.model.__dict__, "seq_len": 256, "kv_rank": kv_rank, "kv_tokens": kv_tokens}
+        **{
+            **LONG.model.__dict__,
+            "seq_len": 256,
+            "kv_rank": kv_rank,
+            "kv_tokens": kv_tokens,
+            "kv_compress": kv_compress,
+        }
     )
     manifest = Manifest(model=spec, stages=LONG.stages, inner=LONG.inner)
     module = Stage(manifest, stage)

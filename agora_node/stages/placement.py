@@ -53,8 +53,11 @@ def _block_flops(spec: ModelSpec, constrained: bool) -> float:
     weights = d * d + 2 * d * kv + d * out + 2 * d * f + f * out
     # A constrained block lifts its two k-wide outputs back to d (h @ U^T).
     lift = 2 * spec.subspace_rank * d if constrained else 0
-    # A K/V mixture projects z on every basis and lifts the chosen coefficients back.
-    lift += 2 * d * spec.kv_subspaces * spec.kv_rank
+    # A K/V mixture projects z on every basis and lifts the chosen coefficients back
+    # (on a peer alone only when it compresses every token's sources; a cell member with
+    # kv_compress = "remote" does it too, a few percent of a block that is not counted).
+    if spec.kv_compress == "all":
+        lift += 2 * d * spec.kv_subspaces * spec.kv_rank
     # QK^T and AV over on average seq_len/2 earlier positions (causal mask).
     attention = 2 * d * spec.seq_len
     return 2.0 * (weights + lift) + attention

@@ -117,8 +117,10 @@ def document_ids(seq_len: int, doc_starts: Tensor | None) -> Tensor:
 
 
 def attention_mask(q_pos: Tensor, k_pos: Tensor, q_doc: Tensor, k_doc: Tensor) -> Tensor:
-    """[Tq, Tk] True where query may attend to key: causal by position, same document."""
-    return (k_pos[None, :] <= q_pos[:, None]) & (k_doc[None, :] == q_doc[:, None])
+    """[Tq, Tk] True where query may attend to key: causal by position, same document.
+    With documents per sample (q_doc [B, Tq], k_doc [B, Tk]) the mask is [B, Tq, Tk]."""
+    causal = k_pos[None, :] <= q_pos[:, None]
+    return causal & (k_doc[..., None, :] == q_doc[..., :, None])
 
 
 # ---- the exchange between cell members ---------------------------------------------
@@ -400,5 +402,8 @@ def _attend_masked(
     t = k.shape[-2]
     k_pos = torch.arange(t, device=q.device)
     docs = doc_ids if doc_ids is not None else torch.zeros(t, dtype=torch.long, device=q.device)
-    mask = attention_mask(q_pos.to(q.device), k_pos, docs[q_pos], docs)
+    q_pos = q_pos.to(q.device)
+    mask = attention_mask(q_pos, k_pos, docs[..., q_pos], docs)
+    if mask.dim() == 3:  # one mask per sample, the same for every head
+        mask = mask[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)

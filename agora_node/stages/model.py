@@ -81,7 +81,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None = N
 class AttentionContext:
     """How a stage's attention sees its tokens, when not simply one whole causal sequence.
 
-    `doc_ids` ([seq_len], the full sequence) keeps packed documents apart; `cell`
+    `doc_ids` ([seq_len] for every sample, or [batch, seq_len]: the full sequence) keeps
+    packed documents apart; `cell`
     makes this stage one member of a context-parallel cell, holding only its
     chunk's tokens (`cell.positions`)."""
 

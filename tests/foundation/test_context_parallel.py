@@ -156,6 +156,37 @@ def test_packed_documents_do_not_see_each_other():
     assert not torch.equal(plain_before[:, 10:], plain_after[:, 10:])  # unmasked it would see it
 
 
+@pytest.mark.parametrize("size", [1, 2])
+def test_each_sample_of_a_batch_keeps_its_own_documents_apart(size):
+    """doc_ids [B, T]: two samples packed differently in one micro-batch compute what each
+    computes alone with its own [T] ids, alone and in a cell (loss and every gradient)."""
+    torch.manual_seed(0)
+    m = cp_manifest(30, kv_rank=4)
+    stage = Stage(m, 0)
+    batch = torch.randint(0, 256, (2, 31))
+    tokens, targets = batch[:, :-1], batch[:, 1:]
+    starts = [torch.tensor([0, 7, 19]), torch.tensor([0, 12])]
+    per_sample = torch.stack([document_ids(30, s) for s in starts])
+    ref_loss, ref_grads = 0.0, {}
+    for i in range(2):  # each sample alone, its own documents; losses averaged over both
+        loss, grads = run_single(
+            copy.deepcopy(stage), tokens[i : i + 1], targets[i : i + 1],
+            AttentionContext(doc_ids=per_sample[i]),
+        )  # fmt: skip
+        ref_loss += loss / 2
+        for name, g in grads.items():
+            ref_grads[name] = ref_grads.get(name, 0) + g / 2
+    if size == 1:
+        loss, grads = run_single(
+            copy.deepcopy(stage), tokens, targets, AttentionContext(doc_ids=per_sample)
+        )
+    else:
+        loss, grads, _ = run_cell(stage, tokens, targets, per_sample, size)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def randomize_token_tables(stage: Stage) -> None:
     """Token tables start at zero, where they change nothing: give them values to check."""
     with torch.no_grad():

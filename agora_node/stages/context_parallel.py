@@ -365,9 +365,9 @@ def kv_source(
     token ids, with a token table). `tokens` are the ids of z's tokens. With
     `remote_only` (manifest kv_compress = "remote") a member's own positions keep z
     itself and only what it received is the mixture's reconstruction."""
-    if mixture is None:
-        if cell is None:
-            return z
+    if cell is None and (mixture is None or remote_only):
+        return z  # alone, and nothing the model compresses
+    if mixture is None:  # a dense exchange, at the wire's precision
         z = round_through(z, cell.dense_dtype)
         return gather_sources(z, None, cell, layer, cell.dense_dtype)[0]
     coeffs, choice = mixture.encode(z, tokens)
@@ -378,7 +378,7 @@ def kv_source(
             coeffs, choice, cell, layer, torch.bfloat16, mixture.count, tokens, mixture.vocab
         )
     full = mixture.decode(coeffs, choice, tokens)
-    if remote_only and cell is not None:
+    if remote_only:  # a member's own positions never crossed the wire
         full = full.index_copy(1, cell.positions.to(z.device), z)
     return full
 

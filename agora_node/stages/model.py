@@ -137,8 +137,7 @@ class Block(nn.Module):
             return self.wo(y.transpose(1, 2).reshape(b, t, -1))
         cell = context.cell if context is not None else None
         q_pos = cell.positions if cell is not None else torch.arange(t, device=z.device)
-        mixture = None if (cell is None and plain) else self.kv_mix
-        full = kv_source(z, mixture, cell, layer, tokens, self.kv_remote_only)  # [B, seq, d]
+        full = kv_source(z, self.kv_mix, cell, layer, tokens, self.kv_remote_only)  # [B, T, d]
         seq = full.shape[1]
         k = self.wk(full).view(b, seq, self.n_kv_heads, -1).transpose(1, 2)
         v = self.wv(full).view(b, seq, self.n_kv_heads, -1).transpose(1, 2)

@@ -128,6 +128,12 @@ class ModelSpec:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def kv_mixture_alone(self) -> bool:
+        """Whether a peer alone (no cell) runs the K/V mixture: only when it compresses
+        every token's sources (kv_compress = "all"); a cell member runs it either way."""
+        return bool(self.kv_rank) and self.kv_compress == "all"
+
 
 @dataclass(kw_only=True, frozen=True)
 class StageSpec:

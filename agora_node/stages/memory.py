@@ -79,7 +79,7 @@ def _activation_floats_per_token(manifest: Manifest, stage: int, cp_degree: int 
     # attention log-sum-exp (one per head), two RMS scales, and four ffn-wide SwiGLU tensors.
     per_block = 9 * d + 2 * kv + spec.n_heads + 2 + 4 * spec.ffn_dim
     # A mixture runs in a cell, and alone only when it compresses every token's sources.
-    mixture = spec.kv_rank and (cp_degree > 1 or spec.kv_compress == "all")
+    mixture = spec.kv_mixture_alone or (cp_degree > 1 and spec.kv_rank > 0)
     if cp_degree > 1 or mixture:
         # Whole-sequence part: the K/V source, K and V; a mixture adds its coefficients
         # spread over the subspaces and the (int64) choice index, 2 floats' worth each.

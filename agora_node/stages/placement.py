@@ -56,7 +56,7 @@ def _block_flops(spec: ModelSpec, constrained: bool) -> float:
     # A K/V mixture projects z on every basis and lifts the chosen coefficients back
     # (on a peer alone only when it compresses every token's sources; a cell member with
     # kv_compress = "remote" does it too, a few percent of a block that is not counted).
-    if spec.kv_compress == "all":
+    if spec.kv_mixture_alone:
         lift += 2 * d * spec.kv_subspaces * spec.kv_rank
     # QK^T and AV over on average seq_len/2 earlier positions (causal mask).
     attention = 2 * d * spec.seq_len

@@ -86,6 +86,16 @@ def _replica(i: int, network: LocalNetwork, board: MemoryBoard) -> tuple[StageWo
     return worker, outer
 
 
+async def _rounds_started(rounds, tasks) -> None:
+    """Poll under a deadline until every loop has begun its first round: it read the step
+    counters, then attested its anchor (round 0's digest is noted)."""
+    deadline = time.monotonic() + 30
+    while not all(0 in r.anchor_digests for r in rounds):
+        assert time.monotonic() < deadline, "a rounds loop never started"
+        assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+        await asyncio.sleep(0.005)  # polling interval of a deadline-bounded wait
+
+
 async def test_a_replica_behind_joins_the_round_another_opened():
     """Replica A has done its H inner steps, B only one: B ends its round with A's,
     and both leave the round with the same anchor."""
@@ -101,7 +111,7 @@ async def test_a_replica_behind_joins_the_round_another_opened():
     tasks = [asyncio.create_task(r.run(stop)) for r in rounds]
     try:
         (wa, _), (wb, _) = replicas
-        await asyncio.sleep(0)  # both loops start their round (they read the step counters)
+        await _rounds_started(rounds, tasks)
         wb.optimizer.steps += 1  # stand-ins for inner steps: the schedule only counts them
         wa.optimizer.steps += 4
         deadline = time.monotonic() + 60
@@ -220,7 +230,7 @@ async def test_overlapped_rounds_end_with_one_anchor_and_never_hold_steps_during
     tasks = [asyncio.create_task(r.run(stop)) for r in rounds]
     try:
         (wa, _), (wb, _) = replicas
-        await asyncio.sleep(0)  # both loops start their round (they read the step counters)
+        await _rounds_started(rounds, tasks)
         wa.optimizer.steps += 4  # A's round ends; its mix waits for B (window 0.5 s)
         deadline = time.monotonic() + 60
         while rounds[0]._landing is None:

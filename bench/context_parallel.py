@@ -40,6 +40,7 @@ from common import log_stderr, set_threads
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
 from agora_node.protocol.manifest import Manifest
 from agora_node.stages.context_parallel import CellContext, ChunkLayout, LocalCell
+from agora_node.stages.data import TokenBatch
 from agora_node.stages.kv_frames import FramedExchange
 from agora_node.stages.manifest_files import check_data_available, load_manifest
 from agora_node.stages.memory import stage_memory_bytes
@@ -60,9 +61,10 @@ class Cell:
         self.dense_dtype = dense_dtype
         self.pool = ThreadPoolExecutor(size)
 
-    def context(self, rank: int) -> AttentionContext:
+    def context(self, rank: int, docs: torch.Tensor | None = None) -> AttentionContext:
         return AttentionContext(
-            cell=CellContext(self.layout, self.exchanges[rank], dense_dtype=self.dense_dtype)
+            doc_ids=docs,
+            cell=CellContext(self.layout, self.exchanges[rank], dense_dtype=self.dense_dtype),
         )
 
     def run(self, fn) -> list:  # noqa: ANN001
@@ -73,14 +75,14 @@ class Cell:
 
 
 def cell_loss(
-    stages: list[Stage], cell: Cell, batch: torch.Tensor, train: bool, n_micro: int = 1
+    stages: list[Stage], cell: Cell, batch: TokenBatch, train: bool, n_micro: int = 1
 ) -> float:
     """Mean token loss of `batch` computed by the cell; with `train`, backward as well
     (the gradient divided by n_micro, as the reference trainer's)."""
-    inputs, targets = batch[:, :-1], batch[:, 1:]
+    inputs, targets = batch.inputs, batch.targets
 
     def member(rank: int) -> float:
-        ctx = cell.context(rank)
+        ctx = cell.context(rank, batch.docs)
         tokens = cell.layout.take(inputs, rank)
         with torch.set_grad_enabled(train):
             h = None
@@ -108,7 +110,7 @@ class CellTrainer(LocalTrainer):
         super().__init__(manifest, config)
         self.cell = cell
 
-    def backward_micro_batch(self, batch: torch.Tensor, n_micro: int) -> float:
+    def backward_micro_batch(self, batch: TokenBatch, n_micro: int) -> float:
         return cell_loss(self.stages, self.cell, batch, train=True, n_micro=n_micro)
 
     def evaluate(self) -> float:

@@ -31,7 +31,7 @@ for _ in range(H):
 print("trained", H, "steps each in", round(time.time() - t0), "s", flush=True)
 with torch.no_grad():
     batch = a.val.batch(a.val_ids[:4])
-    tokens = batch[:, :-1]
+    tokens = batch.inputs
     h = None
     for k in range(m.num_stages):
         oa, ob = a.stages[k](h, tokens), b.stages[k](h, tokens)

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 from agora_node.node.train_local import ids_in_order  # noqa: E402
 from agora_node.node.worker import StageWorker  # noqa: E402
-from agora_node.stages.data import TokenWindows  # noqa: E402
+from agora_node.stages.data import TokenBatch, TokenWindows  # noqa: E402
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 from bench.common import log_stderr, set_threads  # noqa: E402
 
@@ -84,7 +84,7 @@ class SimulatedPipeline:
         self.busy_ticks = 0
         self.lags: list[list[int]] = [[] for _ in self.workers]
 
-    def _next_batch(self) -> torch.Tensor:
+    def _next_batch(self) -> TokenBatch:
         count = self.manifest.inner.micro_batch
         ids = ids_in_order(self.windows, self.cursor, count)
         self.cursor += count

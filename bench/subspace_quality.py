@@ -83,7 +83,7 @@ def boundary_tensors(trainer: LocalTrainer) -> tuple[torch.Tensor, torch.Tensor]
     """
     stages = trainer.stages
     batch = trainer.val.batch(trainer.val_ids[: trainer.manifest.inner.micro_batch])
-    inputs, targets = batch[:, :-1], batch[:, 1:]
+    inputs, targets = batch.inputs, batch.targets
     with torch.no_grad():
         c = stages[0].encode_boundary(stages[0](None, inputs), inputs)
     c = c.detach().requires_grad_(True)

@@ -2,14 +2,18 @@
 
 A forward request carries a micro-batch to the next stage: its id, the token ids
 (every stage needs them: positions for the fixed embedding table, targets at the
-last stage) and the boundary activation (k subspace coefficients per token,
+last stage), where documents start inside each row when sequences are packed
+(every stage's attention keeps documents apart) and the boundary activation (k subspace coefficients per token,
 framed by the activation codec). The response comes back on the same stream
 once everything downstream is done: the loss and the gradient w.r.t. the
 activation that was sent, k values per token as well.
 
 Layout: 4-byte header length | JSON header | 4-byte tokens length | tokens
-(int16 or int32, little endian) | codec frame. Parsing is strict: anything
-inconsistent raises WireError with a code the sender can act on.
+(int16 or int32, little endian) | document starts (`docs` bytes, the header says
+how many; none when no row has a boundary) | codec frame. Document starts are, per
+row, a uint32 count and that many uint32 positions, strictly increasing inside
+1..seq-1. Parsing is strict: anything inconsistent raises WireError with a code the
+sender can act on.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class Code(StrEnum):
     WRONG_STAGE = "wrong_stage"
     BAD_SHAPE = "bad_shape"
     BAD_TOKENS = "bad_tokens"
+    BAD_DOCUMENTS = "bad_documents"
     BAD_PAYLOAD = "bad_payload"
     NON_FINITE = "non_finite"
     BAD_HEADER = "bad_header"
@@ -77,6 +82,8 @@ class ForwardHeader:
     """A canary (node/canary.py): forward at this stage only and answer with its output
     (the loss at the last stage). Sent with train=False, so a peer that does not know
     the field runs a validation forward and answers without a payload."""
+    docs: int = 0
+    """Bytes of the document-starts section (encode_forward sets it)."""
 
 
 @dataclass(kw_only=True)
@@ -138,12 +145,66 @@ def decode_tokens(data: bytes, batch: int, seq: int, vocab: int) -> torch.Tensor
     return torch.from_numpy(ids.copy())
 
 
-def encode_forward(header: ForwardHeader, tokens: torch.Tensor, activation: bytes) -> bytes:
-    return _pack(asdict(header), encode_tokens(tokens), activation)
+_U32 = np.dtype("<u4")
 
 
-def decode_forward(data: bytes) -> tuple[ForwardHeader, bytes, memoryview]:
-    """Header, raw token section and activation frame; checks types, not run semantics."""
+def encode_documents(docs: torch.Tensor | None) -> bytes:
+    """[B, seq] document ids (stages/data.py `document_ids` per row) -> the wire's
+    document starts; b"" when there are none (every row one document)."""
+    if docs is None:
+        return b""
+    marks = (docs[:, 1:] != docs[:, :-1]).cpu().numpy()
+    parts = []
+    for row in marks:
+        starts = np.flatnonzero(row) + 1
+        parts += [np.array([len(starts)], _U32).tobytes(), starts.astype(_U32).tobytes()]
+    return b"".join(parts)
+
+
+def decode_documents(data: bytes, batch: int, seq: int) -> torch.Tensor | None:
+    """The document-starts section -> [batch, seq] document ids, or None when empty.
+    Every count and position is checked against the row's length before it is used."""
+    if not data:
+        return None
+    values = len(data) // 4
+    if len(data) % 4:
+        raise WireError(Code.BAD_DOCUMENTS, "document section is not whole uint32s")
+    flat = np.frombuffer(data, dtype=_U32).astype(np.int64)
+    docs = np.zeros((batch, seq), dtype=np.int64)
+    at = 0
+    for row in range(batch):
+        if at >= values:
+            raise WireError(Code.BAD_DOCUMENTS, f"document section ends before row {row}")
+        count = int(flat[at])
+        if count > max(seq - 1, 0) or at + 1 + count > values:
+            raise WireError(Code.BAD_DOCUMENTS, f"row {row}: {count} document starts")
+        starts = flat[at + 1 : at + 1 + count]
+        at += 1 + count
+        if count and (starts[0] < 1 or starts[-1] > seq - 1 or (np.diff(starts) <= 0).any()):
+            raise WireError(
+                Code.BAD_DOCUMENTS, f"row {row}: starts not increasing inside 1..{seq - 1}"
+            )
+        docs[row, starts] = 1
+    if at != values:
+        raise WireError(Code.BAD_DOCUMENTS, f"{values - at} values past the last row")
+    return torch.from_numpy(docs.cumsum(axis=1))
+
+
+def encode_forward(
+    header: ForwardHeader,
+    tokens: torch.Tensor,
+    activation: bytes,
+    docs: torch.Tensor | None = None,
+) -> bytes:
+    """`docs`: [B, seq] document ids of packed rows, or None (one document per row)."""
+    starts = encode_documents(docs)
+    fields = {**asdict(header), "docs": len(starts)}
+    return _pack(fields, encode_tokens(tokens), starts + activation)
+
+
+def decode_forward(data: bytes) -> tuple[ForwardHeader, bytes, bytes, memoryview]:
+    """Header, raw token section, raw document section and activation frame; checks
+    types, not run semantics."""
     raw, tokens, payload = _unpack(data)
     try:
         header = ForwardHeader(
@@ -151,13 +212,15 @@ def decode_forward(data: bytes) -> tuple[ForwardHeader, bytes, memoryview]:
         )
     except TypeError as exc:
         raise WireError(Code.BAD_HEADER, f"forward header: {exc}") from None
-    for name in ("stage", "batch", "seq", "width"):
+    for name in ("stage", "batch", "seq", "width", "docs"):
         value = getattr(header, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise WireError(Code.BAD_HEADER, f"forward header field {name} = {value!r}")
     if not isinstance(header.loss_scale, int | float) or not 0 < header.loss_scale <= 1:
         raise WireError(Code.BAD_HEADER, f"loss_scale = {header.loss_scale!r}")
-    return header, tokens, payload
+    if header.docs > len(payload):
+        raise WireError(Code.BAD_DOCUMENTS, "document section overruns the message")
+    return header, tokens, bytes(payload[: header.docs]), payload[header.docs :]
 
 
 def encode_response(header: ResponseHeader, gradient: bytes = b"") -> bytes:

@@ -55,6 +55,7 @@ from agora_node.node.cell_leader import CellFailed, CellLeader
 from agora_node.node.cell_work import CellHelper
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.names import cell_protocol, cell_work_protocol
+from agora_node.stages.data import TokenBatch
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +212,7 @@ class Compute:
         return self.cells.leader if self.cells is not None else None
 
     async def last(
-        self, c_in: torch.Tensor | None, tokens: torch.Tensor, loss_scale: float
+        self, c_in: torch.Tensor | None, tokens: TokenBatch, loss_scale: float
     ) -> tuple[float, torch.Tensor | None]:
         leader = self.leader()
         if leader is not None and leader.ready:
@@ -226,7 +227,7 @@ class Compute:
         leader: CellLeader | None,
         mb_id: str,
         c_in: torch.Tensor | None,
-        tokens: torch.Tensor,
+        tokens: TokenBatch,
     ) -> torch.Tensor:
         if leader is not None and leader.ready:
             try:

@@ -43,6 +43,7 @@ from agora_node.node.cell_work import (
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.names import cell_work_protocol
 from agora_node.stages.context_parallel import ChunkLayout
+from agora_node.stages.data import TokenBatch
 from agora_node.stages.kv_frames import KVFrameError
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class CellLeader:
     def holds(self, mb_id: str) -> bool:
         return mb_id in self._held
 
-    async def forward(self, mb_id: str, c_in: Tensor | None, tokens: Tensor) -> Tensor:
+    async def forward(self, mb_id: str, c_in: Tensor | None, tokens: TokenBatch) -> Tensor:
         """The whole micro-batch's boundary output, computed by the cell."""
         async with self._lock:
             self._check_ready()
@@ -120,7 +121,7 @@ class CellLeader:
                 self._own_forward, mb_id, xid, version, params, layout, c_in, tokens
             )
             parts = await self._together(xid, own, requests, self._parse_out(layout, tokens))
-            self.tokens += tokens[:, :-1].numel()
+            self.tokens += tokens.inputs.numel()
             return layout.assemble(parts)
 
     async def backward(self, mb_id: str, grad_out: Tensor) -> Tensor | None:
@@ -145,7 +146,7 @@ class CellLeader:
             return await self._commit(chunk, layout, results)
 
     async def last(
-        self, c_in: Tensor, tokens: Tensor, loss_scale: float
+        self, c_in: Tensor, tokens: TokenBatch, loss_scale: float
     ) -> tuple[float, Tensor | None]:
         """The last stage's loss and input gradient, computed by the cell."""
         async with self._lock:
@@ -164,7 +165,7 @@ class CellLeader:
             )
             chunk = results[0][2]
             loss = sum(r[3] for r in results)
-            self.tokens += tokens[:, :-1].numel()
+            self.tokens += tokens.inputs.numel()
             return loss, await self._commit(chunk, layout, results)
 
     def discard(self, mb_id: str) -> None:
@@ -187,7 +188,7 @@ class CellLeader:
     # ---- the parts ----------------------------------------------------------------------
     async def _chunk_requests(self, op, xid, version, params, layout, c_in, tokens, scale=1.0):  # noqa: ANN001, ANN202
         reqs = []
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        inputs, targets = tokens.inputs, tokens.targets
         flat = None
         if any(self._shipped.get(p) != version for p in self.members[1:]):
             # the version's copies are never written in place: read off the event loop, once
@@ -201,7 +202,8 @@ class CellLeader:
                 layout.take(targets, r) if op == OP_LAST else torch.empty(0, dtype=torch.long)
             )
             req = WorkRequest(op, xid, version, r, layout.size, len(tokens), scale, weights,
-                              (chunk_in, layout.take(inputs, r), chunk_targets))  # fmt: skip
+                              (chunk_in, layout.take(inputs, r), chunk_targets),
+                              docs=tokens.docs)  # fmt: skip
             reqs.append((peer, req))
         return reqs
 
@@ -259,7 +261,7 @@ class CellLeader:
             self.answers_resent += 1
         return await asyncio.to_thread(parse, req.rank, data)  # checks every value
 
-    def _parse_out(self, layout: ChunkLayout, tokens: Tensor):  # noqa: ANN202
+    def _parse_out(self, layout: ChunkLayout, tokens: TokenBatch):  # noqa: ANN202
         width = self.worker.stage.boundary_width
         b = len(tokens)
 
@@ -293,14 +295,13 @@ class CellLeader:
     # worker thread
     def _own_forward(self, mb_id, xid, version, params, layout, c_in, tokens) -> Tensor:  # noqa: ANN001
         w, started = self.worker, time.perf_counter()
-        inputs = layout.take(tokens[:, :-1], 0)
+        inputs = layout.take(tokens.inputs, 0)
         exchange = framed(self.link, xid)
-        x, out = forward_chunk(
-            w, params, None if c_in is None else layout.take(c_in, 0), inputs, layout, exchange
-        )
+        own_in = None if c_in is None else layout.take(c_in, 0)
+        x, out = forward_chunk(w, params, own_in, inputs, layout, exchange, tokens.docs)
         c_out = w.stage.encode_boundary(out.float(), inputs.to(w.device))
         self._held[mb_id] = Chunk(
-            version, params, x, c_out, tokens[:, :-1].numel(), time.perf_counter() - started,
+            version, params, x, c_out, tokens.inputs.numel(), time.perf_counter() - started,
             c_in=c_in, full_tokens=tokens,
         )  # fmt: skip
         return c_out.detach().cpu()
@@ -315,17 +316,19 @@ class CellLeader:
 
     def _own_last(self, xid, version, params, layout, c_in, tokens, scale):  # noqa: ANN001, ANN202
         w, started = self.worker, time.perf_counter()
-        inputs, targets = layout.take(tokens[:, :-1], 0), layout.take(tokens[:, 1:], 0)
+        inputs, targets = layout.take(tokens.inputs, 0), layout.take(tokens.targets, 0)
         exchange = framed(self.link, xid)
-        x, logits = forward_chunk(w, params, layout.take(c_in, 0), inputs, layout, exchange)
-        loss = chunk_loss(logits, targets, tokens[:, :-1].numel())
+        x, logits = forward_chunk(
+            w, params, layout.take(c_in, 0), inputs, layout, exchange, tokens.docs
+        )
+        loss = chunk_loss(logits, targets, tokens.inputs.numel())
         grad_in, grads = gradients(w, loss * scale, None, params, x)
         chunk = Chunk(
             version,
             params,
             x,
             logits,
-            tokens[:, :-1].numel(),
+            tokens.inputs.numel(),
             time.perf_counter() - started,
         )
         return grad_in, grads, chunk, float(loss.detach())

@@ -2,9 +2,9 @@
 (node/cell.py drives cells; this module is the protocol and one member's compute).
 
 A request is a fixed header (op, exchange id, weight version, member rank, cell size,
-batch, whether the weights ride along, loss scale) and float32/int32 sections whose
-sizes the header and the manifest fix exactly: anything else is refused before any
-compute. `RESEND` asks again for the answer to a request whose stream broke on the way
+batch, flags: whether the weights and the document ids ride along, loss scale) and
+float32/int32 sections whose sizes the header and the manifest fix exactly: anything
+else is refused before any compute. `RESEND` asks again for the answer to a request whose stream broke on the way
 back. Members compute their chunk on their worker thread, exchange K/V through the
 cell link, and take gradients with `torch.autograd.grad`, so nothing lands on a weight
 until the leader commits the whole micro-batch.
@@ -29,6 +29,7 @@ from agora_node.comms.guard import Guard, Limits
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.names import cell_work_protocol
 from agora_node.stages.context_parallel import CellContext, ChunkLayout
+from agora_node.stages.data import TokenBatch, check_documents
 from agora_node.stages.kv_frames import FramedExchange, KVFrameError
 from agora_node.stages.model import AttentionContext, lm_loss
 
@@ -40,7 +41,8 @@ RESEND = 0x80
 back; the work is not done twice). Header only."""
 KEPT_ANSWERS = 8
 _REQUEST = struct.Struct("<B16sQBBHBd")
-"""op, exchange id, weight version, member rank, cell size, batch, weights attached, loss scale"""
+"""op, exchange id, weight version, member rank, cell size, batch, flags, loss scale"""
+WITH_WEIGHTS, WITH_DOCS = 1, 2
 LOSS = struct.Struct("<d")
 KEPT_VERSIONS = 4
 """Weight versions a helper holds (micro-batches in flight may run on older ones)."""
@@ -65,6 +67,8 @@ class WorkRequest:
     tensors: tuple[Tensor, ...]
     """Forward: (input chunk or empty, input token ids, target ids or empty); backward:
     (gradient w.r.t. the chunk's output,)."""
+    docs: Tensor | None = None
+    """Forward: [batch, seq_len] document ids of the whole sequence (packed rows), or None."""
 
 
 def f32(t: Tensor) -> bytes:
@@ -76,13 +80,17 @@ def _i32(t: Tensor) -> bytes:
 
 
 def encode_request(req: WorkRequest) -> bytes:
+    flags = (WITH_WEIGHTS if req.weights is not None else 0) | (
+        WITH_DOCS if req.docs is not None else 0
+    )
     head = _REQUEST.pack(
-        req.op, req.xid, req.version, req.rank, req.size, req.batch,
-        req.weights is not None, req.loss_scale,
-    )  # fmt: skip
+        req.op, req.xid, req.version, req.rank, req.size, req.batch, flags, req.loss_scale
+    )
     parts = [head] if req.weights is None else [head, f32(req.weights)]
     for t in req.tensors:
         parts.append(_i32(t) if not t.is_floating_point() else f32(t))
+    if req.docs is not None:
+        parts.append(_i32(req.docs))
     return b"".join(parts)
 
 
@@ -125,7 +133,7 @@ class Chunk:
     compute_s: float
     created: float = field(default_factory=time.monotonic)
     c_in: Tensor | None = None
-    full_tokens: Tensor | None = None
+    full_tokens: TokenBatch | None = None
     """The whole micro-batch's input (a leader keeps it to redo the micro-batch whole)."""
 
 
@@ -135,10 +143,6 @@ def framed(link: CellLink, xid: bytes) -> FramedExchange:
     return FramedExchange(link.exchange(xid), refused=link.refused)
 
 
-def _context(layout: ChunkLayout, exchange: FramedExchange) -> AttentionContext:
-    return AttentionContext(cell=CellContext(layout, exchange))
-
-
 def forward_chunk(
     worker: StageWorker,
     params: dict[str, Tensor],
@@ -146,15 +150,19 @@ def forward_chunk(
     inputs: Tensor,
     layout: ChunkLayout,
     exchange: FramedExchange,
+    docs: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor]:
-    """(input leaf or None, stage output) of one member's chunk, exchanging K/V."""
+    """(input leaf or None, stage output) of one member's chunk, exchanging K/V; `docs`:
+    the whole sequence's document ids (packed rows), or None."""
     inputs = inputs.to(worker.device)
     x = None
     if c_in is not None:
         x = worker.stage.decode_boundary(c_in.to(worker.device).float(), inputs)
         x = x.detach().requires_grad_(True)
+    docs = None if docs is None else docs.to(worker.device)
+    context = AttentionContext(doc_ids=docs, cell=CellContext(layout, exchange))
     with worker.compute.autocast():
-        out = functional_call(worker.stage, params, (x, inputs, _context(layout, exchange)))
+        out = functional_call(worker.stage, params, (x, inputs, context))
     return x, out
 
 
@@ -217,7 +225,7 @@ class CellHelper:
 
     def max_request(self) -> int:
         width = max(self.worker.stage.boundary_width, self.worker.manifest.model.d_model)
-        return 4 * self._numel + 4 * self.micro_batch * self.seq_len * (width + 2) + 4096
+        return 4 * self._numel + 4 * self.micro_batch * self.seq_len * (width + 3) + 4096
 
     async def start(self, p2p, run_id: str) -> None:  # noqa: ANN001 - hivemind P2P
         limits = Limits(
@@ -272,7 +280,7 @@ class CellHelper:
     def _decode(self, data: bytes) -> WorkRequest:
         if len(data) < _REQUEST.size:
             raise ValueError("no header")
-        op, xid, version, rank, size, batch, with_weights, scale = _REQUEST.unpack_from(data)
+        op, xid, version, rank, size, batch, flags, scale = _REQUEST.unpack_from(data)
         members = self.link.members
         if size != len(members) or not 0 < rank < size or members[rank] != self.link.me:
             raise ValueError(f"member {rank} of {size} is not this node in its cell")
@@ -280,10 +288,13 @@ class CellHelper:
             raise ValueError(f"op {op}, batch {batch}")
         if not (scale == scale and abs(scale) <= 1e6):  # NaN or absurd
             raise ValueError("loss scale")
+        if flags & ~(WITH_WEIGHTS | WITH_DOCS) or (op == OP_BACKWARD and flags & WITH_DOCS):
+            raise ValueError(f"flags {flags:#x}")
         stage = self.worker.stage
         n = ChunkLayout(self.seq_len, size).length(rank)
         read = Reader(data, _REQUEST.size)
-        weights = read.take(self._numel, torch.float32) if with_weights else None
+        weights = read.take(self._numel, torch.float32) if flags & WITH_WEIGHTS else None
+        docs = None
         if op == OP_BACKWARD:
             out_width = (
                 self.worker.manifest.model.d_model if stage.is_last else stage.boundary_width
@@ -304,8 +315,11 @@ class CellHelper:
                 ids.long(),
                 targets.view(batch, -1).long() if targets.numel() else targets,
             )
+            if flags & WITH_DOCS:
+                docs = read.take(batch * self.seq_len, torch.int32).view(batch, -1).long()
+                check_documents(docs, batch, self.seq_len)
         read.done()
-        return WorkRequest(op, xid, version, rank, size, batch, scale, weights, tensors)
+        return WorkRequest(op, xid, version, rank, size, batch, scale, weights, tensors, docs)
 
     # worker thread from here on
     def _compute(self, req: WorkRequest) -> bytes:
@@ -322,7 +336,8 @@ class CellHelper:
         self.tokens += req.batch * self.seq_len
         exchange = framed(self.link, req.xid)
         started = time.perf_counter()
-        x, out = forward_chunk(w, params, None if w.stage.is_first else c_in, ids, layout, exchange)
+        own_in = None if w.stage.is_first else c_in
+        x, out = forward_chunk(w, params, own_in, ids, layout, exchange, req.docs)
         if req.op == OP_LAST:
             total = req.batch * self.seq_len
             loss = chunk_loss(out, targets, total)

@@ -16,11 +16,9 @@ import time
 import uuid
 from collections.abc import Callable
 
-import torch
-
 from agora_node.comms.pipeline_wire import ForwardHeader
 from agora_node.node.pipeline import Pipeline
-from agora_node.stages.data import TokenWindows
+from agora_node.stages.data import TokenBatch, TokenWindows
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +76,7 @@ class Head:
         cells = self.pipeline.cells
         return cells is not None and cells.role == "helper"
 
-    async def _run_microbatch(self, batch: torch.Tensor) -> None:
+    async def _run_microbatch(self, batch: TokenBatch) -> None:
         spec = self.manifest.inner
         scale = spec.micro_batch / spec.local_batch
         started = time.monotonic()
@@ -94,10 +92,10 @@ class Head:
             self.events.count_microbatch("dropped")
             return
         self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
-        self.events.count_completed(batch[:, :-1].numel())
+        self.events.count_completed(batch.inputs.numel())
         self.stats.losses.append(loss)
 
-    async def _pipeline_microbatch(self, batch: torch.Tensor, scale: float) -> float | None:
+    async def _pipeline_microbatch(self, batch: TokenBatch, scale: float) -> float | None:
         mb_id = uuid.uuid4().hex[:16]
         compute = self.pipeline.compute
         leader = compute.leader()  # this head's cell splits the sequence when formed
@@ -111,9 +109,7 @@ class Head:
         await compute.backward(leader, mb_id, grad)
         return loss
 
-    def _header(
-        self, mb_id: str, batch: torch.Tensor, scale: float, *, train: bool
-    ) -> ForwardHeader:
+    def _header(self, mb_id: str, batch: TokenBatch, scale: float, *, train: bool) -> ForwardHeader:
         return ForwardHeader(
             run_id=self.manifest.run_id,
             mb_id=mb_id,
@@ -167,7 +163,7 @@ class Sampler:
 
         return max(heads, key=score)
 
-    def claim(self, count: int) -> torch.Tensor:
+    def claim(self, count: int) -> TokenBatch:
         heads = sorted(set(self.heads()) | {self.peer_id})
         n = len(self.windows)
         ids: list[int] = []

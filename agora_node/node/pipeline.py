@@ -33,6 +33,7 @@ from agora_node.comms.pipeline_wire import (
     ResponseHeader,
     Status,
     WireError,
+    decode_documents,
     decode_forward,
     decode_response,
     decode_tokens,
@@ -50,6 +51,7 @@ from agora_node.node.suspects import NormWatch, Reason, Suspects
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import forward_protocol
+from agora_node.stages.data import TokenBatch
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,8 @@ def forward_limits(config: PipelineConfig) -> Limits:
 def max_request_bytes(manifest: Manifest) -> int:
     """The largest forward request a node of this run accepts (checked before reading it)."""
     m = manifest.model
-    return 4096 + m.seq_len * manifest.inner.micro_batch * (4 * (m.d_model + 1))
+    per_token = 4 * (m.d_model + 1) + 4  # activation, token id, a document start at most
+    return 4096 + m.seq_len * manifest.inner.micro_batch * per_token
 
 
 def _number(value: object) -> float:
@@ -208,7 +211,7 @@ class Pipeline:
         self,
         remote: str,
         header: ForwardHeader,
-        tokens: torch.Tensor,
+        tokens: TokenBatch,
         c_in: torch.Tensor,
         started: float,
     ) -> bytes:
@@ -238,8 +241,8 @@ class Pipeline:
         self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
         return answer
 
-    async def _admit(self, data: bytes) -> tuple[ForwardHeader, torch.Tensor, torch.Tensor]:
-        header, raw_tokens, payload = decode_forward(data)
+    async def _admit(self, data: bytes) -> tuple[ForwardHeader, TokenBatch, torch.Tensor]:
+        header, raw_tokens, raw_docs, payload = decode_forward(data)
         m = self.manifest
         if header.run_id != m.run_id:
             raise WireError(
@@ -264,7 +267,8 @@ class Pipeline:
                 f"shape [{header.batch}, {header.seq}, {header.width}] is not "
                 f"[1..{m.inner.micro_batch}, {m.model.seq_len}, {width}]",
             )
-        tokens = decode_tokens(raw_tokens, header.batch, header.seq, m.model.vocab_size)
+        ids = decode_tokens(raw_tokens, header.batch, header.seq, m.model.vocab_size)
+        tokens = TokenBatch(ids, decode_documents(raw_docs, header.batch, header.seq))
         shape = (header.batch, header.seq, width)
         try:
             c_in = await self.worker.call(self._decode, payload, shape)
@@ -279,7 +283,7 @@ class Pipeline:
         return self.codec.decode(payload, shape, expected_dtype=torch.float32)
 
     async def _answer_eval(
-        self, header: ForwardHeader, tokens: torch.Tensor, c_in: torch.Tensor
+        self, header: ForwardHeader, tokens: TokenBatch, c_in: torch.Tensor
     ) -> bytes:
         out = await self.worker.call(self.worker.forward_eval, c_in, tokens)
         if self.worker.stage.is_last:
@@ -293,7 +297,7 @@ class Pipeline:
             )
         return encode_response(ResponseHeader(status=Status.OK.value, loss=reply[0]))
 
-    async def _answer_probe(self, tokens: torch.Tensor, c_in: torch.Tensor) -> bytes:
+    async def _answer_probe(self, tokens: TokenBatch, c_in: torch.Tensor) -> bytes:
         """A canary: this stage's output for the input, nothing downstream (canary.py)."""
         out = await self.worker.call(self.worker.forward_eval, c_in, tokens)
         if self.worker.stage.is_last:
@@ -321,11 +325,11 @@ class Pipeline:
 
     # ---- sending ------------------------------------------------------------------------
     async def send(
-        self, header: ForwardHeader, tokens: torch.Tensor, c: torch.Tensor
+        self, header: ForwardHeader, tokens: TokenBatch, c: torch.Tensor
     ) -> tuple[float, torch.Tensor | None] | None:
         """Deliver to a replica of `header.stage`, retrying others; (loss, grad) or None if it can't."""
         encoded = await self.worker.call(self.codec.encode, c)
-        payload = encode_forward(header, tokens, encoded)
+        payload = encode_forward(header, tokens.ids, encoded, tokens.docs)
         if header.train and self._canary_due():
             task = asyncio.create_task(self._canary(header, tokens, encoded))
             self._canaries.add(task)
@@ -434,7 +438,7 @@ class Pipeline:
         self._sent_for_training += 1
         return every > 0 and self._sent_for_training % every == 0
 
-    async def _canary(self, header: ForwardHeader, tokens: torch.Tensor, encoded: bytes) -> None:
+    async def _canary(self, header: ForwardHeader, tokens: TokenBatch, encoded: bytes) -> None:
         """Probe several replicas of `header.stage` with one input; flag who departs."""
         replicas = [p for p in self._replicas(header.stage) if p != self.peer_id]
         trusted = [p for p in replicas if not self.suspects.is_banned(p)]
@@ -444,7 +448,7 @@ class Pipeline:
         probe = ForwardHeader(
             **{**header.__dict__, "mb_id": f"{header.mb_id}/canary", "train": False, "probe": True}
         )
-        payload = encode_forward(probe, tokens, encoded)
+        payload = encode_forward(probe, tokens.ids, encoded, tokens.docs)
         self.canary_counts["sent"] += 1
         answers = await asyncio.gather(*(self._probe(p, probe, payload) for p in chosen))
         outputs = {p: a for p, a in zip(chosen, answers, strict=True) if a is not None}

@@ -18,9 +18,9 @@ from torch import nn
 
 from agora_node.node.checkpoint import load_latest_checkpoint, save_checkpoint
 from agora_node.protocol.manifest import Manifest
-from agora_node.stages.data import TokenWindows
+from agora_node.stages.data import TokenBatch, TokenWindows
 from agora_node.stages.device import CPU, Compute
-from agora_node.stages.model import Stage, build_stages, lm_loss
+from agora_node.stages.model import AttentionContext, Stage, build_stages, lm_loss
 from agora_node.stages.optim import InnerOptimizer
 
 log = logging.getLogger(__name__)
@@ -56,14 +56,13 @@ class TrainResult:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def chain_forward(
-    stages: list[Stage], tokens: torch.Tensor, compute: Compute = CPU
-) -> torch.Tensor:
-    """Logits of the whole model by running the stages in order."""
+def chain_forward(stages: list[Stage], batch: TokenBatch, compute: Compute = CPU) -> torch.Tensor:
+    """Logits of the whole model on the batch's inputs, running the stages in order."""
+    context = None if batch.docs is None else AttentionContext(doc_ids=batch.docs)
     h = None
     with compute.autocast():
         for stage in stages:
-            h = stage(h, tokens)
+            h = stage(h, batch.inputs, context)
     return h
 
 
@@ -78,7 +77,7 @@ def evaluate(
     total, count = 0.0, 0
     for i in range(0, len(sample_ids), micro_batch):
         batch = windows.batch(sample_ids[i : i + micro_batch]).to(compute.device)
-        loss = lm_loss(chain_forward(stages, batch[:, :-1], compute), batch[:, 1:])
+        loss = lm_loss(chain_forward(stages, batch, compute), batch.targets)
         total += float(loss) * len(batch)
         count += len(batch)
     return total / count
@@ -138,9 +137,9 @@ class LocalTrainer:
     def _step_param(self, param: torch.Tensor) -> None:
         self.optimizer.step_param(param, param.grad)
 
-    def backward_micro_batch(self, batch: torch.Tensor, n_micro: int) -> float:
+    def backward_micro_batch(self, batch: TokenBatch, n_micro: int) -> float:
         """Forward and backward of one micro-batch (its gradient divided by n_micro); its loss."""
-        loss = lm_loss(chain_forward(self.stages, batch[:, :-1], self.compute), batch[:, 1:])
+        loss = lm_loss(chain_forward(self.stages, batch, self.compute), batch.targets)
         (loss / n_micro).backward()
         return loss.item()
 

@@ -50,8 +50,9 @@ from torch.func import functional_call
 
 from agora_node.node.rates import WorkerStats
 from agora_node.protocol.manifest import Manifest
+from agora_node.stages.data import TokenBatch
 from agora_node.stages.device import CPU, Compute
-from agora_node.stages.model import Stage, lm_loss
+from agora_node.stages.model import AttentionContext, Stage, lm_loss
 from agora_node.stages.optim import InnerOptimizer, lag_beta1
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ device's memory says so: memory.graph_budget); past them it recomputes."""
 class _Pending:
     version: int
     params: dict[str, Tensor]
-    tokens: Tensor
+    tokens: TokenBatch
     x_in: Tensor | None
     """Leaf input (requires grad) for stages > 0; None at stage 0."""
     out: Tensor | None
@@ -178,19 +179,21 @@ class StageWorker:
 
         return hook
 
-    def _forward(self, params: dict[str, Tensor], x: Tensor | None, tokens: Tensor) -> Tensor:
+    def _forward(self, params: dict[str, Tensor], x: Tensor | None, tokens: TokenBatch) -> Tensor:
+        context = None if tokens.docs is None else AttentionContext(doc_ids=tokens.docs)
         with self.compute.autocast():
-            return functional_call(self.stage, params, (x, tokens))
+            return functional_call(self.stage, params, (x, tokens.inputs, context))
 
     def _inputs(
-        self, c_in: Tensor | None, tokens: Tensor, leaf: bool = True
-    ) -> tuple[Tensor | None, Tensor]:
-        """Host tensors from the wire -> (decoded stage input or None, full token rows), on
-        the device; the input is a leaf that collects dL/dx unless `leaf` is False."""
-        tokens = tokens.to(self.device)
+        self, c_in: Tensor | None, tokens: Tensor | TokenBatch, leaf: bool = True
+    ) -> tuple[Tensor | None, TokenBatch]:
+        """Host tensors from the wire -> (decoded stage input or None, the token rows and
+        their documents), on the device; the input is a leaf that collects dL/dx unless
+        `leaf` is False. Bare token ids are rows of one document each."""
+        tokens = TokenBatch.of(tokens).to(self.device)
         if c_in is None:
             return None, tokens
-        x = self.stage.decode_boundary(c_in.to(self.device).float(), tokens[:, :-1])
+        x = self.stage.decode_boundary(c_in.to(self.device).float(), tokens.inputs)
         return (x.detach().requires_grad_(True) if leaf else x), tokens
 
     def _encode(self, out: Tensor, inputs: Tensor) -> Tensor:
@@ -211,16 +214,15 @@ class StageWorker:
         self.stats.completed.add(tokens, compute_s)
 
     # ---- compute (worker thread only) ------------------------------------------------
-    def forward(self, mb_id: str, c_in: Tensor | None, tokens: Tensor) -> Tensor:
+    def forward(self, mb_id: str, c_in: Tensor | None, tokens: Tensor | TokenBatch) -> Tensor:
         """Forward of a micro-batch that will come back with a gradient; returns boundary coefficients."""
         started = time.perf_counter()
         self._expire()
         params = self._params
         x_in, tokens = self._inputs(c_in, tokens)
-        inputs = tokens[:, :-1]
         keep_graph = len(self._pending) < self.max_graphs
         with torch.set_grad_enabled(keep_graph):
-            c_out = self._encode(self._forward(params, x_in, inputs), inputs)
+            c_out = self._encode(self._forward(params, x_in, tokens), tokens.inputs)
         self._pending[mb_id] = _Pending(
             self._version,
             params,
@@ -239,22 +241,22 @@ class StageWorker:
         out = p.out
         if out is None:  # graph was not kept: recompute on the same weight version
             self.stats.recomputed += 1
-            out = self._encode(self._forward(p.params, p.x_in, p.tokens[:, :-1]), p.tokens[:, :-1])
+            out = self._encode(self._forward(p.params, p.x_in, p.tokens), p.tokens.inputs)
         out.backward(grad_c_out.to(self.device, out.dtype))
         grad_in = self._input_grad(p.x_in)
-        self._finish(p.version, p.params, p.tokens[:, :-1].numel())
-        self._completed(p.tokens[:, :-1].numel(), p.compute_s + self._busy(started))
+        self._finish(p.version, p.params, p.tokens.inputs.numel())
+        self._completed(p.tokens.inputs.numel(), p.compute_s + self._busy(started))
         return grad_in
 
     def forward_backward_last(
-        self, c_in: Tensor | None, tokens: Tensor, loss_scale: float
+        self, c_in: Tensor | None, tokens: Tensor | TokenBatch, loss_scale: float
     ) -> tuple[float, Tensor | None]:
         """The last stage: loss and gradient in one go (nothing kept)."""
         started = time.perf_counter()
         params = self._params
         x_in, tokens = self._inputs(c_in, tokens)
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        loss = lm_loss(self._forward(params, x_in, inputs), targets)
+        inputs = tokens.inputs
+        loss = lm_loss(self._forward(params, x_in, tokens), tokens.targets)
         (loss * loss_scale).backward()
         grad_in = self._input_grad(x_in)
         self._finish(self._version, params, inputs.numel())
@@ -270,18 +272,17 @@ class StageWorker:
         return (grad_x @ self.stage.basis if self.stage.subspace else grad_x).cpu()
 
     @torch.no_grad()
-    def forward_eval(self, c_in: Tensor | None, tokens: Tensor) -> Tensor | float:
+    def forward_eval(self, c_in: Tensor | None, tokens: Tensor | TokenBatch) -> Tensor | float:
         """Forward only (validation): boundary coefficients, or the loss at the last stage."""
         started = time.perf_counter()
         x_in, tokens = self._inputs(c_in, tokens, leaf=False)
-        inputs = tokens[:, :-1]
         # the master weights, not a predicted version copy (they are the same without prediction)
         params = dict(self.stage.named_parameters()) if self.predict_weights else self._params
-        out = self._forward(params, x_in, inputs)
+        out = self._forward(params, x_in, tokens)
         result = (
-            float(lm_loss(out, tokens[:, 1:]))
+            float(lm_loss(out, tokens.targets))
             if self.stage.is_last
-            else self._encode(out, inputs).cpu()
+            else self._encode(out, tokens.inputs).cpu()
         )
         self._busy(started)  # busy, but no training tokens: not in the compute rate
         return result
@@ -313,7 +314,7 @@ class StageWorker:
 
     def keep_for_recompute(
         self, mb_id: str, version: int, params: dict[str, Tensor], c_in: Tensor | None,
-        tokens: Tensor,
+        tokens: TokenBatch,
     ) -> None:  # fmt: skip
         """Hold a micro-batch whose forward ran elsewhere (a cell that broke) so that
         `backward` recomputes it whole on the same weight version."""

@@ -25,7 +25,7 @@ part of z a rank-r subspace cannot hold for a whole vocabulary) costs only its i
 the wire, and the subspaces carry what the context made of it.
 
 Packed sequences: a query sees a key only when it is not later in the sequence
-and lies in the same document (`document_ids`).
+and lies in the same document (stages/data.py `document_ids`).
 
 The exchange between members is an `Exchange` (an all-to-all of tensors); the
 frames it sends are checked on receipt (kv_frames.py): a frame of the wrong layer,
@@ -103,17 +103,6 @@ class ChunkLayout:
         order = torch.cat([self.positions(m) for m in range(self.size)])
         joined = torch.cat(parts, dim=dim)
         return joined.index_select(dim, torch.argsort(order).to(joined.device))
-
-
-def document_ids(seq_len: int, doc_starts: Tensor | None) -> Tensor:
-    """[seq_len] index of the document each position belongs to (0 when no starts given)."""
-    ids = torch.zeros(seq_len, dtype=torch.long)
-    if doc_starts is not None and len(doc_starts):
-        marks = torch.zeros(seq_len, dtype=torch.long)
-        inside = doc_starts[(doc_starts > 0) & (doc_starts < seq_len)]
-        marks[inside] = 1
-        ids = marks.cumsum(0)
-    return ids
 
 
 def attention_mask(q_pos: Tensor, k_pos: Tensor, q_doc: Tensor, k_doc: Tensor) -> Tensor:

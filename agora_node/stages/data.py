@@ -104,6 +104,63 @@ def load_corpus(spec: DataSpec) -> Corpus:
     return Corpus(tokens=tokens, doc_starts=np.asarray(starts, dtype=np.int64))
 
 
+def document_ids(seq_len: int, doc_starts: torch.Tensor | None) -> torch.Tensor:
+    """[seq_len] index of the document each position belongs to (0 when no starts given)."""
+    ids = torch.zeros(seq_len, dtype=torch.long)
+    if doc_starts is not None and len(doc_starts):
+        marks = torch.zeros(seq_len, dtype=torch.long)
+        inside = doc_starts[(doc_starts > 0) & (doc_starts < seq_len)]
+        marks[inside] = 1
+        ids = marks.cumsum(0)
+    return ids
+
+
+def check_documents(docs: torch.Tensor, batch: int, seq_len: int) -> None:
+    """Refuse (ValueError) document ids that are not what `document_ids` makes: [batch,
+    seq_len], 0 at the first position, each next position the same document or the next."""
+    if tuple(docs.shape) != (batch, seq_len):
+        raise ValueError(f"document ids of shape {list(docs.shape)}, not [{batch}, {seq_len}]")
+    if docs.numel() and (bool((docs[:, 0] != 0).any()) or not _steps_of_one(docs)):
+        raise ValueError("document ids must start at 0 and grow by 0 or 1 per position")
+
+
+def _steps_of_one(docs: torch.Tensor) -> bool:
+    steps = docs[:, 1:] - docs[:, :-1]
+    return bool(((steps == 0) | (steps == 1)).all())
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """A micro-batch's token rows and, for packed sequences, each input's document.
+
+    `ids` [B, seq_len + 1]: inputs are [:, :-1], targets [:, 1:]. `docs` [B, seq_len]
+    (`document_ids` of each row's inputs) or None: every row is one document, and
+    attention is plain causal. Attention never crosses a document boundary."""
+
+    ids: torch.Tensor
+    docs: torch.Tensor | None = None
+
+    @staticmethod
+    def of(tokens: torch.Tensor | TokenBatch) -> TokenBatch:
+        """A bare [B, seq_len + 1] tensor of ids is a batch of one document per row."""
+        return tokens if isinstance(tokens, TokenBatch) else TokenBatch(tokens)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def inputs(self) -> torch.Tensor:
+        return self.ids[:, :-1]
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return self.ids[:, 1:]
+
+    def to(self, device: torch.device | str) -> TokenBatch:
+        docs = None if self.docs is None else self.docs.to(device)
+        return TokenBatch(self.ids.to(device), docs)
+
+
 @dataclass(frozen=True)
 class Sample:
     sample_id: int
@@ -153,9 +210,13 @@ class TokenWindows:
         starts = torch.from_numpy((self.doc_starts[lo:hi] - start).astype(np.int64))
         return Sample(sample_id, window, starts)
 
-    def batch(self, sample_ids: list[int]) -> torch.Tensor:
-        """[len(ids), seq_len + 1] token ids."""
-        return torch.stack([self.sample(i).tokens for i in sample_ids])
+    def batch(self, sample_ids: list[int]) -> TokenBatch:
+        """The windows' token rows, with their documents when a document starts inside
+        one of them (None otherwise: plain causal attention, the fast path)."""
+        samples = [self.sample(i) for i in sample_ids]
+        ids = torch.stack([s.tokens for s in samples])
+        docs = torch.stack([document_ids(self.seq_len, s.doc_starts) for s in samples])
+        return TokenBatch(ids, docs if bool(docs.any()) else None)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """A permutation of sample ids that every peer computes identically."""

@@ -13,9 +13,9 @@ from agora_node.stages.context_parallel import (
     CellContext,
     ChunkLayout,
     LocalCell,
-    document_ids,
     kv_source,
 )
+from agora_node.stages.data import document_ids
 from agora_node.stages.kv_frames import (
     KIND_DENSE,
     KIND_MIXTURE,

@@ -66,6 +66,7 @@ from agora_node.protocol.records import (
     verify_record,
     verify_run_pointer,
 )
+from agora_node.stages.data import check_documents
 from agora_node.stages.manifest_files import load_manifest
 from tests.fuzz.mutations import (
     FUZZ,
@@ -250,6 +251,7 @@ def pack(header: bytes, tokens: bytes, payload: bytes) -> bytes:
 FORWARDS = [
     pipeline_wire.encode_forward(_HEADER, _TOKENS, _ACT),
     pipeline_wire.encode_forward(_HEADER, _TOKENS * 4000, b""),  # int32 token ids
+    pipeline_wire.encode_forward(_HEADER, _TOKENS, _ACT, torch.tensor([[0, 0, 1], [0, 1, 2]])),
 ]
 RESPONSES = [
     pipeline_wire.encode_response(ResponseHeader(status="ok", loss=2.5), _ACT),
@@ -274,15 +276,31 @@ def wire_messages(draw: st.DrawFn, valid: list[bytes], header: dict) -> bytes:
 @example(pack(deep_json(2000), b"", b""))  # RecursionError escaped as a non-WireError
 def test_forward_requests(data: bytes) -> None:
     try:
-        header, tokens, payload = pipeline_wire.decode_forward(data)
+        header, tokens, docs, payload = pipeline_wire.decode_forward(data)
     except WireError:
         event("refused")
         return
-    for name in ("stage", "batch", "seq", "width"):
+    for name in ("stage", "batch", "seq", "width", "docs"):
         value = getattr(header, name)
         assert isinstance(value, int) and not isinstance(value, bool) and value >= 0
     assert 0 < header.loss_scale <= 1
     assert isinstance(tokens, bytes) and isinstance(payload, memoryview)
+    assert isinstance(docs, bytes) and len(docs) == header.docs
+
+
+@FUZZ
+@given(st.binary(max_size=64) | mutated([b"\x01\0\0\0\x02\0\0\0\0\0\0\0"]))
+def test_document_sections(data: bytes) -> None:
+    """Any bytes as the document starts of 2 rows of 5: refused with its code, or ids
+    that start at 0 and grow by 0 or 1 per position."""
+    try:
+        docs = pipeline_wire.decode_documents(data, 2, 5)
+    except WireError as exc:
+        assert exc.code == pipeline_wire.Code.BAD_DOCUMENTS
+        event("refused")
+        return
+    if docs is not None:
+        check_documents(docs, 2, 5)
 
 
 @FUZZ

@@ -7,6 +7,7 @@ here sleeps to hope: every wait polls a condition under a deadline.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -126,9 +127,12 @@ def small_manifest(
     cp_degree: int = 1,
     kv_rank: int = 0,
     kv_tokens: bool = False,
+    documents: bool = False,
 ) -> str:
     """tiny with another stage cut, outer cadence H, gossip group size, overlapped outer
-    rounds or not, and context-parallel cells of `cp_degree` (written to `path`)."""
+    rounds or not, and context-parallel cells of `cp_degree` (written to `path`). With
+    `documents`, the corpus is the built-in one cut into many documents (`speeches`,
+    written beside `path`): windows pack several, and attention keeps them apart."""
     from agora_node.protocol.manifest import parse_manifest
     from agora_node.stages.manifest_files import load_manifest
 
@@ -141,6 +145,23 @@ def small_manifest(
     text = text.replace("cp_degree = 1", f"cp_degree = {cp_degree}")
     text = text.replace("kv_rank = 0", f"kv_rank = {kv_rank}")
     text = text.replace("kv_tokens = false", f"kv_tokens = {str(kv_tokens).lower()}")
+    if documents:
+        corpus = speeches(path.with_suffix(".jsonl"))
+        source = 'source = "builtin:tinyshakespeare"\nformat = "text"'
+        assert source in text
+        text = text.replace(source, f'source = "{corpus}"\nformat = "jsonl"')
     parse_manifest(text)  # validate before a daemon sees it
     path.write_text(text)
     return str(path)
+
+
+def speeches(path: Path) -> Path:
+    """The built-in corpus as JSONL, one document per speech (blank-line separated)."""
+    from importlib import resources
+
+    text = resources.files("agora_node.stages").joinpath("corpus/tinyshakespeare.txt").read_text()
+    with path.open("w", encoding="utf-8") as f:
+        for speech in text.split("\n\n"):
+            if speech.strip():
+                f.write(json.dumps({"text": speech + "\n\n"}) + "\n")
+    return path

@@ -1,6 +1,7 @@
 """Context-parallel cells with real daemons on 127.0.0.1: the two replicas of each stage
 (the heads too) form a cell by themselves, train the swarm's sequences split between
-them (loss falls), and when the last stage's leader is SIGKILLed its helper trains on
+them (loss falls; the windows pack several documents, which the head, the wire and
+every member keep apart), and when the last stage's leader is SIGKILLed its helper trains on
 alone from the cell's weights, and the head's micro-batches reach it. (A helper that
 dies: tests/node/test_cells.py.)"""
 
@@ -21,8 +22,9 @@ def _ok(swarm: TestSwarm, node) -> int:  # noqa: ANN001
 
 def test_two_replicas_form_a_cell_train_and_survive_the_leader_being_killed(swarm, tmp_path):
     path = small_manifest(
-        tmp_path / "cells.toml", stages=2, layers=2, cp_degree=2, kv_rank=8, kv_tokens=True
-    )
+        tmp_path / "cells.toml", stages=2, layers=2, cp_degree=2, kv_rank=8, kv_tokens=True,
+        documents=True,  # packed windows: every member keeps their documents apart
+    )  # fmt: skip
     swarm.bootstrap(path)
     heads = [swarm.join(f"head-{i}", "--stage", "0") for i in range(2)]
     last = [swarm.join(f"last-{i}", "--stage", "1") for i in range(2)]

@@ -20,6 +20,7 @@ from agora_node.node.canary import departing, distance
 from agora_node.node.pipeline import Pipeline, PipelineConfig
 from agora_node.node.suspects import Reason
 from agora_node.node.worker import StageWorker
+from agora_node.stages.data import TokenBatch
 from agora_node.stages.manifest_files import load_manifest
 
 pytestmark = pytest.mark.timeout(60)
@@ -84,7 +85,7 @@ def test_a_sender_flags_the_replica_whose_canary_output_departs(monkeypatch) -> 
         probes: list[str] = []
 
         async def request(p2p, peer, protocol, payload, *, timeout):  # noqa: ANN001, ANN202
-            sent, _, _ = decode_forward(payload)
+            sent, *_ = decode_forward(payload)
             if sent.probe:
                 probes.append(peer)
                 return encode_response(
@@ -98,7 +99,7 @@ def test_a_sender_flags_the_replica_whose_canary_output_departs(monkeypatch) -> 
         monkeypatch.setattr(streams, "request", request)
 
         async def go() -> None:
-            assert await p.send(header, tokens, c) is not None
+            assert await p.send(header, TokenBatch(tokens), c) is not None
             await asyncio.wait_for(asyncio.gather(*p._canaries), 30)
 
         asyncio.run(go())

@@ -21,6 +21,7 @@ from agora_node.node.cell_work import CellHelper
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import cell_work_protocol
+from agora_node.stages.data import TokenBatch, document_ids
 from agora_node.stages.manifest_files import load_manifest
 from tests.p2p_peers import start_peers, stop_p2p
 
@@ -77,12 +78,16 @@ async def cell_of_two(manifest: Manifest, stage: int, timeout_s: float = 20.0):
             await stop_p2p(p)
 
 
-def _batch(manifest: Manifest, stage: int, seed: int = 0):
+def _batch(manifest: Manifest, stage: int, seed: int = 0, packed: bool = False):
+    """(token rows, the stage's input); packed: each row holds documents of its own."""
     g = torch.Generator().manual_seed(seed)
     m = manifest.model
-    tokens = torch.randint(0, m.vocab_size, (2, m.seq_len + 1), generator=g)
+    ids = torch.randint(0, m.vocab_size, (2, m.seq_len + 1), generator=g)
     c_in = torch.randn(2, m.seq_len, m.subspace_rank, generator=g) if stage else None
-    return tokens, c_in
+    if not packed:
+        return TokenBatch(ids), c_in
+    starts = [torch.tensor([0, 4, 17]), torch.tensor([0, 11])]
+    return TokenBatch(ids, torch.stack([document_ids(m.seq_len, s) for s in starts])), c_in
 
 
 def _masters(worker: StageWorker) -> list[torch.Tensor]:
@@ -90,12 +95,17 @@ def _masters(worker: StageWorker) -> list[torch.Tensor]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("stage", [0, 1])
-async def test_a_cell_of_two_computes_what_one_replica_computes(stage):
+@pytest.mark.parametrize(("stage", "packed"), [(0, False), (1, False), (1, True)])
+async def test_a_cell_of_two_computes_what_one_replica_computes(stage, packed):
+    """packed: the helper keeps each row's documents apart as the one replica does (the
+    documents change the output, so a member that dropped them would not match)."""
     manifest = cell_manifest()
-    tokens, c_in = _batch(manifest, stage)
+    tokens, c_in = _batch(manifest, stage, packed=packed)
     alone = StageWorker(manifest, stage)
     try:
+        if packed:
+            unpacked = alone.forward_eval(c_in, tokens.ids)
+            assert not torch.allclose(alone.forward_eval(c_in, tokens), unpacked, atol=1e-3)
         c_out_ref = alone.forward("mb", c_in, tokens)
         grad_out = torch.randn_like(c_out_ref)
         grad_in_ref = alone.backward("mb", grad_out)  # one micro-batch is one inner step
@@ -130,9 +140,10 @@ async def test_a_cell_of_two_computes_what_one_replica_computes(stage):
 
 
 @pytest.mark.integration
-async def test_the_last_stage_as_a_cell_gives_the_loss_and_gradient_of_one_replica():
+@pytest.mark.parametrize("packed", [False, True])
+async def test_the_last_stage_as_a_cell_gives_the_loss_and_gradient_of_one_replica(packed):
     manifest = cell_manifest(stages=2)
-    tokens, c_in = _batch(manifest, 1)
+    tokens, c_in = _batch(manifest, 1, packed=packed)
     alone = StageWorker(manifest, 1)
     try:
         loss_ref, grad_ref = alone.forward_backward_last(c_in, tokens, 0.5)
@@ -199,6 +210,12 @@ async def test_a_helper_refuses_malformed_work_from_its_leader_and_counts_it():
                 dataclasses.replace(
                     good, tensors=(good.tensors[0], torch.full((2, n), 999), good.tensors[2])
                 )
+            ),
+            "documents that skip one": encode_request(
+                dataclasses.replace(good, docs=torch.arange(2 * m.seq_len).view(2, -1) % 3)
+            ),
+            "documents of the wrong length": encode_request(
+                dataclasses.replace(good, docs=torch.zeros(2, m.seq_len - 1, dtype=torch.long))
             ),
         }
         for what, payload in bad.items():

@@ -12,6 +12,7 @@ from agora_node.comms.pipeline_wire import ForwardHeader, ResponseHeader, Status
 from agora_node.node.pipeline import Pipeline, PipelineConfig
 from agora_node.node.suspects import Reason
 from agora_node.node.worker import StageWorker
+from agora_node.stages.data import TokenBatch
 from agora_node.stages.manifest_files import load_manifest
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,7 +47,7 @@ def _send(pipeline: Pipeline, n: int = 1):
     m = pipeline.manifest
     b, s, d = m.inner.micro_batch, m.model.seq_len, m.model.d_model
     header = ForwardHeader(run_id=m.run_id, mb_id="x", stage=1, batch=b, seq=s, width=d)
-    tokens = torch.zeros(b, s, dtype=torch.long)
+    tokens = TokenBatch(torch.zeros(b, s, dtype=torch.long))
 
     async def go():  # noqa: ANN202
         return [await pipeline.send(header, tokens, torch.ones(b, s, d)) for _ in range(n)]

@@ -1,6 +1,7 @@
 """Pure parts of the data plane: sample ownership across heads, strict wire parsing."""
 
 import asyncio
+import struct
 
 import pytest
 import torch
@@ -10,13 +11,15 @@ from agora_node.comms.pipeline_wire import (
     Code,
     ForwardHeader,
     WireError,
+    decode_documents,
     decode_forward,
     decode_tokens,
+    encode_documents,
     encode_forward,
     encode_tokens,
 )
 from agora_node.node.head import Sampler
-from agora_node.stages.data import TokenWindows
+from agora_node.stages.data import TokenWindows, document_ids
 from agora_node.stages.manifest_files import load_manifest
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +35,7 @@ def test_two_heads_never_train_the_same_sample_in_an_epoch():
         while sampler.position < n:  # one epoch each
             batch = sampler.claim(1)
             if sampler.position <= n:
-                claimed[name].append(tuple(batch[0].tolist()))
+                claimed[name].append(tuple(batch.ids[0].tolist()))
     assert not set(claimed["peer-a"]) & set(claimed["peer-b"])
     assert abs(len(claimed["peer-a"]) - len(claimed["peer-b"])) < 0.2 * n  # roughly balanced
 
@@ -41,7 +44,9 @@ def test_a_lone_head_walks_the_reference_order():
     windows = TokenWindows(load_manifest("tiny"), "train")
     sampler = Sampler(windows, "only", lambda: [])
     expected = windows.batch([int(i) for i in windows.epoch_order(0)[:8]])
-    assert torch.equal(sampler.claim(8), expected)
+    claimed = sampler.claim(8)
+    assert torch.equal(claimed.ids, expected.ids)
+    assert claimed.docs is None and expected.docs is None  # the built-in corpus: one document
 
 
 def _header(**kw):
@@ -52,8 +57,9 @@ def _header(**kw):
 def test_forward_round_trip_and_strictness():
     tokens = torch.randint(0, 256, (2, 5))
     data = encode_forward(_header(), tokens, b"payload")
-    header, raw_tokens, payload = decode_forward(data)
+    header, raw_tokens, raw_docs, payload = decode_forward(data)
     assert header.mb_id == "m" and bytes(payload) == b"payload"
+    assert header.docs == 0 and raw_docs == b"" and decode_documents(raw_docs, 2, 4) is None
     assert torch.equal(decode_tokens(raw_tokens, 2, 4, 256), tokens)
     for bad, code in [
         (data[:5], Code.BAD_HEADER),
@@ -68,6 +74,41 @@ def test_forward_round_trip_and_strictness():
         decode_tokens(encode_tokens(torch.full((2, 5), 300)), 2, 4, 256)
     with pytest.raises(WireError, match="expected"):
         decode_tokens(encode_tokens(tokens), 2, 5, 256)
+
+
+def test_document_starts_travel_with_the_tokens_and_are_checked():
+    """Packed rows: each row's document ids survive the wire exactly; a document section
+    that does not describe rows of this batch is refused with its own code."""
+    tokens = torch.randint(0, 256, (2, 7))
+    docs = torch.stack([document_ids(6, torch.tensor([0, 2, 5])), document_ids(6, None)])
+    data = encode_forward(_header(seq=6), tokens, b"payload", docs)
+    header, raw_tokens, raw_docs, payload = decode_forward(data)
+    assert bytes(payload) == b"payload" and header.docs == len(raw_docs) == 4 * (1 + 2 + 1)
+    assert torch.equal(decode_documents(raw_docs, 2, 6), docs)
+    assert decode_documents(encode_documents(torch.zeros(2, 6, dtype=torch.long)), 2, 6).sum() == 0
+
+    def starts(*rows: list[int]) -> bytes:
+        return b"".join(struct.pack(f"<I{len(r)}I", len(r), *r) for r in rows)
+
+    for bad in [
+        starts([2, 5]),  # one row short
+        starts([2], [1], [3]),  # one row too many
+        starts([0], []),  # a start at 0 is no boundary
+        starts([6], []),  # past the row's last input
+        starts([4, 2], []),  # not increasing
+        starts([3, 3], []),  # twice
+        struct.pack("<I", 10**6) + starts([]),  # a count beyond the row
+        starts([2], [])[:-1],  # not whole uint32s
+    ]:
+        with pytest.raises(WireError) as info:
+            decode_documents(bad, 2, 6)
+        assert info.value.code == Code.BAD_DOCUMENTS
+    overrun = bytearray(data)
+    head_len = struct.unpack_from("<I", data)[0]
+    overrun[4 : 4 + head_len] = data[4 : 4 + head_len].replace(b'"docs":16', b'"docs":99')
+    with pytest.raises(WireError) as info:
+        decode_forward(bytes(overrun))
+    assert info.value.code == Code.BAD_DOCUMENTS
 
 
 def test_link_emulation_serializes_and_delays():

@@ -2,7 +2,8 @@
 
     python bench/context_parallel.py --json [--manifest long] [--seq-lens 512,1024,2048]
         [--steps 100] [--eval-every 10] [--eval-samples 8] [--threads 2] [--reps 3]
-        [--kv-rank R] [--kv-subspaces N] [--kv-tokens on|off]
+        [--kv-rank R] [--kv-subspaces N] [--kv-tokens on|off] [--kv-compress all|remote]
+        [--latency-ms 20] [--only-overlap]
 
 A cell's members run as threads of this process (`LocalCell`), so K/V frames are real
 bytes (encoded, sent, checked, decoded) but cross no network.
@@ -15,6 +16,11 @@ Per sequence length (the manifest with model.seq_len replaced), on one middle st
   (c1 c2 c4 c1 c2 c4 ...) `--reps` times on the same threads; medians.
 - `saved_bytes`: activation bytes one member keeps for backward (torch's saved tensors,
   parameters excluded), with the manifest's estimate beside it.
+
+Overlap (at the longest length): a cell of 2 whose frames arrive `--latency-ms` after
+they were posted; member 0's time per micro-batch when it attends to its own keys while
+the others' K/V sources (and, in backward, the gradients for theirs) travel, against
+waiting first, alternated; `--only-overlap` measures this alone.
 
 Quality (at the manifest's own seq_len): the model with dense K/V (exchanged in bf16)
 and with the manifest's mixture of subspaces, each trained as a cell of c = cp_degree
@@ -54,18 +60,29 @@ def with_model(manifest: Manifest, **fields: Any) -> Manifest:
 class Cell:
     """c members sharing one set of weights: their gradients sum into the same .grad."""
 
-    def __init__(self, size: int, seq_len: int, dense_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        size: int,
+        seq_len: int,
+        dense_dtype: torch.dtype,
+        latency_s: float = 0.0,
+        overlap: bool = True,
+    ) -> None:
         self.size, self.layout = size, ChunkLayout(seq_len, size)
-        self.local = LocalCell(size)
+        self.local = LocalCell(size, latency_s=latency_s)
         self.exchanges = [FramedExchange(self.local.member(r)) for r in range(size)]
-        self.dense_dtype = dense_dtype
+        self.dense_dtype, self.overlap = dense_dtype, overlap
         self.pool = ThreadPoolExecutor(size)
 
     def context(self, rank: int, docs: torch.Tensor | None = None) -> AttentionContext:
-        return AttentionContext(
-            doc_ids=docs,
-            cell=CellContext(self.layout, self.exchanges[rank], dense_dtype=self.dense_dtype),
+        cell = CellContext(
+            self.layout, self.exchanges[rank], dense_dtype=self.dense_dtype, overlap=self.overlap
         )
+        return AttentionContext(doc_ids=docs, cell=cell)
+
+    def wait_s(self) -> float:
+        """Seconds member 0 has waited for the others' frames, all exchanges so far."""
+        return self.exchanges[0].inner.wait_s
 
     def run(self, fn) -> list:  # noqa: ANN001
         return list(self.pool.map(fn, range(self.size)))
@@ -216,6 +233,44 @@ def _forward_bytes(stage: Stage, cell: Cell, x: torch.Tensor, tokens: torch.Tens
     return cell.bytes_sent() - before
 
 
+def overlap(base: Manifest, seq_len: int, latency_ms: float, reps: int) -> dict[str, Any]:
+    """A cell of 2 whose frames arrive `latency_ms` after they were posted (an emulated
+    link): member 0's time per micro-batch (forward + backward, stage 1) and its time
+    waiting on the exchange, when it attends to its own keys while the others' travel
+    and when it waits first; alternated `reps` times, medians."""
+    manifest = with_model(base, seq_len=seq_len)
+    stage = Stage(manifest, 1)
+    batch = manifest.inner.micro_batch
+    x = torch.randn(batch, seq_len, manifest.model.d_model)
+    tokens = torch.randint(0, manifest.model.vocab_size, (batch, seq_len))
+    cells = {
+        mode: Cell(2, seq_len, torch.float32, latency_ms / 1000, overlap=mode == "overlap")
+        for mode in ("overlap", "wait_first")
+    }
+    times: dict[str, list[float]] = {mode: [] for mode in cells}
+    waits: dict[str, list[float]] = {mode: [] for mode in cells}
+    for cell in cells.values():  # a first micro-batch each, not timed
+        timed_microbatch(stage, cell, x, tokens)
+    for _ in range(reps):
+        for mode, cell in cells.items():
+            before = cell.wait_s()
+            times[mode].append(timed_microbatch(stage, cell, x, tokens))
+            waits[mode].append(cell.wait_s() - before)
+    layers = len(manifest.stage_layers(1))
+    ms = {mode: round(1000 * statistics.median(v), 1) for mode, v in times.items()}
+    return {
+        "seq_len": seq_len,
+        "latency_ms": latency_ms,
+        "exchanges_per_microbatch": 2 * layers,
+        "ms_per_microbatch": ms,
+        "wait_ms_per_microbatch": {
+            mode: round(1000 * statistics.median(v), 1) for mode, v in waits.items()
+        },
+        "hidden_ms": round(ms["wait_first"] - ms["overlap"], 1),
+        "reps": reps,
+    }
+
+
 def tail_rel_drop(curve: list[tuple[int, float]]) -> float:
     total, final = curve[-1]
     start = next(loss for tokens, loss in curve if tokens >= 0.75 * total)
@@ -287,6 +342,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("all", "remote"),
         help="override the manifest's kv_compress (remote: a member's own K/V stay dense)",
     )
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=20.0,
+        help="emulated one-way delay of a K/V frame for the overlap measurement (default 20)",
+    )
+    p.add_argument(
+        "--only-overlap",
+        action="store_true",
+        help="measure the overlap only (no bytes/time/memory per length, no training)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p.parse_args(argv)
 
@@ -305,6 +371,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check_data_available(base)
     if not base.model.kv_rank:
         raise SystemExit(f"manifest {args.manifest} has kv_rank 0: nothing to compare")
+    longest_len = max(int(n) for n in args.seq_lens.split(","))
+    hiding = overlap(base, longest_len, args.latency_ms, args.reps)
+    if args.only_overlap:
+        return {"manifest": args.manifest, "threads": args.threads, "overlap": hiding}
     lengths = [per_length(base, int(n), args.reps) for n in args.seq_lens.split(",")]
     longest = max(lengths, key=lambda r: r["seq_len"])
     trained = quality(base, args.steps, args.eval_every, args.eval_samples)
@@ -329,6 +399,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "tokens": trained["tokens"],
         "per_seq_len": lengths,
+        "overlap": hiding,
         "quality": trained,
     }
 

@@ -3,10 +3,11 @@
 A cell's members run attention layer by layer in lock step: at each exchange every
 member pushes its frame to every other member and waits for theirs
 (stages/context_parallel.py checks the frames; this module only moves them). The
-waiting happens on the stage's compute thread, never on the event loop: `all_to_all`
-hands the pushes to the loop and blocks its own thread until the frames it needs
-have arrived or the deadline passes (`CellTimeout`: the micro-batch fails, as any
-other dropped micro-batch does).
+waiting happens on the stage's compute thread, never on the event loop: `post`
+hands the pushes to the loop and returns, so the member computes what needs no
+other member's frame while they travel; `wait` then blocks its own thread until the
+frames it needs have arrived or the deadline passes (`CellTimeout`: the micro-batch
+fails, as any other dropped micro-batch does).
 
 A pushed frame carries the micro-batch's id and a sequence number (one per exchange,
 in the order every member runs them), so frames of different micro-batches or layers
@@ -206,13 +207,16 @@ class MicrobatchExchange:
         return len(self.members)
 
     def all_to_all(self, sends: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.post(sends).wait()
+
+    def post(self, sends: list[torch.Tensor]) -> PostedPushes:
+        """Start pushing sends[j] to member j (on the event loop) and return at once."""
         link = self.link
         if link._loop is None:
             raise RuntimeError("CellLink.start() first")
         if threading.current_thread() is link._loop_thread:
             raise RuntimeError("cell exchanges block: call them from the compute thread")
         self.seq += 1
-        deadline = time.monotonic() + link.timeout_s
         pushes = [
             asyncio.run_coroutine_threadsafe(
                 link._push(peer, self.mb_id, self.seq, sends[j].numpy().tobytes()), link._loop
@@ -220,21 +224,35 @@ class MicrobatchExchange:
             for j, peer in enumerate(self.members)
             if j != self.rank
         ]
+        return PostedPushes(self, self.seq, sends, pushes, time.monotonic() + link.timeout_s)
+
+
+@dataclass(eq=False)
+class PostedPushes:
+    exchange: MicrobatchExchange
+    seq: int
+    sends: list[torch.Tensor]
+    pushes: list
+    deadline: float
+
+    def wait(self) -> list[torch.Tensor]:
+        """What each member sent for this exchange; its own pushes delivered too."""
+        x, link = self.exchange, self.exchange.link
         try:
             got = []
-            for j, peer in enumerate(self.members):
-                if j == self.rank:
-                    got.append(sends[j])
+            for j, peer in enumerate(x.members):
+                if j == x.rank:
+                    got.append(self.sends[j])
                 else:
-                    got.append(_as_tensor(link._take(peer, self.mb_id, self.seq, deadline)))
-            for push in pushes:
-                push.result(max(0.0, deadline - time.monotonic()))
+                    got.append(_as_tensor(link._take(peer, x.mb_id, self.seq, self.deadline)))
+            for push in self.pushes:
+                push.result(max(0.0, self.deadline - time.monotonic()))
         except TimeoutError as exc:
             raise CellTimeout(f"a push to a cell member took over {link.timeout_s:.0f}s") from exc
         except streams.StreamError as exc:
             raise CellTimeout(f"a push to a cell member failed: {exc}") from exc
         finally:
-            for push in pushes:
+            for push in self.pushes:
                 push.cancel()
         return got
 

@@ -4,11 +4,16 @@ Every member of a cell holds the same stage weights and a share of each sequence
 tokens (the zig-zag layout: the sequence is cut into 2c pieces and member m holds
 pieces m and 2c-1-m, so causal attention work is balanced). Queries, the MLP and
 the residual stream stay local; for attention each member needs keys and values of
-the whole sequence, so the members all-gather the activation that produces K and V
-(z = attn_norm(x)) and each computes K, V with its own (identical) weights. The
-backward of that all-gather is a reduce-scatter: every member sends back the
-gradient its queries put on each other member's z. Parameter gradients summed over
-the members equal the single-peer gradients.
+the whole sequence, so the members send each other the activation that produces K and
+V (z = attn_norm(x)) and each computes K, V with its own (identical) weights; in
+backward every member sends back the gradient its queries put on each other member's
+z. Parameter gradients summed over the members equal the single-peer gradients.
+
+Overlap: a member posts its z (`post_sources`) and attends to its own keys while the
+others' travel, then to theirs (`attend_part`), and the two parts merge exactly by
+log-sum-exp (`merge_parts`). Backward runs in the reverse order of recording: the
+gradients for the others' z are posted first and travel while the member's own part's
+backward runs.
 
 Compression (Mixtures of Subspaces): with `kv_rank` r > 0, z is replaced *in the
 model* by its projection onto one of `kv_subspaces` learned rank-r bases, chosen
@@ -37,6 +42,7 @@ over libp2p.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +56,7 @@ from agora_node.stages.kv_frames import (
     KIND_MIXTURE,
     FramedExchange,
     KVExpect,
+    PostedFrames,
     encode_kv_frame,
 )
 
@@ -116,12 +123,16 @@ def attention_mask(q_pos: Tensor, k_pos: Tensor, q_doc: Tensor, k_doc: Tensor) -
 
 
 class LocalCell:
-    """The members of one cell as threads of this process (tests and benchmarks)."""
+    """The members of one cell as threads of this process (tests and benchmarks).
 
-    def __init__(self, size: int, timeout_s: float = 60.0) -> None:
-        self.size = size
+    `latency_s` (benchmarks) emulates a link: what a member posts can be read that
+    long after it was posted, so work done between posting and waiting hides it."""
+
+    def __init__(self, size: int, timeout_s: float = 60.0, latency_s: float = 0.0) -> None:
+        self.size, self.latency_s = size, latency_s
         self._barrier = threading.Barrier(size, timeout=timeout_s)
         self._slots: list[list[Tensor] | None] = [None] * size
+        self._posted_at = [0.0] * size
 
     def member(self, rank: int) -> LocalExchange:
         return LocalExchange(self, rank)
@@ -132,25 +143,39 @@ class LocalExchange:
     cell: LocalCell
     rank: int
     bytes_sent: int = 0
+    wait_s: float = 0.0
+    """Seconds spent waiting for the other members' sends (after posting its own)."""
 
     @property
     def size(self) -> int:
         return self.cell.size
 
     def all_to_all(self, sends: list[Tensor]) -> list[Tensor]:
+        return self.post(sends).wait()
+
+    def post(self, sends: list[Tensor]) -> LocalExchange:
         if len(sends) != self.size:
             raise ValueError(f"all_to_all needs one tensor per member ({self.size})")
         self.bytes_sent += sum(
             t.numel() * t.element_size() for j, t in enumerate(sends) if j != self.rank
         )
         self.cell._slots[self.rank] = [t.detach().clone() for t in sends]
-        self.cell._barrier.wait()
-        got = [self.cell._slots[src][self.rank] for src in range(self.size)]
-        self.cell._barrier.wait()  # nobody refills a slot before every member has read
+        self.cell._posted_at[self.rank] = time.monotonic()
+        return self  # one exchange at a time per member: its own handle
+
+    def wait(self) -> list[Tensor]:
+        cell, started = self.cell, time.monotonic()
+        cell._barrier.wait()  # every member has posted
+        if cell.latency_s:
+            others = [at for j, at in enumerate(cell._posted_at) if j != self.rank]
+            time.sleep(max(0.0, max(others) + cell.latency_s - time.monotonic()))
+        got = [cell._slots[src][self.rank] for src in range(self.size)]
+        cell._barrier.wait()  # nobody refills a slot before every member has read
+        self.wait_s += time.monotonic() - started
         return got
 
 
-# ---- the all-gather of K/V sources, and its reduce-scatter backward ---------------
+# ---- the exchange of K/V sources, and of their gradients in backward ---------------
 
 
 @dataclass
@@ -161,6 +186,10 @@ class CellContext:
     exchange: FramedExchange
     dense_dtype: torch.dtype = torch.float32
     """Precision of a dense exchange (bf16 rounds z in the model, as the wire does)."""
+    overlap: bool = True
+    """Attend to the member's own keys while the others' K/V sources travel (and, in
+    backward, while the gradients for theirs travel). False waits first: the same
+    result, for measuring what the overlap hides."""
 
     @property
     def member(self) -> int:
@@ -170,115 +199,175 @@ class CellContext:
     def positions(self) -> Tensor:
         return self.layout.positions(self.member)
 
+    def lengths(self) -> list[int]:
+        return [self.layout.length(m) for m in range(self.layout.size)]
 
-class _GatherSources(torch.autograd.Function):
-    """Forward: every member's K/V source values (and choices, token ids), concatenated
-    in member order. Backward: each member gets back the gradients the others put on
-    its values."""
+    def others(self) -> list[int]:
+        return [m for m in range(self.layout.size) if m != self.member]
 
-    @staticmethod
-    def forward(
-        ctx,
-        values: Tensor,
-        choice: Tensor | None,
-        tokens: Tensor | None,
-        cell: CellContext,
-        layer: int,
-        kind: int,
-        dtype: torch.dtype,
-        num_subspaces: int,
-        vocab: int,
-    ):
-        b, _, width = values.shape
-        me, size = cell.member, cell.layout.size
+    @property
+    def remote_positions(self) -> Tensor:
+        """Global positions the other members hold, in member order."""
+        return torch.cat([self.layout.positions(m) for m in self.others()])
+
+
+@dataclass(eq=False)
+class _SourceLink:
+    """One layer's exchange of K/V sources between this member and the others: what
+    it posted, and (backward) the gradients it posted back."""
+
+    cell: CellContext
+    layer: int
+    kind: int
+    dtype: torch.dtype
+    num_subspaces: int
+    vocab: int
+    width: int = 0
+    batch: int = 0
+    _sources: PostedFrames | None = None
+    _grads: PostedFrames | None = None
+
+    def post(self, values: Tensor, choice: Tensor | None, tokens: Tensor | None) -> None:
+        self.batch, _, self.width = values.shape
         frame = encode_kv_frame(
-            layer=layer,
-            member=me,
-            kind=kind,
-            values=values.detach().to(dtype),
-            choice=choice,
-            tokens=tokens,
-            vocab=vocab,
+            layer=self.layer,
+            member=self.cell.member,
+            kind=self.kind,
+            values=values.detach().to(self.dtype).cpu(),
+            choice=None if choice is None else choice.cpu(),
+            tokens=None if tokens is None else tokens.cpu(),
+            vocab=self.vocab,
         )
-        expects = [
-            KVExpect(layer, src, kind, b, cell.layout.length(src), width, dtype, vocab)
-            for src in range(size)
-        ]
-        got = cell.exchange.exchange_frames(
-            [b"" if j == me else frame for j in range(size)], expects, num_subspaces
-        )
-        parts, choices, ids = [], [], []
-        for item in got:
-            if item is None:
-                parts.append(values.detach())
-                choices.append(choice)
-                ids.append(tokens)
-            else:
-                parts.append(item[0].to(values.dtype))
-                choices.append(item[1])
-                ids.append(item[2])
-        ctx.cell, ctx.layer, ctx.width = cell, layer, width
-        gathered = torch.cat(parts, dim=1)
-        gathered_choice = None if choice is None else torch.cat(choices, dim=1)
-        gathered_ids = None if tokens is None else torch.cat(ids, dim=1)
-        for side in (gathered_choice, gathered_ids):
-            if side is not None:
-                ctx.mark_non_differentiable(side)
-        return gathered, gathered_choice, gathered_ids
+        me = self.cell.member
+        frames = [b"" if j == me else frame for j in range(self.cell.layout.size)]
+        self._sources = self.cell.exchange.post_frames(frames)
 
-    @staticmethod
-    def backward(ctx, grad: Tensor, _grad_choice: Tensor | None, _grad_ids: Tensor | None):
-        cell: CellContext = ctx.cell
-        me, size, layout = cell.member, cell.layout.size, cell.layout
-        lengths = [layout.length(m) for m in range(size)]
-        pieces = list(torch.split(grad.contiguous(), lengths, dim=1))
-        b = grad.shape[0]
+    def receive(self, device: torch.device) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The others' values (and choices, token ids), concatenated in member order."""
+        cell, lengths = self.cell, self.cell.lengths()
+        expects = [
+            KVExpect(self.layer, src, self.kind, self.batch, lengths[src], self.width,
+                     self.dtype, self.vocab)
+            for src in range(cell.layout.size)
+        ]  # fmt: skip
+        got = [g for g in self._sources.collect(expects, self.num_subspaces) if g is not None]
+        self._sources = None
+        values, choice, tokens = (
+            None if got[0][i] is None else torch.cat([g[i] for g in got], dim=1).to(device)
+            for i in range(3)
+        )
+        return values, choice, tokens
+
+    def post_grads(self, grad: Tensor) -> None:
+        """Send each other member the gradient this member's queries put on its values."""
+        cell = self.cell
+        lengths = cell.lengths()
+        pieces = iter(torch.split(grad.float().cpu(), [lengths[m] for m in cell.others()], 1))
         frames = [
             b""
-            if j == me
+            if j == cell.member
             else encode_kv_frame(
-                layer=ctx.layer, member=me, kind=KIND_GRAD, values=pieces[j].float().contiguous()
+                layer=self.layer, member=cell.member, kind=KIND_GRAD,
+                values=next(pieces).contiguous(),
             )
-            for j in range(size)
-        ]
+            for j in range(cell.layout.size)
+        ]  # fmt: skip
+        self._grads = cell.exchange.post_frames(frames)
+
+    def collect_grads(self, like: Tensor, device: torch.device) -> Tensor:
+        """The sum of the gradients the others' queries put on this member's values."""
+        cell = self.cell
+        n = cell.layout.length(cell.member)
         expects = [
-            KVExpect(ctx.layer, src, KIND_GRAD, b, lengths[me], ctx.width, torch.float32)
-            for src in range(size)
+            KVExpect(self.layer, src, KIND_GRAD, self.batch, n, self.width, torch.float32)
+            for src in range(cell.layout.size)
         ]
-        got = cell.exchange.exchange_frames(frames, expects)
-        total = pieces[me].clone()
+        got = self._grads.collect(expects)
+        self._grads = None
+        total = torch.zeros(like.shape, dtype=torch.float32)
         for item in got:
             if item is not None:
-                total += item[0].to(total.dtype)
-        return total, None, None, None, None, None, None, None, None
+                total += item[0]
+        return total.to(device, like.dtype)
 
 
-def gather_sources(
-    values: Tensor,
-    choice: Tensor | None,
+class _SendSources(torch.autograd.Function):
+    """Forward: post this member's K/V source values to the others and return a ticket
+    (an empty tensor) that `_ReceiveSources` takes. Backward: the gradients the others'
+    queries put on these values (posted back by `_ReceiveSources.backward`). Autograd
+    runs this member's own attention backward in between: it was recorded later."""
+
+    @staticmethod
+    def forward(ctx, values: Tensor, choice, tokens, link: _SourceLink):  # noqa: ANN001
+        link.post(values, choice, tokens)
+        ctx.link, ctx.like = link, values.new_empty(values.shape, device="meta")
+        return values.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _ticket: Tensor):
+        return ctx.link.collect_grads(ctx.like, _ticket.device), None, None, None
+
+
+class _ReceiveSources(torch.autograd.Function):
+    """Forward: wait for the others' values. Backward: post each its gradient."""
+
+    @staticmethod
+    def forward(ctx, ticket: Tensor, link: _SourceLink):
+        values, choice, tokens = link.receive(ticket.device)
+        ctx.link = link
+        for side in (choice, tokens):
+            if side is not None:
+                ctx.mark_non_differentiable(side)
+        return values.to(ticket.dtype), choice, tokens
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _choice, _tokens):  # noqa: ANN001
+        ctx.link.post_grads(grad)
+        return grad.new_zeros(0), None
+
+
+@dataclass(eq=False)
+class PostedSources:
+    """A member's K/V sources for one layer: its own at once, the others' once they came."""
+
+    own: Tensor
+    """[B, n_me, d] the source of K and V at the member's own positions."""
+    cell: CellContext
+    _ticket: Tensor
+    _link: _SourceLink
+    _decode: object
+    """Received (values, choice, ids) -> [B, T - n_me, d]."""
+
+    def receive(self) -> Tensor:
+        """[B, T - n_me, d] the sources at the other members' positions
+        (`cell.remote_positions`); blocks until their frames are here."""
+        values, choice, tokens = _ReceiveSources.apply(self._ticket, self._link)
+        return self._decode(values, choice, tokens)
+
+
+def post_sources(
+    z: Tensor,
+    mixture: SubspaceMixture | None,
     cell: CellContext,
     layer: int,
-    dtype: torch.dtype,
-    num_subspaces: int = 0,
     tokens: Tensor | None = None,
-    vocab: int = 0,
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """[B, n_me, w] local values (with their choices and token ids, for a mixture) ->
-    [B, seq_len, w] for the whole sequence, in global order."""
-    kind = KIND_DENSE if choice is None else KIND_MIXTURE
-    gathered, *sides = _GatherSources.apply(
-        values, choice, tokens, cell, layer, kind, dtype, num_subspaces, vocab
-    )
-    lengths = _lengths(cell)
-    full, choice_full, ids_full = (
-        None if t is None else cell.layout.assemble(list(torch.split(t, lengths, dim=1)))
-        for t in (gathered, *sides)
-    )
-    return full, choice_full, ids_full
-
-
-def _lengths(cell: CellContext) -> list[int]:
-    return [cell.layout.length(m) for m in range(cell.layout.size)]
+    remote_only: bool = False,
+) -> PostedSources:
+    """Send what the other members need of z for their K and V (z at the wire's dense
+    precision, or its mixture coefficients and choices, and the token ids with a token
+    table) and return this member's own sources; the others' come with `receive`.
+    With `remote_only` (kv_compress = "remote") a member's own sources are z itself."""
+    if mixture is None:  # a dense exchange, at the wire's precision
+        z = round_through(z, cell.dense_dtype)
+        link = _SourceLink(cell, layer, KIND_DENSE, cell.dense_dtype, 0, 0)
+        ticket = _SendSources.apply(z, None, None, link)
+        return PostedSources(z, cell, ticket, link, lambda v, c, t: v)
+    coeffs, choice = mixture.encode(z, tokens)
+    ids = tokens if mixture.tokens is not None else None
+    link = _SourceLink(cell, layer, KIND_MIXTURE, torch.bfloat16, mixture.count, mixture.vocab)
+    ticket = _SendSources.apply(coeffs, choice, ids, link)
+    own = z if remote_only else mixture.decode(coeffs, choice, ids)
+    return PostedSources(own, cell, ticket, link, mixture.decode)
 
 
 def round_through(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -349,27 +438,18 @@ def kv_source(
 ) -> Tensor:
     """The activation K and V are computed from, for the whole sequence: [B, T, d].
 
-    Alone (cell None) that is z itself, or its mixture reconstruction. In a cell the
-    members all-gather what they send: z (dense) or coefficients and choices (and the
-    token ids, with a token table). `tokens` are the ids of z's tokens. With
-    `remote_only` (manifest kv_compress = "remote") a member's own positions keep z
-    itself and only what it received is the mixture's reconstruction."""
-    if cell is None and (mixture is None or remote_only):
-        return z  # alone, and nothing the model compresses
-    if mixture is None:  # a dense exchange, at the wire's precision
-        z = round_through(z, cell.dense_dtype)
-        return gather_sources(z, None, cell, layer, cell.dense_dtype)[0]
-    coeffs, choice = mixture.encode(z, tokens)
-    if mixture.tokens is None:
-        tokens = None
-    if cell is not None:
-        coeffs, choice, tokens = gather_sources(
-            coeffs, choice, cell, layer, torch.bfloat16, mixture.count, tokens, mixture.vocab
-        )
-    full = mixture.decode(coeffs, choice, tokens)
-    if remote_only:  # a member's own positions never crossed the wire
-        full = full.index_copy(1, cell.positions.to(z.device), z)
-    return full
+    Alone (cell None) that is z itself, or its mixture reconstruction. In a cell, the
+    member's own sources and what the others sent (`post_sources`), in sequence order.
+    `tokens` are the ids of z's tokens."""
+    if cell is None:
+        if mixture is None or remote_only:
+            return z  # alone, and nothing the model compresses
+        coeffs, choice = mixture.encode(z, tokens)
+        return mixture.decode(coeffs, choice, tokens if mixture.tokens is not None else None)
+    posted = post_sources(z, mixture, cell, layer, tokens, remote_only)
+    remote = list(torch.split(posted.receive(), [cell.layout.length(m) for m in cell.others()], 1))
+    remote.insert(cell.member, posted.own)
+    return cell.layout.assemble(remote)
 
 
 def masked_attention(
@@ -396,3 +476,157 @@ def _attend_masked(
     if mask.dim() == 3:  # one mask per sample, the same for every head
         mask = mask[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+# ---- attention in parts, merged by log-sum-exp --------------------------------------
+
+
+class PartsMerge:
+    """The merged output and log-sum-exp of one attention split over key parts: every
+    part's backward needs them (filled in by `merge_parts`)."""
+
+    out: Tensor | None = None
+    lse: Tensor | None = None
+
+
+def attend_part(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    doc_ids: Tensor | None,
+    merge: PartsMerge,
+) -> tuple[Tensor, Tensor]:
+    """Queries [B, H, Tq, hd] at q_pos over the keys and values [B, Hkv, Tk, hd] at k_pos
+    (causal, within documents): (out, log-sum-exp [B, H, Tq]; -inf where no key is
+    visible). Parts over disjoint keys combine with `merge_parts` into the attention
+    over all of them, forward and backward, exactly."""
+    return _AttendPart.apply(q, k, v, q_pos, k_pos, doc_ids, merge)
+
+
+def merge_parts(merge: PartsMerge, *parts: tuple[Tensor, Tensor]) -> Tensor:
+    """The attention over the union of the parts' keys, [B, H, Tq, hd]."""
+    flat = [t for part in parts for t in part]
+    return _MergeParts.apply(merge, *flat)
+
+
+def _part_bias(
+    q_pos: Tensor, k_pos: Tensor, doc_ids: Tensor | None, dtype: torch.dtype, device
+) -> tuple[Tensor, Tensor]:
+    """(additive mask [B or 1, 1, Tq, Tk] with -inf where a key is hidden, visible [.., Tq])."""
+    q_pos, k_pos = q_pos.to(device), k_pos.to(device)
+    if doc_ids is None:
+        visible = k_pos[None, :] <= q_pos[:, None]
+    else:
+        docs = doc_ids.to(device)
+        visible = attention_mask(q_pos, k_pos, docs[..., q_pos], docs[..., k_pos])
+    visible = visible if visible.dim() == 3 else visible[None]
+    bias = torch.zeros(visible.shape, dtype=dtype, device=device)
+    bias = bias.masked_fill(~visible, float("-inf"))[:, None]
+    return bias, visible.any(-1)[:, None]
+
+
+def _fused(q: Tensor) -> bool:
+    """Whether torch has a fused attention kernel here that returns the log-sum-exp and
+    takes it back in backward (CPU); elsewhere the parts run as plain matmuls."""
+    return q.device.type == "cpu" and FUSED_PARTS
+
+
+FUSED_PARTS = True
+"""False runs the plain-matmul parts on CPU too (tests compare the two)."""
+
+
+def _part_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    scale = q.shape[-1] ** -0.5
+    if _fused(q):  # the fused kernel that also gives the log-sum-exp
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=bias, scale=scale
+        )
+        return out, lse.float()
+    scores = (q @ k.transpose(-2, -1)).float() * scale + bias.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0)[..., None])
+    return (probs.to(v.dtype) @ v), lse
+
+
+def _part_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bias: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of one part, given the *merged* output and log-sum-exp: with them the
+    usual attention backward is the part's share of the whole one's (as in ring
+    attention)."""
+    scale = q.shape[-1] ** -0.5
+    if _fused(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse.to(torch.float32), 0.0, False, attn_mask=bias, scale=scale
+        )
+    scores = (q @ k.transpose(-2, -1)).float() * scale + bias.float()
+    probs = torch.exp(scores - lse[..., None])
+    grad_v = probs.to(grad.dtype).transpose(-2, -1) @ grad
+    grad_probs = (grad @ v.transpose(-2, -1)).float()
+    grad_scores = probs * (grad_probs - (grad.float() * out.float()).sum(-1, keepdim=True))
+    grad_q = (grad_scores.to(k.dtype) @ k) * scale
+    grad_k = (grad_scores.to(q.dtype).transpose(-2, -1) @ q) * scale
+    return grad_q, grad_k, grad_v
+
+
+def _repeat_heads(t: Tensor, heads: int) -> Tensor:
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+class _AttendPart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, k_pos, doc_ids, merge):  # noqa: ANN001
+        heads = q.shape[1]
+        bias, visible = _part_bias(q_pos, k_pos, doc_ids, q.dtype, q.device)
+        out, lse = _part_forward(q, _repeat_heads(k.to(q.dtype), heads),
+                                 _repeat_heads(v.to(q.dtype), heads), bias)  # fmt: skip
+        lse = lse.masked_fill(~visible, float("-inf"))  # the kernel says 0 there
+        out = out.masked_fill(~visible[..., None], 0.0)
+        ctx.save_for_backward(q, k, v, q_pos, k_pos, doc_ids)
+        ctx.merge = merge
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _lse):  # noqa: ANN001
+        q, k, v, q_pos, k_pos, doc_ids = ctx.saved_tensors
+        heads, merge = q.shape[1], ctx.merge
+        bias, _ = _part_bias(q_pos, k_pos, doc_ids, q.dtype, q.device)  # rebuilt, not kept
+        grad_q, grad_k, grad_v = _part_backward(
+            grad.to(q.dtype), q, _repeat_heads(k.to(q.dtype), heads),
+            _repeat_heads(v.to(q.dtype), heads), merge.out, merge.lse, bias,
+        )  # fmt: skip
+        group = heads // k.shape[1]
+        if group > 1:  # each key/value head served `group` query heads
+            grad_k = grad_k.unflatten(1, (k.shape[1], group)).sum(2)
+            grad_v = grad_v.unflatten(1, (v.shape[1], group)).sum(2)
+        return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
+
+
+class _MergeParts(torch.autograd.Function):
+    """Forward: the parts' outputs weighted by exp(lse_part - lse). Backward: every part
+    gets the merged output's gradient whole; its own backward takes the merged output
+    and log-sum-exp from `merge`, which together give its exact share."""
+
+    @staticmethod
+    def forward(ctx, merge: PartsMerge, *flat: Tensor):
+        outs, lses = flat[0::2], flat[1::2]
+        lse = lses[0]
+        for other in lses[1:]:
+            lse = torch.logaddexp(lse, other)
+        # laid out [B, Tq, H, hd] in memory: the attention's output projection then reads
+        # (and keeps for its backward) this very tensor rather than a copy
+        out = sum(
+            o.transpose(1, 2).float() * torch.exp(part - lse).transpose(1, 2)[..., None]
+            for o, part in zip(outs, lses, strict=True)
+        )
+        out = out.to(outs[0].dtype).transpose(1, 2)
+        merge.out, merge.lse = out, lse
+        ctx.parts = len(outs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return (None, *[g for _ in range(ctx.parts) for g in (grad, None)])

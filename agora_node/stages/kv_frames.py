@@ -23,11 +23,21 @@ import torch
 from torch import Tensor
 
 
+class Posted(Protocol):
+    def wait(self) -> list[Tensor]:
+        """What each member sent (this member's own send at its rank); blocks."""
+        ...
+
+
 class Exchange(Protocol):
-    """One member's view of its cell: send sends[j] to member j, get what each sent."""
+    """One member's view of its cell: send sends[j] to member j, get what each sent.
+    `post` sends and returns at once; the caller computes what it can meanwhile and
+    then waits for what the others sent (`all_to_all` is both in one)."""
 
     rank: int
     size: int
+
+    def post(self, sends: list[Tensor]) -> Posted: ...
 
     def all_to_all(self, sends: list[Tensor]) -> list[Tensor]: ...
 
@@ -160,6 +170,10 @@ class FramedExchange:
         self, frames: list[bytes], expects: list[KVExpect | None], num_subspaces: int = 0
     ) -> list[tuple[Tensor, Tensor | None, Tensor | None] | None]:
         """Send frames[j] to member j; decode what each member sent (None for self)."""
+        return self.post_frames(frames).collect(expects, num_subspaces)
+
+    def post_frames(self, frames: list[bytes]) -> PostedFrames:
+        """Send frames[j] to member j now; `collect` what the others sent later."""
         self.frame_bytes_sent += sum(len(f) for j, f in enumerate(frames) if j != self.rank)
         sends = [
             torch.frombuffer(bytearray(f), dtype=torch.uint8)
@@ -167,15 +181,27 @@ class FramedExchange:
             else torch.empty(0, dtype=torch.uint8)
             for f in frames
         ]
-        got = self.inner.all_to_all(sends)
-        out: list[tuple[Tensor, Tensor | None] | None] = []
-        for src, raw in enumerate(got):
-            if src == self.rank:
+        return PostedFrames(self, self.inner.post(sends))
+
+
+@dataclass
+class PostedFrames:
+    exchange: FramedExchange
+    posted: Posted
+
+    def collect(
+        self, expects: list[KVExpect | None], num_subspaces: int = 0
+    ) -> list[tuple[Tensor, Tensor | None, Tensor | None] | None]:
+        """Wait for every member's frame and check it (None for this member's own)."""
+        me = self.exchange.rank
+        out: list[tuple[Tensor, Tensor | None, Tensor | None] | None] = []
+        for src, raw in enumerate(self.posted.wait()):
+            if src == me:
                 out.append(None)
                 continue
             try:
                 out.append(decode_kv_frame(raw.numpy().tobytes(), expects[src], num_subspaces))
             except KVFrameError as exc:
-                self.refused[exc.code] += 1
+                self.exchange.refused[exc.code] += 1
                 raise
         return out

@@ -24,10 +24,14 @@ from torch import Tensor, nn
 from agora_node.protocol.manifest import Manifest, ModelSpec
 from agora_node.stages.context_parallel import (
     CellContext,
+    PartsMerge,
     SubspaceMixture,
+    attend_part,
     init_mixture_bases,
     kv_source,
     masked_attention,
+    merge_parts,
+    post_sources,
 )
 
 
@@ -135,15 +139,42 @@ class Block(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        docs = context.doc_ids if context is not None else None
         cell = context.cell if context is not None else None
-        q_pos = cell.positions if cell is not None else torch.arange(t, device=z.device)
-        full = kv_source(z, self.kv_mix, cell, layer, tokens, self.kv_remote_only)  # [B, T, d]
-        seq = full.shape[1]
-        k = self.wk(full).view(b, seq, self.n_kv_heads, -1).transpose(1, 2)
-        v = self.wv(full).view(b, seq, self.n_kv_heads, -1).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin, q_pos), apply_rope(k, cos, sin)
-        y = masked_attention(q, k, v, q_pos, context.doc_ids if context is not None else None)
+        if cell is None:  # alone: a mixture of the whole sequence, or documents apart
+            full = kv_source(z, self.kv_mix, None, layer, tokens, self.kv_remote_only)
+            k, v = self.keys_values(full, cos, sin)
+            q_pos = torch.arange(t, device=z.device)
+            y = masked_attention(apply_rope(q, cos, sin), k, v, q_pos, docs)
+            return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        # a cell member: its queries attend to its own keys while the others' K/V sources
+        # travel, then to theirs; the two parts merge exactly (log-sum-exp)
+        own_pos, q = cell.positions, apply_rope(q, cos, sin, cell.positions)
+        posted = post_sources(z, self.kv_mix, cell, layer, tokens, self.kv_remote_only)
+        merge = PartsMerge()
+
+        def part(source: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+            k, v = self.keys_values(source, cos, sin, positions)
+            return attend_part(q, k, v, own_pos, positions, docs, merge)
+
+        if cell.overlap:
+            own = part(posted.own, own_pos)
+            remote = part(posted.receive(), cell.remote_positions)
+        else:  # wait first (the baseline the overlap is measured against)
+            received = posted.receive()
+            own = part(posted.own, own_pos)
+            remote = part(received, cell.remote_positions)
+        y = merge_parts(merge, own, remote)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+    def keys_values(
+        self, source: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """K (rotated to `positions`, 0.. by default) and V of a K/V source [B, n, d]."""
+        b, n, _ = source.shape
+        k = self.wk(source).view(b, n, self.n_kv_heads, -1).transpose(1, 2)
+        v = self.wv(source).view(b, n, self.n_kv_heads, -1).transpose(1, 2)
+        return apply_rope(k, cos, sin, positions), v
 
     def forward(
         self,

@@ -3,6 +3,8 @@ for dense K/V and for the mixture of subspaces, and refuses malformed K/V frames
 
 import copy
 import dataclasses
+import threading
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,7 +15,11 @@ from agora_node.stages.context_parallel import (
     CellContext,
     ChunkLayout,
     LocalCell,
+    PartsMerge,
+    attend_part,
     kv_source,
+    masked_attention,
+    merge_parts,
 )
 from agora_node.stages.data import document_ids
 from agora_node.stages.kv_frames import (
@@ -282,6 +288,93 @@ def test_remote_only_mixture_keeps_a_members_own_sources_and_sums_gradients_exac
     grads = layout.assemble([g for _, g in results])
     torch.testing.assert_close(grads, ref_grad)
     assert all(not e.refused for e in exchanges)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_attention_in_parts_merges_to_attention_over_all_keys(monkeypatch, fused):
+    """Two parts over disjoint keys (one seeing nothing for some queries), merged: the
+    output and the gradients of queries, keys and values of one attention over all the
+    keys, with grouped heads and documents; with torch's fused CPU kernel and with the
+    plain matmuls used on other devices."""
+    from agora_node.stages import context_parallel as cp
+
+    monkeypatch.setattr(cp, "FUSED_PARTS", fused)
+    g = torch.Generator().manual_seed(0)
+    q_pos, own, rest = torch.arange(12), torch.arange(0, 12), torch.arange(12, 20)
+    docs = document_ids(20, torch.tensor([0, 5, 15]))
+    q = torch.randn(2, 4, 12, 8, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 20, 8, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, 20, 8, generator=g, requires_grad=True)
+    grad = torch.randn(2, 4, 12, 8, generator=g)
+    ref = masked_attention(q, k, v, q_pos, docs[:20])  # keys 12.. are all in the future
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    merge = PartsMerge()
+    parts = [
+        attend_part(q, k[:, :, pos], v[:, :, pos], q_pos, pos, docs, merge) for pos in (own, rest)
+    ]
+    assert torch.isinf(parts[1][1]).all()  # the second part: no key visible to any query
+    out = merge_parts(merge, *parts)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_member_attends_to_its_own_keys_while_the_others_travel(monkeypatch, overlap):
+    """The order of one member's work in a layer: it posts its K/V sources, attends to
+    its own keys, then waits for the others'; in backward it posts the gradients for the
+    others' sources, runs its own part's backward, then waits for theirs. With overlap
+    off it waits first (same result: the baseline the benchmark measures against)."""
+    from agora_node.stages import context_parallel as cp
+
+    events: dict[int, list[str]] = {0: [], 1: []}
+    member_of = {}
+    real_post, real_forward, real_backward = (
+        cp.LocalExchange.post,
+        cp._part_forward,
+        cp._part_backward,
+    )
+
+    def post(self, sends):  # noqa: ANN001, ANN202
+        member_of[threading.get_ident()] = self.rank
+        events[self.rank].append("post")
+        posted = real_post(self, sends)
+        real_wait = posted.wait
+
+        def wait():  # noqa: ANN202
+            events[self.rank].append("wait")
+            return real_wait()
+
+        return types.SimpleNamespace(wait=wait)
+
+    def log(name, real, keys):  # noqa: ANN001, ANN202
+        def run(*args):  # noqa: ANN002, ANN202  (logged with the part's number of keys)
+            events[member_of[threading.get_ident()]].append(f"{name}{args[keys].shape[-2]}")
+            return real(*args)
+
+        return run
+
+    monkeypatch.setattr(cp.LocalExchange, "post", post)
+    monkeypatch.setattr(cp, "_part_forward", log("attend", real_forward, keys=1))
+    monkeypatch.setattr(cp, "_part_backward", log("back", real_backward, keys=2))
+    m = cp_manifest(31, kv_rank=4, layers=1, kv_compress="remote")
+    stage = Stage(m, 0)
+    layout = ChunkLayout(31, 2)  # member 0 holds 15 tokens, member 1 16
+    cell = LocalCell(2, timeout_s=30)
+    tokens = torch.randint(0, 256, (1, 31))
+
+    def member(rank: int) -> None:
+        context = CellContext(layout, FramedExchange(cell.member(rank)), overlap=overlap)
+        out = copy.deepcopy(stage)(None, layout.take(tokens, rank), AttentionContext(cell=context))
+        out.square().mean().backward()
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(member, range(2)))
+    if overlap:
+        expected = ["post", "attend15", "wait", "attend16", "back16", "post", "back15", "wait"]
+    else:
+        expected = ["post", "wait", "attend15", "attend16", "back16", "back15", "post", "wait"]
+    assert events[0] == expected, " ".join(events[0])
 
 
 def test_remote_only_mixture_leaves_a_peer_alone_with_the_dense_model():

@@ -3,7 +3,7 @@
     python bench/context_parallel.py --json [--manifest long] [--seq-lens 512,1024,2048]
         [--steps 100] [--eval-every 10] [--eval-samples 8] [--threads 2] [--reps 3]
         [--kv-rank R] [--kv-subspaces N] [--kv-tokens on|off] [--kv-compress all|remote]
-        [--latency-ms 20] [--only-overlap]
+        [--cp-degree C] [--latency-ms 20] [--only-overlap]
 
 A cell's members run as threads of this process (`LocalCell`), so K/V frames are real
 bytes (encoded, sent, checked, decoded) but cross no network.
@@ -343,6 +343,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="override the manifest's kv_compress (remote: a member's own K/V stay dense)",
     )
     p.add_argument(
+        "--cp-degree",
+        type=int,
+        default=0,
+        help="cell size for the quality run (default: the manifest's cp_degree, at least 2)",
+    )
+    p.add_argument(
         "--latency-ms",
         type=float,
         default=20.0,
@@ -368,6 +374,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         base = with_model(base, kv_tokens=args.kv_tokens == "on")
     if args.kv_compress:
         base = with_model(base, kv_compress=args.kv_compress)
+    if args.cp_degree:
+        base = with_model(base, cp_degree=args.cp_degree)
     check_data_available(base)
     if not base.model.kv_rank:
         raise SystemExit(f"manifest {args.manifest} has kv_rank 0: nothing to compare")

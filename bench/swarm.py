@@ -2,6 +2,7 @@
 
     python bench/swarm.py --manifest tiny --seconds 60 --repeats 2 --json
     python bench/swarm.py --manifest tiny --seconds 60 --bandwidth-mbit 100 --latency-ms 50 --json
+    sudo python bench/swarm.py --manifest tiny --seconds 60 --lab 100,100,50 --json
 
 Each repeat runs, on the same cores one after the other:
 
@@ -30,6 +31,14 @@ Reported per side as the median over repeats (every repeat's figures are in `run
 side, thread budget, versions. With --bandwidth-mbit/--latency-ms every daemon's uplink
 is shaped in the transport layer (agora_node/comms/linkemu.py: serialization at that
 rate plus one-way latency per message).
+
+`--lab UP,DOWN,RTT` (root, `ip netns`: the network lab of tests/netlab.py) compares the
+swarm with itself instead of with the reference: every process (the bootstrap and each
+daemon) in a network namespace of its own on the lab's switch, A unshaped, B with each
+host's uplink and downlink limited to UP and DOWN Mbit/s by the kernel's token bucket
+(tc tbf) and RTT ms between any two hosts (this kernel has no netem: half of it is
+added to every message a daemon sends, in the transport). `shaped_over_unshaped` is
+B's tokens per second over A's; `left_behind` counts namespaces the lab did not delete.
 """
 
 from __future__ import annotations
@@ -79,10 +88,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="torch threads of each side: the reference's, and the daemons' in all (default 2)",
     )
     p.add_argument("--skip-reference", action="store_true", help="only the swarm side")
+    p.add_argument(
+        "--lab",
+        default="",
+        metavar="UP,DOWN,RTT",
+        help="the swarm in network namespaces, unshaped against shaped (Mbit/s, Mbit/s, ms)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.seconds <= 0 or args.repeats < 1 or args.threads < 1:
         p.error("--seconds, --repeats and --threads must be positive")
+    if args.lab:
+        try:
+            up, down, rtt = (float(x) for x in args.lab.split(","))
+        except ValueError:
+            p.error(f"--lab {args.lab!r} must be UP,DOWN,RTT, e.g. 100,100,50")
+        if up <= 0 or down <= 0 or rtt < 0:
+            p.error("--lab: rates must be > 0 and the RTT >= 0")
+        if args.bandwidth_mbit or args.latency_ms:
+            p.error("--lab shapes the links itself: no --bandwidth-mbit/--latency-ms with it")
+        args.lab_link = (up, down, rtt)
     return args
 
 
@@ -162,29 +187,80 @@ def _totals(statuses: list[dict], nodes: list) -> dict:
     }
 
 
-def run_swarm(args: argparse.Namespace, workdir: Path) -> dict:
+def fetch_status_in(prefix: tuple[str, ...], port: int) -> dict | None:
+    """A daemon's status from inside its network namespace (its page listens on that
+    namespace's own 127.0.0.1)."""
+    if not prefix:
+        return fetch_status(port, timeout=5)
+    url = f"http://127.0.0.1:{port}/api/v1/status"
+    code = f"import urllib.request as u; print(u.urlopen({url!r}, timeout=5).read().decode())"
+    done = subprocess.run(
+        [*prefix, sys.executable, "-c", code], capture_output=True, text=True, timeout=20
+    )
+    try:
+        return json.loads(done.stdout) if done.returncode == 0 else None
+    except ValueError:
+        return None
+
+
+class Lab:
+    """Hosts of a network lab for one side of `--lab` (None: everything on 127.0.0.1)."""
+
+    def __init__(self, shape: tuple[float, float, float] | None) -> None:
+        from tests.netlab import NetLab, why_not
+
+        reason = why_not()
+        if reason is not None:
+            raise SystemExit(f"--lab: {reason}")
+        self.lab, self.shape = NetLab.create(), shape
+
+    def host(self, name: str) -> tuple[tuple[str, ...], list[str]]:
+        """(command prefix, listen arguments) of a fresh host, shaped if this side is."""
+        host = self.lab.public(name)
+        if self.shape is not None:
+            self.lab.shape(host, self.shape[0], self.shape[1])
+        return tuple(self.lab.exec_prefix(host)), ["--host-maddrs", f"/ip4/{host.ip}/tcp/0"]
+
+    def close(self) -> int:
+        """Delete the namespaces; how many are left behind."""
+        return len(self.lab.destroy()) + len(self.lab.leftovers())
+
+
+def run_swarm(args: argparse.Namespace, workdir: Path, lab: Lab | None = None) -> dict:
     manifest = load_manifest(args.manifest)
     stages = manifest.num_stages
     swarm = Swarm(workdir)
+
+    def place(name: str) -> tuple[tuple[str, ...], list[str]]:
+        return lab.host(name) if lab is not None else ((), [])
+
+    prefix, listen = place("boot")
     boot = swarm.spawn(
-        "bootstrap", ["bootstrap", "--manifest", args.manifest, "--data-dir", str(workdir / "b")]
+        "bootstrap",
+        ["bootstrap", "--manifest", args.manifest, "--data-dir", str(workdir / "b"), *listen],
+        prefix=prefix,
     )
     peers = wait_for_line(boot, "--initial-peers", 60).split("--initial-peers", 1)[1].split()
     extra = ["--status-port", "0", "--eval-every", "100000", "--checkpoint-every", "100000"]
     extra += ["--max-in-flight", str(args.max_in_flight)]
     if args.bandwidth_mbit:
         extra += ["--emulate-link", f"{args.bandwidth_mbit},{args.latency_ms}"]
+    if lab is not None and lab.shape is not None and lab.shape[2]:
+        # the kernel here has no netem: half the round trip on every message a daemon
+        # sends, in the transport (at a rate the tbf, not the transport, limits)
+        extra += ["--emulate-link", f"100000,{lab.shape[2] / 2}"]
     try:
         nodes = []
         for s in range(stages):
             threads = max(1, args.threads // stages + (s < args.threads % stages))
-            argv = ["join", "--initial-peers", *peers, "--stage", str(s)]
+            prefix, listen = place(f"n{s}")
+            argv = ["join", "--initial-peers", *peers, "--stage", str(s), *listen]
             argv += ["--data-dir", str(workdir / f"n{s}"), "--threads", str(threads), *extra]
-            nodes.append(swarm.spawn(f"node-{s}", argv))
+            nodes.append(swarm.spawn(f"node-{s}", argv, prefix=prefix))
         ports = [_port(n) for n in nodes]
 
         def statuses() -> list[dict]:
-            return [fetch_status(p, timeout=5) for p in ports]
+            return [fetch_status_in(n.prefix, p) for n, p in zip(nodes, ports, strict=True)]
 
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:  # warm-up: all active and micro-batches flowing
@@ -225,8 +301,51 @@ def median(runs: list[dict], key: str) -> float:
     return round(statistics.median(r[key] for r in runs), 1)
 
 
+def lab_side(args: argparse.Namespace, shape: tuple[float, float, float] | None) -> dict:
+    """One side of `--lab`: the swarm in a fresh lab, shaped or not; the lab deleted after."""
+    lab = Lab(shape)
+    try:
+        with tempfile.TemporaryDirectory(prefix="agora-bench-") as tmp:
+            out = run_swarm(args, Path(tmp), lab)
+    finally:
+        out_left = lab.close()
+    return {**out, "left_behind": out_left}
+
+
+def main_lab(args: argparse.Namespace) -> dict:
+    up, down, rtt = args.lab_link
+    cond = conditions(args.threads)
+    sides: dict[str, list[dict]] = {"unshaped": [], "shaped": []}
+    for i in range(args.repeats):  # A B A B on the same cores
+        for name, shape in (("unshaped", None), ("shaped", args.lab_link)):
+            cond["loadavg_1m_before"].append(round(os.getloadavg()[0], 2))
+            sides[name].append(lab_side(args, shape))
+            print(f"repeat {i + 1} {name}: {sides[name][-1]}", file=sys.stderr, flush=True)
+    result: dict = {
+        "manifest": args.manifest,
+        "seconds": args.seconds,
+        "repeats": args.repeats,
+        "lab": {"up_mbit": up, "down_mbit": down, "rtt_ms": rtt},
+    }
+    for name, runs in sides.items():
+        result[f"{name}_tokens_per_s"] = median(runs, "tokens_per_s")
+        result[f"{name}_tokens_per_cpu_s"] = median(runs, "tokens_per_cpu_s")
+        result[f"{name}_wire_bytes_per_token"] = median(runs, "wire_bytes_per_token")
+    result["shaped_over_unshaped"] = round(
+        result["shaped_tokens_per_s"] / result["unshaped_tokens_per_s"], 3
+    )
+    result["left_behind"] = sum(r["left_behind"] for runs in sides.values() for r in runs)
+    result["runs"] = sides
+    result["conditions"] = cond
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.lab:
+        result = main_lab(args)
+        print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+        return 0
     manifest = load_manifest(args.manifest)
     result: dict = {"manifest": args.manifest, "seconds": args.seconds, "repeats": args.repeats}
     if args.bandwidth_mbit:

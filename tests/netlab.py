@@ -5,6 +5,7 @@ masquerading NAT router that can dial out but cannot be dialed.
     boot = lab.public("boot")              # 11.X.0.N on the switch
     home = lab.behind_nat("home")          # 192.168.X.2 behind its own router
     lab.exec_prefix(home)                  # ["ip", "netns", "exec", NS]: run a command there
+    lab.shape(home, 20, 100)               # its uplink 20 Mbit/s, downlink 100 (tc tbf)
     lab.destroy()                          # deletes every namespace it made (and their links)
 
 Each lab takes its own name prefix and /16 from its pid, so labs of parallel runs do
@@ -14,8 +15,8 @@ only through `ip netns exec`, and the hosts reach nothing but each other. The sw
 net looks public (11.X.0.0/24, not RFC 1918) because libp2p treats a private address
 as unroutable: a relay there never yields a relayed address (AutoRelay keeps only a
 relay's public addresses); the packets still never leave the lab. (This
-kernel has no netem: bandwidth can be shaped with tc tbf/htb, latency and loss are
-the transport's to emulate: comms/linkemu.py.)
+kernel has no netem: `shape` limits a host's uplink and downlink with tc tbf; latency
+and loss are the transport's to emulate: comms/linkemu.py.)
 
 `why_not()` says in one line why this machine cannot run a lab (not root, no
 `ip netns`, no iptables), for a skip.
@@ -58,6 +59,9 @@ class Host:
     name: str
     netns: str
     ip: str
+    downlink: tuple[str, str] = ("", "")
+    """(namespace, interface) of the far end of the host's link: what leaves there
+    toward the host is its downlink (`NetLab.shape`)."""
 
 
 @dataclass
@@ -86,15 +90,16 @@ class NetLab:
         _run("ip", "-n", netns, "link", "set", "lo", "up")
         return netns
 
-    def _to_switch(self, netns: str, ip: str) -> str:
-        """A veth from `netns` (eth0, `ip`/24) to the switch; the interface's name."""
+    def _to_switch(self, netns: str, ip: str) -> tuple[str, str]:
+        """A veth from `netns` (eth0, `ip`/24) to the switch; (switch namespace, the
+        switch-side interface's name)."""
         outer = f"v{self.prefix[2:]}{len(self.namespaces)}"
         _run("ip", "link", "add", outer, "type", "veth", "peer", "name", "eth0", "netns", netns)
         _run("ip", "link", "set", outer, "netns", f"{self.prefix}-sw")
         _run("ip", "-n", f"{self.prefix}-sw", "link", "set", outer, "master", "br0", "up")
         _run("ip", "-n", netns, "addr", "add", f"{ip}/24", "dev", "eth0")
         _run("ip", "-n", netns, "link", "set", "eth0", "up")
-        return "eth0"
+        return f"{self.prefix}-sw", outer
 
     def _public_ip(self) -> str:
         ip = f"11.{self.net}.0.{self._next_public}"
@@ -104,8 +109,8 @@ class NetLab:
     def public(self, name: str) -> Host:
         """A host on the switch: dialable by every other host of the lab."""
         netns = self._netns(name)
-        host = Host(name, netns, self._public_ip())
-        self._to_switch(netns, host.ip)
+        ip = self._public_ip()
+        host = Host(name, netns, ip, self._to_switch(netns, ip))
         self.hosts[name] = host
         return host
 
@@ -134,7 +139,7 @@ class NetLab:
         _run(*nat, "-A", "FORWARD", "-i", "eth0", "-m", "state", "--state",
              "ESTABLISHED,RELATED", "-j", "ACCEPT")  # fmt: skip
         _run(*nat, "-A", "FORWARD", "-i", "eth0", "-j", "DROP")
-        host = Host(name, netns, f"{private}.2")
+        host = Host(name, netns, f"{private}.2", (router, "lan0"))
         self.hosts[name] = host
         return host
 
@@ -145,6 +150,31 @@ class NetLab:
 
     def run_in(self, host: Host, *argv: str) -> str:
         return _run(*self.exec_prefix(host), *argv)
+
+    def shape(self, host: Host, up_mbit: float, down_mbit: float) -> None:
+        """Limit what `host` sends (its uplink) and what reaches it (its downlink) to these
+        rates, with the kernel's token bucket (tbf) on each end of its link; a queue of
+        at most 200 ms of traffic before drops, like a home router's buffer."""
+        for (netns, dev), mbit in (((host.netns, "eth0"), up_mbit), (host.downlink, down_mbit)):
+            burst = max(32_000, int(mbit * 1e6 / 8 / 250))  # at least a tick's worth (HZ 250)
+            _run("ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root",
+                 "tbf", "rate", f"{mbit}mbit", "burst", str(burst), "latency", "200ms")  # fmt: skip
+
+    def shaper_counts(self, host: Host) -> dict[str, dict[str, int]]:
+        """What the uplink's and downlink's shapers let through and held back:
+        {"up"|"down": {"sent_bytes", "dropped", "overlimits"}}."""
+        out = {}
+        for side, (netns, dev) in (("up", (host.netns, "eth0")), ("down", host.downlink)):
+            text = _run("ip", "netns", "exec", netns, "tc", "-s", "qdisc", "show", "dev", dev)
+            if " tbf " not in f" {text}":
+                raise RuntimeError(f"{host.name}'s {side}link is not shaped: {text.strip()}")
+            words = text.replace("(", " ").replace(")", " ").replace(",", " ").split()
+            out[side] = {
+                "sent_bytes": int(words[words.index("Sent") + 1]),
+                "dropped": int(words[words.index("dropped") + 1]),
+                "overlimits": int(words[words.index("overlimits") + 1]),
+            }
+        return out
 
     def partition(self, side: list[Host], rest: list[Host]) -> None:
         """Cut every packet between `side` and `rest` (both ways, in `side`'s namespaces;

@@ -92,3 +92,17 @@ def drive(
         out.val_curve.append((out.tokens, trainer.evaluate()))
         report(f"tokens {out.tokens:9d} | val_loss {out.val_curve[-1][1]:.4f}")
     return out
+
+
+def control_status(child) -> dict | None:  # noqa: ANN001 - node.demo.Child
+    """A daemon's status snapshot over its control socket (DATA_DIR/control.sock, a Unix
+    socket: reachable from any network namespace), or None if it does not answer."""
+    from pathlib import Path
+
+    from agora_node.node.control import ControlError, control_call_sync
+
+    data_dir = Path(child.argv[child.argv.index("--data-dir") + 1])
+    try:  # the snapshot behind both; its "node" part is what the status page serves
+        return control_call_sync(data_dir / "control.sock", "Status", timeout=5).get("node")
+    except ControlError:
+        return None

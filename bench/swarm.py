@@ -58,6 +58,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from common import control_status  # noqa: E402
 
 from agora_node.compression import bytes_per_token  # noqa: E402
 from agora_node.node.demo import Swarm, fetch_status, wait_for_line  # noqa: E402
@@ -187,20 +188,13 @@ def _totals(statuses: list[dict], nodes: list) -> dict:
     }
 
 
-def fetch_status_in(prefix: tuple[str, ...], port: int) -> dict | None:
-    """A daemon's status from inside its network namespace (its page listens on that
-    namespace's own 127.0.0.1)."""
-    if not prefix:
+def status_of(child, port: int) -> dict | None:  # noqa: ANN001 - demo.Child
+    """A daemon's status: from its status page, or in a network lab (where the page
+    listens on the namespace's own 127.0.0.1) over its control socket, a Unix socket
+    that any namespace reaches."""
+    if not child.prefix:
         return fetch_status(port, timeout=5)
-    url = f"http://127.0.0.1:{port}/api/v1/status"
-    code = f"import urllib.request as u; print(u.urlopen({url!r}, timeout=5).read().decode())"
-    done = subprocess.run(
-        [*prefix, sys.executable, "-c", code], capture_output=True, text=True, timeout=20
-    )
-    try:
-        return json.loads(done.stdout) if done.returncode == 0 else None
-    except ValueError:
-        return None
+    return control_status(child)
 
 
 class Lab:
@@ -260,7 +254,7 @@ def run_swarm(args: argparse.Namespace, workdir: Path, lab: Lab | None = None) -
         ports = [_port(n) for n in nodes]
 
         def statuses() -> list[dict]:
-            return [fetch_status_in(n.prefix, p) for n, p in zip(nodes, ports, strict=True)]
+            return [status_of(n, p) for n, p in zip(nodes, ports, strict=True)]
 
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:  # warm-up: all active and micro-batches flowing

@@ -160,6 +160,11 @@ class NetLab:
             _run("ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root",
                  "tbf", "rate", f"{mbit}mbit", "burst", str(burst), "latency", "200ms")  # fmt: skip
 
+    def unshape(self, host: Host) -> None:
+        """Lift `shape`: the host's links at full speed again."""
+        for netns, dev in ((host.netns, "eth0"), host.downlink):
+            _run("ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", dev, "root")
+
     def shaper_counts(self, host: Host) -> dict[str, dict[str, int]]:
         """What the uplink's and downlink's shapers let through and held back:
         {"up"|"down": {"sent_bytes", "dropped", "overlimits"}}."""

@@ -3,6 +3,7 @@
     python bench/chaos.py --repeats 2 --json
     python bench/chaos.py --schedule "kill-bootstrap@0.1,kill:1@0.25+15,stop:0@0.45+20" --json
     python bench/chaos.py --vs-overlap --emulate-link 100,25 --json
+    sudo python bench/chaos.py --lab --schedule "partition:1@0.2+30,degrade:0@0.5+30" --json
 
 Each side starts a bootstrap and `--replicas` daemons per stage of a `--layers`-layer,
 `--stages`-stage cut of `tiny` on 127.0.0.1 (one torch thread each, fixed stages), and
@@ -17,6 +18,15 @@ schedule, whose times are fractions of A's training time (the preceding A's):
     stop:S@F+D           SIGSTOP a stage-S daemon's process group (a frozen machine); D
                          seconds later SIGCONT it
     term:S@F+D           SIGTERM (a clean leave); D seconds later restart it
+    partition:S@F+D      (--lab) cut a stage-S daemon's host off from every other host
+                         (both ways, established connections too); D seconds later heal
+    degrade:S@F+D        (--lab) its uplink and downlink down to `--degrade` Mbit/s (tc
+                         tbf); D seconds later back to the lab's links
+
+`--lab` (root, `ip netns`: the network lab of tests/netlab.py) runs every process in a
+network namespace of its own on the lab's switch, both sides; `--lab-link UP,DOWN,RTT`
+shapes every host's links there (the RTT added in the transport: this kernel has no
+netem). A partitioned or degraded victim keeps running: `recover_s` counts from the heal.
 
 A victim is never a stage's last live replica (the schedule is refused if it would be).
 A daemon restarted after the bootstrap died is given only the bootstrap's address, as
@@ -55,6 +65,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import control_status  # noqa: E402
+
 from agora_node.node.demo import (  # noqa: E402
     Child,
     Swarm,
@@ -65,7 +77,8 @@ from agora_node.node.demo import (  # noqa: E402
 from agora_node.protocol.manifest import parse_manifest  # noqa: E402
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 
-ACTIONS = ("kill-bootstrap", "kill", "stop", "term")
+ACTIONS = ("kill-bootstrap", "kill", "stop", "term", "partition", "degrade")
+LAB_ACTIONS = ("partition", "degrade")
 _PAGE = "status page http://"
 
 
@@ -132,6 +145,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="MBIT,MS: every daemon's uplink shaped in the transport (comms/linkemu.py)",
     )
+    p.add_argument(
+        "--lab", action="store_true", help="every process in a network namespace of its own"
+    )
+    p.add_argument(
+        "--lab-link", default="", metavar="UP,DOWN,RTT", help="(--lab) every host's links"
+    )
+    p.add_argument("--degrade", default="1,1", metavar="UP,DOWN", help="a degraded victim's Mbit/s")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per side")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -141,9 +161,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--layers must be at least --stages")
     try:
         args.faults = parse_schedule(args.schedule, args.stages, args.replicas)
+        args.lab_shape = _rates(args.lab_link, 3) if args.lab_link else None
+        args.degrade_to = _rates(args.degrade, 2)
     except ValueError as exc:
         p.error(str(exc))
+    if not args.lab and (args.lab_link or any(f.action in LAB_ACTIONS for f in args.faults)):
+        p.error(f"--lab-link and the faults {', '.join(LAB_ACTIONS)} need --lab")
+    if args.lab and args.emulate_link:
+        p.error("--lab shapes links itself (--lab-link): no --emulate-link with it")
     return args
+
+
+def _rates(text: str, count: int) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != count or min(values[:2]) <= 0 or values[-1] < 0:
+        raise ValueError(f"{text!r}: want {count} comma-separated numbers, rates > 0")
+    return values
 
 
 def write_manifest(path: Path, args: argparse.Namespace, overlap: bool) -> Path:
@@ -208,15 +244,31 @@ class Side:
         self.stopped: set[str] = set()  # names of SIGSTOPped daemons (no status fetch)
         self.stage_of: dict[str, int] = {}
         self.starts: dict[str, int] = {}  # status-page lines in a restarted daemon's log before
+        self.lab, self.hosts = None, {}
+        if args.lab:
+            from tests.netlab import NetLab, why_not
+
+            if (reason := why_not()) is not None:
+                raise SystemExit(f"--lab: {reason}")
+            self.lab = NetLab.create()
 
     def spawn(self, name: str, argv: list[str]) -> Child:
-        child = self.swarm.spawn(name, argv)
+        prefix: tuple[str, ...] = ()
+        if self.lab is not None:  # a host of its own on the lab's switch
+            host = self.hosts[name] = self.lab.public(name)
+            if self.args.lab_shape:
+                self.lab.shape(host, *self.args.lab_shape[:2])
+            argv = [*argv, "--host-maddrs", f"/ip4/{host.ip}/tcp/0"]
+            prefix = tuple(self.lab.exec_prefix(host))
+        child = self.swarm.spawn(name, argv, prefix=prefix)
         self.pgids.add(child.proc.pid)
         return child
 
     def status(self, child: Child) -> dict | None:
         if child.name in self.stopped or child.proc.poll() is not None or not child.status_port:
             return None
+        if self.lab is not None:  # its page listens on its namespace's own 127.0.0.1
+            return control_status(child)
         return fetch_status(child.status_port, timeout=2)
 
     def nodes(self) -> list[Child]:
@@ -229,6 +281,8 @@ class Side:
         finally:
             self.sockets |= _p2pd_sockets(self.pgids)
             self.swarm.stop(grace_s=30)
+            if self.lab is not None:
+                self.lab.destroy()
         left = {
             "processes": _groups_alive(self.pgids),
             "sockets": sorted(p for p in self.sockets if os.path.exists(p)),
@@ -251,6 +305,8 @@ class Side:
         common += ["--eval-every", "1000000", "--max-tokens", str(args.tokens_per_head)]
         if args.emulate_link:
             common += ["--emulate-link", args.emulate_link]
+        if args.lab_shape and args.lab_shape[2]:  # no netem here: half the RTT per message
+            common += ["--emulate-link", f"100000,{args.lab_shape[2] / 2}"]
         for s in range(args.stages):
             for r in range(args.replicas):
                 name = f"s{s}r{r}"
@@ -339,7 +395,12 @@ class Side:
         victim = next(c for c in live if c.name not in hit)
         status = self.status(victim) or {}
         sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
-        if fault.action == "term":
+        if fault.action == "partition":
+            others = [self.hosts[c.name] for c in self.swarm.children if c.name != victim.name]
+            self.lab.partition([self.hosts[victim.name]], others)
+        elif fault.action == "degrade":
+            self.lab.shape(self.hosts[victim.name], *self.args.degrade_to)
+        elif fault.action == "term":
             victim.proc.send_signal(signal.SIGTERM)  # the daemon's own clean leave
             victim.proc.wait(timeout=60)
         else:
@@ -365,6 +426,15 @@ class Side:
         daemon's status port is read from its log by `_port_of` once it prints it)."""
         _, victim, action, event = item
         event["back_at_s"] = round(now, 1)
+        if action in LAB_ACTIONS:
+            host = self.hosts[victim.name]
+            if action == "partition":
+                self.lab.heal([host])
+            elif self.args.lab_shape:
+                self.lab.shape(host, *self.args.lab_shape[:2])
+            else:
+                self.lab.unshape(host)
+            return victim, event, _progress(self.status(victim) or {})
         if action == "stop":
             _group_signal(victim, signal.SIGCONT)
             self.stopped.discard(victim.name)
@@ -445,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "overlap": "B" if args.vs_overlap else args.overlap,
             "emulate_link": args.emulate_link,
+            "lab": args.lab,
+            "lab_link": args.lab_link,
+            "degrade": args.degrade,
         },
         "conditions": cond,
         "runs": runs,

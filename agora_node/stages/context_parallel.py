@@ -623,8 +623,11 @@ class _MergeParts(torch.autograd.Function):
             for o, part in zip(outs, lses, strict=True)
         )
         out = out.to(outs[0].dtype).transpose(1, 2)
-        merge.out, merge.lse = out, lse
+        # detached (the same storage): the output itself will carry this node as its
+        # grad_fn, and the parts' nodes hold `merge`: a cycle through autograd's C++
+        # graph, which Python's collector cannot see, would keep every layer's graph
         ctx.parts = len(outs)
+        merge.out, merge.lse = out.detach(), lse
         return out
 
     @staticmethod

@@ -22,15 +22,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from agora_node.protocol.manifest import Manifest, ModelSpec
+from agora_node.stages.attention import PartsMerge, attend_part, masked_attention, merge_parts
 from agora_node.stages.context_parallel import (
     CellContext,
-    PartsMerge,
     SubspaceMixture,
-    attend_part,
     init_mixture_bases,
     kv_source,
-    masked_attention,
-    merge_parts,
     post_sources,
 )
 

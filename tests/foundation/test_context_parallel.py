@@ -12,15 +12,12 @@ import pytest
 import torch
 
 from agora_node.protocol.manifest import ManifestError
+from agora_node.stages.attention import PartsMerge, attend_part, masked_attention, merge_parts
 from agora_node.stages.context_parallel import (
     CellContext,
     ChunkLayout,
     LocalCell,
-    PartsMerge,
-    attend_part,
     kv_source,
-    masked_attention,
-    merge_parts,
 )
 from agora_node.stages.data import document_ids
 from agora_node.stages.kv_frames import (
@@ -297,9 +294,9 @@ def test_attention_in_parts_merges_to_attention_over_all_keys(monkeypatch, fused
     output and the gradients of queries, keys and values of one attention over all the
     keys, with grouped heads and documents; with torch's fused CPU kernel and with the
     plain matmuls used on other devices."""
-    from agora_node.stages import context_parallel as cp
+    from agora_node.stages import attention
 
-    monkeypatch.setattr(cp, "FUSED_PARTS", fused)
+    monkeypatch.setattr(attention, "FUSED_PARTS", fused)
     g = torch.Generator().manual_seed(0)
     q_pos, own, rest = torch.arange(12), torch.arange(0, 12), torch.arange(12, 20)
     docs = document_ids(20, torch.tensor([0, 5, 15]))
@@ -326,14 +323,15 @@ def test_a_member_attends_to_its_own_keys_while_the_others_travel(monkeypatch, o
     its own keys, then waits for the others'; in backward it posts the gradients for the
     others' sources, runs its own part's backward, then waits for theirs. With overlap
     off it waits first (same result: the baseline the benchmark measures against)."""
+    from agora_node.stages import attention
     from agora_node.stages import context_parallel as cp
 
     events: dict[int, list[str]] = {0: [], 1: []}
     member_of = {}
     real_post, real_forward, real_backward = (
         cp.LocalExchange.post,
-        cp._part_forward,
-        cp._part_backward,
+        attention._part_forward,
+        attention._part_backward,
     )
 
     def post(self, sends):  # noqa: ANN001, ANN202
@@ -356,8 +354,8 @@ def test_a_member_attends_to_its_own_keys_while_the_others_travel(monkeypatch, o
         return run
 
     monkeypatch.setattr(cp.LocalExchange, "post", post)
-    monkeypatch.setattr(cp, "_part_forward", log("attend", real_forward, keys=1))
-    monkeypatch.setattr(cp, "_part_backward", log("back", real_backward, keys=2))
+    monkeypatch.setattr(attention, "_part_forward", log("attend", real_forward, keys=1))
+    monkeypatch.setattr(attention, "_part_backward", log("back", real_backward, keys=2))
     m = cp_manifest(31, kv_rank=4, layers=1, kv_compress="remote")
     stage = Stage(m, 0)
     layout = ChunkLayout(31, 2)  # member 0 holds 15 tokens, member 1 16
@@ -383,6 +381,7 @@ def test_a_cells_micro_batch_leaves_nothing_behind():
     parts' merged output is held for their backward, and a reference from the output
     back to its own graph would keep every layer's graph for good (it did: a 200-step
     training run grew to 24 GB)."""
+    from agora_node.stages import attention
     from agora_node.stages import context_parallel as cp
 
     m = cp_manifest(30, kv_rank=4, kv_compress="remote")
@@ -399,7 +398,7 @@ def test_a_cells_micro_batch_leaves_nothing_behind():
         for _ in range(3):
             list(pool.map(member, range(2)))
     gc.collect()
-    alive = [o for o in gc.get_objects() if isinstance(o, (cp.PartsMerge, cp._SourceLink))]
+    alive = [o for o in gc.get_objects() if isinstance(o, (attention.PartsMerge, cp._SourceLink))]
     assert alive == []
 
 

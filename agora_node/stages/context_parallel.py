@@ -422,22 +422,13 @@ def init_mixture_bases(bases: Tensor, rank: int, generator: torch.Generator) -> 
 def kv_source(
     z: Tensor,
     mixture: SubspaceMixture | None,
-    cell: CellContext | None,
-    layer: int,
     tokens: Tensor | None = None,
     remote_only: bool = False,
 ) -> Tensor:
-    """The activation K and V are computed from, for the whole sequence: [B, T, d].
-
-    Alone (cell None) that is z itself, or its mixture reconstruction. In a cell, the
-    member's own sources and what the others sent (`post_sources`), in sequence order.
-    `tokens` are the ids of z's tokens."""
-    if cell is None:
-        if mixture is None or remote_only:
-            return z  # alone, and nothing the model compresses
-        coeffs, choice = mixture.encode(z, tokens)
-        return mixture.decode(coeffs, choice, tokens if mixture.tokens is not None else None)
-    posted = post_sources(z, mixture, cell, layer, tokens, remote_only)
-    remote = list(torch.split(posted.receive(), [cell.layout.length(m) for m in cell.others()], 1))
-    remote.insert(cell.member, posted.own)
-    return cell.layout.assemble(remote)
+    """What a peer alone computes K and V from: z itself, or (kv_compress = "all") its
+    mixture reconstruction. `tokens` are the ids of z's tokens. (A cell member's come
+    from `post_sources`.)"""
+    if mixture is None or remote_only:
+        return z  # nothing the model compresses
+    coeffs, choice = mixture.encode(z, tokens)
+    return mixture.decode(coeffs, choice, tokens if mixture.tokens is not None else None)

@@ -139,7 +139,7 @@ class Block(nn.Module):
         docs = context.doc_ids if context is not None else None
         cell = context.cell if context is not None else None
         if cell is None:  # alone: a mixture of the whole sequence, or documents apart
-            full = kv_source(z, self.kv_mix, None, layer, tokens, self.kv_remote_only)
+            full = kv_source(z, self.kv_mix, tokens, self.kv_remote_only)
             k, v = self.keys_values(full, cos, sin)
             q_pos = torch.arange(t, device=z.device)
             y = masked_attention(apply_rope(q, cos, sin), k, v, q_pos, docs)

@@ -17,7 +17,7 @@ from agora_node.stages.context_parallel import (
     CellContext,
     ChunkLayout,
     LocalCell,
-    kv_source,
+    post_sources,
 )
 from agora_node.stages.data import document_ids
 from agora_node.stages.kv_frames import (
@@ -269,7 +269,10 @@ def test_remote_only_mixture_keeps_a_members_own_sources_and_sums_gradients_exac
     def member(rank: int):
         z = layout.take(z_full, rank).clone().requires_grad_(True)
         context = CellContext(layout, exchanges[rank])
-        full = kv_source(z, mixture, context, layer=0, remote_only=True)
+        posted = post_sources(z, mixture, context, layer=0, remote_only=True)
+        parts = list(torch.split(posted.receive(), [layout.length(m) for m in context.others()], 1))
+        parts.insert(rank, posted.own)
+        full = layout.assemble(parts)  # the sources of the whole sequence, in its order
         (weights[rank] * full).sum().backward()
         return full.detach(), z.grad
 

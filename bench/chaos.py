@@ -65,7 +65,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import control_status  # noqa: E402
+from common import DaemonLab, control_status, parse_rates  # noqa: E402
 
 from agora_node.node.demo import (  # noqa: E402
     Child,
@@ -161,8 +161,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--layers must be at least --stages")
     try:
         args.faults = parse_schedule(args.schedule, args.stages, args.replicas)
-        args.lab_shape = _rates(args.lab_link, 3) if args.lab_link else None
-        args.degrade_to = _rates(args.degrade, 2)
+        args.lab_shape = parse_rates(args.lab_link, 3) if args.lab_link else None
+        args.degrade_to = parse_rates(args.degrade, 2)
     except ValueError as exc:
         p.error(str(exc))
     if not args.lab and (args.lab_link or any(f.action in LAB_ACTIONS for f in args.faults)):
@@ -170,16 +170,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.lab and args.emulate_link:
         p.error("--lab shapes links itself (--lab-link): no --emulate-link with it")
     return args
-
-
-def _rates(text: str, count: int) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        values = ()
-    if len(values) != count or min(values[:2]) <= 0 or values[-1] < 0:
-        raise ValueError(f"{text!r}: want {count} comma-separated numbers, rates > 0")
-    return values
 
 
 def write_manifest(path: Path, args: argparse.Namespace, overlap: bool) -> Path:
@@ -244,22 +234,15 @@ class Side:
         self.stopped: set[str] = set()  # names of SIGSTOPped daemons (no status fetch)
         self.stage_of: dict[str, int] = {}
         self.starts: dict[str, int] = {}  # status-page lines in a restarted daemon's log before
-        self.lab, self.hosts = None, {}
-        if args.lab:
-            from tests.netlab import NetLab, why_not
-
-            if (reason := why_not()) is not None:
-                raise SystemExit(f"--lab: {reason}")
-            self.lab = NetLab.create()
+        self.hosts = {}
+        self.lab = DaemonLab(args.lab_shape) if args.lab else None
 
     def spawn(self, name: str, argv: list[str]) -> Child:
         prefix: tuple[str, ...] = ()
         if self.lab is not None:  # a host of its own on the lab's switch
-            host = self.hosts[name] = self.lab.public(name)
-            if self.args.lab_shape:
-                self.lab.shape(host, *self.args.lab_shape[:2])
-            argv = [*argv, "--host-maddrs", f"/ip4/{host.ip}/tcp/0"]
-            prefix = tuple(self.lab.exec_prefix(host))
+            host = self.hosts[name] = self.lab.host(name)
+            prefix, listen = self.lab.command(host)
+            argv = [*argv, *listen]
         child = self.swarm.spawn(name, argv, prefix=prefix)
         self.pgids.add(child.proc.pid)
         return child
@@ -282,7 +265,7 @@ class Side:
             self.sockets |= _p2pd_sockets(self.pgids)
             self.swarm.stop(grace_s=30)
             if self.lab is not None:
-                self.lab.destroy()
+                self.lab.close()
         left = {
             "processes": _groups_alive(self.pgids),
             "sockets": sorted(p for p in self.sockets if os.path.exists(p)),
@@ -305,8 +288,8 @@ class Side:
         common += ["--eval-every", "1000000", "--max-tokens", str(args.tokens_per_head)]
         if args.emulate_link:
             common += ["--emulate-link", args.emulate_link]
-        if args.lab_shape and args.lab_shape[2]:  # no netem here: half the RTT per message
-            common += ["--emulate-link", f"100000,{args.lab_shape[2] / 2}"]
+        if self.lab is not None:
+            common += self.lab.daemon_args()
         for s in range(args.stages):
             for r in range(args.replicas):
                 name = f"s{s}r{r}"
@@ -397,9 +380,9 @@ class Side:
         sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
         if fault.action == "partition":
             others = [self.hosts[c.name] for c in self.swarm.children if c.name != victim.name]
-            self.lab.partition([self.hosts[victim.name]], others)
+            self.lab.lab.partition([self.hosts[victim.name]], others)
         elif fault.action == "degrade":
-            self.lab.shape(self.hosts[victim.name], *self.args.degrade_to)
+            self.lab.lab.shape(self.hosts[victim.name], *self.args.degrade_to)
         elif fault.action == "term":
             victim.proc.send_signal(signal.SIGTERM)  # the daemon's own clean leave
             victim.proc.wait(timeout=60)
@@ -429,11 +412,9 @@ class Side:
         if action in LAB_ACTIONS:
             host = self.hosts[victim.name]
             if action == "partition":
-                self.lab.heal([host])
-            elif self.args.lab_shape:
-                self.lab.shape(host, *self.args.lab_shape[:2])
+                self.lab.lab.heal([host])
             else:
-                self.lab.unshape(host)
+                self.lab.restore(host)
             return victim, event, _progress(self.status(victim) or {})
         if action == "stop":
             _group_signal(victim, signal.SIGCONT)

@@ -106,3 +106,56 @@ def control_status(child) -> dict | None:  # noqa: ANN001 - node.demo.Child
         return control_call_sync(data_dir / "control.sock", "Status", timeout=5).get("node")
     except ControlError:
         return None
+
+
+def parse_rates(text: str, count: int) -> tuple[float, ...]:
+    """'UP,DOWN[,RTT]' -> floats (Mbit/s, Mbit/s[, ms]); ValueError unless rates > 0 and
+    the RTT >= 0."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != count or min(values[:2]) <= 0 or values[-1] < 0:
+        raise ValueError(f"{text!r}: want {count} comma-separated numbers, rates > 0")
+    return values
+
+
+class DaemonLab:
+    """A network lab (tests/netlab.py) for benchmark daemons: a host of its own per
+    process, its links shaped to `link` = (up Mbit/s, down Mbit/s, RTT ms) when given.
+    The kernel here has no netem, so the RTT goes to the daemons' transport
+    (`daemon_args`): half of it on every message a daemon sends."""
+
+    def __init__(self, link: tuple[float, float, float] | None = None) -> None:
+        from tests.netlab import NetLab, why_not
+
+        if (reason := why_not()) is not None:
+            raise SystemExit(f"--lab: {reason}")
+        self.lab, self.link = NetLab.create(), link
+
+    def host(self, name: str):  # noqa: ANN201 - tests.netlab.Host
+        """A fresh host on the switch, with the lab's links."""
+        host = self.lab.public(name)
+        if self.link is not None:
+            self.lab.shape(host, *self.link[:2])
+        return host
+
+    def restore(self, host) -> None:  # noqa: ANN001
+        """The host's links back to the lab's after a degradation (`NetLab.shape`)."""
+        if self.link is not None:
+            self.lab.shape(host, *self.link[:2])
+        else:
+            self.lab.unshape(host)
+
+    def command(self, host) -> tuple[tuple[str, ...], list[str]]:  # noqa: ANN001
+        """(what a command runs under, the daemon's listen arguments) on `host`."""
+        return tuple(self.lab.exec_prefix(host)), ["--host-maddrs", f"/ip4/{host.ip}/tcp/0"]
+
+    def daemon_args(self) -> list[str]:
+        if self.link is None or not self.link[2]:
+            return []
+        return ["--emulate-link", f"100000,{self.link[2] / 2}"]
+
+    def close(self) -> int:
+        """Delete the namespaces; how many are left behind."""
+        return len(self.lab.destroy()) + len(self.lab.leftovers())

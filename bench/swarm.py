@@ -58,7 +58,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from common import control_status  # noqa: E402
+from common import DaemonLab, control_status, parse_rates  # noqa: E402
 
 from agora_node.compression import bytes_per_token  # noqa: E402
 from agora_node.node.demo import Swarm, fetch_status, wait_for_line  # noqa: E402
@@ -101,14 +101,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--seconds, --repeats and --threads must be positive")
     if args.lab:
         try:
-            up, down, rtt = (float(x) for x in args.lab.split(","))
-        except ValueError:
-            p.error(f"--lab {args.lab!r} must be UP,DOWN,RTT, e.g. 100,100,50")
-        if up <= 0 or down <= 0 or rtt < 0:
-            p.error("--lab: rates must be > 0 and the RTT >= 0")
+            args.lab_link = parse_rates(args.lab, 3)
+        except ValueError as exc:
+            p.error(f"--lab {exc}")
         if args.bandwidth_mbit or args.latency_ms:
             p.error("--lab shapes the links itself: no --bandwidth-mbit/--latency-ms with it")
-        args.lab_link = (up, down, rtt)
     return args
 
 
@@ -197,36 +194,13 @@ def status_of(child, port: int) -> dict | None:  # noqa: ANN001 - demo.Child
     return control_status(child)
 
 
-class Lab:
-    """Hosts of a network lab for one side of `--lab` (None: everything on 127.0.0.1)."""
-
-    def __init__(self, shape: tuple[float, float, float] | None) -> None:
-        from tests.netlab import NetLab, why_not
-
-        reason = why_not()
-        if reason is not None:
-            raise SystemExit(f"--lab: {reason}")
-        self.lab, self.shape = NetLab.create(), shape
-
-    def host(self, name: str) -> tuple[tuple[str, ...], list[str]]:
-        """(command prefix, listen arguments) of a fresh host, shaped if this side is."""
-        host = self.lab.public(name)
-        if self.shape is not None:
-            self.lab.shape(host, self.shape[0], self.shape[1])
-        return tuple(self.lab.exec_prefix(host)), ["--host-maddrs", f"/ip4/{host.ip}/tcp/0"]
-
-    def close(self) -> int:
-        """Delete the namespaces; how many are left behind."""
-        return len(self.lab.destroy()) + len(self.lab.leftovers())
-
-
-def run_swarm(args: argparse.Namespace, workdir: Path, lab: Lab | None = None) -> dict:
+def run_swarm(args: argparse.Namespace, workdir: Path, lab: DaemonLab | None = None) -> dict:
     manifest = load_manifest(args.manifest)
     stages = manifest.num_stages
     swarm = Swarm(workdir)
 
     def place(name: str) -> tuple[tuple[str, ...], list[str]]:
-        return lab.host(name) if lab is not None else ((), [])
+        return lab.command(lab.host(name)) if lab is not None else ((), [])
 
     prefix, listen = place("boot")
     boot = swarm.spawn(
@@ -239,10 +213,8 @@ def run_swarm(args: argparse.Namespace, workdir: Path, lab: Lab | None = None) -
     extra += ["--max-in-flight", str(args.max_in_flight)]
     if args.bandwidth_mbit:
         extra += ["--emulate-link", f"{args.bandwidth_mbit},{args.latency_ms}"]
-    if lab is not None and lab.shape is not None and lab.shape[2]:
-        # the kernel here has no netem: half the round trip on every message a daemon
-        # sends, in the transport (at a rate the tbf, not the transport, limits)
-        extra += ["--emulate-link", f"100000,{lab.shape[2] / 2}"]
+    if lab is not None:
+        extra += lab.daemon_args()
     try:
         nodes = []
         for s in range(stages):
@@ -297,7 +269,7 @@ def median(runs: list[dict], key: str) -> float:
 
 def lab_side(args: argparse.Namespace, shape: tuple[float, float, float] | None) -> dict:
     """One side of `--lab`: the swarm in a fresh lab, shaped or not; the lab deleted after."""
-    lab = Lab(shape)
+    lab = DaemonLab(shape)
     try:
         with tempfile.TemporaryDirectory(prefix="agora-bench-") as tmp:
             out = run_swarm(args, Path(tmp), lab)

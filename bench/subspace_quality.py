@@ -1,10 +1,15 @@
 """What the subspace costs in quality and saves on the wire: dense versus k-dim boundaries.
 
     python bench/subspace_quality.py --manifest bench --json \
-        [--tokens N] [--eval-every STEPS] [--variants dense,8,16,32,64] [--threads 1]
+        [--tokens N] [--eval-every STEPS] [--variants dense,8,16:int8,32:int4] [--threads 1]
 
 Each variant is the manifest with model.subspace_rank replaced (0 = dense), trained by
 LocalTrainer on the same data order for the same token budget (rounded up to whole steps).
+A variant `k:mode` trains with the wire in the loop: every boundary goes through the
+activation codec `mode` forward and its gradient through it backward, as in a swarm (also
+when validating); a plain `k` keeps the boundaries exact. `wire_bytes_per_token` is then
+what that mode carries per token and boundary, forward (with the token id) plus backward,
+and `x_fewer_than_dense_bf16` the dense bf16 figure over it.
 Reported per variant: the validation-loss curve [(tokens, loss)], the final loss and its ratio
 to dense, and the bytes per token one stage boundary carries each way, measured by encoding
 the trained model's real boundary activation (forward) and the gradient sent back upstream
@@ -20,11 +25,13 @@ import argparse
 import dataclasses
 import json
 import math
+import multiprocessing
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import torch
-from common import drive, peak_rss_mb, set_threads
+from common import drive, log_stderr, peak_rss_mb, set_threads
 
 from agora_node.compression import ActivationCodec
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
@@ -47,22 +54,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma list of 'dense' and k")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="variants trained at once, each in a process of its own with --threads threads",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p.parse_args(argv)
 
 
-def parse_variants(text: str, d_model: int) -> list[int]:
-    """'dense,8,16' -> [0, 8, 16]; 0 stands for dense."""
-    ranks = []
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    rank: int
+    """0: dense."""
+    wire: str | None = None
+    """The activation codec in the loop; None: exact boundaries."""
+
+    @property
+    def name(self) -> str:
+        base = "dense" if self.rank == 0 else str(self.rank)
+        return base if self.wire is None else f"{base}:{self.wire}"
+
+
+def parse_variants(text: str, d_model: int) -> list[Variant]:
+    """'dense,8,16:int8' -> dense, k=8 exact, k=16 through int8 on the wire."""
+    variants = []
     for item in text.split(","):
         item = item.strip()
-        rank = 0 if item == "dense" else int(item) if item.isdigit() else -1
-        if not 0 <= rank <= d_model:
+        base, _, wire = item.partition(":")
+        rank = 0 if base == "dense" else int(base) if base.isdigit() else -1
+        if not 0 <= rank <= d_model or (wire and wire not in WIRE_MODES):
             raise ManifestError(
-                f"--variants item {item!r} is invalid: 'dense' or k in 1..{d_model}"
+                f"--variants item {item!r} is invalid: 'dense' or k in 1..{d_model}, "
+                f"optionally ':' and one of {', '.join(WIRE_MODES)}"
             )
-        ranks.append(rank)
-    return ranks
+        variants.append(Variant(rank, wire or None))
+    return variants
 
 
 def with_rank(manifest: Manifest, rank: int) -> Manifest:
@@ -111,10 +139,16 @@ def tail_rel_drop(curve: list[tuple[int, float]]) -> float:
     return (start - final) / final
 
 
-def run_variant(base: Manifest, rank: int, steps: int, eval_every: int) -> dict[str, Any]:
+def run_variant(base: Manifest, variant: Variant, steps: int, eval_every: int) -> dict[str, Any]:
+    rank = variant.rank
     manifest = with_rank(base, rank)
-    trainer = LocalTrainer(manifest, LocalTrainConfig(steps=steps))
-    result = drive(trainer, max_steps=steps, eval_every=eval_every)
+    trainer = LocalTrainer(manifest, LocalTrainConfig(steps=steps, wire=variant.wire))
+    result = drive(
+        trainer,
+        max_steps=steps,
+        eval_every=eval_every,
+        report=lambda line: log_stderr(f"[{variant.name}] {line}"),
+    )
     forward, backward = boundary_tensors(trainer)
     ids = token_id_bytes(manifest.model.vocab_size)
     wire = {}
@@ -127,9 +161,16 @@ def run_variant(base: Manifest, rank: int, steps: int, eval_every: int) -> dict[
             "rel_err_fwd": float(f"{fwd_err:.3g}"),
             "rel_err_bwd": float(f"{bwd_err:.3g}"),
         }
+    dense_bf16 = 2 * 2 * manifest.model.d_model + ids  # both ways, the token id forward
+    in_loop = None
+    if variant.wire is not None:
+        in_loop = wire[variant.wire]["fwd"] + wire[variant.wire]["bwd"]
     return {
-        "variant": "dense" if rank == 0 else str(rank),
+        "variant": variant.name,
         "k": rank,
+        "wire": variant.wire,
+        "wire_bytes_per_token": in_loop,
+        "x_fewer_than_dense_bf16": None if in_loop is None else round(dense_bf16 / in_loop, 1),
         "boundary_width": forward.shape[-1],
         "val_loss": round(result.val_curve[-1][1], 4),
         "val_curve": [(tokens, round(loss, 4)) for tokens, loss in result.val_curve],
@@ -144,21 +185,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
     base = load_manifest(args.manifest)
     check_data_available(base)
-    ranks = parse_variants(args.variants, base.model.d_model)
+    variants = parse_variants(args.variants, base.model.d_model)
     tokens_per_step = base.inner.local_batch * base.model.seq_len
     steps = math.ceil(args.tokens / tokens_per_step)
     eval_every = args.eval_every or max(1, steps // 8)
-    rows = []
-    for rank in ranks:
-        print(f"== variant {'dense' if rank == 0 else f'k={rank}'}", file=sys.stderr, flush=True)
-        rows.append(run_variant(base, rank, steps, eval_every))
-    dense = next((r for r in rows if r["k"] == 0), None)
-    within = None
+    if args.jobs == 1:
+        rows = [run_variant(base, v, steps, eval_every) for v in variants]
+    else:
+        spawn = multiprocessing.get_context("spawn")  # no torch state forked into workers
+        with ProcessPoolExecutor(
+            args.jobs, mp_context=spawn, initializer=set_threads, initargs=(args.threads,)
+        ) as pool:
+            n = len(variants)
+            rows = list(pool.map(run_variant, [base] * n, variants, [steps] * n, [eval_every] * n))
+    dense = next((r for r in rows if r["k"] == 0 and r["wire"] is None), None)
+    within = fewest = None
     if dense is not None:
         for row in rows:
             row["rel_to_dense"] = round(row["val_loss"] / dense["val_loss"] - 1, 4)
-        ok = [r["k"] for r in rows if r["k"] and r["val_loss"] <= (1 + WITHIN) * dense["val_loss"]]
-        within = min(ok, default=None)
+        ok = [r for r in rows if r["k"] and r["val_loss"] <= (1 + WITHIN) * dense["val_loss"]]
+        within = min((r["k"] for r in ok if r["wire"] is None), default=None)
+        in_loop = [r for r in ok if r["wire"] is not None]
+        fewest = min(in_loop, key=lambda r: r["wire_bytes_per_token"], default=None)
     return {
         "manifest": base.run.name,
         "run_id": base.run_id,
@@ -172,6 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "variants": rows,
         "dense_tail_rel_drop": dense["tail_rel_drop"] if dense else None,
         "smallest_k_within_2pct": within,
+        "fewest_wire_bytes_within_2pct": fewest and fewest["variant"],
         "peak_rss_mb": round(peak_rss_mb(), 1),
     }
 
@@ -197,13 +246,20 @@ def print_table(out: dict[str, Any]) -> None:
     for r in out["variants"]:
         curve = ", ".join(f"({t}, {loss:.3f})" for t, loss in r["val_curve"])
         print(f"curve {r['variant']}: {curve}")
+    for r in out["variants"]:
+        if r["wire"] is not None:
+            print(
+                f"wire in the loop, {r['variant']}: {r['wire_bytes_per_token']} B per token and "
+                f"boundary both ways, {r['x_fewer_than_dense_bf16']}x fewer than dense bf16"
+            )
     print(f"smallest k within 2% of dense: {out['smallest_k_within_2pct']}")
+    print(f"fewest wire bytes within 2% of dense: {out['fewest_wire_bytes_within_2pct']}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.tokens <= 0 or args.threads <= 0 or args.eval_every < 0:
-        print("subspace_quality: --tokens/--threads must be positive", file=sys.stderr)
+    if args.tokens <= 0 or args.threads <= 0 or args.jobs <= 0 or args.eval_every < 0:
+        print("subspace_quality: --tokens/--threads/--jobs must be positive", file=sys.stderr)
         return 2
     try:
         out = run(args)

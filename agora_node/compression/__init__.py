@@ -4,7 +4,12 @@ and bytes; imports only torch, numpy, zstandard, the standard library and the co
 (agora_node.protocol.codecs, which defines `Codec`).
 """
 
-from agora_node.compression.activations import ActivationCodec, ActivationMode, bytes_per_token
+from agora_node.compression.activations import (
+    ActivationCodec,
+    ActivationMode,
+    bytes_per_token,
+    through_wire,
+)
 from agora_node.compression.errors import CodecError, NonFiniteError
 from agora_node.compression.framing import (
     decode_dict,
@@ -41,4 +46,5 @@ __all__ = [
     "quantize",
     "quantize_with_fallback",
     "relative_error",
+    "through_wire",
 ]

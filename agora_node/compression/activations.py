@@ -86,6 +86,29 @@ class ActivationCodec:
             raise NonFiniteError("decoded activation is not finite")
         return y
 
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        """What the receiver of x decodes: x through encode and decode, in x's dtype."""
+        frame = self.encode(x.detach().float().contiguous())
+        return self.decode(frame, tuple(x.shape)).to(x.dtype)
+
+
+class _Wire(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, codec: ActivationCodec) -> torch.Tensor:  # type: ignore[override]
+        ctx.codec = codec
+        return codec.round_trip(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return ctx.codec.round_trip(grad), None
+
+
+def through_wire(x: torch.Tensor, codec: ActivationCodec) -> torch.Tensor:
+    """x as a stage boundary leaves it both ways: forward, the receiver's decoding of x; in
+    backward, the sender's decoding of the gradient the receiver sends back. For trainers
+    that chain stages in one process and want the wire's rounding in the loop."""
+    return _Wire.apply(x, codec)
+
 
 def bytes_per_token(mode: ActivationMode, k: int, *, tokens: int = 1024) -> float:
     """Measured wire bytes per token for `mode` at width k (header amortized over `tokens`)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from agora_node.compression import ActivationCodec, ActivationMode, through_wire
 from agora_node.node.checkpoint import load_latest_checkpoint, save_checkpoint
 from agora_node.protocol.manifest import Manifest
 from agora_node.stages.data import TokenBatch, TokenWindows
@@ -40,6 +41,9 @@ class LocalTrainConfig:
     """Stop early after this much wall time (benchmarks)."""
     compute: Compute = CPU
     """Device and autocast, as a daemon's worker uses them (stages/device.py)."""
+    wire: ActivationMode | None = None
+    """Pass every stage boundary through this activation codec both ways (the activations
+    forward, their gradients backward), as a swarm's wire does; None: boundaries exact."""
 
 
 @dataclass
@@ -56,13 +60,24 @@ class TrainResult:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def chain_forward(stages: list[Stage], batch: TokenBatch, compute: Compute = CPU) -> torch.Tensor:
-    """Logits of the whole model on the batch's inputs, running the stages in order."""
+def chain_forward(
+    stages: list[Stage],
+    batch: TokenBatch,
+    compute: Compute = CPU,
+    wire: ActivationCodec | None = None,
+) -> torch.Tensor:
+    """Logits of the whole model on the batch's inputs, running the stages in order.
+
+    With `wire`, what crosses each boundary (the sender's `encode_boundary` of its output)
+    goes through that codec forward and its gradient through it backward."""
     context = None if batch.docs is None else AttentionContext(doc_ids=batch.docs)
-    h = None
+    h, sender = None, None
     with compute.autocast():
         for stage in stages:
-            h = stage(h, batch.inputs, context)
+            if wire is not None and sender is not None:
+                c = through_wire(sender.encode_boundary(h, batch.inputs), wire)
+                h = stage.decode_boundary(c, batch.inputs)
+            h, sender = stage(h, batch.inputs, context), stage
     return h
 
 
@@ -73,11 +88,12 @@ def evaluate(
     sample_ids: list[int],
     micro_batch: int,
     compute: Compute = CPU,
+    wire: ActivationCodec | None = None,
 ) -> float:
     total, count = 0.0, 0
     for i in range(0, len(sample_ids), micro_batch):
         batch = windows.batch(sample_ids[i : i + micro_batch]).to(compute.device)
-        loss = lm_loss(chain_forward(stages, batch, compute), batch.targets)
+        loss = lm_loss(chain_forward(stages, batch, compute, wire), batch.targets)
         total += float(loss) * len(batch)
         count += len(batch)
     return total / count
@@ -100,6 +116,7 @@ class LocalTrainer:
         self.manifest, self.config = manifest, config
         torch.manual_seed(manifest.run.seed)
         self.compute = config.compute
+        self.wire = None if config.wire is None else ActivationCodec(mode=config.wire)
         self.stages = [stage.to(self.compute.device) for stage in build_stages(manifest)]
         self.model = nn.ModuleList(self.stages)
         self.optimizer = InnerOptimizer(
@@ -139,7 +156,7 @@ class LocalTrainer:
 
     def backward_micro_batch(self, batch: TokenBatch, n_micro: int) -> float:
         """Forward and backward of one micro-batch (its gradient divided by n_micro); its loss."""
-        loss = lm_loss(chain_forward(self.stages, batch, self.compute), batch.targets)
+        loss = lm_loss(chain_forward(self.stages, batch, self.compute, self.wire), batch.targets)
         (loss / n_micro).backward()
         return loss.item()
 
@@ -183,7 +200,12 @@ class LocalTrainer:
         self.model.eval()
         try:
             return evaluate(
-                self.stages, self.val, self.val_ids, self.manifest.inner.micro_batch, self.compute
+                self.stages,
+                self.val,
+                self.val_ids,
+                self.manifest.inner.micro_batch,
+                self.compute,
+                self.wire,
             )
         finally:
             self.model.train()

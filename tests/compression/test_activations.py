@@ -18,6 +18,7 @@ from agora_node.compression import (
     bytes_per_token,
     encode_frame,
     relative_error,
+    through_wire,
 )
 from agora_node.protocol.codecs import DENSE_CODEC_NAMES
 
@@ -127,3 +128,15 @@ def test_bytes_per_token_is_measured_and_ordered() -> None:
     # Values plus one bf16 scale per block, plus a header shared by 1024 tokens.
     for mode, expected in {"fp32": 4 * k, "bf16": 2 * k, "int8": k + 2, "int4": k / 2 + 2}.items():
         assert expected < sizes[mode] < expected + 0.1
+
+
+def test_through_wire_rounds_both_ways_like_the_wire() -> None:
+    codec = ActivationCodec(mode="int4")
+    x = activation().requires_grad_(True)
+    g = activation(seed=1)
+    y = through_wire(x, codec)
+    y.backward(g)
+    # Forward: what a receiver decodes; backward: what the sender decodes of the gradient.
+    assert torch.equal(y.detach(), round_trip("int4", x.detach()))
+    assert torch.equal(x.grad, round_trip("int4", g))
+    assert not torch.equal(x.grad, g)  # int4 does round

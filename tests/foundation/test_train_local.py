@@ -3,10 +3,13 @@
 import pytest
 import torch
 
+from agora_node.compression import ActivationCodec
 from agora_node.node.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
 from agora_node.node.cli import main
-from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
+from agora_node.node.train_local import LocalTrainConfig, LocalTrainer, chain_forward
+from agora_node.stages.data import TokenWindows
 from agora_node.stages.manifest_files import load_manifest
+from agora_node.stages.model import lm_loss
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -93,3 +96,28 @@ def test_cli_train_local_prints_progress(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "step     1 | loss" in out and "tok/s" in out and "val_loss" in out
     assert list_checkpoints(tmp_path)[0].step == 2
+
+
+def test_wire_in_the_loop_is_exact_for_fp32_and_rounds_for_int4():
+    """chain_forward(wire=...) crosses each boundary as the daemons do: the sender's
+    encode_boundary, the codec, the receiver's decode_boundary; exact in fp32."""
+    m = _half_tiny()
+    assert not m.dense  # the subspace boundary: k coefficients on the wire
+    stages = LocalTrainer(m, LocalTrainConfig(steps=1)).stages
+    batch = TokenWindows(m, "val").batch([0, 1])
+
+    def logits_and_grad(wire):
+        for p in stages[0].parameters():
+            p.grad = None
+        out = chain_forward(stages, batch, wire=wire)
+        lm_loss(out, batch.targets).backward()
+        grad = torch.cat([p.grad.flatten() for p in stages[0].parameters() if p.grad is not None])
+        return out.detach(), grad
+
+    exact, exact_grad = logits_and_grad(None)
+    fp32, fp32_grad = logits_and_grad(ActivationCodec(mode="fp32"))
+    int4, int4_grad = logits_and_grad(ActivationCodec(mode="int4"))
+    torch.testing.assert_close(fp32, exact, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fp32_grad, exact_grad, rtol=1e-3, atol=1e-5)
+    assert (int4 - exact).abs().max() > 1e-3  # the first stage's gradient came through int4
+    assert (int4_grad - exact_grad).norm() > 1e-3 * exact_grad.norm()

@@ -9,7 +9,8 @@ once everything downstream is done: the loss and the gradient w.r.t. the
 activation that was sent, k values per token as well.
 
 Layout: 4-byte header length | JSON header | 4-byte tokens length | tokens
-(int16 or int32, little endian) | document starts (`docs` bytes, the header says
+(a width byte, then unsigned ids of that many bytes, little endian: 1 for byte-level
+vocabularies) | document starts (`docs` bytes, the header says
 how many; none when no row has a boundary) | codec frame. Document starts are, per
 row, a uint32 count and that many uint32 positions, strictly increasing inside
 1..seq-1. Parsing is strict: anything inconsistent raises WireError with a code the
@@ -123,26 +124,33 @@ def _unpack(data: bytes) -> tuple[dict, bytes, memoryview]:
     return header, bytes(view[offset : offset + tok_len]), view[offset + tok_len :]
 
 
+_TOKEN_WIDTHS = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
+"""Bytes per token id -> its unsigned little-endian type; the sender takes the narrowest
+that holds the largest id it sends (a byte for byte-level tokenizers, two up to 65,535)."""
+
+
 def encode_tokens(tokens: torch.Tensor) -> bytes:
-    dtype = np.int16 if int(tokens.max()) < 2**15 else np.int32
-    return bytes([2 if dtype is np.int16 else 4]) + tokens.numpy().astype(dtype).tobytes()
+    """A width byte and the ids, each in the fewest bytes that hold the largest."""
+    top = int(tokens.max()) if tokens.numel() else 0
+    width = next(w for w in _TOKEN_WIDTHS if top < 1 << (8 * w))
+    return bytes([width]) + tokens.numpy().astype(_TOKEN_WIDTHS[width]).tobytes()
 
 
 def decode_tokens(data: bytes, batch: int, seq: int, vocab: int) -> torch.Tensor:
-    if not data or data[0] not in (2, 4):
+    if not data or data[0] not in _TOKEN_WIDTHS:
         raise WireError(Code.BAD_TOKENS, "unknown token width")
     if batch < 1 or seq < 0:  # batch 0 would let any seq through to the reshape
         raise WireError(Code.BAD_TOKENS, f"token shape [{batch}, {seq} + 1] is invalid")
-    dtype = np.int16 if data[0] == 2 else np.int32
     expected = batch * (seq + 1) * data[0]
     if len(data) - 1 != expected:
         raise WireError(
             Code.BAD_TOKENS, f"token section has {len(data) - 1} bytes, expected {expected}"
         )
-    ids = np.frombuffer(data, dtype=dtype, offset=1).astype(np.int64).reshape(batch, seq + 1)
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+    ids = np.frombuffer(data, dtype=_TOKEN_WIDTHS[data[0]], offset=1)
+    ids = ids.astype(np.int64).reshape(batch, seq + 1)
+    if ids.size and ids.max() >= vocab:
         raise WireError(Code.BAD_TOKENS, f"token ids outside the vocabulary 0..{vocab - 1}")
-    return torch.from_numpy(ids.copy())
+    return torch.from_numpy(ids)
 
 
 _U32 = np.dtype("<u4")

@@ -76,6 +76,22 @@ def test_forward_round_trip_and_strictness():
         decode_tokens(encode_tokens(tokens), 2, 5, 256)
 
 
+def test_token_ids_take_the_fewest_bytes():
+    """One byte per id for byte-level vocabularies, two up to 65,535 (GPT-2's 50,257)."""
+    for top, vocab, width in [
+        (255, 256, 1),
+        (256, 50_257, 2),
+        (50_256, 50_257, 2),
+        (70_000, 2**17, 4),
+    ]:
+        tokens = torch.tensor([[0, top, 7], [top, 1, 2]])
+        data = encode_tokens(tokens)
+        assert data[0] == width and len(data) == 1 + 6 * width
+        assert torch.equal(decode_tokens(data, 2, 2, vocab), tokens)
+    with pytest.raises(WireError, match="unknown token width"):
+        decode_tokens(b"\x03" + bytes(18), 2, 2, 256)
+
+
 def test_document_starts_travel_with_the_tokens_and_are_checked():
     """Packed rows: each row's document ids survive the wire exactly; a document section
     that does not describe rows of this batch is refused with its own code."""

@@ -62,8 +62,12 @@ class PipelineConfig:
     manifest's `inner.weight_prediction` wins back part of it)."""
     max_queue: int = 16
     """Micro-batches a non-head node holds at once before answering busy."""
-    hop_timeout_s: float = 60.0
-    """How long one request may wait for its answer (the whole rest of the pipeline)."""
+    hop_timeout_s: float = option(
+        60.0,
+        name="hop_timeout",
+        help="seconds one request to the next stage may wait for its answer (the whole rest "
+        "of the pipeline); a replica that membership declares dead is given up at once",
+    )
     deadline_s: float = 120.0
     """A micro-batch that has not completed by then is dropped."""
     activation_codec: str = option(

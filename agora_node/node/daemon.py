@@ -105,6 +105,7 @@ class Node:
         """Whether peers can dial this node, and answering theirs (node/dialback.py)."""
         self.service: StageService | None = None
         self.liveness = Liveness()
+        self.liveness.on_gone.append(self._peer_gone)
         self.stage_choice_reason = ""
         self.stage_changes: deque[dict] = deque(maxlen=RECENT_STAGE_CHANGES)
         """This node's stage choice and later switches: {at, from, to, reason}, oldest first."""
@@ -121,6 +122,11 @@ class Node:
         self._control = None
         self._snapshot: dict = {}
         self.telemetry = Telemetry(config.mqtt_url, lambda: build_snapshot(self))
+
+    def _peer_gone(self, peer: str) -> None:
+        """SWIM declared `peer` dead or gone: stop waiting on it (Pipeline.peer_gone)."""
+        if self.service is not None:
+            self.service.pipeline.peer_gone(peer)
 
     # ---- joining --------------------------------------------------------------------------
     async def start(self) -> None:

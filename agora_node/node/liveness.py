@@ -47,6 +47,8 @@ class Liveness:
         self._last: dict[str, tuple[Status, int | None]] = {}
         self.events: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
         """Recent membership changes as this node saw them, oldest first."""
+        self.on_gone: list[Callable[[str], None]] = []
+        """Called with a peer's id when SWIM declares it dead or it leaves."""
 
     async def start(
         self,
@@ -79,6 +81,9 @@ class Liveness:
         event = membership_event(status, view)
         if event is None and stage is not None and stage >= 0 and view.meta.stage != stage:
             event = "moved"
+        if event in ("dead", "left"):
+            for listener in self.on_gone:
+                listener(view.peer_id)
         if event is not None:
             self.events.append(
                 {

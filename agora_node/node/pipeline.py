@@ -88,6 +88,10 @@ def _number(value: object) -> float:
     return math.nan
 
 
+class PeerGoneError(streams.StreamError):
+    """A request abandoned because membership declared its peer dead or gone."""
+
+
 class PipelineStats:
     """Losses, and the event sink (`events`, the node's Metrics) the pipeline reports to;
     the counts are read from the sink, which counts each event once."""
@@ -145,6 +149,9 @@ class Pipeline:
         self._gradient_norms = NormWatch()
         self._sent_for_training = 0
         self._canaries: set[asyncio.Task] = set()
+        self._waiting: dict[str, set[asyncio.Task]] = {}
+        """Requests out to each peer, abandoned when membership declares it dead or gone."""
+        self._abandoned: set[asyncio.Task] = set()
         self.canary_counts = {"sent": 0, "compared": 0, "flagged": 0}
         self.compute = Compute(worker)
         """Runs micro-batches on this node's worker, or the cell it leads (node/cell.py)."""
@@ -369,12 +376,42 @@ class Pipeline:
             timeout=self.config.hop_timeout_s,
         )
 
+    def peer_gone(self, peer: str) -> None:
+        """Membership declared `peer` dead or gone: give up what is waiting on it now.
+
+        A peer that crashed refuses at once, but one that froze, or whose link was cut
+        (no reset reaches us), would hold each micro-batch sent to it for a whole hop
+        timeout; SWIM sees it in seconds. Its requests end as failures and are retried
+        on another replica."""
+        for task in self._waiting.get(peer, ()):
+            if not task.done():
+                self._abandoned.add(task)
+                task.cancel()
+
+    async def _request_while_member(self, peer: str, payload: bytes) -> bytes:
+        """`_request`, unless `peer_gone(peer)` comes first (then PeerGoneError)."""
+        task = asyncio.ensure_future(self._request(peer, payload))
+        waiting = self._waiting.setdefault(peer, set())
+        waiting.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task in self._abandoned and (me is None or not me.cancelling()):
+                raise PeerGoneError(f"{peer[-8:]} was declared dead while we waited") from None
+            raise
+        finally:
+            waiting.discard(task)
+            if not waiting:
+                self._waiting.pop(peer, None)
+            self._abandoned.discard(task)
+
     async def _try_peer(self, peer: str, header: ForwardHeader, payload: bytes):  # noqa: ANN202
         now = time.monotonic()
         self._router.on_sent(peer, now)
         self._count_bytes(peer, sent=len(payload))
         try:
-            data = await self._request(peer, payload)
+            data = await self._request_while_member(peer, payload)
         except streams.StreamError as exc:
             silent = isinstance(exc, streams.SilentPeerError)
             kind = FailureKind.TIMEOUT if silent else FailureKind.ERROR

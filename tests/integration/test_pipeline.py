@@ -3,6 +3,7 @@ replica mid-training, and rejects garbage without touching its weights."""
 
 import asyncio
 import math
+import signal
 import time
 
 import pytest
@@ -90,6 +91,41 @@ def test_killing_a_middle_replica_mid_training_loses_only_in_flight_work(swarm):
     head = swarm.status(nodes[0])
     dropped = head["microbatches"].get("dropped", 0)
     assert dropped <= 2, dropped  # at most what was in flight (one inner step's worth: 2)
+
+
+@pytest.mark.slow  # ~70 s, like the kill above; tests/node/test_peer_gone.py checks the
+# pipeline's part in the default suite
+def test_a_frozen_replica_is_given_up_once_declared_dead_not_after_the_hop_timeout(swarm):
+    """SIGSTOP keeps a replica's connections open and silent, as a cut link does: what
+    waits on it must move to the other replica when SWIM declares it dead, long before
+    the (here 600 s) hop timeout."""
+    swarm.bootstrap("tiny")
+    stages = [0, 1, 1, 2, 3]
+    nodes = [
+        swarm.join(f"node-{i}", "--stage", str(s), "--hop-timeout", "600")
+        for i, s in enumerate(stages)
+    ]
+    for node in nodes:
+        swarm.serving(node)
+    poll(lambda: _all_active(swarm, nodes), 120, "5 active nodes")
+    poll(
+        lambda: all((swarm.status(n) or {}).get("tokens_seen", 0) > 0 for n in nodes[1:3]),
+        120,
+        "both replicas used",
+    )
+
+    def completed() -> int:
+        return (swarm.status(nodes[0]) or {}).get("microbatches", {}).get("ok", 0)
+
+    before = completed()
+    swarm.kill(nodes[1], signal.SIGSTOP)
+    try:
+        poll(lambda: completed() >= before + 20, 180, "20 more micro-batches after the freeze")
+        gave_up = "was declared dead while we waited"
+        poll(lambda: gave_up in swarm.log(nodes[0]), 60, "the head gave up on the frozen replica")
+        assert (swarm.status(nodes[0]) or {})["microbatches"].get("dropped", 0) == 0
+    finally:
+        swarm.kill(nodes[1], signal.SIGCONT)
 
 
 async def _send_raw(

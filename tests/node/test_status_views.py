@@ -46,6 +46,22 @@ def test_liveness_keeps_recent_events_with_times_and_stage_moves():
     )
 
 
+def test_liveness_tells_its_listeners_of_each_death_and_leave_once():
+    live = Liveness()
+    gone: list[str] = []
+    live.on_gone.append(gone.append)
+    for status, peer in [
+        (Status.ALIVE, "B"),
+        (Status.SUSPECT, "B"),
+        (Status.DEAD, "B"),
+        (Status.DEAD, "B"),  # the same news again: not a change
+        (Status.ALIVE, "C"),
+        (Status.LEFT, "C"),
+    ]:
+        live.note(view(status, peer=peer))
+    assert gone == ["B", "C"]
+
+
 def test_anchor_agreement_per_kept_round():
     own = {4: "aa", 5: "bb"}
     others = {5: {"X": "bb", "Y": "cc"}, 9: {"X": "zz"}}

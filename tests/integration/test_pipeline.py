@@ -65,16 +65,15 @@ def test_swarm_matches_reference_trainer_at_equal_token_budget(swarm, tmp_path):
     assert ref_loss < 4.0  # both learned: uniform over bytes is ln 256 = 5.55
 
 
-@pytest.mark.slow  # 65-75 s; the default suite kills a node in a training swarm in
-# tests/integration/test_daemon.py and a member mid-round in tests/outer
-def test_killing_a_middle_replica_mid_training_loses_only_in_flight_work(swarm):
+def _training_with_two_middle_replicas(swarm: TestSwarm, *flags: str):
+    """tiny in 4 stages, stage 1 held twice, both replicas carrying traffic: (nodes, the
+    head's count of completed micro-batches)."""
     swarm.bootstrap("tiny")
     stages = [0, 1, 1, 2, 3]
-    nodes = [swarm.join(f"node-{i}", "--stage", str(s)) for i, s in enumerate(stages)]
+    nodes = [swarm.join(f"node-{i}", "--stage", str(s), *flags) for i, s in enumerate(stages)]
     for node in nodes:
         swarm.serving(node)
     poll(lambda: _all_active(swarm, nodes), 120, "5 active nodes")
-    # Both stage-1 replicas carry traffic before one dies.
     poll(
         lambda: all((swarm.status(n) or {}).get("tokens_seen", 0) > 0 for n in nodes[1:3]),
         120,
@@ -84,6 +83,13 @@ def test_killing_a_middle_replica_mid_training_loses_only_in_flight_work(swarm):
     def completed() -> int:
         return (swarm.status(nodes[0]) or {}).get("microbatches", {}).get("ok", 0)
 
+    return nodes, completed
+
+
+@pytest.mark.slow  # 65-75 s; the default suite kills a node in a training swarm in
+# tests/integration/test_daemon.py and a member mid-round in tests/outer
+def test_killing_a_middle_replica_mid_training_loses_only_in_flight_work(swarm):
+    nodes, completed = _training_with_two_middle_replicas(swarm)
     before = completed()
     swarm.kill(nodes[1])
     # Training continues through the other replica: the head keeps completing micro-batches.
@@ -93,30 +99,13 @@ def test_killing_a_middle_replica_mid_training_loses_only_in_flight_work(swarm):
     assert dropped <= 2, dropped  # at most what was in flight (one inner step's worth: 2)
 
 
-@pytest.mark.slow  # ~70 s, like the kill above; tests/node/test_peer_gone.py checks the
+@pytest.mark.slow  # ~55 s, like the kill above; tests/node/test_peer_gone.py checks the
 # pipeline's part in the default suite
 def test_a_frozen_replica_is_given_up_once_declared_dead_not_after_the_hop_timeout(swarm):
     """SIGSTOP keeps a replica's connections open and silent, as a cut link does: what
     waits on it must move to the other replica when SWIM declares it dead, long before
     the (here 600 s) hop timeout."""
-    swarm.bootstrap("tiny")
-    stages = [0, 1, 1, 2, 3]
-    nodes = [
-        swarm.join(f"node-{i}", "--stage", str(s), "--hop-timeout", "600")
-        for i, s in enumerate(stages)
-    ]
-    for node in nodes:
-        swarm.serving(node)
-    poll(lambda: _all_active(swarm, nodes), 120, "5 active nodes")
-    poll(
-        lambda: all((swarm.status(n) or {}).get("tokens_seen", 0) > 0 for n in nodes[1:3]),
-        120,
-        "both replicas used",
-    )
-
-    def completed() -> int:
-        return (swarm.status(nodes[0]) or {}).get("microbatches", {}).get("ok", 0)
-
+    nodes, completed = _training_with_two_middle_replicas(swarm, "--hop-timeout", "600")
     before = completed()
     swarm.kill(nodes[1], signal.SIGSTOP)
     try:

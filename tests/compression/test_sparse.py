@@ -19,6 +19,7 @@ from agora_node.compression import (
     dequantize,
     encode_frame,
     quantize,
+    relative_error,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -49,9 +50,20 @@ def test_frame_round_trip_and_size() -> None:
     frame = encode_frame(q, zstd=False)
     back = decode_frame(frame)
     assert torch.equal(dequantize(back), dequantize(q))
-    # per block of 256: a float32 scale, 4 positions, 4 int4 values = 10 bytes
-    assert len(frame) - 64 < 10 * (1 << 16) // 256 <= len(frame)
-    assert len(frame) * 100 < 4 * x.numel()  # over 100x fewer bytes than float32
+    # per block of 256: a bfloat16 scale, 4 positions, 4 int4 values = 8 bytes
+    assert q.scales.dtype == torch.bfloat16
+    assert len(frame) - 64 < 8 * (1 << 16) // 256 <= len(frame)
+    assert len(frame) * 125 < 4 * x.numel()  # over 125x fewer bytes than float32
+
+
+def test_bfloat16_scales_cost_a_sparse_encoding_almost_nothing() -> None:
+    """Rounded up, a bfloat16 scale moves each kept value by at most 2**-8 of the block's
+    largest (next to int4's half step of 1/14): the error barely changes."""
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(2))
+    narrow = dequantize(quantize(x, Codec.TOPK4, block=256))
+    wide = dequantize(quantize(x, Codec.TOPK4, block=256, scale_dtype=torch.float32))
+    assert torch.equal(narrow != 0, wide != 0)  # the same positions
+    assert relative_error(x, narrow) < relative_error(x, wide) * 1.001
 
 
 def _reseal(frame: bytes, payload: bytes) -> bytes:
@@ -64,7 +76,7 @@ def _reseal(frame: bytes, payload: bytes) -> bytes:
 def test_positions_out_of_order_or_repeated_are_refused() -> None:
     q = quantize(torch.randn(512), Codec.TOPK4, block=256)
     frame = encode_frame(q, zstd=False)
-    scales = 2 * 4
+    scales = 2 * 2  # two blocks' bfloat16 scales
     payload = bytearray(frame[-(scales + 8 + 4) :])
     for bad in ([3, 3, 5, 9], [9, 5, 3, 1]):
         edited = bytes(payload[:scales]) + bytes(bad) + bytes(payload[scales + 4 :])

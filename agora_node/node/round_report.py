@@ -49,6 +49,8 @@ class RoundReport:
     """Spans fetched from their owner whose result the witness confirmed."""
     unchecked_spans: int = 0
     """Results adopted unchecked: their witness did not answer."""
+    late_spans: int = 0
+    """Spans adopted from a backup owner because their first owner was late or gone."""
     mismatch_witnesses: list[str] = field(default_factory=list)
     """Witnesses of those spans (other than this replica): either side may have lied."""
     excluded: list[str] = field(default_factory=list)
@@ -122,6 +124,7 @@ def round_report(
         mismatched=sorted({p for o in outcomes for p in o.stats.mismatched}),
         checked_spans=sum(o.stats.checked_spans for o in outcomes),
         unchecked_spans=sum(o.stats.unchecked_spans for o in outcomes),
+        late_spans=sum(o.stats.late_spans for o in outcomes),
         mismatch_witnesses=sorted({p for o in outcomes for p in o.stats.mismatch_witnesses}),
         excluded=list(view.excluded),
         ignored=sorted({p for o in outcomes for p in o.stats.ignored}),

@@ -123,6 +123,7 @@ async def main(args: argparse.Namespace) -> None:
             repaired=report.repaired_spans,
             checked=report.checked_spans,
             unchecked=report.unchecked_spans,
+            late=report.late_spans,
             mismatched=report.mismatched,
             outliers=report.outliers,
             direction_outliers=report.direction_outliers,

@@ -140,6 +140,8 @@ async def test_dead_reducer_span_is_re_reduced_and_survivors_agree() -> None:
         expected = pair if p == "peer2" else full
         torch.testing.assert_close(value[lo:hi], expected[lo:hi], rtol=0, atol=1e-6)
     assert sum(o.stats.repaired_spans for o in survivors.values()) == 1
+    # peer2's span came to each survivor from a later attempt than its first owner's
+    assert [survivors[p].stats.late_spans for p in ("peer0", "peer1")] == [1, 1]
 
 
 class DiesAfterPushingTo(LocalTransport):

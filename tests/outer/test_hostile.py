@@ -174,7 +174,8 @@ async def test_verified_results_cost_no_mismatch_among_honest_members() -> None:
     assert all_equal(outs)
     for out in outs.values():
         assert out.consistent and not out.stats.mismatched and out.stats.unchecked_spans == 0
-        assert out.stats.repaired_spans == 0
+        assert out.stats.repaired_spans == 0 and out.stats.late_spans == 0
+        assert out.stats.checked_spans == 4  # every other owner's span, confirmed
     torch.testing.assert_close(outs["peer0"].value, sum(values.values()) / 5, atol=1e-5, rtol=0)
 
 

@@ -80,11 +80,14 @@ def test_three_replicas_complete_rounds_with_equal_anchors() -> None:
             assert all(e["consistent"] and e["finite"] and e["group"] == 3 for e in events)
             assert len({e["digest"] for e in events}) == 1, f"anchors differ after round {r}"
             # every span fetched from its owner was confirmed by its witness (over libp2p
-            # for one span of each replica: the daemon's configuration verifies results)
-            witnessed = [(e["checked"], e["unchecked"]) for e in events]
-            assert all(w == (2, 0) for w in witnessed), (
-                f"round {r}: (checked, unchecked) {witnessed}"
+            # for one span of each replica: the daemon's configuration verifies results);
+            # on a loaded machine an owner can be late, and its span then comes from its
+            # backup owner (counted as late, never adopted unchecked)
+            witnessed = [(e["checked"], e["late"], e["unchecked"]) for e in events]
+            assert all(c + late == 2 and u == 0 for c, late, u in witnessed), (
+                f"round {r}: (checked, late, unchecked) {witnessed}"
             )
+            assert sum(c for c, _, _ in witnessed) >= 4, witnessed  # checks really ran
             assert all(not e["mismatched"] for e in events)
 
 

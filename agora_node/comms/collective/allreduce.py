@@ -184,6 +184,13 @@ class AllReduce:
             for task in (*pushes, reduce_task):
                 task.cancel()
         value = torch.cat([self._span_value(j) for j in range(self.plan.size)])
+        self.stats.late_spans = sum(
+            1
+            for j in range(self.plan.size)
+            if self.plan.owner(j, 0) != self.state.me
+            and (final := self.state.final(j)) is not None
+            and final.attempt > 0
+        )
         return Outcome(
             value=value,
             stats=self.stats,

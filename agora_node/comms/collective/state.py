@@ -118,6 +118,8 @@ class CollectiveStats:
     """Results adopted after their witness confirmed them."""
     unchecked_spans: int = 0
     """Results adopted without a check (their witness did not answer)."""
+    late_spans: int = 0
+    """Other owners' spans adopted from a later attempt: the first owner was late or gone."""
 
     def reject(self, reason: str) -> None:
         self.rejected[reason] += 1

@@ -61,6 +61,7 @@ import torch  # noqa: E402
 from common import DaemonLab, control_status, parse_rates  # noqa: E402
 
 from agora_node.compression import bytes_per_token  # noqa: E402
+from agora_node.node.config import PipelineConfig  # noqa: E402
 from agora_node.node.demo import Swarm, fetch_status, wait_for_line  # noqa: E402
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 
@@ -87,6 +88,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=2,
         help="torch threads of each side: the reference's, and the daemons' in all (default 2)",
+    )
+    p.add_argument(
+        "--activation-codec",
+        default="",
+        help="the daemons' --activation-codec (default: the daemon's own default)",
     )
     p.add_argument("--skip-reference", action="store_true", help="only the swarm side")
     p.add_argument(
@@ -131,11 +137,12 @@ def _add(a: dict[str, float], b: dict[str, float], sign: float = 1.0) -> dict[st
     return {k: a.get(k, 0.0) + sign * b.get(k, 0.0) for k in a.keys() | b.keys()}
 
 
-def conditions(threads: int) -> dict:
+def conditions(args: argparse.Namespace) -> dict:
     return {
         "cores_usable": len(os.sched_getaffinity(0)),
         "cpu": platform.processor() or platform.machine(),
-        "threads_per_side": threads,
+        "threads_per_side": args.threads,
+        "activation_codec": args.activation_codec or PipelineConfig().activation_codec,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "loadavg_1m_before": [],
@@ -211,6 +218,8 @@ def run_swarm(args: argparse.Namespace, workdir: Path, lab: DaemonLab | None = N
     peers = wait_for_line(boot, "--initial-peers", 60).split("--initial-peers", 1)[1].split()
     extra = ["--status-port", "0", "--eval-every", "100000", "--checkpoint-every", "100000"]
     extra += ["--max-in-flight", str(args.max_in_flight)]
+    if args.activation_codec:
+        extra += ["--activation-codec", args.activation_codec]
     if args.bandwidth_mbit:
         extra += ["--emulate-link", f"{args.bandwidth_mbit},{args.latency_ms}"]
     if lab is not None:
@@ -280,7 +289,7 @@ def lab_side(args: argparse.Namespace, shape: tuple[float, float, float] | None)
 
 def main_lab(args: argparse.Namespace) -> dict:
     up, down, rtt = args.lab_link
-    cond = conditions(args.threads)
+    cond = conditions(args)
     sides: dict[str, list[dict]] = {"unshaped": [], "shaped": []}
     for i in range(args.repeats):  # A B A B on the same cores
         for name, shape in (("unshaped", None), ("shaped", args.lab_link)):
@@ -316,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"manifest": args.manifest, "seconds": args.seconds, "repeats": args.repeats}
     if args.bandwidth_mbit:
         result["link"] = {"bandwidth_mbit": args.bandwidth_mbit, "latency_ms": args.latency_ms}
-    cond = conditions(args.threads)
+    cond = conditions(args)
     refs: list[dict] = []
     swarms: list[dict] = []
     for i in range(args.repeats):

@@ -71,7 +71,10 @@ class PipelineConfig:
     deadline_s: float = 120.0
     """A micro-batch that has not completed by then is dropped."""
     activation_codec: str = option(
-        "bf16", help="boundary activations on the wire: " + ", ".join(DENSE_CODEC_NAMES)
+        "int8",
+        help="boundary activations and their gradients on the wire: "
+        + ", ".join(DENSE_CODEC_NAMES)
+        + " (int8: half of bf16's bytes at no measured loss; docs/benchmarks.md)",
     )
     canary_every: int = 64
     """Every n-th training micro-batch this node sends, the same input also goes, as a

@@ -51,12 +51,17 @@ def test_swarm_matches_reference_trainer_at_equal_token_budget(swarm, tmp_path):
     # honest load is never refused by a handler's guard (comms/guard.py)
     refused = [(swarm.status(n) or {}).get("requests_refused") for n in nodes]
     assert refused == [{}] * len(nodes), refused
-    ref = LocalTrainer(m, LocalTrainConfig(steps=steps, eval_every=10**6, eval_samples=16))
+    # the reference sends its boundaries through the daemons' default activation codec
+    wire = PipelineConfig().activation_codec
+    ref = LocalTrainer(
+        m, LocalTrainConfig(steps=steps, eval_every=10**6, eval_samples=16, wire=wire)
+    )
     ref_loss = ref.run(report=lambda _: None).val_losses[-1][1]
     print(f"val loss after {budget} tokens: swarm {swarm_loss:.4f}, train-local {ref_loss:.4f}")
     # One micro-batch in flight makes the swarm's training the reference's, step for step:
-    # every forward runs on the latest weights, so only bf16 activations on the wire differ
-    # (+0.05% on all of tiny in 4 stages; +0.28% on this 2-stage cut). With two in flight (the default) a forward may
+    # every forward runs on the latest weights, and both sides put the same codec on every
+    # boundary (with exact boundaries in the reference, bf16 on the wire alone made +0.05% on
+    # all of tiny in 4 stages, +0.28% on this 2-stage cut). With two in flight (the default) a forward may
     # miss the latest step, by a share that follows the machine's load: +0.6% to +4.3%
     # over fourteen runs (docs/benchmarks.md), a quality figure for the benchmark, not a
     # bound a test on a shared CI machine can hold.

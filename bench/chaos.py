@@ -54,6 +54,7 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -153,6 +154,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--degrade", default="1,1", metavar="UP,DOWN", help="a degraded victim's Mbit/s")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per side")
+    p.add_argument(
+        "--logs", default="", metavar="DIR", help="copy every side's daemon logs into DIR"
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if min(args.stages, args.replicas, args.layers, args.inner_steps, args.repeats) < 1:
@@ -466,7 +470,14 @@ def main(argv: list[str] | None = None) -> int:
                 cond["loadavg_1m_before"].append(round(os.getloadavg()[0], 2))
                 workdir = Path(tmp) / f"{label}-{i}"
                 workdir.mkdir()
-                side = Side(args, workdir, faults).run(manifest, duration)
+                try:
+                    side = Side(args, workdir, faults).run(manifest, duration)
+                finally:
+                    if args.logs:
+                        keep = Path(args.logs) / workdir.name
+                        keep.mkdir(parents=True, exist_ok=True)
+                        for log in workdir.glob("*.log"):
+                            shutil.copy(log, keep / log.name)
                 side["side"] = label
                 if not faults:
                     duration = side["train_s"]

@@ -191,7 +191,7 @@ class Pipeline:
         started = time.monotonic()
         try:
             header, tokens, c_in = await self._admit(data)
-            if header.train and not await self._plausible(c_in, self._activation_norms):
+            if header.train and not await self._plausible(c_in, self._activation_norms, remote):
                 self.suspects.flag(remote, Reason.PIPELINE_OUTLIER, "activations: norm outlier")
                 raise WireError(Code.BAD_PAYLOAD, "activation norm far above the recent ones")
         except WireError as exc:
@@ -317,14 +317,21 @@ class Pipeline:
         payload = b"" if grad is None else await self.worker.call(self.codec.encode, grad)
         return encode_response(ResponseHeader(status=Status.OK.value, loss=loss), payload)
 
-    async def _plausible(self, values: torch.Tensor, watch: NormWatch) -> bool:
-        """Is this tensor's norm within `watch`'s bound of the recent ones (suspects.py)?
+    async def _plausible(self, values: torch.Tensor, watch: NormWatch, sender: str) -> bool:
+        """Is this tensor's norm, from `sender`, within `watch`'s bound of the recent ones
+        (suspects.py)? When the watch finds its own norms were stale, the senders it had
+        refused are pardoned.
         `values` is a freshly decoded input, not a weight: its norm is taken off the event
         loop but not on the worker thread, where it would queue behind (and reorder) the
         forwards, backwards and steps, adding staleness (measured: the gap to the reference
         trainer in tests/integration/test_pipeline.py grew from ~1% to 2-3%)."""
         norm = await asyncio.to_thread(lambda: float(torch.linalg.vector_norm(values.float())))
-        return not watch.outlier(norm)
+        if watch.outlier(norm, sender):
+            return False
+        if watch.rebased:
+            self.suspects.pardon(watch.rebased, Reason.PIPELINE_OUTLIER)
+            log.info("norm watch re-based: %d senders moved together", len(watch.rebased))
+        return True
 
     def update_view(self, records: list) -> None:
         """Announced throughput, queue and state of peers, for routing."""
@@ -434,7 +441,7 @@ class Pipeline:
                 grad = await self._decode_grad(peer, grad_payload, header)
                 if grad is None:
                     return None
-                if not await self._plausible(grad, self._gradient_norms):
+                if not await self._plausible(grad, self._gradient_norms, peer):
                     return self._refuse(peer, Reason.PIPELINE_OUTLIER, "gradient: norm outlier")
             return (loss, grad)
         if reply.status == Status.REJECTED.value:

@@ -102,6 +102,14 @@ class Suspects:
         self._bound(now)
         return fresh
 
+    def pardon(self, peers: Collection[str], reason: Reason) -> None:
+        """Lift the bans of `peers` whose last flag was for `reason` (the evidence turned
+        out to be this node's own mistake, as a stale `NormWatch`'s)."""
+        for peer in peers:
+            f = self._flags.get(peer)
+            if f is not None and f.reason == reason:
+                del self._flags[peer]
+
     def is_banned(self, peer: str) -> bool:
         f = self._flags.get(peer)
         return f is not None and f.until > self.clock()
@@ -149,18 +157,72 @@ class NormWatch:
 
     Keeps the last `window` norms it accepted; a norm above `factor` x their median
     is an outlier (and is not added), once `min_samples` are known. Before that,
-    nothing is an outlier: a node cannot judge from a handful of micro-batches."""
+    nothing is an outlier: a node cannot judge from a handful of micro-batches.
+
+    The accepted norms go stale when training moves the level while this node gets
+    no traffic: early on `tiny`'s boundary activations grow about 400x in 40 steps,
+    and a replica that sat idle for a few steps then refused every sender for good
+    (seen in the lab's chaos run). So the senders count: when the norms refused
+    since the last accepted one come from a strict majority (at least 2) of the
+    distinct senders (of the accepted norms, and the refused), the level moved for the swarm, not for a
+    liar, and the watch re-bases on those refused norms (`rebased` says whom it had
+    refused; they were right). One sender, or a minority of them, cannot move it;
+    except a sole sender (the only one in the recent norms), refused `min_samples`
+    times in a row: refusing it for good would stall this node, and a sole sender
+    decides what this node computes on anyway."""
 
     def __init__(self, *, factor: float = 100.0, window: int = 64, min_samples: int = 16) -> None:
         self.factor, self.min_samples = factor, min_samples
         self._norms: deque[float] = deque(maxlen=window)
+        self._judging = False
+        """Set once `min_samples` norms were accepted; stays set across a re-base."""
+        self._accepted_from: deque[str] = deque(maxlen=window)
+        """The sender of each norm in `_norms` ("" when not given)."""
+        self._refused: dict[str, float] = {}
+        """Since the last accepted norm: each refused sender's latest norm (bounded by the
+        senders known to `_level_moved`, at most `window`)."""
+        self._streak = 0
+        """Norms refused since the last accepted one."""
+        self.rebased: list[str] = []
+        """The senders whose refused norms the last call re-based on (empty otherwise)."""
 
-    def outlier(self, norm: float) -> bool:
+    def outlier(self, norm: float, sender: str = "") -> bool:
+        self.rebased = []
         if not math.isfinite(norm):
             return True
-        if len(self._norms) >= self.min_samples:
+        if self._judging:
             median = statistics.median(self._norms)
             if norm > self.factor * max(median, 1e-12):
-                return True
+                if not sender or not self._level_moved(sender, norm):
+                    return True
+                self.rebased = list(self._refused)
+                self._norms.clear()
+                self._norms.extend(self._refused.values())
+                self._accepted_from.clear()
+                self._accepted_from.extend(self._refused)
+                self._refused.clear()
+                self._streak = 0
+                return False
         self._norms.append(norm)
+        self._accepted_from.append(sender)
+        self._refused.clear()
+        self._streak = 0
+        self._judging = self._judging or len(self._norms) >= self.min_samples
         return False
+
+    def _level_moved(self, sender: str, norm: float) -> bool:
+        """Note a refused norm; True when the senders refused since the last accepted norm
+        are a strict majority (at least 2) of those and the senders of the accepted norms,
+        or the sole sender was refused `min_samples` times in a row. A liar's refused
+        norms never enter the accepted ones, so sending often does not crowd honest
+        senders out of the count."""
+        self._refused.pop(sender, None)
+        self._refused[sender] = norm
+        if len(self._refused) > self._norms.maxlen:
+            del self._refused[next(iter(self._refused))]
+        self._streak += 1
+        known = set(self._accepted_from) | set(self._refused)
+        known.discard("")
+        if len(known) == 1:
+            return self._streak >= self.min_samples
+        return len(self._refused) >= max(2, len(known) // 2 + 1)

@@ -82,6 +82,53 @@ def test_norm_watch_flags_only_far_outliers_once_it_has_seen_enough() -> None:
     assert w.outlier(1000.0) and w.outlier(float("nan")) and w.outlier(float("inf"))
 
 
+def _watch_fed_by(senders: str, rounds: int = 8) -> NormWatch:
+    """A watch that accepted norms near 1 from each of `senders`, in turn."""
+    w = NormWatch(factor=100, window=64, min_samples=16)
+    for _ in range(rounds):
+        for p in senders:
+            assert not w.outlier(1.0, p)
+    return w
+
+
+def test_a_stale_norm_watch_rebases_when_most_senders_moved_together() -> None:
+    # the level moved 500x while this node was idle: every sender is refused at first
+    w = _watch_fed_by("abc")
+    assert w.outlier(500.0, "a") and w.rebased == []
+    assert not w.outlier(520.0, "b")  # a second of three: a strict majority moved
+    assert sorted(w.rebased) == ["a", "b"]
+    assert not w.outlier(480.0, "c") and w.rebased == []  # judged on the new level
+    assert w.outlier(480.0 * 200, "c")  # and still judging
+
+
+def test_a_lone_liar_or_a_minority_of_liars_cannot_rebase_the_watch() -> None:
+    w = _watch_fed_by("abcxy")
+    for _ in range(50):  # a liar, however often it sends: refused every time
+        for _ in range(5):
+            assert w.outlier(1e4, "x")
+        assert not w.outlier(1.0, "a")
+    for _ in range(50):  # two colluding liars in a row: 2 of 5 senders is no majority
+        assert w.outlier(1e4, "x") and w.outlier(1e4, "y")
+        assert all(not w.outlier(1.0, p) for p in "abc")
+    assert w.rebased == []
+    assert w.outlier(1e4)  # a norm without a sender never re-bases
+
+
+def test_a_sole_sender_is_refused_min_samples_times_then_rebased_on() -> None:
+    w = _watch_fed_by("a", rounds=20)
+    for _ in range(15):
+        assert w.outlier(300.0, "a")
+    assert not w.outlier(300.0, "a") and w.rebased == ["a"]
+
+
+def test_a_pardon_lifts_only_bans_for_that_reason() -> None:
+    s = Suspects(ban_s=600)
+    s.flag("a", Reason.PIPELINE_OUTLIER, "norm")
+    s.flag("b", Reason.NONFINITE, "nan")
+    s.pardon(["a", "b", "c"], Reason.PIPELINE_OUTLIER)
+    assert not s.is_banned("a") and s.is_banned("b")
+
+
 def entry(peer: str, flags: tuple[str, ...] = ()) -> RoundEntry:
     return RoundEntry(peer_id=peer, run_id="r", stage=0, round=1, joined_at=1.0, flags=flags)
 

@@ -162,14 +162,15 @@ class NormWatch:
     The accepted norms go stale when training moves the level while this node gets
     no traffic: early on `tiny`'s boundary activations grow about 400x in 40 steps,
     and a replica that sat idle for a few steps then refused every sender for good
-    (seen in the lab's chaos run). So the senders count: when the norms refused
-    since the last accepted one come from a strict majority (at least 2) of the
-    distinct senders (of the accepted norms, and the refused), the level moved for the swarm, not for a
-    liar, and the watch re-bases on those refused norms (`rebased` says whom it had
-    refused; they were right). One sender, or a minority of them, cannot move it;
-    except a sole sender (the only one in the recent norms), refused `min_samples`
-    times in a row: refusing it for good would stall this node, and a sole sender
-    decides what this node computes on anyway."""
+    (seen in the lab's chaos run). So the senders count: when the norms refused since
+    the last accepted one come from a strict majority (at least 2) of the senders of
+    the accepted norms, the level moved for the swarm, not for a liar, and the watch
+    re-bases on those refused norms (`rebased` says whom it had refused; they were
+    right). A minority of those senders, or senders it never accepted, cannot move it;
+    except the sole sender of the accepted norms, refused `min_samples` times in a
+    row: refusing it for good would stall this node, and a sole sender decides what
+    this node computes on anyway. Left: if every sender of the accepted norms is gone
+    and new ones moved, the watch keeps refusing (docs/security.md)."""
 
     def __init__(self, *, factor: float = 100.0, window: int = 64, min_samples: int = 16) -> None:
         self.factor, self.min_samples = factor, min_samples
@@ -179,8 +180,8 @@ class NormWatch:
         self._accepted_from: deque[str] = deque(maxlen=window)
         """The sender of each norm in `_norms` ("" when not given)."""
         self._refused: dict[str, float] = {}
-        """Since the last accepted norm: each refused sender's latest norm (bounded by the
-        senders known to `_level_moved`, at most `window`)."""
+        """Since the last accepted norm: the latest refused norm of each sender of the
+        accepted norms (so at most `window` entries)."""
         self._streak = 0
         """Norms refused since the last accepted one."""
         self.rebased: list[str] = []
@@ -212,17 +213,16 @@ class NormWatch:
 
     def _level_moved(self, sender: str, norm: float) -> bool:
         """Note a refused norm; True when the senders refused since the last accepted norm
-        are a strict majority (at least 2) of those and the senders of the accepted norms,
-        or the sole sender was refused `min_samples` times in a row. A liar's refused
-        norms never enter the accepted ones, so sending often does not crowd honest
-        senders out of the count."""
-        self._refused.pop(sender, None)
-        self._refused[sender] = norm
-        if len(self._refused) > self._norms.maxlen:
-            del self._refused[next(iter(self._refused))]
+        are a strict majority of the senders of the accepted norms (at least 2), or the
+        sole one of those was refused `min_samples` times in a row. Only senders whose
+        norms this watch accepted count: fresh identities, however many, cannot move it,
+        and a liar's refused norms never become accepted ones."""
+        accepted = set(self._accepted_from)
+        accepted.discard("")
+        if sender not in accepted:
+            return False
+        self._refused[sender] = norm  # bounded: senders of the accepted norms
         self._streak += 1
-        known = set(self._accepted_from) | set(self._refused)
-        known.discard("")
-        if len(known) == 1:
+        if len(accepted) == 1:
             return self._streak >= self.min_samples
-        return len(self._refused) >= max(2, len(known) // 2 + 1)
+        return len(self._refused) >= len(accepted) // 2 + 1

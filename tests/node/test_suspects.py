@@ -110,6 +110,8 @@ def test_a_lone_liar_or_a_minority_of_liars_cannot_rebase_the_watch() -> None:
     for _ in range(50):  # two colluding liars in a row: 2 of 5 senders is no majority
         assert w.outlier(1e4, "x") and w.outlier(1e4, "y")
         assert all(not w.outlier(1.0, p) for p in "abc")
+    for _ in range(3):  # fresh identities, however many, in a row: never accepted before
+        assert all(w.outlier(1e4, f"sybil-{i}") for i in range(100))
     assert w.rebased == []
     assert w.outlier(1e4)  # a norm without a sender never re-bases
 

@@ -169,11 +169,23 @@ class NormWatch:
     right). A minority of those senders, or senders it never accepted, cannot move it;
     except the sole sender of the accepted norms, refused `min_samples` times in a
     row: refusing it for good would stall this node, and a sole sender decides what
-    this node computes on anyway. Left: if every sender of the accepted norms is gone
-    and new ones moved, the watch keeps refusing (docs/security.md)."""
+    this node computes on anyway. And recent means recent: when the newest accepted
+    norm is older than `max_age_s`, the watch starts over (for senders that all came
+    after the ones it knew)."""
 
-    def __init__(self, *, factor: float = 100.0, window: int = 64, min_samples: int = 16) -> None:
+    def __init__(
+        self,
+        *,
+        factor: float = 100.0,
+        window: int = 64,
+        min_samples: int = 16,
+        max_age_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.factor, self.min_samples = factor, min_samples
+        self.max_age_s, self.clock = max_age_s, clock
+        self._accepted_at = -math.inf
+        """When the newest accepted norm came (`clock`)."""
         self._norms: deque[float] = deque(maxlen=window)
         self._judging = False
         """Set once `min_samples` norms were accepted; stays set across a re-base."""
@@ -191,6 +203,12 @@ class NormWatch:
         self.rebased = []
         if not math.isfinite(norm):
             return True
+        now = self.clock()
+        if self._judging and now - self._accepted_at > self.max_age_s:
+            self._norms.clear()
+            self._accepted_from.clear()
+            self._refused.clear()
+            self._streak, self._judging = 0, False
         if self._judging:
             median = statistics.median(self._norms)
             if norm > self.factor * max(median, 1e-12):
@@ -202,8 +220,9 @@ class NormWatch:
                 self._accepted_from.clear()
                 self._accepted_from.extend(self._refused)
                 self._refused.clear()
-                self._streak = 0
+                self._streak, self._accepted_at = 0, now
                 return False
+        self._accepted_at = now
         self._norms.append(norm)
         self._accepted_from.append(sender)
         self._refused.clear()

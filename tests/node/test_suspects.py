@@ -123,6 +123,18 @@ def test_a_sole_sender_is_refused_min_samples_times_then_rebased_on() -> None:
     assert not w.outlier(300.0, "a") and w.rebased == ["a"]
 
 
+def test_a_norm_watch_that_accepted_nothing_for_max_age_starts_over() -> None:
+    now = [0.0]
+    w = NormWatch(factor=100, window=64, min_samples=16, max_age_s=300, clock=lambda: now[0])
+    for _ in range(16):
+        assert not w.outlier(1.0, "old")
+    now[0] = 299.0
+    assert w.outlier(500.0, "new")  # a sender it never accepted, within max_age: refused
+    now[0] = 301.0  # every sender it knew is gone, and 300 s passed since it accepted
+    assert all(not w.outlier(500.0, "new") for _ in range(16))
+    assert w.outlier(500.0 * 200, "new")  # judging again, on the new level
+
+
 def test_a_pardon_lifts_only_bans_for_that_reason() -> None:
     s = Suspects(ban_s=600)
     s.flag("a", Reason.PIPELINE_OUTLIER, "norm")

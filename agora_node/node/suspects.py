@@ -162,16 +162,15 @@ class NormWatch:
     The accepted norms go stale when training moves the level while this node gets
     no traffic: early on `tiny`'s boundary activations grow about 400x in 40 steps,
     and a replica that sat idle for a few steps then refused every sender for good
-    (seen in the lab's chaos run). So the senders count: when the norms refused since
-    the last accepted one come from a strict majority (at least 2) of the senders of
-    the accepted norms, the level moved for the swarm, not for a liar, and the watch
-    re-bases on those refused norms (`rebased` says whom it had refused; they were
-    right). A minority of those senders, or senders it never accepted, cannot move it;
-    except the sole sender of the accepted norms, refused `min_samples` times in a
-    row: refusing it for good would stall this node, and a sole sender decides what
-    this node computes on anyway. And recent means recent: when the newest accepted
-    norm is older than `max_age_s`, the watch starts over (for senders that all came
-    after the ones it knew)."""
+    (seen in the lab's chaos run, and when a cell's helper was left alone). So the
+    senders count. Of the senders of the accepted norms, those heard from (accepted
+    or refused) within `active_s` are the active ones; when a strict majority of them
+    (at least 2) were refused since the last accepted norm, or the only active one was
+    refused `sole_refusals` times in a row, the level moved for the swarm, not for a
+    liar: the watch re-bases on those refused norms (`rebased` says whom it had
+    refused; they were right). Senders it never accepted, however many, and a minority
+    of the active ones cannot move it. And recent means recent: when it accepted
+    nothing for `max_age_s`, the watch starts over."""
 
     def __init__(
         self,
@@ -179,10 +178,13 @@ class NormWatch:
         factor: float = 100.0,
         window: int = 64,
         min_samples: int = 16,
+        active_s: float = 60.0,
+        sole_refusals: int = 4,
         max_age_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.factor, self.min_samples = factor, min_samples
+        self.active_s, self.sole_refusals = active_s, sole_refusals
         self.max_age_s, self.clock = max_age_s, clock
         self._accepted_at = -math.inf
         """When the newest accepted norm came (`clock`)."""
@@ -191,11 +193,14 @@ class NormWatch:
         """Set once `min_samples` norms were accepted; stays set across a re-base."""
         self._accepted_from: deque[str] = deque(maxlen=window)
         """The sender of each norm in `_norms` ("" when not given)."""
+        self._heard: dict[str, float] = {}
+        """When each sender of the accepted norms was last heard from (at most 2 x window
+        entries: only senders of accepted norms are noted)."""
         self._refused: dict[str, float] = {}
         """Since the last accepted norm: the latest refused norm of each sender of the
         accepted norms (so at most `window` entries)."""
         self._streak = 0
-        """Norms refused since the last accepted one."""
+        """Norms of senders of the accepted norms refused since the last accepted one."""
         self.rebased: list[str] = []
         """The senders whose refused norms the last call re-based on (empty otherwise)."""
 
@@ -207,12 +212,13 @@ class NormWatch:
         if self._judging and now - self._accepted_at > self.max_age_s:
             self._norms.clear()
             self._accepted_from.clear()
+            self._heard.clear()
             self._refused.clear()
             self._streak, self._judging = 0, False
         if self._judging:
             median = statistics.median(self._norms)
             if norm > self.factor * max(median, 1e-12):
-                if not sender or not self._level_moved(sender, norm):
+                if not sender or not self._level_moved(sender, norm, now):
                     return True
                 self.rebased = list(self._refused)
                 self._norms.clear()
@@ -225,23 +231,28 @@ class NormWatch:
         self._accepted_at = now
         self._norms.append(norm)
         self._accepted_from.append(sender)
+        if sender:
+            self._heard[sender] = now
+            if len(self._heard) > 2 * self._norms.maxlen:
+                known = set(self._accepted_from)
+                self._heard = {p: t for p, t in self._heard.items() if p in known}
         self._refused.clear()
         self._streak = 0
         self._judging = self._judging or len(self._norms) >= self.min_samples
         return False
 
-    def _level_moved(self, sender: str, norm: float) -> bool:
-        """Note a refused norm; True when the senders refused since the last accepted norm
-        are a strict majority of the senders of the accepted norms (at least 2), or the
-        sole one of those was refused `min_samples` times in a row. Only senders whose
-        norms this watch accepted count: fresh identities, however many, cannot move it,
-        and a liar's refused norms never become accepted ones."""
+    def _level_moved(self, sender: str, norm: float, now: float) -> bool:
+        """Note a refused norm; True when the level moved for the active senders of the
+        accepted norms (see the class). Only senders whose norms this watch accepted are
+        noted or counted: fresh identities cannot move it, nor crowd the others out."""
         accepted = set(self._accepted_from)
         accepted.discard("")
         if sender not in accepted:
             return False
-        self._refused[sender] = norm  # bounded: senders of the accepted norms
+        self._heard[sender] = now
+        self._refused[sender] = norm
         self._streak += 1
-        if len(accepted) == 1:
-            return self._streak >= self.min_samples
-        return len(self._refused) >= len(accepted) // 2 + 1
+        active = {p for p in accepted if now - self._heard.get(p, -math.inf) <= self.active_s}
+        if len(active) == 1:
+            return self._streak >= self.sole_refusals
+        return len(active & set(self._refused)) >= len(active) // 2 + 1

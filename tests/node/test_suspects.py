@@ -116,11 +116,24 @@ def test_a_lone_liar_or_a_minority_of_liars_cannot_rebase_the_watch() -> None:
     assert w.outlier(1e4)  # a norm without a sender never re-bases
 
 
-def test_a_sole_sender_is_refused_min_samples_times_then_rebased_on() -> None:
+def test_a_sole_sender_is_refused_a_few_times_then_rebased_on() -> None:
     w = _watch_fed_by("a", rounds=20)
-    for _ in range(15):
+    for _ in range(3):
         assert w.outlier(300.0, "a")
     assert not w.outlier(300.0, "a") and w.rebased == ["a"]
+
+
+def test_senders_gone_quiet_do_not_count_against_the_one_still_sending() -> None:
+    # a cell's helper left alone: both heads sent to it once, then one became a helper
+    # itself and sends nothing; the other head's norms moved meanwhile
+    now = [0.0]
+    w = NormWatch(factor=100, window=64, min_samples=16, active_s=60, clock=lambda: now[0])
+    for _ in range(8):
+        assert not w.outlier(1.0, "a") and not w.outlier(1.0, "b")
+    now[0] = 30.0
+    assert all(w.outlier(300.0, "a") for _ in range(4))  # b active: 1 of 2 is no majority
+    now[0] = 61.0  # b not heard from for more than 60 s: a, refused 4 times in a row,
+    assert not w.outlier(300.0, "a") and w.rebased == ["a"]  # is the only active sender
 
 
 def test_a_norm_watch_that_accepted_nothing_for_max_age_starts_over() -> None:

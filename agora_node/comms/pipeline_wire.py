@@ -20,6 +20,7 @@ sender can act on.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -94,6 +95,11 @@ class ResponseHeader:
     message: str = ""
     loss: float | None = None
     stats: dict = field(default_factory=dict)
+
+    def loss_value(self) -> float:
+        """The loss as a float; NaN when the reply carries none (`decode_response` let
+        only numbers or nothing through)."""
+        return math.nan if self.loss is None else float(self.loss)
 
 
 def _pack(header: dict, tokens: bytes, payload: bytes) -> bytes:

@@ -4,16 +4,37 @@ stage, and who departs from the strict majority.
 Replicas of a stage hold the same anchor after each outer round and drift apart only
 by their own inner steps since, so their outputs for one input are close; a replica
 that computes something else (wrong weights, garbage, a scaled output) is far from
-all of them. `departing` is the pure decision; `Pipeline` (pipeline.py) sends the
-probes and flags the answer's authors in the suspects ledger.
+all of them. `departing` is the pure decision; `Canaries` sends a pipeline's probes
+(pipeline.py hands it every training micro-batch it sends) and flags the departing
+answers' authors in the suspects ledger.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from agora_node.comms import streams
+from agora_node.comms.pipeline_wire import (
+    ForwardHeader,
+    Status,
+    WireError,
+    decode_response,
+    encode_forward,
+)
+from agora_node.compression import CodecError
+from agora_node.node.config import PipelineConfig
+from agora_node.node.suspects import Reason, Suspects
+from agora_node.stages.data import TokenBatch
+
+log = logging.getLogger(__name__)
 
 
 def distance(a: Tensor, b: Tensor) -> float:
@@ -44,3 +65,78 @@ def departing(outputs: dict[str, Tensor], tolerance: float) -> list[str]:
     if not majority:
         return []
     return [p for p in peers if p not in majority and not close[p] & majority]
+
+
+_COUNTS = ("sent", "compared", "flagged")
+
+
+@dataclass(eq=False)
+class Canaries:
+    """Every `config.canary_every`-th training micro-batch a pipeline sends, the same input
+    also goes, as a forward-only probe, to `config.canary_replicas` trusted replicas of
+    the next stage; who departs from the strict majority is flagged (`departing`)."""
+
+    config: PipelineConfig
+    suspects: Suspects
+    replicas: Callable[[int], list[str]]
+    """Replicas of a stage the pipeline may send to (not this node)."""
+    ask: Callable[[str, bytes], Awaitable[bytes]]
+    """One request to a peer, its bytes counted."""
+    decode: Callable[[memoryview, tuple[int, int, int]], Awaitable[Tensor]]
+    """A replica's output frame, decoded on the worker."""
+    last_stage: int
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTS, 0))
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    _sent_for_training: int = 0
+
+    def sent(self, header: ForwardHeader, tokens: TokenBatch, encoded: bytes) -> None:
+        """A training micro-batch went out: probe with it when one is due (in a task)."""
+        every = self.config.canary_every
+        self._sent_for_training += 1
+        if every > 0 and self._sent_for_training % every == 0:
+            task = asyncio.create_task(self._canary(header, tokens, encoded))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    def cancel(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+
+    async def _canary(self, header: ForwardHeader, tokens: TokenBatch, encoded: bytes) -> None:
+        """Probe several replicas of `header.stage` with one input; flag who departs."""
+        trusted = [p for p in self.replicas(header.stage) if not self.suspects.is_banned(p)]
+        chosen = random.sample(trusted, min(len(trusted), self.config.canary_replicas))
+        if len(chosen) < 3:
+            return
+        probe = ForwardHeader(
+            **{**header.__dict__, "mb_id": f"{header.mb_id}/canary", "train": False, "probe": True}
+        )
+        payload = encode_forward(probe, tokens.ids, encoded, tokens.docs)
+        self.counts["sent"] += 1
+        answers = await asyncio.gather(*(self._probe(p, probe, payload) for p in chosen))
+        outputs = {p: a for p, a in zip(chosen, answers, strict=True) if a is not None}
+        if len(outputs) < 3:
+            return
+        self.counts["compared"] += 1
+        for peer in await asyncio.to_thread(departing, outputs, self.config.canary_tolerance):
+            self.counts["flagged"] += 1
+            evidence = f"stage {header.stage}: output departs from the majority of {len(outputs)}"
+            self.suspects.flag(peer, Reason.CANARY, evidence)
+            log.warning("canary: replica %s %s", peer[-8:], evidence)
+
+    async def _probe(self, peer: str, header: ForwardHeader, payload: bytes) -> Tensor | None:
+        """The replica's output for a canary, or None if it gave none (busy, old, gone)."""
+        try:
+            reply, out = decode_response(await self.ask(peer, payload))
+        except (streams.StreamError, WireError):
+            return None
+        if reply.status != Status.OK.value:
+            return None
+        if header.stage == self.last_stage:  # the last stage answers its loss
+            return torch.tensor([reply.loss_value()])
+        if not len(out):
+            return None  # a peer without probes answered a validation forward
+        try:
+            return await self.decode(out, (header.batch, header.seq, header.width))
+        except CodecError:
+            return torch.tensor([math.nan])  # garbage: far from everyone

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import random
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from agora_node.comms.pipeline_wire import (
 )
 from agora_node.comms.routing import FailureKind, Router, RouterConfig
 from agora_node.compression import ActivationCodec, CodecError, NonFiniteError
-from agora_node.node.canary import departing
+from agora_node.node.canary import Canaries
 from agora_node.node.cell import Cells, Compute, standing_replicas
 from agora_node.node.config import PipelineConfig
 from agora_node.node.metrics import Metrics
@@ -79,13 +78,6 @@ def max_request_bytes(manifest: Manifest) -> int:
     m = manifest.model
     per_token = 4 * (m.d_model + 1) + 4  # activation, token id, a document start at most
     return 4096 + m.seq_len * manifest.inner.micro_batch * per_token
-
-
-def _number(value: object) -> float:
-    """A reply's loss as a float; NaN for anything that is not a number (refused if training)."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    return math.nan
 
 
 class PeerGoneError(streams.StreamError):
@@ -147,12 +139,18 @@ class Pipeline:
         """Peers caught sending non-finite or outlier values: routed around while banned."""
         self._activation_norms = NormWatch()
         self._gradient_norms = NormWatch()
-        self._sent_for_training = 0
-        self._canaries: set[asyncio.Task] = set()
+        self.canaries = Canaries(
+            config,
+            self.suspects,
+            replicas=lambda stage: [p for p in self._replicas(stage) if p != peer_id],
+            ask=self._ask,
+            decode=lambda out, shape: worker.call(self.codec.decode, out, shape),
+            last_stage=m.num_stages - 1,
+        )
+        """Forward-only probes of the next stage's replicas (canary.py)."""
         self._waiting: dict[str, set[asyncio.Task]] = {}
         """Requests out to each peer, abandoned when membership declares it dead or gone."""
         self._abandoned: set[asyncio.Task] = set()
-        self.canary_counts = {"sent": 0, "compared": 0, "flagged": 0}
         self.compute = Compute(worker)
         """Runs micro-batches on this node's worker, or the cell it leads (node/cell.py)."""
 
@@ -344,10 +342,8 @@ class Pipeline:
         """Deliver to a replica of `header.stage`, retrying others; (loss, grad) or None if it can't."""
         encoded = await self.worker.call(self.codec.encode, c)
         payload = encode_forward(header, tokens.ids, encoded, tokens.docs)
-        if header.train and self._canary_due():
-            task = asyncio.create_task(self._canary(header, tokens, encoded))
-            self._canaries.add(task)
-            task.add_done_callback(self._canaries.discard)
+        if header.train:
+            self.canaries.sent(header, tokens, encoded)
         deadline = time.monotonic() + self.config.deadline_s
         tried: set[str] = set()
         while time.monotonic() < deadline:
@@ -434,7 +430,7 @@ class Pipeline:
             latency = time.monotonic() - now
             self._router.on_success(peer, latency, time.monotonic())
             grad = None
-            loss = _number(reply.loss)
+            loss = reply.loss_value()
             if header.train:
                 if not math.isfinite(loss):
                     return self._refuse(peer, Reason.NONFINITE, f"loss {loss}")
@@ -476,55 +472,11 @@ class Pipeline:
         self.suspects.flag(peer, reason, evidence)
         log.warning("refused the reply of %s: %s", peer[-8:], evidence)
 
-    # ---- canaries (canary.py) ------------------------------------------------------------
-    def _canary_due(self) -> bool:
-        every = self.config.canary_every
-        self._sent_for_training += 1
-        return every > 0 and self._sent_for_training % every == 0
-
-    async def _canary(self, header: ForwardHeader, tokens: TokenBatch, encoded: bytes) -> None:
-        """Probe several replicas of `header.stage` with one input; flag who departs."""
-        replicas = [p for p in self._replicas(header.stage) if p != self.peer_id]
-        trusted = [p for p in replicas if not self.suspects.is_banned(p)]
-        chosen = random.sample(trusted, min(len(trusted), self.config.canary_replicas))
-        if len(chosen) < 3:
-            return
-        probe = ForwardHeader(
-            **{**header.__dict__, "mb_id": f"{header.mb_id}/canary", "train": False, "probe": True}
-        )
-        payload = encode_forward(probe, tokens.ids, encoded, tokens.docs)
-        self.canary_counts["sent"] += 1
-        answers = await asyncio.gather(*(self._probe(p, probe, payload) for p in chosen))
-        outputs = {p: a for p, a in zip(chosen, answers, strict=True) if a is not None}
-        if len(outputs) < 3:
-            return
-        self.canary_counts["compared"] += 1
-        tolerance = self.config.canary_tolerance
-        for peer in await asyncio.to_thread(departing, outputs, tolerance):
-            self.canary_counts["flagged"] += 1
-            evidence = f"stage {header.stage}: output departs from the majority of {len(outputs)}"
-            self.suspects.flag(peer, Reason.CANARY, evidence)
-            log.warning("canary: replica %s %s", peer[-8:], evidence)
-
-    async def _probe(self, peer: str, header: ForwardHeader, payload: bytes) -> torch.Tensor | None:
-        """The replica's output for a canary, or None if it gave none (busy, old, gone)."""
-        try:
-            data = await self._request(peer, payload)
-            self._count_bytes(peer, sent=len(payload), received=len(data))
-            reply, out = decode_response(data)
-        except (streams.StreamError, WireError):
-            return None
-        if reply.status != Status.OK.value:
-            return None
-        if header.stage == self.manifest.num_stages - 1:  # the last stage answers its loss
-            return torch.tensor([_number(reply.loss)])
-        if not len(out):
-            return None  # a peer without probes answered a validation forward
-        shape = (header.batch, header.seq, header.width)
-        try:
-            return await self.worker.call(self.codec.decode, out, shape)
-        except CodecError:
-            return torch.tensor([math.nan])  # garbage: far from everyone
+    async def _ask(self, peer: str, payload: bytes) -> bytes:
+        """`_request`, its bytes counted."""
+        data = await self._request(peer, payload)
+        self._count_bytes(peer, sent=len(payload), received=len(data))
+        return data
 
     def _count_bytes(self, peer: str, *, sent: int = 0, received: int = 0) -> None:
         self.events.add_bytes(peer, sent=sent, received=received)
@@ -532,8 +484,7 @@ class Pipeline:
     async def drain(self, timeout: float) -> bool:
         """Stop accepting new micro-batches and wait for the ones being served."""
         self.accepting = False
-        for task in list(self._canaries):
-            task.cancel()
+        self.canaries.cancel()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True

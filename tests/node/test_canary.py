@@ -100,13 +100,13 @@ def test_a_sender_flags_the_replica_whose_canary_output_departs(monkeypatch) -> 
 
         async def go() -> None:
             assert await p.send(header, TokenBatch(tokens), c) is not None
-            await asyncio.wait_for(asyncio.gather(*p._canaries), 30)
+            await asyncio.wait_for(asyncio.gather(*p.canaries.tasks), 30)
 
         asyncio.run(go())
         assert sorted(probes) == ["bad", "good-1", "good-2"]
         assert p.suspects.banned() == {"bad"}
         (row,) = p.suspects.status()["banned"]
         assert row["reason"] == Reason.CANARY.value
-        assert p.canary_counts == {"sent": 1, "compared": 1, "flagged": 1}
+        assert p.canaries.counts == {"sent": 1, "compared": 1, "flagged": 1}
     finally:
         p.worker.close()

@@ -210,36 +210,37 @@ class NormWatch:
             return True
         now = self.clock()
         if self._judging and now - self._accepted_at > self.max_age_s:
-            self._norms.clear()
-            self._accepted_from.clear()
+            self._accept({}, now, keep=False)
             self._heard.clear()
-            self._refused.clear()
-            self._streak, self._judging = 0, False
+            self._judging = False
         if self._judging:
             median = statistics.median(self._norms)
             if norm > self.factor * max(median, 1e-12):
                 if not sender or not self._level_moved(sender, norm, now):
                     return True
                 self.rebased = list(self._refused)
-                self._norms.clear()
-                self._norms.extend(self._refused.values())
-                self._accepted_from.clear()
-                self._accepted_from.extend(self._refused)
-                self._refused.clear()
-                self._streak, self._accepted_at = 0, now
+                self._accept(self._refused, now, keep=False)
                 return False
-        self._accepted_at = now
-        self._norms.append(norm)
-        self._accepted_from.append(sender)
+        self._accept({sender: norm}, now)
         if sender:
             self._heard[sender] = now
             if len(self._heard) > 2 * self._norms.maxlen:
                 known = set(self._accepted_from)
                 self._heard = {p: t for p, t in self._heard.items() if p in known}
-        self._refused.clear()
-        self._streak = 0
         self._judging = self._judging or len(self._norms) >= self.min_samples
         return False
+
+    def _accept(self, norms: dict[str, float], now: float, *, keep: bool = True) -> None:
+        """Take `norms` (sender -> norm) as accepted, after the ones kept (`keep`) or
+        instead of them; refusals since the last accepted norm are forgotten."""
+        if not keep:
+            self._norms.clear()
+            self._accepted_from.clear()
+        self._norms.extend(norms.values())
+        self._accepted_from.extend(norms)
+        self._refused, self._streak = {}, 0
+        if norms:
+            self._accepted_at = now
 
     def _level_moved(self, sender: str, norm: float, now: float) -> bool:
         """Note a refused norm; True when the level moved for the active senders of the

@@ -410,7 +410,8 @@ def test_a_cells_micro_batch_leaves_nothing_behind():
         for _ in range(3):
             list(pool.map(member, range(2)))
     gc.collect()
-    alive = [o for o in merges_and_links() if not any(o is b for b in before)]
+    seen = {id(b) for b in before}
+    alive = [o for o in merges_and_links() if id(o) not in seen]
     assert alive == []
 
 

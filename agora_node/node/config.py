@@ -59,7 +59,8 @@ class PipelineConfig:
     """Micro-batches a head keeps in the pipeline; 0: the micro-batches of one inner
     step. More hides more latency but makes gradients staler (measured in
     docs/benchmarks.md: 4 in flight cost tiny 4.7% validation loss at 98k tokens; the
-    manifest's `inner.weight_prediction` wins back part of it)."""
+    manifest's `inner.weight_prediction` wins back part of it, and with the Muon inner
+    optimizer nearly all)."""
     max_queue: int = 16
     """Micro-batches a non-head node holds at once before answering busy."""
     hop_timeout_s: float = option(

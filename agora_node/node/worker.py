@@ -3,23 +3,10 @@
 All compute runs on a single dedicated thread, so the event loop that serves
 RPCs never blocks on a matrix multiply, and no two torch calls race on weights.
 
-Weight versions (PipeDream-2BW style). Micro-batches interleave: an inner
-optimizer step can land between a micro-batch's forward and its backward.
-Forwards therefore run on a *version copy* of the weights (functional_call),
-never on the master parameters the optimizer updates in place. A step sums the
-gradients that finished on every live version into the master, steps, and
-publishes a fresh copy; a micro-batch still in flight keeps the copy its
-forward used (its graph references it) and its gradient lands in the next
-step, one step late. Nothing is recomputed with mixed weights and no graph sees
-an in-place update.
-
-Weight prediction (`predict_weights`): a gradient computed on version v lands in a step
-`lag` steps after the one that made v, so it is a gradient at weights the master has
-already moved away from. With prediction, a published version copy is not the master
-but the master extrapolated along its last step by the lag measured on this stage
-(copy = master + lag * (master - master before the last step)), so forwards run closer
-to the weights their gradient will be applied to. Validation and canaries use the
-master weights; an outer step's write or a loaded state resets the extrapolation.
+Weight versions (node/versions.py): forwards run on version copies of the weights, so
+an inner step can land between a micro-batch's forward and its backward (PipeDream-2BW
+stashing), optionally extrapolated to where the weights will be when the gradient lands
+(weight prediction).
 
 What backward needs: the autograd graph of each in-flight micro-batch while at
 most `max_graphs` are open; beyond that only the stage input is kept and the
@@ -49,6 +36,7 @@ from torch import Tensor
 from torch.func import functional_call
 
 from agora_node.node.rates import WorkerStats
+from agora_node.node.versions import WeightVersions
 from agora_node.protocol.manifest import Manifest
 from agora_node.stages.data import TokenBatch
 from agora_node.stages.device import CPU, Compute
@@ -89,7 +77,6 @@ class StageWorker:
         lag_momentum: bool = False,
     ) -> None:
         self.manifest, self.index, self.compute = manifest, index, compute
-        self.predict_weights = predict_weights
         self.lag_momentum = lag_momentum
         self.device = compute.device
         self.stage = Stage(manifest, index).to(self.device)
@@ -110,18 +97,16 @@ class StageWorker:
         self._finished_since_step = 0
         self.hold_steps = False
         """While an outer step reads and rewrites the weights (`frozen`), inner steps wait."""
-        self._versions_with_grads: dict[int, dict[str, Tensor]] = {}
-        self.lag = 0.0
-        """Steps a gradient lands after the step its forward's version came from (a moving
-        average over finished micro-batches): 0 when every forward sees the latest step.
-        Measured with or without prediction (the status page shows it)."""
-        self._last_move: dict[str, Tensor] | None = None
-        """master - master before the last inner step (weight prediction only)."""
         self._lock = threading.Lock()  # guards state snapshots taken from the worker thread
         self._thread: threading.Thread | None = None
         self._threaded = False
         self._executor.submit(self._remember_thread).result()
-        self._publish_version(0)
+        self.versions = WeightVersions(
+            self.stage,
+            self._master_of,
+            predict=predict_weights,
+            on_grad=self._step_in_backward if self.in_backward else None,
+        )
 
     # ---- plumbing ------------------------------------------------------------------
     async def call(self, fn, *args: Any) -> Any:  # noqa: ANN001
@@ -138,31 +123,15 @@ class StageWorker:
 
     @property
     def version(self) -> int:
-        return self._version
+        return self.versions.number
+
+    @property
+    def lag(self) -> float:
+        return self.versions.lag
 
     @property
     def in_flight(self) -> int:
         return len(self._pending)
-
-    @torch.no_grad()
-    def _publish_version(self, version: int, *, inner_step: bool = False) -> None:
-        """New forwards run on `version`. Only after an inner step is there a move to
-        extrapolate (weight prediction); weights written any other way (an outer step, a
-        loaded state, an adopted anchor) clear it."""
-        self._version = version
-        if not inner_step:
-            self._last_move = None
-        move = self._last_move if self.lag > 0 else None
-        self._params = {}
-        for name, p in self.stage.named_parameters():
-            copy = p.detach().clone()
-            if move is not None and name in move:
-                copy.add_(move[name], alpha=self.lag)
-            self._params[name] = copy.requires_grad_(True)
-        if self.in_backward:
-            for name, copy in self._params.items():
-                if name in self._master_of:
-                    copy.register_post_accumulate_grad_hook(self._step_in_backward(name))
 
     def _step_in_backward(self, name: str):  # noqa: ANN202
         """The hook that steps master `name` as soon as a backward has accumulated the
@@ -218,13 +187,14 @@ class StageWorker:
         """Forward of a micro-batch that will come back with a gradient; returns boundary coefficients."""
         started = time.perf_counter()
         self._expire()
-        params = self._params
+        queued = self._finished_since_step + len(self._pending)
+        params = self.versions.for_forward(queued, self.micro_per_step)
         x_in, tokens = self._inputs(c_in, tokens)
         keep_graph = len(self._pending) < self.max_graphs
         with torch.set_grad_enabled(keep_graph):
             c_out = self._encode(self._forward(params, x_in, tokens), tokens.inputs)
         self._pending[mb_id] = _Pending(
-            self._version,
+            self.version,
             params,
             tokens,
             x_in,
@@ -253,13 +223,13 @@ class StageWorker:
     ) -> tuple[float, Tensor | None]:
         """The last stage: loss and gradient in one go (nothing kept)."""
         started = time.perf_counter()
-        params = self._params
+        params = self.versions.current
         x_in, tokens = self._inputs(c_in, tokens)
         inputs = tokens.inputs
         loss = lm_loss(self._forward(params, x_in, tokens), tokens.targets)
         (loss * loss_scale).backward()
         grad_in = self._input_grad(x_in)
-        self._finish(self._version, params, inputs.numel())
+        self._finish(self.version, params, inputs.numel())
         self._completed(inputs.numel(), self._busy(started))
         return float(loss.detach()), grad_in
 
@@ -276,8 +246,7 @@ class StageWorker:
         """Forward only (validation): boundary coefficients, or the loss at the last stage."""
         started = time.perf_counter()
         x_in, tokens = self._inputs(c_in, tokens, leaf=False)
-        # the master weights, not a predicted version copy (they are the same without prediction)
-        params = dict(self.stage.named_parameters()) if self.predict_weights else self._params
+        params = self.versions.current  # the latest weights, never a predicted copy
         out = self._forward(params, x_in, tokens)
         result = (
             float(lm_loss(out, tokens.targets))
@@ -290,7 +259,7 @@ class StageWorker:
     # ---- a context-parallel cell's leader (node/cell_leader.py; worker thread only) -----
     def current_version(self) -> tuple[int, dict[str, Tensor]]:
         """The version new forwards run on, and its weight copies (never written in place)."""
-        return self._version, self._params
+        return self.version, self.versions.current
 
     def accumulate(
         self,
@@ -328,7 +297,7 @@ class StageWorker:
         self._check_thread()
         with self._lock:
             self._write_masters(flat)
-            self._publish_version(self._version + 1)
+            self.versions.publish(self.version + 1)
 
     def _write_masters(self, flat: Tensor) -> None:
         """The trainable weights := `flat` (their values in order); caller holds the lock."""
@@ -347,10 +316,9 @@ class StageWorker:
             self.stats.expired += 1
 
     def _finish(self, version: int, params: dict[str, Tensor], tokens: int) -> None:
-        self._versions_with_grads[version] = params
-        if version != self._version:
+        self.versions.finished(version, params)
+        if version != self.version:
             self.stats.stale_grads += 1
-        self.lag = 0.9 * self.lag + 0.1 * (self._version - version)
         self._finished_since_step += 1
         self.stats.trained_tokens += tokens
         if self._finished_since_step >= self.micro_per_step and not self.hold_steps:
@@ -378,7 +346,7 @@ class StageWorker:
         """Resume stepping; publish the outer step's weights to new forwards."""
         self.hold_steps = False
         if weights_changed:
-            self._publish_version(self._version + 1)
+            self.versions.publish(self.version + 1)
         if self._finished_since_step >= self.micro_per_step:
             self._step()
 
@@ -395,28 +363,15 @@ class StageWorker:
 
     def _step(self) -> None:
         """Sum finished gradients of every live version into the master weights and step."""
-        masters = dict(self.stage.named_parameters())
-        for params in self._versions_with_grads.values():
-            for name, p in params.items():
-                if p.grad is None:
-                    continue
-                master = masters[name]
-                master.grad = p.grad.clone() if master.grad is None else master.grad.add_(p.grad)
-                p.grad = None
-        self._versions_with_grads.clear()
+        self.versions.gather(dict(self.stage.named_parameters()))
         self._check_thread()
         with self._lock:
-            before = [p.detach().clone() for p in self.masters] if self.predict_weights else None
+            before = self.versions.before_step()
             if self.lag_momentum:
                 self.optimizer.set_beta1(lag_beta1(self.manifest.inner.beta1, self.lag))
             self.optimizer.step()
             self.optimizer.zero_grad()
-            if before is not None:
-                self._last_move = {
-                    name: p.detach() - b
-                    for (name, p), b in zip(self._master_of.items(), before, strict=True)
-                }
-            self._publish_version(self._version + 1, inner_step=True)
+            self.versions.publish(self.version + 1, moved_from=before)
         self._finished_since_step = 0
         self.stats.steps += 1
 
@@ -426,7 +381,7 @@ class StageWorker:
             return {
                 "model": {k: v.detach().cpu().clone() for k, v in self.stage.state_dict().items()},
                 "optimizer": _to_host(self.optimizer.state_dict()),
-                "version": self._version,
+                "version": self.version,
                 "tokens": self.stats.tokens,
             }
 
@@ -436,8 +391,8 @@ class StageWorker:
             self.stage.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self._pending.clear()
-            self._versions_with_grads.clear()
-            self._publish_version(int(state.get("version", 0)))
+            self.versions.drop_grads()
+            self.versions.publish(int(state.get("version", 0)))
 
     def _fresh_optimizer(self) -> InnerOptimizer:
         return InnerOptimizer(
@@ -467,9 +422,9 @@ class StageWorker:
                 p.grad = None
             self.optimizer = self._fresh_optimizer()
             self._pending.clear()
-            self._versions_with_grads.clear()
+            self.versions.drop_grads()
             self._finished_since_step = 0
-            self._publish_version(self._version + 1)
+            self.versions.publish(self.version + 1)
 
     def parameter_checksum(self) -> str:
         """sha256 over the weights (names and bytes): equal iff two replicas hold the same weights."""

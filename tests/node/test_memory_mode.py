@@ -162,7 +162,7 @@ def test_the_optimizer_in_backward_gives_the_weights_of_the_plain_step(stage, st
         for when in OPTIMIZER_STEPS
     )
     fused.stage.load_state_dict(plain.stage.state_dict())
-    fused._publish_version(0)
+    fused.versions.publish(0)
     start = {n: p.detach().clone() for n, p in plain.stage.named_parameters()}
     stepped_in_backward = []
     step_param = fused.optimizer.step_param

@@ -53,7 +53,7 @@ def test_chained_workers_match_reference_trainer():
         (loss / n_micro).backward()
     ref_params = dict(ref.model.named_parameters())
     for w in workers:
-        for name, p in w._versions_with_grads[0].items():
+        for name, p in w.versions.held(0).items():
             torch.testing.assert_close(
                 p.grad, ref_params[f"{w.index}.{name}"].grad, atol=1e-6, rtol=1e-4
             )
@@ -80,7 +80,7 @@ def test_step_between_forward_and_backward_uses_stashed_weights():
     w0 = StageWorker(m, 0)  # stage 0 alone, fed synthetic downstream gradients
     tokens = torch.randint(0, 256, (m.inner.micro_batch, m.model.seq_len + 1))
     c = w0.forward("a", None, tokens)
-    before = {n: p.detach().clone() for n, p in w0._params.items()}
+    before = {n: p.detach().clone() for n, p in w0.versions.current.items()}
     # Two other micro-batches complete and trigger an inner step meanwhile.
     for mb in ("b", "c"):
         w0.forward(mb, None, tokens)
@@ -94,14 +94,14 @@ def test_step_between_forward_and_backward_uses_stashed_weights():
     with torch.no_grad():
         for n, p in ref.stage.named_parameters():
             p.copy_(before[n])
-    ref._publish_version(0)
+    ref.versions.publish(0)
     ref.forward("a", None, tokens)
     ref.backward("a", grad)
-    for n, p in ref._versions_with_grads[0].items():
+    for n, p in ref.versions.held(0).items():
         expected = p.grad
         if expected is None:
             continue
-        got = w0._versions_with_grads[0][n].grad
+        got = w0.versions.held(0)[n].grad
         torch.testing.assert_close(got, expected)
 
 
@@ -128,26 +128,78 @@ def _stale_worker(**options):
     return m, w, tokens
 
 
-def test_weight_prediction_extrapolates_the_last_step_by_the_measured_lag():
+def test_weight_prediction_extrapolates_each_forward_by_the_steps_before_its_gradient_lands():
     m, w, tokens = _stale_worker(predict_weights=True)
-    assert 0 < w.lag < 1  # a moving average of lags 0 and 1
-    masters = dict(w.stage.named_parameters())
-    moved = [n for n, d in w._last_move.items() if d.abs().max() > 0]
-    assert moved, "the last step moved no weight"
-    for name, copy in w._params.items():
-        expected = masters[name].detach() + w.lag * w._last_move[name]
-        torch.testing.assert_close(copy.detach(), expected, msg=name)
-    # validation reads the master weights, not the prediction
+    assert w.micro_per_step == 2 and not w._pending
+    c = w.forward("x", None, tokens)
+    steps = w.stats.steps
+    w.backward("x", torch.randn_like(c))  # one finished since the last step
+    assert w.stats.steps == steps and w._finished_since_step == 1
+    masters = {n: p.detach().clone() for n, p in w.stage.named_parameters()}
+    move = w.versions._move
+    assert any(d.abs().max() > 0 for d in move.values()), "the last step moved nothing"
+    seen = []
+    for i in range(5):  # queued behind the finished one and i in flight
+        w.forward(f"q{i}", None, tokens)
+        seen.append(w._pending[f"q{i}"].params)
+    for i, params in enumerate(seen):
+        ahead = (1 + i) // 2  # steps before this forward's gradient lands
+        for name, copy in params.items():
+            expected = masters[name] + ahead * move[name] if name in move else masters[name]
+            torch.testing.assert_close(copy.detach(), expected, msg=f"{name}, {ahead} ahead")
+    assert seen[0] is w.versions.current and seen[1] is seen[2] and seen[3] is seen[4]
+    # validation reads the latest weights, not a prediction
     plain = StageWorker(m, 0)
     with torch.no_grad():
         for n, p in plain.stage.named_parameters():
             p.copy_(masters[n])
-    plain._publish_version(0)
+    plain.versions.publish(0)
     torch.testing.assert_close(w.forward_eval(None, tokens), plain.forward_eval(None, tokens))
     # an outer step's write is not an inner step to extrapolate
     w._release(weights_changed=True)
-    for name, copy in w._params.items():
-        assert torch.equal(copy.detach(), masters[name].detach()), name
+    for i in range(3):
+        w.forward(f"after{i}", None, tokens)
+        for name, copy in w._pending[f"after{i}"].params.items():
+            assert torch.equal(copy.detach(), masters[name]), name
+
+
+def test_gradients_on_two_predicted_copies_of_one_version_all_land():
+    m = load_manifest("tiny")
+    tokens = torch.randint(0, 256, (m.inner.micro_batch, m.model.seq_len + 1))
+
+    def forwarded():
+        """A worker with a step's move to extrapolate and three forwards queued 0, 1 and 2
+        deep (copies 0, 0 and 1 step ahead, all of version 0); no step will happen."""
+        torch.manual_seed(0)
+        w = StageWorker(m, 0, predict_weights=True)
+        assert w.micro_per_step == 2
+        w.versions.publish(0, moved_from=[p.detach() - 1e-3 for p in w.masters])
+        out = [w.forward(mb, None, tokens) for mb in "abc"]
+        w.micro_per_step = 10**9
+        return w, [
+            torch.randn_like(c, generator=torch.Generator().manual_seed(i))
+            for i, c in enumerate(out)
+        ]
+
+    together, grads = forwarded()
+    assert together._pending["a"].params is together._pending["b"].params
+    assert together._pending["a"].params is not together._pending["c"].params
+    for mb, g in zip("abc", grads, strict=True):
+        together.backward(mb, g)
+    together.versions.gather(dict(together.stage.named_parameters()))
+    one_by_one, grads = forwarded()  # each gradient gathered on its own, then summed
+    summed = {n: torch.zeros_like(p) for n, p in one_by_one.stage.named_parameters()}
+    for mb, g in zip("abc", grads, strict=True):
+        one_by_one.backward(mb, g)
+        masters = dict(one_by_one.stage.named_parameters())
+        one_by_one.versions.gather(masters)
+        for n, p in masters.items():
+            if p.grad is not None:
+                summed[n] += p.grad
+                p.grad = None
+    for n, p in together.stage.named_parameters():
+        if p.grad is not None or summed[n].abs().max() > 0:
+            torch.testing.assert_close(p.grad, summed[n], msg=n)
 
 
 def test_weight_prediction_changes_nothing_when_no_gradient_is_late():
@@ -194,8 +246,8 @@ def test_recompute_when_graph_budget_is_exhausted():
     recomputed.backward("x", grad)
     assert recomputed.stats.recomputed == 1
     for (n, a), b in zip(
-        kept._versions_with_grads[0].items(),
-        recomputed._versions_with_grads[0].values(),
+        kept.versions.held(0).items(),
+        recomputed.versions.held(0).values(),
         strict=True,
     ):
         torch.testing.assert_close(a.grad, b.grad, msg=n)

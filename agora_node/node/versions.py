@@ -1,0 +1,138 @@
+"""Weight versions of a stage: the copies forwards run on, and weight prediction.
+
+PipeDream-2BW style. Micro-batches interleave: an inner optimizer step can land between
+a micro-batch's forward and its backward. Forwards therefore run on a *version copy* of
+the weights (functional_call), never on the master parameters the optimizer updates in
+place. A step sums the gradients that finished on every live copy into the master,
+steps, and publishes a fresh copy; a micro-batch still in flight keeps the copy its
+forward used (its graph references it) and its gradient lands in the next step, late.
+Nothing is recomputed with mixed weights and no graph sees an in-place update.
+
+Weight prediction: a gradient computed on version v lands in a step `ahead` steps after
+the one that made v, so it is a gradient at weights the master has already moved away
+from. With prediction a forward runs on the version extrapolated along the last inner
+step by the steps its own gradient will land after: a stage works in arrival order, so
+the gradient of a forward finishes after those of the micro-batches in flight on this
+stage and of those that finished since the last step, and lands
+`(finished + in flight) // micro-batches per step` steps from now (0 at the last stage,
+which steps what it just computed). The copies for 1, 2, ... steps ahead are made on
+first use after each step. Weights written any other way than by an inner step (an
+outer step, a loaded state, an adopted anchor) clear the move: nothing to extrapolate.
+
+Measured in bench/staleness.py against extrapolating every forward by the stage's mean
+lag (docs/benchmarks.md, "Weight prediction"): lower validation loss at 13 of 16
+evaluations with 3 micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+MAX_AHEAD = 4
+"""Steps a predicted copy extrapolates at most (a forward queued behind more than this
+many steps' worth of micro-batches is predicted this far)."""
+
+Hook = Callable[[str], Callable[[Tensor], None]]
+
+
+class WeightVersions:
+    """The version copies of one stage's weights (worker thread only)."""
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        trainable: dict[str, Tensor],
+        *,
+        predict: bool,
+        on_grad: Hook | None = None,
+    ) -> None:
+        """`stage`: the module whose parameters are the masters; `trainable`: those the
+        optimizer steps; `on_grad`: per trainable name, a hook to call when a backward has
+        accumulated a copy's gradient (the optimizer in backward), or None."""
+        self._stage, self._trainable = stage, trainable
+        self.predict, self._on_grad = predict, on_grad
+        self.number = 0
+        self.current: dict[str, Tensor] = {}
+        """The copy of the current version, not extrapolated (what a forward without
+        prediction, the last stage and a context-parallel cell run on)."""
+        self._ahead: dict[int, dict[str, Tensor]] = {}
+        self._move: dict[str, Tensor] | None = None
+        """master - master before the last inner step (prediction only)."""
+        self._with_grads: dict[int, tuple[int, dict[str, Tensor]]] = {}
+        """Copies holding gradients not yet stepped, by id: (version, copy)."""
+        self.lag = 0.0
+        """Steps a gradient lands after the step its forward's version came from (a moving
+        average over finished micro-batches): 0 when every forward sees the latest step.
+        Measured with or without prediction (the status page shows it)."""
+        self.publish(0)
+
+    @torch.no_grad()
+    def publish(self, number: int, *, moved_from: list[Tensor] | None = None) -> None:
+        """New forwards run on version `number` of the weights. `moved_from`: the trainable
+        weights before the inner step that made it (what prediction extrapolates along);
+        None for weights written any other way."""
+        self.number = number
+        self._move = None
+        if moved_from is not None:
+            self._move = {
+                name: p.detach() - before
+                for (name, p), before in zip(self._trainable.items(), moved_from, strict=True)
+            }
+        self.current = self._copy(dict(self._stage.named_parameters()), 0)
+        self._ahead = {0: self.current}
+
+    def before_step(self) -> list[Tensor] | None:
+        """What `publish(moved_from=...)` needs after the step: the trainable weights now,
+        when predicting."""
+        return [p.detach().clone() for p in self._trainable.values()] if self.predict else None
+
+    def for_forward(self, queued: int, per_step: int) -> dict[str, Tensor]:
+        """The copy a forward whose gradient will come back runs on, with `queued`
+        micro-batches finished since the last step or in flight on this stage before it."""
+        if self._move is None:
+            return self.current
+        ahead = min(queued // per_step, MAX_AHEAD)
+        if ahead not in self._ahead:
+            self._ahead[ahead] = self._copy(self.current, ahead)
+        return self._ahead[ahead]
+
+    @torch.no_grad()
+    def _copy(self, base: dict[str, Tensor], steps: int) -> dict[str, Tensor]:
+        """Copies of `base` (+ steps * the last move) that forwards can run on."""
+        params = {}
+        for name, p in base.items():
+            copy = p.detach().clone()
+            if steps and name in self._move:
+                copy.add_(self._move[name], alpha=steps)
+            params[name] = copy.requires_grad_(True)
+        if self._on_grad is not None:
+            for name, copy in params.items():
+                if name in self._trainable:
+                    copy.register_post_accumulate_grad_hook(self._on_grad(name))
+        return params
+
+    def finished(self, number: int, params: dict[str, Tensor]) -> None:
+        """A backward on copy `params` of version `number` left its gradients there."""
+        self._with_grads[id(params)] = (number, params)
+        self.lag = 0.9 * self.lag + 0.1 * (self.number - number)
+
+    def gather(self, masters: dict[str, Tensor]) -> None:
+        """Sum the gradients held on every copy into the masters' .grad; the copies let go."""
+        for _, params in self._with_grads.values():
+            for name, p in params.items():
+                if p.grad is None:
+                    continue
+                master = masters[name]
+                master.grad = p.grad.clone() if master.grad is None else master.grad.add_(p.grad)
+                p.grad = None
+        self._with_grads.clear()
+
+    def drop_grads(self) -> None:
+        self._with_grads.clear()
+
+    def held(self, number: int) -> dict[str, Tensor]:
+        """The copy of version `number` holding gradients (tests compare them)."""
+        return next(p for n, p in self._with_grads.values() if n == number)

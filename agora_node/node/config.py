@@ -54,10 +54,13 @@ def on_off(text: str) -> str:
 @dataclass(kw_only=True)
 class PipelineConfig:
     max_in_flight: int = option(
-        0, help="micro-batches a stage-0 node keeps in flight (0: one inner step's worth)"
+        0,
+        help="micro-batches a stage-0 node keeps in flight (0: one inner step's worth, two "
+        "when the manifest turns on weight prediction)",
     )
     """Micro-batches a head keeps in the pipeline; 0: the micro-batches of one inner
-    step. More hides more latency but makes gradients staler (measured in
+    step, or of two when the manifest asks for weight prediction (head.default_in_flight).
+    More hides more latency but makes gradients staler (measured in
     docs/benchmarks.md: 4 in flight cost tiny 4.7% validation loss at 98k tokens; the
     manifest's `inner.weight_prediction` wins back part of it, and with the Muon inner
     optimizer nearly all)."""

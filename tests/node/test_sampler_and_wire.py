@@ -2,6 +2,7 @@
 
 import asyncio
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +19,19 @@ from agora_node.comms.pipeline_wire import (
     encode_forward,
     encode_tokens,
 )
-from agora_node.node.head import Sampler
+from agora_node.node.head import Sampler, default_in_flight
 from agora_node.stages.data import TokenWindows, document_ids
 from agora_node.stages.manifest_files import load_manifest
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_head_keeps_one_steps_worth_in_flight_or_two_with_weight_prediction():
+    tiny = load_manifest("tiny").inner
+    assert (tiny.local_batch, tiny.micro_batch, tiny.weight_prediction) == (16, 8, False)
+    assert default_in_flight(tiny) == 2
+    slow_links = Path(__file__).resolve().parents[2] / "bench/manifests/tiny-async.toml"
+    assert default_in_flight(load_manifest(str(slow_links)).inner) == 4
 
 
 def test_two_heads_never_train_the_same_sample_in_an_epoch():

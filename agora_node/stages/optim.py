@@ -157,12 +157,8 @@ class InnerOptimizer:
             if not p.requires_grad:
                 continue
             table = name.endswith("kv_mix.tokens")  # a lookup table, not a hidden matrix
-            if (
-                spec.optimizer == "muon"
-                and p.ndim == 2
-                and name.startswith("blocks.")
-                and not table
-            ):
+            in_a_block = "blocks" in name.split(".")  # a stage's, or the reference's stages'
+            if spec.optimizer == "muon" and p.ndim == 2 and in_a_block and not table:
                 hidden.append(p)
             elif p.ndim >= 2:
                 decay.append(p)

@@ -51,17 +51,24 @@ def test_a_muon_step_is_the_orthogonalized_nesterov_momentum_with_decoupled_deca
     torch.testing.assert_close(p.detach(), expected)
 
 
-def test_muon_steps_the_blocks_matrices_and_adamw_the_rest():
-    stage = Stage(MUON, 1)
-    opt = InnerOptimizer(stage, MUON.inner)
+@pytest.mark.parametrize("whole_model", [False, True])
+def test_muon_steps_the_blocks_matrices_and_adamw_the_rest(whole_model):
+    """A stage's parameters, or every stage's in one module as the reference trainer holds
+    them (names `0.blocks.0.attn...`): the same matrices go to Muon."""
+    stages = [Stage(MUON, s) for s in range(MUON.num_stages)]
+    module = torch.nn.ModuleList(stages) if whole_model else stages[1]
+    opt = InnerOptimizer(module, MUON.inner)
     adamw, muon = opt.optimizers
     assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
     by_muon = {id(p) for g in muon.param_groups for p in g["params"]}
-    for name, p in stage.named_parameters():
-        if not p.requires_grad:
-            continue
-        hidden = p.ndim == 2 and name.startswith("blocks.") and not name.endswith("kv_mix.tokens")
-        assert (id(p) in by_muon) == hidden, name
+    for stage in stages if whole_model else [module]:
+        for name, p in stage.named_parameters():
+            if not p.requires_grad:
+                continue
+            hidden = (
+                p.ndim == 2 and name.startswith("blocks.") and not name.endswith("kv_mix.tokens")
+            )
+            assert (id(p) in by_muon) == hidden, name
     assert by_muon, "no matrix went to Muon"
 
 

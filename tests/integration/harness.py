@@ -128,9 +128,12 @@ def small_manifest(
     kv_rank: int = 0,
     kv_tokens: bool = False,
     documents: bool = False,
+    optimizer: str = "adamw",
+    weight_prediction: bool = False,
 ) -> str:
     """tiny with another stage cut, outer cadence H, gossip group size, overlapped outer
-    rounds or not, and context-parallel cells of `cp_degree` (written to `path`). With
+    rounds or not, context-parallel cells of `cp_degree`, another inner optimizer and
+    weight prediction (written to `path`). With
     `documents`, the corpus is the built-in one cut into many documents (`speeches`,
     written beside `path`): windows pack several, and attention keeps them apart."""
     from agora_node.protocol.manifest import parse_manifest
@@ -145,6 +148,10 @@ def small_manifest(
     text = text.replace("cp_degree = 1", f"cp_degree = {cp_degree}")
     text = text.replace("kv_rank = 0", f"kv_rank = {kv_rank}")
     text = text.replace("kv_tokens = false", f"kv_tokens = {str(kv_tokens).lower()}")
+    text = text.replace('optimizer = "adamw"', f'optimizer = "{optimizer}"')
+    text = text.replace(
+        "weight_prediction = false", f"weight_prediction = {str(weight_prediction).lower()}"
+    )
     if documents:
         corpus = speeches(path.with_suffix(".jsonl"))
         source = 'source = "builtin:tinyshakespeare"\nformat = "text"'

@@ -70,6 +70,50 @@ def test_swarm_matches_reference_trainer_at_equal_token_budget(swarm, tmp_path):
     assert ref_loss < 4.0  # both learned: uniform over bytes is ln 256 = 5.55
 
 
+def test_a_swarm_with_muon_and_weight_prediction_keeps_two_steps_in_flight_and_learns(
+    swarm, tmp_path
+):
+    """The slow-link configuration (bench/manifests/tiny-async.toml) on a 2-stage cut: a
+    head keeps two inner steps' worth in flight by default, so stage 0's gradients land
+    a step or more late, and prediction plus Muon keep the loss near the reference's."""
+    from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
+
+    path = small_manifest(
+        tmp_path / "async.toml", stages=2, layers=4, optimizer="muon", weight_prediction=True
+    )
+    m = load_manifest(path)
+    steps = 32
+    budget = steps * m.inner.local_batch * m.model.seq_len
+    swarm.bootstrap(path)
+    nodes = [
+        swarm.join(f"node-{i}", "--stage", str(i), "--max-tokens", str(budget)) for i in range(2)
+    ]
+    for node in nodes:
+        swarm.serving(node)
+    lags = []
+
+    def finished():
+        status = swarm.status(nodes[0])
+        if status and status.get("inner_step"):
+            lags.append(status["gradient_lag"])
+        return status and status.get("final_val_loss") and status
+
+    head = poll(finished, 400, "swarm final validation loss")
+    # 2 micro-batches per step, 4 in flight: a forward waits behind 2-3 others, so most
+    # gradients land 1 step late and some 2 (with one step's worth, 2 in flight: about 0.5)
+    assert max(lags) > 0.8, lags
+    wire = PipelineConfig().activation_codec
+    ref = LocalTrainer(
+        m, LocalTrainConfig(steps=steps, eval_every=10**6, eval_samples=16, wire=wire)
+    )
+    ref_loss = ref.run(report=lambda _: None).val_losses[-1][1]
+    swarm_loss = head["final_val_loss"]
+    print(f"muon + prediction, 4 in flight: swarm {swarm_loss:.4f}, train-local {ref_loss:.4f}")
+    assert ref_loss < 4.0
+    assert abs(swarm_loss - ref_loss) / ref_loss <= 0.03, (swarm_loss, ref_loss)
+    assert head["microbatches"].get("dropped", 0) == 0
+
+
 def _training_with_two_middle_replicas(swarm: TestSwarm, *flags: str):
     """tiny in 4 stages, stage 1 held twice, both replicas carrying traffic: (nodes, the
     head's count of completed micro-batches)."""

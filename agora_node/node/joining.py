@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -160,8 +160,90 @@ class LoadedState:
     replica, the attestation it matched and the sources rejected on the way."""
 
 
+RESYNC_DEADLINE_S = 30.0
+"""A running replica's search for its stage's majority state gives up after this: its outer
+rounds wait meanwhile, and the next round's anchor mix repairs it anyway."""
 STATE_POLL_S = 1.0
 """Between directory reads while no strict majority attests a state."""
+
+
+@dataclass
+class _Search:
+    """One search for a stage's attested state among its replicas."""
+
+    deadline_s: float
+    plan: attestation.SourcePlan = field(
+        default_factory=lambda: attestation.SourcePlan(0, None, 0, (), {})
+    )
+    rejected: dict[str, str] = field(default_factory=dict)
+    """Sources whose bytes must not be adopted: not asked again."""
+    unavailable: dict[str, str] = field(default_factory=dict)
+    """Sources that could not send (gone, busy, slow): asked on the next pass."""
+    replicas: list = field(default_factory=list)
+
+
+async def _from_replicas(
+    ctx: ServiceContext,
+    worker: StageWorker,
+    search: _Search,
+    checkpoint_round: int | None = None,
+) -> LoadedState | None:
+    """The state a strict majority of the stage's live replicas attest, adopted into
+    `worker`, or None (no majority, none newer than `checkpoint_round`, every source
+    refused, or the deadline)."""
+    stage = worker.index
+    numel = worker.trainable_numel()
+    deadline = time.monotonic() + search.deadline_s
+    stale: set[str] = set()
+    last: attestation.Attestation | None = None
+    while True:
+        records = (await ctx.fetch_records()).get(stage, [])
+        search.replicas = attestation.live_replicas(records, stage, ctx.peer_id)
+        if not search.replicas:
+            return None
+        plan = attestation.plan_sources(search.replicas)
+        if plan.majority is not None and plan.majority != last:
+            stale.clear()  # the stage moved on: sources behind before may hold it now
+            last = plan.majority
+        banned = ctx.suspects.banned()  # counted in the majority, never asked for bytes
+        plan = attestation.plan_sources(
+            search.replicas, exclude=set(search.rejected) | stale | banned
+        )
+        search.plan = plan
+        if checkpoint_round is not None and not attestation.prefer_replicas(plan, checkpoint_round):
+            return None  # no majority attests a round newer than the own checkpoint's
+        if plan.majority is not None and not plan.sources and not stale:
+            return None  # every attester of the majority was rejected
+        for source in plan.sources:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            verdict, got = await _try_source(ctx, stage, numel, source, plan, remaining)
+            if verdict == attestation.Verdict.ADOPT:
+                return await _adopt(worker, source, plan, got, search.rejected, search.unavailable)
+            if verdict == attestation.Verdict.STALE:
+                stale.add(source)
+            elif verdict == attestation.Verdict.UNAVAILABLE:
+                search.unavailable[source] = got
+            else:
+                search.rejected[source] = got
+        if time.monotonic() >= deadline:
+            log.warning(
+                "state search for stage %d ran out of time (%.0fs): %s",
+                stage,
+                search.deadline_s,
+                _why(plan, search.replicas, search.rejected),
+            )
+            return None
+        await asyncio.sleep(min(STATE_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+async def resync_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState | None:
+    """A running replica whose anchor a strict majority of its stage's replicas do not
+    hold (it mixed apart from them, node/rounds.py `outvoted`): their attested state,
+    adopted as a joiner adopts it, or None. Never the checkpoint or the init."""
+    deadline_s = min(RESYNC_DEADLINE_S, ctx.config.state_deadline_s)
+    return await _from_replicas(ctx, worker, _Search(deadline_s))
 
 
 async def load_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState:
@@ -173,7 +255,6 @@ async def load_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState:
     count, float32, finite) and its recomputed digest is the majority's. Any failure means
     the next source; the whole search ends at `state_deadline_s` (docs/security.md)."""
     stage, m = worker.index, ctx.manifest
-    numel = worker.trainable_numel()
     found = await asyncio.to_thread(
         load_latest_checkpoint,
         ctx.checkpoint_dir(stage),
@@ -182,49 +263,11 @@ async def load_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState:
         peer_id=ctx.peer_id,  # never another identity's (nodes sharing a data dir)
     )
     checkpoint_round = _checkpoint_round(found[1]) if found is not None else None
-    deadline = time.monotonic() + ctx.config.state_deadline_s
-    rejected: dict[str, str] = {}  # sent bytes that must not be adopted: not asked again
-    unavailable: dict[str, str] = {}  # could not send (gone, busy, slow): asked next pass
-    stale: set[str] = set()
-    last: attestation.Attestation | None = None
-    plan = attestation.SourcePlan(0, None, 0, (), {})
-    while True:
-        records = (await ctx.fetch_records()).get(stage, [])
-        replicas = attestation.live_replicas(records, stage, ctx.peer_id)
-        if not replicas:
-            break
-        plan = attestation.plan_sources(replicas)
-        if plan.majority is not None and plan.majority != last:
-            stale.clear()  # the stage moved on: sources behind before may hold it now
-            last = plan.majority
-        banned = ctx.suspects.banned()  # counted in the majority, never asked for bytes
-        plan = attestation.plan_sources(replicas, exclude=set(rejected) | stale | banned)
-        if found is not None and not attestation.prefer_replicas(plan, checkpoint_round):
-            break  # no majority attests a round newer than the own checkpoint's
-        if plan.majority is not None and not plan.sources and not stale:
-            break  # every attester of the majority was rejected
-        for source in plan.sources:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            verdict, got = await _try_source(ctx, stage, numel, source, plan, remaining)
-            if verdict == attestation.Verdict.ADOPT:
-                return await _adopt(worker, source, plan, got, rejected, unavailable)
-            if verdict == attestation.Verdict.STALE:
-                stale.add(source)
-            elif verdict == attestation.Verdict.UNAVAILABLE:
-                unavailable[source] = got
-            else:
-                rejected[source] = got
-        if time.monotonic() >= deadline:
-            log.warning(
-                "state search for stage %d ran out of time (%.0fs): %s",
-                stage,
-                ctx.config.state_deadline_s,
-                _why(plan, replicas, rejected),
-            )
-            break
-        await asyncio.sleep(min(STATE_POLL_S, max(0.0, deadline - time.monotonic())))
+    search = _Search(ctx.config.state_deadline_s)
+    adopted = await _from_replicas(ctx, worker, search, checkpoint_round)
+    if adopted is not None:
+        return adopted
+    plan, rejected, unavailable = search.plan, search.rejected, search.unavailable
     if found is not None:
         info, state = found
         await worker.call(worker.load_state_dict, state)
@@ -243,7 +286,7 @@ async def load_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState:
         log.warning(
             "no attested state for stage %d (%s): starting from the manifest's init",
             stage,
-            _why(plan, replicas, rejected),
+            _why(plan, search.replicas, rejected),
         )
     else:
         log.info("first replica of stage %d: deterministic init from the manifest", stage)

@@ -11,7 +11,12 @@ Replicas of a stage stay in step without a coordinator:
 2. a replica whose round number fell behind the rounds its stage's active
    replicas announce jumps to the highest round a strict majority of them
    announce (`target_round`): one replica claiming a huge round moves nobody;
-3. the blocking part of a round (pseudo-gradient mix, Nesterov step, new
+3. a replica whose latest anchor a strict majority of its stage's replicas do not hold,
+   while they all hold one other (it mixed apart from them: partitioned, or closing a
+   round's participant list on another view), takes theirs as a joiner does (`outvoted`,
+   `resync`), instead of mixing alone until a later round's group brings them together;
+   only where every group is the whole stage (gossip's smaller groups differ by design);
+4. the blocking part of a round (pseudo-gradient mix, Nesterov step, new
    weights) runs while the stage worker is frozen: inner steps wait, forwards
    and backwards go on, and the weights are read and written on the worker
    thread only. With `overlap` (manifest `outer.overlap`) the worker is frozen
@@ -30,7 +35,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from torch import Tensor
@@ -111,6 +116,26 @@ def anchor_agreement(
     return out
 
 
+NEAR_ROUNDS = 2
+"""Others' anchors are kept for rounds this close to this replica's own (`_kept`)."""
+
+
+def outvoted(own: dict[int, str], others: dict[int, dict[str, str]], replicas: int) -> int | None:
+    """The latest round this replica kept an anchor digest of, if other replicas that are a
+    strict majority of the stage's `replicas` (this one counted) all attest one other
+    anchor for it; else None. Only the latest round counts: an older disagreement was
+    mixed away since, or is judged again at this one."""
+    if not own:
+        return None
+    round_no = max(own)
+    counts: dict[str, int] = {}
+    for digest in others.get(round_no, {}).values():
+        if digest != own[round_no]:
+            counts[digest] = counts.get(digest, 0) + 1
+    best = max(counts.values(), default=0)
+    return round_no if 2 * best > max(replicas, 1) else None
+
+
 def _sha256(blob: bytes) -> str:
     return hashlib.sha256(blob).hexdigest()
 
@@ -135,8 +160,13 @@ class OuterRounds:
         replica_ids: Callable[[], list[str]] | None = None,
         poll_s: float = 0.5,
         overlap: bool = False,
+        resync: Callable[[], Awaitable[Any]] | None = None,
     ) -> None:
-        self.replica_ids, self.overlap = replica_ids, overlap
+        """`resync`: adopt the state a strict majority of the stage's replicas attest and
+        return it (joining.resync_state: a LoadedState, or None when none was adopted)."""
+        self.replica_ids, self.overlap, self.resync = replica_ids, overlap, resync
+        self._resynced: set[int] = set()
+        """Rounds this replica took the majority's state for (once each)."""
         self._landing: asyncio.Task | None = None
         """With overlap: the round whose mixes are still under way (at most one)."""
         self.outer, self.worker, self.every = outer, worker, inner_steps
@@ -215,6 +245,9 @@ class OuterRounds:
             self._catch_up()
             await self.attest()  # what the record announces (cached unless the state changed)
             while not stop.is_set():
+                if await self._resync_if_outvoted():  # this round starts from theirs
+                    start_step = self.worker.optimizer.steps
+                    start_tokens = self.worker.stats.trained_tokens
                 done = self.worker.optimizer.steps - start_step
                 opened = done > 0 and await self.outer.opened_elsewhere(self._expect())
                 if round_should_end(done, self.every, opened):
@@ -267,6 +300,37 @@ class OuterRounds:
                 return ids
         return self.replica_count()
 
+    async def _resync_if_outvoted(self) -> bool:
+        """Take the stage's majority state when this replica's anchor is outvoted (module
+        docstring, 3); whether it did."""
+        replicas = self.replica_count()
+        size = self.outer.config.group_size
+        if self.resync is None or (size and replicas // size > 1):  # gossip: several groups
+            return False
+        round_no = outvoted(self.anchor_digests, self.replica_anchors, replicas)
+        if round_no is None or round_no in self._resynced:
+            return False
+        self._resynced.add(round_no)
+        others = self.replica_anchors.get(round_no, {})
+        log.warning(
+            "outer round %d: %d of the stage's %d replicas hold another anchor than this "
+            "one's (it mixed apart from them): taking theirs",
+            round_no,
+            sum(d != self.anchor_digests[round_no] for d in others.values()),
+            replicas,
+        )
+        await self._landed()
+        async with self._lock:
+            loaded = await self.resync()
+            if loaded is None or loaded.outer is None:
+                log.warning("outer round %d: no attested state adopted; mixing on", round_no)
+                return False
+            self.outer.load_state_dict(loaded.outer, warming=loaded.warming)
+            self._epoch += 1
+            self._blob = None
+        await self.attest()
+        return True
+
     def _catch_up(self) -> bool:
         """Jump to the round the stage's replicas are in; whether the round changed."""
         target = target_round(self.round, self.replica_rounds())
@@ -280,14 +344,17 @@ class OuterRounds:
         """Remember the anchors other replicas attest for rounds this one kept a digest of
         (their records show only their latest round, so earlier ones are kept here)."""
         for r in records:
-            if (
-                r.peer_id != self.outer.me
-                and r.anchor_digest
-                and r.anchor_round in self.anchor_digests
-            ):
+            if r.peer_id != self.outer.me and r.anchor_digest and self._kept(r.anchor_round):
                 self.replica_anchors.setdefault(r.anchor_round, {})[r.peer_id] = r.anchor_digest
-        for old in [r for r in self.replica_anchors if r not in self.anchor_digests]:
+        for old in [r for r in self.replica_anchors if not self._kept(r)]:
             del self.replica_anchors[old]
+
+    def _kept(self, round_no: int) -> bool:
+        """Whether others' anchors of `round_no` are worth keeping: a round this replica kept
+        a digest of, or one near its own (an anchor it has yet to make: a replica that mixed
+        apart from the others learns what they hold even if they moved on before it got
+        there). A stranger's far-off round number is never kept."""
+        return round_no in self.anchor_digests or abs(round_no - self.round) <= NEAR_ROUNDS
 
     def status(self) -> dict[str, Any]:
         status = self.outer.status()

@@ -187,6 +187,7 @@ class StageService:
             replica_count=lambda: len(replicas()) or 1,
             replica_ids=replicas,
             overlap=ctx.manifest.outer.overlap,
+            resync=lambda: joining.resync_state(ctx, worker),
         )
         service = cls(ctx, worker, rounds, loaded.origin, on_failure)
         if Cells.wanted(worker):

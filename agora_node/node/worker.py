@@ -409,7 +409,9 @@ class StageWorker:
     @torch.no_grad()
     def adopt_anchor(self, flat: Tensor) -> None:
         """Weights := an attested outer anchor (flat float32, checked by the caller), with a
-        fresh inner optimizer: a stranger's moments cannot be attested (docs/security.md)."""
+        fresh inner optimizer: a stranger's moments cannot be attested (docs/security.md).
+        Gradients not yet stepped are dropped; micro-batches in flight (a running replica
+        resyncing) finish on the weights their forward used and land in the next step."""
         self._check_thread()
         params = self.masters
         if flat.numel() != sum(p.numel() for p in params):
@@ -421,7 +423,6 @@ class StageWorker:
             for p in params:
                 p.grad = None
             self.optimizer = self._fresh_optimizer()
-            self._pending.clear()
             self.versions.drop_grads()
             self._finished_since_step = 0
             self.versions.publish(self.version + 1)

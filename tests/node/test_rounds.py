@@ -1,8 +1,10 @@
 """The outer-round schedule (node/rounds.py) and the one-writer rule for stage weights."""
 
 import asyncio
+import dataclasses
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from agora_node.comms.collective import LocalNetwork, MatchmakingConfig, MemoryBoard
 from agora_node.node.outer import OuterLoop
 from agora_node.node.outer_state import OuterConfig
-from agora_node.node.rounds import OuterRounds, round_should_end, target_round
+from agora_node.node.rounds import OuterRounds, outvoted, round_should_end, target_round
 from agora_node.node.worker import StageWorker, WorkerWeights
 from agora_node.protocol import state_blob
 from agora_node.protocol.identity import Identity
@@ -258,3 +260,93 @@ async def test_overlapped_rounds_end_with_one_anchor_and_never_hold_steps_during
             await r.close()
         for worker, _ in replicas:
             worker.close()
+
+
+def test_a_replica_is_outvoted_only_by_a_strict_majority_holding_one_other_anchor():
+    own = {2: "x", 3: "a"}
+    assert outvoted(own, {3: {"p": "b", "q": "b"}}, replicas=3) == 3
+    assert outvoted(own, {3: {"p": "b", "q": "a"}}, replicas=3) is None  # one of three
+    assert outvoted(own, {3: {"p": "b", "q": "c"}}, replicas=3) is None  # they differ too
+    assert outvoted(own, {3: {"p": "b", "q": "b"}}, replicas=5) is None  # two of five
+    assert outvoted(own, {3: dict.fromkeys("pqr", "b")}, replicas=5) == 3
+    # only the latest own round counts: an older split was mixed away or is judged there
+    assert outvoted(own, {2: {"p": "y", "q": "y"}, 3: {"p": "a"}}, replicas=3) is None
+    assert outvoted(own, {2: {"p": "y", "q": "y"}}, replicas=3) is None
+    assert outvoted({}, {3: {"p": "b", "q": "b"}}, replicas=3) is None
+    assert outvoted({3: "a"}, {3: {"p": "b"}}, replicas=1) == 3  # alone in the count: its word
+
+
+async def test_an_outvoted_replica_takes_the_majoritys_state_once():
+    network, board = LocalNetwork(), MemoryBoard()
+    worker, outer = _replica(0, network, board)
+    theirs = torch.full((outer.state.numel,), 0.25)
+    calls = []
+
+    async def resync():
+        calls.append(rounds.round)
+        await worker.call(worker.adopt_anchor, theirs)
+        outer_state = {"round": 1, "anchor": theirs.clone(), "momentum": torch.zeros_like(theirs)}
+        return SimpleNamespace(outer=outer_state, warming=True)
+
+    rounds = OuterRounds(
+        outer,
+        worker,
+        inner_steps=10**6,  # no round of its own ends here
+        replica_rounds=list,
+        replica_count=lambda: 3,
+        poll_s=0.01,
+        resync=resync,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(rounds.run(stop))
+    try:
+        await _rounds_started([rounds], [task])
+        mine = rounds.anchor_digests[0]
+        rounds.note_replica_anchors(
+            [SimpleNamespace(peer_id=p, anchor_digest="f" * 64, anchor_round=0) for p in "pq"]
+        )
+        deadline = time.monotonic() + 30
+        while not calls or 1 not in rounds.anchor_digests:
+            assert time.monotonic() < deadline, (calls, rounds.anchor_digests)
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.01)
+        assert outer.state.round == 1 and torch.equal(outer.state.anchor, theirs)
+        assert outer.state.warming  # counts 0 in averaging until it has done a round
+        assert torch.equal(WorkerWeights(worker)._flat(), theirs)
+        assert rounds.anchor_digests[1] != mine
+        # the same round never resyncs twice, even while the others still differ
+        rounds.note_replica_anchors(
+            [SimpleNamespace(peer_id=p, anchor_digest="f" * 64, anchor_round=0) for p in "pq"]
+        )
+        for _ in range(20):
+            await asyncio.sleep(0.01)  # twenty polls of the loop (poll_s 0.01)
+        assert calls == [0]
+    finally:
+        stop.set()
+        await asyncio.gather(task, return_exceptions=True)
+        await outer.close()
+        worker.close()
+
+
+async def test_gossip_groups_never_resync():
+    network, board = LocalNetwork(), MemoryBoard()
+    worker, outer = _replica(0, network, board)
+    outer.config = dataclasses.replace(outer.config, group_size=2)
+
+    async def resync():
+        raise AssertionError("gossip groups differ by design: no resync")
+
+    rounds = OuterRounds(
+        outer, worker, inner_steps=10**6, replica_rounds=list, replica_count=lambda: 4,
+        resync=resync,
+    )  # fmt: skip
+    try:
+        await rounds.attest()
+        rounds.note_replica_anchors(
+            [SimpleNamespace(peer_id=p, anchor_digest="f" * 64, anchor_round=0) for p in "pqr"]
+        )
+        assert outvoted(rounds.anchor_digests, rounds.replica_anchors, 4) == 0
+        assert not await rounds._resync_if_outvoted()
+    finally:
+        await outer.close()
+        worker.close()

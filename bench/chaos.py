@@ -66,7 +66,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import DaemonLab, control_status, parse_rates  # noqa: E402
+from common import DaemonLab, control_status, exit_on_sigterm, parse_rates  # noqa: E402
 
 from agora_node.node.demo import (  # noqa: E402
     Child,
@@ -522,4 +522,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     sys.exit(main())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import resource
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -25,6 +26,13 @@ def set_threads(threads: int) -> None:
     # Fails once inter-op work has started in this process; the first setting then stands.
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM ends the benchmark as Ctrl-C does: through its `finally` blocks, so the
+    daemons, namespaces and files it started are stopped and removed (Python's default
+    for SIGTERM is to die on the spot, leaving them)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def peak_rss_mb() -> float:

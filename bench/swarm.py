@@ -58,7 +58,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from common import DaemonLab, control_status, parse_rates  # noqa: E402
+from common import DaemonLab, control_status, exit_on_sigterm, parse_rates  # noqa: E402
 
 from agora_node.compression import bytes_per_token  # noqa: E402
 from agora_node.node.config import PipelineConfig  # noqa: E402
@@ -373,4 +373,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     sys.exit(main())

@@ -31,7 +31,7 @@ def default_in_flight(spec: InnerSpec) -> int:
     """Micro-batches a head keeps in flight unless told (`--max-in-flight 0`): one inner
     step's worth, so no gradient lands more than a step late; two steps' worth when the
     manifest turns on weight prediction, which is there to correct that staleness (with
-    the Muon optimizer 4 in flight ended within 0.3% of 2 on tiny: docs/benchmarks.md)."""
+    the Muon optimizer 4 in flight ended within 0.4% of 2 on tiny: docs/benchmarks.md)."""
     per_step = spec.local_batch // spec.micro_batch
     return 2 * per_step if spec.weight_prediction else per_step
 

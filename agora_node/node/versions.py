@@ -8,20 +8,19 @@ steps, and publishes a fresh copy; a micro-batch still in flight keeps the copy 
 forward used (its graph references it) and its gradient lands in the next step, late.
 Nothing is recomputed with mixed weights and no graph sees an in-place update.
 
-Weight prediction: a gradient computed on version v lands in a step `ahead` steps after
+Weight prediction: a gradient computed on version v lands in a step `lag` steps after
 the one that made v, so it is a gradient at weights the master has already moved away
-from. With prediction a forward runs on the version extrapolated along the last inner
-step by the steps its own gradient will land after: a stage works in arrival order, so
-the gradient of a forward finishes after those of the micro-batches in flight on this
-stage and of those that finished since the last step, and lands
-`(finished + in flight) // micro-batches per step` steps from now (0 at the last stage,
-which steps what it just computed). The copies for 1, 2, ... steps ahead are made on
-first use after each step. Weights written any other way than by an inner step (an
-outer step, a loaded state, an adopted anchor) clear the move: nothing to extrapolate.
+from. With prediction the published copy is not the master but the master extrapolated
+along its last inner step by the lag this stage measures (copy = master + lag x (master -
+master before the step)), so forwards run closer to the weights their gradient will be
+applied to. Weights written any other way than by an inner step (an outer step, a loaded
+state, an adopted anchor) clear the move: nothing to extrapolate.
 
-Measured in bench/staleness.py against extrapolating every forward by the stage's mean
-lag (docs/benchmarks.md, "Weight prediction"): lower validation loss at 13 of 16
-evaluations with 3 micro-batches in flight.
+Chosen by bench/staleness.py (docs/benchmarks.md, "Weight prediction"): extrapolating each
+forward by its own lead instead (the steps before its gradient lands, from its place in
+the stage's queue) was measured on 2026-12-03 and was no better where it matters (with
+Muon at 3-4 in flight the two rules ended within 0.2% of each other; on AdamW mixed),
+while it holds one more copy of the weights per lead in use; the mean lag is kept.
 """
 
 from __future__ import annotations
@@ -30,10 +29,6 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-
-MAX_AHEAD = 4
-"""Steps a predicted copy extrapolates at most (a forward queued behind more than this
-many steps' worth of micro-batches is predicted this far)."""
 
 Hook = Callable[[str], Callable[[Tensor], None]]
 
@@ -56,9 +51,7 @@ class WeightVersions:
         self.predict, self._on_grad = predict, on_grad
         self.number = 0
         self.current: dict[str, Tensor] = {}
-        """The copy of the current version, not extrapolated (what a forward without
-        prediction, the last stage and a context-parallel cell run on)."""
-        self._ahead: dict[int, dict[str, Tensor]] = {}
+        """The copy new forwards run on (extrapolated when predicting)."""
         self._move: dict[str, Tensor] | None = None
         """master - master before the last inner step (prediction only)."""
         self._with_grads: dict[int, tuple[int, dict[str, Tensor]]] = {}
@@ -81,26 +74,16 @@ class WeightVersions:
                 name: p.detach() - before
                 for (name, p), before in zip(self._trainable.items(), moved_from, strict=True)
             }
-        self.current = self._copy(dict(self._stage.named_parameters()), 0)
-        self._ahead = {0: self.current}
+        steps = self.lag if self._move is not None else 0.0
+        self.current = self._copy(dict(self._stage.named_parameters()), steps)
 
     def before_step(self) -> list[Tensor] | None:
         """What `publish(moved_from=...)` needs after the step: the trainable weights now,
         when predicting."""
         return [p.detach().clone() for p in self._trainable.values()] if self.predict else None
 
-    def for_forward(self, queued: int, per_step: int) -> dict[str, Tensor]:
-        """The copy a forward whose gradient will come back runs on, with `queued`
-        micro-batches finished since the last step or in flight on this stage before it."""
-        if self._move is None:
-            return self.current
-        ahead = min(queued // per_step, MAX_AHEAD)
-        if ahead not in self._ahead:
-            self._ahead[ahead] = self._copy(self.current, ahead)
-        return self._ahead[ahead]
-
     @torch.no_grad()
-    def _copy(self, base: dict[str, Tensor], steps: int) -> dict[str, Tensor]:
+    def _copy(self, base: dict[str, Tensor], steps: float) -> dict[str, Tensor]:
         """Copies of `base` (+ steps * the last move) that forwards can run on."""
         params = {}
         for name, p in base.items():

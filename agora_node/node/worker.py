@@ -187,8 +187,7 @@ class StageWorker:
         """Forward of a micro-batch that will come back with a gradient; returns boundary coefficients."""
         started = time.perf_counter()
         self._expire()
-        queued = self._finished_since_step + len(self._pending)
-        params = self.versions.for_forward(queued, self.micro_per_step)
+        params = self.versions.current
         x_in, tokens = self._inputs(c_in, tokens)
         keep_graph = len(self._pending) < self.max_graphs
         with torch.set_grad_enabled(keep_graph):
@@ -246,7 +245,10 @@ class StageWorker:
         """Forward only (validation): boundary coefficients, or the loss at the last stage."""
         started = time.perf_counter()
         x_in, tokens = self._inputs(c_in, tokens, leaf=False)
-        params = self.versions.current  # the latest weights, never a predicted copy
+        # the master weights, not a predicted copy (they are the same without prediction)
+        params = (
+            dict(self.stage.named_parameters()) if self.versions.predict else self.versions.current
+        )
         out = self._forward(params, x_in, tokens)
         result = (
             float(lm_loss(out, tokens.targets))

@@ -307,11 +307,16 @@ class OuterRounds:
         size = self.outer.config.group_size
         if self.resync is None or (size and replicas // size > 1):  # gossip: several groups
             return False
-        round_no = outvoted(self.anchor_digests, self.replica_anchors, replicas)
+        known = set(self.replica_ids()) if self.replica_ids is not None else None
+        attested = {  # only the stage's standing replicas vote (not banned peers, not helpers)
+            r: {p: d for p, d in seen.items() if known is None or p in known}
+            for r, seen in self.replica_anchors.items()
+        }
+        round_no = outvoted(self.anchor_digests, attested, replicas)
         if round_no is None or round_no in self._resynced:
             return False
         self._resynced.add(round_no)
-        others = self.replica_anchors.get(round_no, {})
+        others = attested.get(round_no, {})
         log.warning(
             "outer round %d: %d of the stage's %d replicas hold another anchor than this "
             "one's (it mixed apart from them): taking theirs",

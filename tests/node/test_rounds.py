@@ -347,6 +347,11 @@ async def test_gossip_groups_never_resync():
         )
         assert outvoted(rounds.anchor_digests, rounds.replica_anchors, 4) == 0
         assert not await rounds._resync_if_outvoted()
+        # whole-stage groups, but only one of the two who attest is a standing replica
+        outer.config = dataclasses.replace(outer.config, group_size=0)
+        rounds.replica_ids = lambda: ["p", "s"]
+        rounds.replica_count = lambda: 3
+        assert not await rounds._resync_if_outvoted()
     finally:
         await outer.close()
         worker.close()

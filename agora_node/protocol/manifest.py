@@ -180,9 +180,10 @@ class InnerSpec:
     local_batch: int = 16
     """Sequences accumulated before an inner optimizer step; a multiple of micro_batch."""
     weight_prediction: bool = False
-    """Forwards run on the weights extrapolated along the last inner step by the steps
-    before their gradient lands (its place in the stage's queue; node/versions.py),
-    instead of on the latest weights: staleness corrected, not tolerated."""
+    """Forwards run on the weights extrapolated along the last inner step by the lag this
+    stage measures between a forward and the step its gradient lands in
+    (node/versions.py), instead of on the latest weights: staleness corrected, not
+    tolerated. Heads then keep two inner steps' worth in flight by default."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.weight_prediction, bool):

@@ -62,9 +62,17 @@ class Head:
     async def run(self, sampler: Sampler, stop: asyncio.Event, max_tokens: int = 0) -> None:
         """Keep up to max_in_flight micro-batches in the pipeline until `stop` is set
         (or, with max_tokens, until `trained_tokens` reaches it)."""
-        slots = asyncio.Semaphore(
-            self.config.max_in_flight or default_in_flight(self.manifest.inner)
+        limit = self.config.max_in_flight or default_in_flight(self.manifest.inner)
+        log.info(
+            "keeping up to %d micro-batch(es) in flight (%s)",
+            limit,
+            "--max-in-flight"
+            if self.config.max_in_flight
+            else "two inner steps' worth: the manifest predicts weights"
+            if self.manifest.inner.weight_prediction
+            else "one inner step's worth",
         )
+        slots = asyncio.Semaphore(limit)
         tasks: set[asyncio.Task] = set()
         tokens_per_mb = self.manifest.inner.micro_batch * self.manifest.model.seq_len
         while not stop.is_set() and not (max_tokens and self.trained_tokens >= max_tokens):

@@ -62,16 +62,13 @@ class Head:
     async def run(self, sampler: Sampler, stop: asyncio.Event, max_tokens: int = 0) -> None:
         """Keep up to max_in_flight micro-batches in the pipeline until `stop` is set
         (or, with max_tokens, until `trained_tokens` reaches it)."""
-        limit = self.config.max_in_flight or default_in_flight(self.manifest.inner)
-        log.info(
-            "keeping up to %d micro-batch(es) in flight (%s)",
-            limit,
-            "--max-in-flight"
-            if self.config.max_in_flight
-            else "two inner steps' worth: the manifest predicts weights"
-            if self.manifest.inner.weight_prediction
-            else "one inner step's worth",
-        )
+        limit, why = self.config.max_in_flight, "--max-in-flight"
+        if not limit:
+            limit = default_in_flight(self.manifest.inner)
+            why = "one inner step's worth"
+            if self.manifest.inner.weight_prediction:
+                why = "two inner steps' worth: the manifest predicts weights"
+        log.info("keeping up to %d micro-batch(es) in flight (%s)", limit, why)
         slots = asyncio.Semaphore(limit)
         tasks: set[asyncio.Task] = set()
         tokens_per_mb = self.manifest.inner.micro_batch * self.manifest.model.seq_len

@@ -162,7 +162,7 @@ class LoadedState:
 
 RESYNC_DEADLINE_S = 30.0
 """A running replica's search for its stage's majority state gives up after this: its outer
-rounds wait meanwhile, and the next round's anchor mix repairs it anyway."""
+rounds wait meanwhile, and a later round's anchor mix may still bring it back."""
 STATE_POLL_S = 1.0
 """Between directory reads while no strict majority attests a state."""
 

@@ -54,8 +54,8 @@ class WeightVersions:
         """The copy new forwards run on (extrapolated when predicting)."""
         self._move: dict[str, Tensor] | None = None
         """master - master before the last inner step (prediction only)."""
-        self._with_grads: dict[int, tuple[int, dict[str, Tensor]]] = {}
-        """Copies holding gradients not yet stepped, by id: (version, copy)."""
+        self._with_grads: dict[int, dict[str, Tensor]] = {}
+        """Copies holding gradients not yet stepped, by version (one copy per version)."""
         self.lag = 0.0
         """Steps a gradient lands after the step its forward's version came from (a moving
         average over finished micro-batches): 0 when every forward sees the latest step.
@@ -75,7 +75,7 @@ class WeightVersions:
                 for (name, p), before in zip(self._trainable.items(), moved_from, strict=True)
             }
         steps = self.lag if self._move is not None else 0.0
-        self.current = self._copy(dict(self._stage.named_parameters()), steps)
+        self.current = self._copy(steps)
 
     def before_step(self) -> list[Tensor] | None:
         """What `publish(moved_from=...)` needs after the step: the trainable weights now,
@@ -83,10 +83,10 @@ class WeightVersions:
         return [p.detach().clone() for p in self._trainable.values()] if self.predict else None
 
     @torch.no_grad()
-    def _copy(self, base: dict[str, Tensor], steps: float) -> dict[str, Tensor]:
-        """Copies of `base` (+ steps * the last move) that forwards can run on."""
+    def _copy(self, steps: float) -> dict[str, Tensor]:
+        """Copies of the stage's weights (+ steps * the last move) that forwards can run on."""
         params = {}
-        for name, p in base.items():
+        for name, p in self._stage.named_parameters():
             copy = p.detach().clone()
             if steps and name in self._move:
                 copy.add_(self._move[name], alpha=steps)
@@ -99,12 +99,12 @@ class WeightVersions:
 
     def finished(self, number: int, params: dict[str, Tensor]) -> None:
         """A backward on copy `params` of version `number` left its gradients there."""
-        self._with_grads[id(params)] = (number, params)
+        self._with_grads[number] = params
         self.lag = 0.9 * self.lag + 0.1 * (self.number - number)
 
     def gather(self, masters: dict[str, Tensor]) -> None:
         """Sum the gradients held on every copy into the masters' .grad; the copies let go."""
-        for _, params in self._with_grads.values():
+        for params in self._with_grads.values():
             for name, p in params.items():
                 if p.grad is None:
                     continue
@@ -118,4 +118,4 @@ class WeightVersions:
 
     def held(self, number: int) -> dict[str, Tensor]:
         """The copy of version `number` holding gradients (tests compare them)."""
-        return next(p for n, p in self._with_grads.values() if n == number)
+        return self._with_grads[number]

@@ -318,8 +318,7 @@ async def test_an_outvoted_replica_takes_the_majoritys_state_once():
         rounds.note_replica_anchors(
             [SimpleNamespace(peer_id=p, anchor_digest="f" * 64, anchor_round=0) for p in "pq"]
         )
-        for _ in range(20):
-            await asyncio.sleep(0.01)  # twenty polls of the loop (poll_s 0.01)
+        assert not await rounds._resync_if_outvoted()  # what every poll of the loop asks
         assert calls == [0]
     finally:
         stop.set()

@@ -9,7 +9,8 @@ latency once, as on a real link. A request/response round trip therefore costs
 2 x latency plus both transfer times. (Until 2026-11-30 the empty END frame slept
 the latency too, after its bytes had left: it did not arrive later, but the
 sender's task, and with it the stream and its guard slot, was held one latency
-longer.) DHT traffic (hivemind's own streams) is not shaped.
+longer.) Membership's messages pay the latency only (`control_message`). DHT traffic
+(hivemind's own streams) is not shaped.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class LinkEmulator:
         latency = self.spec.latency_ms / 1000 if propagate else 0.0
         await asyncio.sleep(self._uplink_free_at - now + latency)
 
+    async def propagate(self) -> None:
+        """One latency and no uplink time: a datagram-sized control message."""
+        await asyncio.sleep(self.spec.latency_ms / 1000)
+
 
 _active: LinkEmulator | None = None
 
@@ -64,3 +69,10 @@ def configure(spec: LinkSpec | None) -> None:
 async def transmit(nbytes: int, *, propagate: bool = True) -> None:
     if _active is not None:
         await _active.transmit(nbytes, propagate=propagate)
+
+
+async def control_message() -> None:
+    """Membership's datagrams pay the link's latency (so probes measure the emulated round
+    trip) but not its uplink queue, which on a real link they would share."""
+    if _active is not None:
+        await _active.propagate()

@@ -1,11 +1,17 @@
 """Routing: which next-stage replica gets a micro-batch (SWARM-like), as pure state.
 
 A sender keeps a `Router` per next stage. It picks the candidate with the least
-expected completion time, (in flight from us + queue it announced + 1) x the time
-one micro-batch takes there: measured (EMA of observed latencies) when we have
-measurements, else derived from the throughput it announced. A peer we know
-nothing about gets an optimistic time so that it is probed, the way SWARM puts
-new peers at the top of its heap.
+expected completion time: the round trip of the link to it, once, plus (in flight
+from us + queue it announced + 1) x the time one micro-batch takes there beyond that
+round trip. The round trip is what membership's probes measured (`rtt_of`; unknown
+counts as 0); the time per micro-batch is measured (EMA of observed latencies, less
+the round trip) when we have measurements, else derived from the throughput it
+announced. The round trip is not multiplied by the queue: micro-batches queued at a
+peer wait for its compute, not for the link, so a far, fast replica beats a near,
+slow one once a few micro-batches are in flight (a single latency EMA charged the
+round trip once per micro-batch ahead). A peer we know nothing about gets an
+optimistic time so that it is probed, the way SWARM puts new peers at the top of
+its heap.
 
 Failures ban a peer for a while: `busy` for a short fixed back-off (it is alive,
 only full), `timeout`, `error` and `rejected` for a ban that doubles with each
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 
@@ -35,6 +41,13 @@ from agora_node.protocol.records import MAX_QUEUE, NodeRecord, NodeState
 PeerId = str
 
 _TIE = 1e-9  # relative tolerance under which two expected times count as equal
+MIN_SERVICE_SHARE = 0.25
+"""A measured micro-batch time less the round trip is taken as at least this share of
+it. A probe's round trip can exceed a request's when the probe met a busy loop; and a
+peer that answers probes late on purpose looks far and fast, so this bounds what it
+gains: at most 1 / MIN_SERVICE_SHARE times the micro-batches in flight an honest peer of
+its measured latency would get, and that latency, which it cannot shorten, grows with
+them."""
 
 
 class FailureKind(StrEnum):
@@ -94,9 +107,15 @@ class RouterConfig:
 class Router:
     """Per-peer statistics and the choice of the next-stage peer for one sender."""
 
-    def __init__(self, config: RouterConfig, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        rng: random.Random | None = None,
+        rtt_of: Callable[[PeerId], float | None] | None = None,
+    ) -> None:
         self.config = config
         self._rng = rng or random.Random()
+        self._rtt_of = rtt_of
         self._peers: dict[PeerId, PeerStats] = {}
 
     def _stats(self, peer: PeerId) -> PeerStats:
@@ -172,17 +191,26 @@ class Router:
         stats.banned_until = max(stats.banned_until, now + ban)
 
     # ---- the choice ------------------------------------------------------------------
+    def rtt(self, peer: PeerId) -> float:
+        """The measured round trip to `peer` (seconds), 0 when unknown or implausible."""
+        rtt = self._rtt_of(peer) if self._rtt_of is not None else None
+        if not isinstance(rtt, int | float) or not math.isfinite(rtt) or rtt < 0:
+            return 0.0
+        return min(float(rtt), self.config.max_ban_s)
+
     def item_time(self, peer: PeerId) -> float | None:
-        """Seconds one micro-batch takes at `peer`: measured, else announced, else None."""
+        """Seconds one micro-batch takes at `peer` beyond the link's round trip: measured,
+        else announced, else None."""
         stats = self._peers.get(peer)
         if stats is not None and stats.latency_ema is not None:
-            return stats.latency_ema
+            return max(stats.latency_ema - self.rtt(peer), MIN_SERVICE_SHARE * stats.latency_ema)
         if stats is not None and stats.announced_throughput > 0:
             return self.config.tokens_per_item / stats.announced_throughput
         return None
 
     def expected_time(self, peer: PeerId, *, default: float = 1.0) -> float:
-        """Expected completion time of one more micro-batch sent to `peer` now.
+        """Expected completion time of one more micro-batch sent to `peer` now: its round
+        trip once, plus the micro-batches ahead of it there and itself at `item_time` each.
 
         `default` is the per-item time assumed for a peer we know nothing about
         (choose() passes the best known one).
@@ -193,7 +221,7 @@ class Router:
             # Optimistic until one probe is out: it gets tried soon, but not flooded
             # before we learn whether it answers at all.
             per_item = default * (self.config.probe_factor if stats.in_flight == 0 else 1.0)
-        return (stats.in_flight + stats.announced_queue + 1) * per_item
+        return self.rtt(peer) + (stats.in_flight + stats.announced_queue + 1) * per_item
 
     def usable(self, peer: PeerId, now: float) -> bool:
         stats = self._peers.get(peer)
@@ -226,6 +254,7 @@ class Router:
         out = {}
         for peer, stats in self._peers.items():
             row = asdict(stats)
+            row["rtt_s"] = self.rtt(peer) or None
             if now is not None:
                 row["banned_for_s"] = max(0.0, stats.banned_until - now)
             out[peer] = row

@@ -245,6 +245,7 @@ class Node:
             peers_of=self._peers_of,
             records_of=lambda s: self.view.get(s, []),
             fetch_records=self.directory.fetch,
+            rtt_of=self.liveness.rtt,
             stats=self.stats,
             history=self.history,
             allow=self.admittance.allow,

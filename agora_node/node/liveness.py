@@ -109,6 +109,15 @@ class Liveness:
             return set()
         return {m.peer_id for m in self.service.members() if m.status in (Status.DEAD, Status.LEFT)}
 
+    def rtt(self, peer_id: str) -> float | None:
+        """Our probes' round trip to a peer (seconds), None until one was answered."""
+        return None if self.service is None else self.service.rtt(peer_id)
+
+    def rtt_ms(self, peer_id: str) -> float | None:
+        """`rtt` in milliseconds, rounded for the status page."""
+        rtt = self.rtt(peer_id)
+        return None if rtt is None else round(rtt * 1000, 1)
+
     def announce(self, stage: int, state: str) -> None:
         if self.service is not None:
             self.service.update_meta(stage=stage, state=state)
@@ -132,6 +141,7 @@ class Liveness:
                     "status": m.status.name.lower(),
                     "stage": m.meta.stage,
                     "state": m.meta.state,
+                    "rtt_ms": self.rtt_ms(m.peer_id),
                 }
                 for m in self.service.members()
             ],

@@ -122,6 +122,7 @@ class Pipeline:
         config: PipelineConfig,
         stats: PipelineStats | None = None,
         suspects: Suspects | None = None,
+        rtt_of: Callable[[str], float | None] | None = None,
     ) -> None:
         self.manifest, self.worker, self.p2p, self.peer_id = manifest, worker, p2p, peer_id
         self.peers_of, self.config = peers_of, config
@@ -132,7 +133,9 @@ class Pipeline:
         self.accepting = True
         self.active_requests = 0
         m = manifest
-        self._router = Router(RouterConfig(tokens_per_item=m.inner.micro_batch * m.model.seq_len))
+        self._router = Router(
+            RouterConfig(tokens_per_item=m.inner.micro_batch * m.model.seq_len), rtt_of=rtt_of
+        )
         self._idle = asyncio.Event()
         self._idle.set()
         self.suspects = suspects if suspects is not None else Suspects(me=peer_id)

@@ -69,6 +69,8 @@ class ServiceContext:
     """The directory's records of a stage, as last read."""
     fetch_records: Callable[[], Any]
     """Read the directory now (async): {stage: [NodeRecord]}."""
+    rtt_of: Callable[[str], float | None] = lambda _peer: None
+    """Measured round trip to a peer (SWIM's probes), None when unknown."""
     stats: PipelineStats
     history: History
     allow: AllowList | None = None
@@ -107,6 +109,7 @@ class StageService:
             ctx.config.pipeline,
             stats=ctx.stats,
             suspects=ctx.suspects,
+            rtt_of=ctx.rtt_of,
         )
         self.final_val_loss: float | None = None
         self._stop = asyncio.Event()

@@ -164,6 +164,7 @@ def peer_views(node: Node, outer: Mapping[str, Any]) -> list[dict[str, Any]]:
                     "updated_at": r.issued_at,
                     "is_self": r.peer_id == node.peer_id,
                     "swim": "self" if r.peer_id == node.peer_id else swim.get(r.peer_id),
+                    "rtt_ms": node.liveness.rtt_ms(r.peer_id),
                     "rounds_together": together.get(r.peer_id, 0),
                     "bytes_sent": sent.get(r.peer_id, 0),
                     "bytes_received": received.get(r.peer_id, 0),

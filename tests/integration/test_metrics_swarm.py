@@ -100,7 +100,16 @@ def test_dashboard_shows_the_swarm_in_chromium(training, tmp_path):
         return any(len(r["group"]) >= 2 for r in rounds)
 
     poll(lambda: mixed(swarm.status(node) or {}), 120, "an outer round with a partner")
-    peers = poll(lambda: (p := swarm.peers(node)) and len(p) == 4 and p, 30, "all 4 peers")
+
+    def measured(peers: list[dict]) -> bool:  # SWIM's probes timed every other node
+        return all(p["rtt_ms"] is not None for p in peers if not p["is_self"])
+
+    peers = poll(
+        lambda: (p := swarm.peers(node)) and len(p) == 4 and measured(p) and p,
+        30,
+        "all 4 peers, each with a round trip",
+    )
+    assert all(0 <= p["rtt_ms"] < 1000 for p in peers if not p["is_self"]), peers
     leaver = swarm.status(training.nodes[3])["peer_id"]
     swarm.kill(training.nodes[3], signal.SIGTERM)
     status = poll(
@@ -123,6 +132,7 @@ def test_dashboard_shows_the_swarm_in_chromium(training, tmp_path):
     assert 'class="ev-joined"' in dom and 'class="ev-left"' in dom
     assert "fixed by --stage" in dom  # why this node serves its stage
     assert "tok per compute-s" in dom and "no peer in the directory yet" not in dom
+    assert "rtt " in dom and " ms</" in dom  # the round trips, as tags
     # CI keeps the screenshot as an artifact: .ci/run points AGORA_TEST_ARTIFACTS at a folder
     folder = Path(os.environ.get("AGORA_TEST_ARTIFACTS") or tmp_path)
     folder.mkdir(parents=True, exist_ok=True)

@@ -216,3 +216,60 @@ def test_new_member_joins_through_a_seed() -> None:
     assert net.run_while(lambda: not everyone_sees(net, newcomer.peer_id, Status.ALIVE), 20.0)
     assert net.run_while(lambda: len(newcomer.alive_members()) < 6, 20.0)
     assert net.node(net.ids[3]).get(newcomer.peer_id).meta.state == "warming"
+
+
+def test_probes_measure_each_members_round_trip_in_a_cluster() -> None:
+    net = cluster(6, rtt_s=0.08)
+    net.run_until(15.0)
+    rtts = [net.node(a).rtt(b) for a in net.ids for b in net.ids if a != b]
+    measured = [r for r in rtts if r is not None]
+    assert len(measured) >= len(rtts) * 3 // 4  # every member is probed every ~2.5 s
+    # the least of a few probes: the link's 80 ms plus a little of the simulated jitter
+    assert all(0.08 <= r < 0.1 for r in measured), measured
+
+
+class _SlowResponder:
+    """Acks each ping `delay` seconds after it was sent; with `drop_first`, only a probe's
+    second ping (the retry after its timeout) is answered."""
+
+    def __init__(self, machine, out, peer: Identity, delay: float, drop_first: bool) -> None:
+        self.machine, self.out, self.peer = machine, out, peer
+        self.delay, self.drop_first = delay, drop_first
+        self.pending: list[tuple[float, int]] = []
+        self.seen: set[int] = set()
+        self.seq, self.now = 0, 0.0
+
+    def run(self, until: float, step: float = 0.005) -> None:
+        while self.now < until:
+            self.now = min(until, self.now + step)
+            self.machine.tick(self.now)
+            sent, self.out.sent = self.out.sent, []
+            for _to, data in sent:
+                env = wire.decode_envelope(data)
+                if env.kind != MsgKind.PING:
+                    continue
+                first = env.probe_seq not in self.seen
+                self.seen.add(env.probe_seq)
+                if not (first and self.drop_first):
+                    self.pending.append((self.now + self.delay, env.probe_seq))
+            due = [p for p in self.pending if p[0] <= self.now]
+            self.pending = [p for p in self.pending if p[0] > self.now]
+            for _, probe_seq in due:
+                self.seq += 1
+                ack = message(self.peer, self.machine.peer_id, MsgKind.ACK, self.seq,
+                              wire.probe_body(probe_seq))  # fmt: skip
+                self.machine.on_message(self.peer.peer_id, ack, self.now)
+
+
+@pytest.mark.parametrize("drop_first", [False, True])
+def test_a_round_trip_is_taken_only_from_a_first_ping_answered_directly(drop_first) -> None:
+    me, peer = Identity.generate(), Identity.generate()
+    machine, out = lone_machine(me)
+    machine.learn([item(peer, Status.ALIVE, peer.peer_id, 0, meta=MemberMeta())], 0.0)
+    responder = _SlowResponder(machine, out, peer, delay=0.05, drop_first=drop_first)
+    responder.run(3.0)
+    assert machine.get(peer.peer_id).status == Status.ALIVE  # every probe was answered
+    if drop_first:  # answered after the timeout: a retry's time says nothing of the link
+        assert machine.rtt(peer.peer_id) is None
+    else:
+        assert machine.rtt(peer.peer_id) == pytest.approx(0.05, abs=0.006)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agora_node.comms.routing import FailureKind, Router, RouterConfig
+from agora_node.comms.routing import MIN_SERVICE_SHARE, FailureKind, Router, RouterConfig
 from agora_node.protocol.records import NodeState
 
 from .helpers import record
@@ -236,3 +237,59 @@ def test_a_gpu_peer_and_a_cpu_peer_share_work_in_proportion_to_their_speed() -> 
     assert 0.72 <= share <= 0.88, sent  # speeds 4:1 -> 0.8
     # both stay in use: the slow node is not starved
     assert sent["cpu"] >= 0.12 * sum(sent.values())
+
+
+def _measured(r: Router, peer: str, latency: float) -> None:
+    r.on_sent(peer, 0.0)
+    r.on_success(peer, latency, 0.0)
+
+
+def test_the_round_trip_is_charged_once_not_per_micro_batch_ahead() -> None:
+    rtts = {"far": 0.100, "near": 0.005}
+    r = Router(RouterConfig(tokens_per_item=TOKENS), random.Random(0), rtt_of=rtts.get)
+    _measured(r, "far", 0.150)  # 100 ms of link, 50 ms of compute (and downstream)
+    _measured(r, "near", 0.105)  # 5 ms of link, 100 ms of compute
+    assert r.item_time("far") == pytest.approx(0.050)
+    assert r.choose(["far", "near"], now=1.0) == "near"  # nothing ahead: near is sooner
+    for _ in range(3):
+        r.on_sent("far", 1.0)
+        r.on_sent("near", 1.0)
+    # three ahead at each: far 0.1 + 4 x 0.05 = 0.3 s, near 0.005 + 4 x 0.1 = 0.405 s
+    assert r.expected_time("far") == pytest.approx(0.300)
+    assert r.expected_time("near") == pytest.approx(0.405)
+    assert r.choose(["far", "near"], now=1.0) == "far"
+    # a router without round trips charges each latency per micro-batch ahead, as before
+    blind = Router(RouterConfig(tokens_per_item=TOKENS), random.Random(0))
+    for peer, latency in (("far", 0.150), ("near", 0.105)):
+        _measured(blind, peer, latency)
+        for _ in range(3):
+            blind.on_sent(peer, 1.0)
+    assert blind.choose(["far", "near"], now=1.0) == "near"
+
+
+@pytest.mark.parametrize("rtt", [math.nan, math.inf, -1.0, "fast", 10.0])
+def test_an_implausible_round_trip_counts_for_nothing_or_is_bounded(rtt) -> None:
+    r = Router(RouterConfig(tokens_per_item=TOKENS), random.Random(0), rtt_of=lambda _p: rtt)
+    _measured(r, "a", 0.2)
+    expected = r.expected_time("a")
+    assert math.isfinite(expected)
+    if rtt == 10.0:  # longer than the request itself: the service time keeps its floor
+        assert r.item_time("a") == pytest.approx(MIN_SERVICE_SHARE * 0.2)
+    else:
+        assert expected == pytest.approx(0.2)  # nothing in flight, no round trip
+
+
+def test_a_peer_that_delays_its_probe_answers_gains_a_bounded_share() -> None:
+    """It cannot shorten its measured latency, only lengthen its probes' round trip:
+    at most its latency x MIN_SERVICE_SHARE per micro-batch ahead."""
+    rtts = {"liar": 0.999, "honest": 0.0}
+    r = Router(RouterConfig(tokens_per_item=TOKENS), random.Random(0), rtt_of=rtts.get)
+    for peer in rtts:
+        _measured(r, peer, 0.1)
+    sent = Counter()
+    for _ in range(50):
+        peer = r.choose(list(rtts), now=1.0)
+        sent[peer] += 1
+        r.on_sent(peer, 1.0)
+    assert sent["liar"] <= sent["honest"] / MIN_SERVICE_SHARE + 4
+    assert sent["honest"] > 0

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import bisect
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agora_node.comms.membership.lifeguard import Suspicion
 from agora_node.comms.membership.messages import Item, MemberMeta, Status
 
 LIVE = (Status.ALIVE, Status.SUSPECT)
+RTT_SAMPLES = 8
+"""Probe round trips remembered per member (a member is probed about every
+members x probe interval, so this spans a few minutes in a swarm of tens)."""
 ACCUSATIONS = (Status.SUSPECT, Status.DEAD)
 
 
@@ -36,6 +39,17 @@ class Member:
     since: float
     suspicion: Suspicion | None = None
     accusation: Item | None = None  # the signed SUSPECT/DEAD item behind its status
+    rtts: list[float] = field(default_factory=list)
+    """Round trips of our latest direct probes answered directly (seconds, newest last)."""
+
+    def add_rtt(self, seconds: float) -> None:
+        self.rtts.append(seconds)
+        del self.rtts[:-RTT_SAMPLES]
+
+    def rtt(self) -> float | None:
+        """The least of the recent round trips: a probe's time is the link's plus whatever
+        both ends' event loops added, and the least is the nearest to the link's own."""
+        return min(self.rtts) if self.rtts else None
 
     def view(self) -> MemberView:
         return MemberView(self.peer_id, self.status, self.incarnation, self.meta, self.since)

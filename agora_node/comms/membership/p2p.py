@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import P2P, P2PContext, PeerID
 
+from agora_node.comms import linkemu
 from agora_node.comms.guard import Guard, Limits
 from agora_node.comms.guarded_rpc import GuardedServicer
 from agora_node.comms.membership.messages import MemberMeta
@@ -192,6 +193,10 @@ class MembershipService:
         self.machine.update_meta(meta, asyncio.get_running_loop().time())
         self._wake.set()
 
+    def rtt(self, peer_id: str) -> float | None:
+        """Measured round trip to a member (seconds; swim.Membership.rtt), None if unknown."""
+        return None if self._machine is None else self._machine.rtt(peer_id)
+
     def join(self, seeds: Iterable[str]) -> None:
         """Sync with more known peers (e.g. found in the DHT directory)."""
         self.machine.join([peer_id_of(s) for s in seeds], asyncio.get_running_loop().time())
@@ -230,6 +235,7 @@ class MembershipService:
 
     async def _send_one(self, to: str, data: bytes) -> None:
         try:
+            await linkemu.control_message()
             stub = MembershipServicer.get_stub(
                 self._p2p, PeerID.from_base58(to), namespace=self._namespace
             )

@@ -64,6 +64,7 @@ class _Probe:
     started: float
     relays: set[str] = field(default_factory=set)
     nacks: int = 0
+    retried: bool = False  # timed out once: pinged again and asked relays
     timer: Timer | None = None
     verifying: Suspicion | None = None  # a last check before declaring death
 
@@ -155,6 +156,11 @@ class Membership:
     def get(self, peer_id: str) -> MemberView | None:
         member = self._members.get(peer_id)
         return None if member is None else member.view()
+
+    def rtt(self, peer_id: str) -> float | None:
+        """Our measured round trip to `peer_id` (members.Member.rtt), None before the first."""
+        member = self._members.get(peer_id)
+        return None if member is None else member.rtt()
 
     def next_deadline(self) -> float:
         """When `tick` next has work to do."""
@@ -330,6 +336,7 @@ class Membership:
             return
         indirect = self.awareness.scale(self.settings.indirect_timeout_s)
         probe.timer = self._timers.add(now + indirect, _PROBE_END, seq)
+        probe.retried = True
         # a second direct ping (memberlist's TCP fallback, in spirit) rescues most
         # probes that failed only because one datagram was lost
         self._send(probe.target, MsgKind.PING, wire.probe_body(seq))
@@ -375,6 +382,9 @@ class Membership:
                 if probe.timer is not None:
                     probe.timer.cancel()
                 self.awareness.apply(-1)
+                member = self._members.get(sender)
+                if member is not None and sender == probe.target and not probe.retried:
+                    member.add_rtt(now - probe.started)  # the first ping, answered directly
                 if probe.verifying is not None:
                     # alive after all: wait for its refutation, and check again if none comes
                     wait = self.awareness.scale(self.settings.probe_interval_s)

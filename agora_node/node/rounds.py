@@ -94,6 +94,15 @@ def target_round(own: int, replica_rounds: Iterable[int]) -> int:
     return max(own, rounds[len(rounds) // 2])
 
 
+ASK_EVERY = 3
+"""The DHT is asked whether another replica opened the round at every third poll (1.5 s
+at the default 0.5 s): the round's own steps are counted at every poll, but each ask is
+a DHT read of the stage's matchmaking key by every replica of the stage, all the time
+(at two a second per replica, about half of a 4-node swarm's DHT reads and writes by
+count, beside the directory's five every 3 s), and joining a round opened elsewhere a
+second later still makes its 5 s window."""
+
+
 def round_should_end(steps_done: int, every: int, opened_elsewhere: bool) -> bool:
     """End the round after `every` inner steps, or once another replica opened it and
     this one has at least one step to contribute."""
@@ -244,12 +253,15 @@ class OuterRounds:
             await self._landed()
             self._catch_up()
             await self.attest()  # what the record announces (cached unless the state changed)
+            polls = 0
             while not stop.is_set():
                 if await self._resync_if_outvoted():  # this round starts from theirs
                     start_step = self.worker.optimizer.steps
                     start_tokens = self.worker.stats.trained_tokens
                 done = self.worker.optimizer.steps - start_step
-                opened = done > 0 and await self.outer.opened_elsewhere(self._expect())
+                ask = done > 0 and polls % ASK_EVERY == 0
+                polls += done > 0
+                opened = ask and await self.outer.opened_elsewhere(self._expect())
                 if round_should_end(done, self.every, opened):
                     break
                 with contextlib.suppress(TimeoutError):

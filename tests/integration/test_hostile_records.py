@@ -188,7 +188,7 @@ def test_hostile_peer_records_and_run_pointers_are_ignored(swarm, tmp_path):
         assert dht.store(run_pointer_key(), pointer.sign(attacker), exp, subkey=other.run_id)
         poll(
             lambda: len((swarm.status(node0) or {}).get("runs_seen", [])) == 2,
-            30,
+            60,  # the runs announced are re-read every 30 s (daemon.MANIFEST_REFRESH_S)
             "the status page listing both runs",
         )
         argv = ["join", "--initial-peers", *swarm.initial_peers, "--status-port", "0"]

@@ -23,6 +23,8 @@ Every method spends the same number of training tokens in total:
 - diloco_topk4: one group of everyone with sparse pseudo-gradients (the top 1/64 of each
   block of 256 in int4, error feedback) and sparse mixed results (the top 1/64 of the mix).
   Not in the default list (`--methods` adds it);
+- gossip_topk4: gossip (groups of --group-size) with diloco_topk4's sparse pseudo-gradients
+  and results; anchors mixed in bf16. Not in the default list;
 - diloco_overlap: diloco whose rounds overlap inner steps (manifest `outer.overlap`): each
   round's new anchor lands --overlap-steps inner steps into the next round, with the
   progress made since the round's end added to it (what node/rounds.py does when the
@@ -62,8 +64,13 @@ from agora_node.protocol.manifest import Manifest  # noqa: E402
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 
 METHODS = ("ddp", "diloco", "gossip", "gossip_int8", "gossip_int4")
-CODECS = {"gossip_int8": "int8", "gossip_int4": "int4", "diloco_topk4": "topk4"}
-KNOWN = (*METHODS, "diloco_topk4", "diloco_overlap")
+CODECS = {
+    "gossip_int8": "int8",
+    "gossip_int4": "int4",
+    "diloco_topk4": "topk4",
+    "gossip_topk4": "topk4",
+}
+KNOWN = (*METHODS, "diloco_topk4", "gossip_topk4", "diloco_overlap")
 # In one process nothing fails and nobody is late: deadlines only need to be generous.
 PATIENT = Deadlines(base=600.0)
 TOGETHER = MatchmakingConfig(window=600.0, settle=0.0, poll_interval=0.01)

@@ -45,6 +45,7 @@ from agora_node.compression import ActivationCodec, CodecError, NonFiniteError
 from agora_node.node.canary import Canaries
 from agora_node.node.cell import Cells, Compute, standing_replicas
 from agora_node.node.config import PipelineConfig
+from agora_node.node.gone import GoneWatch
 from agora_node.node.metrics import Metrics
 from agora_node.node.suspects import NormWatch, Reason, Suspects
 from agora_node.node.worker import StageWorker
@@ -78,10 +79,6 @@ def max_request_bytes(manifest: Manifest) -> int:
     m = manifest.model
     per_token = 4 * (m.d_model + 1) + 4  # activation, token id, a document start at most
     return 4096 + m.seq_len * manifest.inner.micro_batch * per_token
-
-
-class PeerGoneError(streams.StreamError):
-    """A request abandoned because membership declared its peer dead or gone."""
 
 
 class PipelineStats:
@@ -151,9 +148,8 @@ class Pipeline:
             last_stage=m.num_stages - 1,
         )
         """Forward-only probes of the next stage's replicas (canary.py)."""
-        self._waiting: dict[str, set[asyncio.Task]] = {}
-        """Requests out to each peer, abandoned when membership declares it dead or gone."""
-        self._abandoned: set[asyncio.Task] = set()
+        self.waits = GoneWatch()
+        """Requests out to each peer, given up when membership declares it dead or gone."""
         self.compute = Compute(worker)
         """Runs micro-batches on this node's worker, or the cell it leads (node/cell.py)."""
 
@@ -383,41 +379,16 @@ class Pipeline:
         )
 
     def peer_gone(self, peer: str) -> None:
-        """Membership declared `peer` dead or gone: give up what is waiting on it now.
-
-        A peer that crashed refuses at once, but one that froze, or whose link was cut
-        (no reset reaches us), would hold each micro-batch sent to it for a whole hop
-        timeout; SWIM sees it in seconds. Its requests end as failures and are retried
-        on another replica."""
-        for task in self._waiting.get(peer, ()):
-            if not task.done():
-                self._abandoned.add(task)
-                task.cancel()
-
-    async def _request_while_member(self, peer: str, payload: bytes) -> bytes:
-        """`_request`, unless `peer_gone(peer)` comes first (then PeerGoneError)."""
-        task = asyncio.ensure_future(self._request(peer, payload))
-        waiting = self._waiting.setdefault(peer, set())
-        waiting.add(task)
-        try:
-            return await task
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if task in self._abandoned and (me is None or not me.cancelling()):
-                raise PeerGoneError(f"{peer[-8:]} was declared dead while we waited") from None
-            raise
-        finally:
-            waiting.discard(task)
-            if not waiting:
-                self._waiting.pop(peer, None)
-            self._abandoned.discard(task)
+        """Membership declared `peer` dead or gone: its requests end now as failures and
+        their micro-batches are retried on another replica (gone.py)."""
+        self.waits.gone(peer)
 
     async def _try_peer(self, peer: str, header: ForwardHeader, payload: bytes):  # noqa: ANN202
         now = time.monotonic()
         self._router.on_sent(peer, now)
         self._count_bytes(peer, sent=len(payload))
         try:
-            data = await self._request_while_member(peer, payload)
+            data = await self.waits.call(peer, self._request(peer, payload))
         except streams.StreamError as exc:
             silent = isinstance(exc, streams.SilentPeerError)
             kind = FailureKind.TIMEOUT if silent else FailureKind.ERROR

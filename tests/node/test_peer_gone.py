@@ -77,7 +77,7 @@ def test_a_request_to_a_peer_declared_dead_is_retried_elsewhere_at_once():
     result, pipeline = asyncio.run(_send_while_frozen_is_declared_dead(declare=True))
     assert result is not None and result[0] == 1.5
     assert pipeline.asked == ["frozen", "live"] and pipeline.frozen_cancelled
-    assert pipeline._waiting == {} and pipeline._abandoned == set()  # nothing kept
+    assert pipeline.waits.idle()  # nothing kept
 
 
 def test_without_the_declaration_the_request_keeps_waiting():
@@ -91,7 +91,9 @@ def test_cancelling_the_sender_is_not_taken_for_a_departure():
         worker = StageWorker(m, 0)
         pipeline = _Transport(m, worker, None, "me", lambda s: ["frozen"], PipelineConfig())
         try:
-            task = asyncio.create_task(pipeline._request_while_member("frozen", b""))
+            task = asyncio.create_task(
+                pipeline.waits.call("frozen", pipeline._request("frozen", b""))
+            )
             await asyncio.wait_for(pipeline.frozen_asked.wait(), 10)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -101,4 +103,4 @@ def test_cancelling_the_sender_is_not_taken_for_a_departure():
             worker.close()
 
     pipeline = asyncio.run(body())
-    assert pipeline.frozen_cancelled and pipeline._waiting == {}
+    assert pipeline.frozen_cancelled and pipeline.waits.idle()

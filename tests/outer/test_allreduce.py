@@ -323,3 +323,31 @@ async def test_the_daemons_aggregation_bounds_one_byzantine_of_five(attack: str)
         refused = sum(o.stats.rejected["norm out of range"] for o in outs.values())
         assert refused >= 4
         assert {p for o in outs.values() for p in o.stats.outliers} == {"peer4"}
+
+
+@pytest.mark.parametrize("method", [Aggregation.MEAN, Aggregation.CENTERED_CLIP])
+async def test_a_span_reduces_to_the_same_bits_whatever_order_its_parts_arrived_in(method):
+    """Float sums depend on their order: a reducer sums in member order, so a result (and
+    a benchmark's loss) does not depend on which part came first."""
+    from agora_node.comms.collective import AllReduce, GroupPlan, plain_format
+    from agora_node.comms.collective.state import Contribution
+
+    values = random_values(6, NUMEL, seed=3)
+    members = tuple(values)
+    plan = GroupPlan(round=0, phase="delta", members=members, numel=NUMEL, block=64)
+    network = LocalNetwork()
+    state = network.join(members[0]).register(plan)
+    run = AllReduce(
+        state,
+        network.transport(members[0]),
+        fmt=plain_format(),
+        encoder=PartEncoder(plain_format()),
+        aggregation=AggregationSpec(method=method),
+        deadlines=LOCAL,
+    )
+    parts = {p: Contribution(weight=1.0 + k / 7, value=v, frame=b"") for k, (p, v) in enumerate(values.items())}  # fmt: skip
+    results = []
+    for order in (list(members), list(reversed(members)), sorted(members, key=hash)):
+        final = await run._aggregate_final(0, [parts[p] for p in order], 0, order, count=False)
+        results.append(final.value)
+    assert all(torch.equal(results[0], r) for r in results[1:])

@@ -294,6 +294,11 @@ class AllReduce:
         *,
         count: bool = True,
     ) -> Final:
+        if senders is not None:  # in member order, not arrival order: float sums depend on it
+            order = sorted(range(len(senders)), key=senders.__getitem__)
+            contributions = [contributions[i] for i in order]
+            senders = [senders[i] for i in order]
+
         def work() -> Final:
             agg = aggregate(
                 [c.value for c in contributions],

@@ -42,6 +42,7 @@ def make_snapshot(state: str = "active") -> dict[str, Any]:
             "tokens_seen": 65536,
             "pinned": False,
             "swim": "self" if is_self else "alive",
+            "rtt_ms": None if is_self else 42.5,
             "rounds_together": 0 if is_self else 2,
             "bytes_sent": 1000,
             "bytes_received": 2000,

@@ -72,6 +72,7 @@ async def test_dashboard_renders_and_escapes(status_server, daemon: FakeDaemon, 
     assert "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in swarm
     assert swarm.count("<polyline") == 0 and dom["plots"]["innerHTML"].count("<polyline") == 2
     assert "swim alive" in swarm and "util 42 %" in swarm
+    assert "rtt 42.5 ms" in swarm and swarm.count("rtt ") == swarm.count("swim alive")
 
     rounds = dom["rounds"]["innerHTML"]
     assert rounds.count("data-round=") == 2 and "results agree" in rounds

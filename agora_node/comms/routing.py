@@ -196,7 +196,7 @@ class Router:
         rtt = self._rtt_of(peer) if self._rtt_of is not None else None
         if not isinstance(rtt, int | float) or not math.isfinite(rtt) or rtt < 0:
             return 0.0
-        return min(float(rtt), self.config.max_ban_s)
+        return float(rtt)
 
     def item_time(self, peer: PeerId) -> float | None:
         """Seconds one micro-batch takes at `peer` beyond the link's round trip: measured,
@@ -254,7 +254,6 @@ class Router:
         out = {}
         for peer, stats in self._peers.items():
             row = asdict(stats)
-            row["rtt_s"] = self.rtt(peer) or None
             if now is not None:
                 row["banned_for_s"] = max(0.0, stats.banned_until - now)
             out[peer] = row

@@ -284,7 +284,7 @@ class Node:
     async def _refresh_loop(self) -> None:
         """Refresh our record and re-read the directory every refresh_s; the manifest and
         the runs the swarm announces every MANIFEST_REFRESH_S."""
-        progress_at = manifest_at = -math.inf
+        progress_at, manifest_at = time.monotonic(), -math.inf
         while not self.stop_event.is_set():
             await self._publish()
             if time.monotonic() - manifest_at >= MANIFEST_REFRESH_S:

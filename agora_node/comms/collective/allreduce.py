@@ -290,14 +290,15 @@ class AllReduce:
         span: int,
         contributions: list[Contribution],
         attempt: int,
-        senders: list[str] | None = None,
+        senders: list[str],
         *,
         count: bool = True,
     ) -> Final:
-        if senders is not None:  # in member order, not arrival order: float sums depend on it
-            order = sorted(range(len(senders)), key=senders.__getitem__)
-            contributions = [contributions[i] for i in order]
-            senders = [senders[i] for i in order]
+        """Reduce span `span` over `contributions` (one per sender, in `senders`)."""
+        # in member order, not arrival order: float sums depend on their order
+        order = sorted(range(len(senders)), key=senders.__getitem__)
+        contributions = [contributions[i] for i in order]
+        senders = [senders[i] for i in order]
 
         def work() -> Final:
             agg = aggregate(
@@ -307,21 +308,18 @@ class AllReduce:
             )
             frame = encode_result(agg.value, self.fmt)
             value = decode_span(frame, agg.value.numel())
-            mask = members_mask(self.plan.members, senders or [])
-            if senders is not None:
-                self._note_replays(span, contributions, senders)
+            mask = members_mask(self.plan.members, senders)
+            self._note_replays(span, contributions, senders)
             if not count:  # the witness's reduction: its owner counts
                 return Final(frame, attempt, value, mask)
             if agg.clip_radius is not None:
                 self.stats.clip_radii.append(agg.clip_radius)
             for i in agg.refused:
                 self.stats.reject("norm out of range")
-                if senders is not None:
-                    self.stats.outliers.add(senders[i])
+                self.stats.outliers.add(senders[i])
             for i in agg.misdirected:
                 self.stats.reject("direction away from the others")
-                if senders is not None:
-                    self.stats.direction_outliers.add(senders[i])
+                self.stats.direction_outliers.add(senders[i])
             return Final(frame, attempt, value, mask)
 
         return await asyncio.to_thread(work)

@@ -31,7 +31,9 @@ Every method spends the same number of training tokens in total:
   mixes take that long). Not in the default list.
 
 `refused` counts, per method, the parts reducers refused (norm, direction): a codec that
-makes honest parts look like outliers shows here.
+makes honest parts look like outliers shows here. `val_loss_of_mean` is the validation
+loss of the replicas' mean weights, a diagnostic: equal to `val_loss` when the replicas
+agree (diloco), below it by what their disagreement costs each replica (gossip).
 
 Replicas run the real OuterLoop over an in-process transport and board, so bytes are
 what the collective would put on the wire (payload frames, per replica, sent).
@@ -167,12 +169,13 @@ def outer_config(method: str, args: argparse.Namespace) -> OuterConfig:
 
 async def run_outer(
     manifest: Manifest, method: str, args: argparse.Namespace
-) -> tuple[float, float, float, int]:
+) -> tuple[float, float, float, int, float]:
     r, h = args.replicas, args.inner_steps
     tokens_per_step = manifest.inner.local_batch * manifest.model.seq_len
     rounds = max(1, args.tokens // (r * h * tokens_per_step))
     trainers = [trainer(manifest, args.eval_samples, k, r) for k in range(r)]
-    loops = outer_loops([t.model for t in trainers], outer_config(method, args), "bench")
+    run_id = "bench" if args.group_seed == 0 else f"bench-{args.group_seed}"  # groups' seed
+    loops = outer_loops([t.model for t in trainers], outer_config(method, args), run_id)
     sent = blocked = 0.0
     refused = 0
     late = min(args.overlap_steps, h) if method.endswith("_overlap") else 0
@@ -212,7 +215,22 @@ async def run_outer(
         pending.land()
         blocked += time.perf_counter() - started
     val = sum(t.evaluate() for t in trainers) / r
-    return val, sent / r, blocked / r, refused
+    return val, sent / r, blocked / r, refused, consensus_loss(trainers)
+
+
+@torch.no_grad()
+def consensus_loss(trainers: list[LocalTrainer]) -> float:
+    """Validation loss of the replicas' mean weights (a diagnostic: below `val_loss` by
+    what the replicas' disagreement costs each of them; equal when they agree)."""
+    params = [list(t.model.parameters()) for t in trainers]
+    kept = [p.detach().clone() for p in params[0]]
+    for i, p in enumerate(params[0]):
+        p.copy_(torch.stack([ps[i].detach() for ps in params]).mean(0))
+    try:
+        return trainers[0].evaluate()
+    finally:
+        for p, k in zip(params[0], kept, strict=True):
+            p.copy_(k)
 
 
 class Landing:
@@ -267,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--group-size", type=int, default=2)
     p.add_argument(
+        "--group-seed",
+        type=int,
+        default=0,
+        help="another sequence of random groups (gossip); 0: the one every earlier run met",
+    )
+    p.add_argument(
         "--overlap-steps",
         type=int,
         default=1,
@@ -294,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown methods {sorted(unknown)}; known: {', '.join(KNOWN)}")
     manifest = load_manifest(args.manifest)
-    val, sent, seconds, blocking, refused, ddp = {}, {}, {}, {}, {}, None
+    val, sent, seconds, blocking, refused, of_mean, ddp = {}, {}, {}, {}, {}, {}, None
     for method in args.methods.split(","):
         started = time.perf_counter()
         if method == "ddp":
@@ -308,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
         else:
             outcome = asyncio.run(run_outer(manifest, method, args))
-            val[method], sent[method], blocking[method], refused[method] = outcome
+            val[method], sent[method], blocking[method], refused[method] = outcome[:4]
+            of_mean[method] = outcome[4]
         seconds[method] = time.perf_counter() - started
         if not args.json:
             print(
@@ -319,12 +344,14 @@ def main(argv: list[str] | None = None) -> int:
         "bytes_per_replica": {k: int(v) for k, v in sent.items()},
         "blocking_s": {k: round(v, 2) for k, v in blocking.items()},
         "refused": refused,
+        "val_loss_of_mean": of_mean,
         "config": {
             "manifest": args.manifest,
             "replicas": args.replicas,
             "tokens": args.tokens,
             "inner_steps": args.inner_steps,
             "group_size": args.group_size,
+            "group_seed": args.group_seed,
             "overlap_steps": args.overlap_steps,
             "eager": args.eager,
             "outer_lr": args.outer_lr,

@@ -100,7 +100,7 @@ at the default 0.5 s): the round's own steps are counted at every poll, but each
 a DHT read of the stage's matchmaking key by every replica of the stage, all the time
 (at two a second per replica, about half of a 4-node swarm's DHT reads and writes by
 count, beside the directory's five every 3 s), and joining a round opened elsewhere a
-second later still makes its 5 s window."""
+second later still makes its 5 s window. A replica alone in its stage never asks."""
 
 
 def round_should_end(steps_done: int, every: int, opened_elsewhere: bool) -> bool:
@@ -259,7 +259,8 @@ class OuterRounds:
                     start_step = self.worker.optimizer.steps
                     start_tokens = self.worker.stats.trained_tokens
                 done = self.worker.optimizer.steps - start_step
-                ask = done > 0 and polls % ASK_EVERY == 0
+                # Alone in its stage, nobody else can open this replica's round.
+                ask = done > 0 and polls % ASK_EVERY == 0 and self.replica_count() > 1
                 polls += done > 0
                 opened = ask and await self.outer.opened_elsewhere(self._expect())
                 if round_should_end(done, self.every, opened):

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from agora_node.comms.collective import LocalNetwork, MatchmakingConfig, MemoryBoard
 from agora_node.node.outer import OuterLoop
 from agora_node.node.outer_state import OuterConfig
-from agora_node.node.rounds import OuterRounds, outvoted, round_should_end, target_round
+from agora_node.node.rounds import ASK_EVERY, OuterRounds, outvoted, round_should_end, target_round
 from agora_node.node.worker import StageWorker, WorkerWeights
 from agora_node.protocol import state_blob
 from agora_node.protocol.identity import Identity
@@ -129,6 +129,59 @@ async def test_a_replica_behind_joins_the_round_another_opened():
         for worker, outer in replicas:
             await outer.close()
             worker.close()
+
+
+async def test_a_replica_alone_in_its_stage_never_asks_the_dht_whether_its_round_opened():
+    """Nobody else can open a lone replica's round: its polls cost DHT reads and nothing
+    else. It still ends its rounds every H steps; with a second replica it asks again."""
+    network, board = LocalNetwork(), MemoryBoard()
+    worker, outer = _replica(0, network, board)
+    asked = []
+
+    async def opened_elsewhere(expect=None) -> bool:
+        asked.append(expect)
+        return False
+
+    outer.opened_elsewhere = opened_elsewhere
+    count, polls = [1], [0]
+
+    def replica_count() -> int:  # asked at every poll (the resync check)
+        polls[0] += 1
+        return count[0]
+
+    rounds = OuterRounds(
+        outer, worker, inner_steps=2, replica_rounds=list, replica_count=replica_count,
+        poll_s=0.01,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    task = asyncio.create_task(rounds.run(stop))
+    try:
+        await _rounds_started([rounds], [task])
+        worker.optimizer.steps += 1  # one step of 2: polls go on until the second
+        deadline = time.monotonic() + 30
+        until = polls[0] + 3 * ASK_EVERY  # polls in which a replica with company asks twice
+        while polls[0] < until:
+            assert time.monotonic() < deadline, "the rounds loop stopped polling"
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.01)
+        assert asked == []
+        worker.optimizer.steps += 1
+        while 1 not in rounds.anchor_digests:
+            assert time.monotonic() < deadline, "the lone replica never ended its round"
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.01)
+        assert asked == []
+        count[0] = 2  # a second replica joined the stage
+        worker.optimizer.steps += 1
+        while not asked:
+            assert time.monotonic() < deadline, "a replica with company never asked"
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.01)
+    finally:
+        stop.set()
+        await asyncio.gather(task, return_exceptions=True)
+        await outer.close()
+        worker.close()
 
 
 async def test_a_caught_up_replica_attests_the_round_that_made_its_anchor():

@@ -70,6 +70,8 @@ def test_swarm_matches_reference_trainer_at_equal_token_budget(swarm, tmp_path):
     assert ref_loss < 4.0  # both learned: uniform over bytes is ln 256 = 5.55
 
 
+@pytest.mark.slow  # 60-76 s; the default suite has Muon in tests/foundation/test_muon.py,
+# weight prediction in tests/node/test_worker.py and a training swarm in the test above
 def test_a_swarm_with_muon_and_weight_prediction_keeps_two_steps_in_flight_and_learns(
     swarm, tmp_path
 ):

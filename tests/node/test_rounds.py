@@ -88,14 +88,19 @@ def _replica(i: int, network: LocalNetwork, board: MemoryBoard) -> tuple[StageWo
     return worker, outer
 
 
-async def _rounds_started(rounds, tasks) -> None:
-    """Poll under a deadline until every loop has begun its first round: it read the step
-    counters, then attested its anchor (round 0's digest is noted)."""
-    deadline = time.monotonic() + 30
-    while not all(0 in r.anchor_digests for r in rounds):
-        assert time.monotonic() < deadline, "a rounds loop never started"
+async def _until(condition, tasks, what: str, timeout: float = 30.0) -> None:
+    """Poll `condition` under a deadline; a rounds loop in `tasks` that ended fails at once."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what() if callable(what) else what
         assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
         await asyncio.sleep(0.005)  # polling interval of a deadline-bounded wait
+
+
+async def _rounds_started(rounds, tasks) -> None:
+    """Until every loop has begun its first round: it read the step counters, then
+    attested its anchor (round 0's digest is noted)."""
+    await _until(lambda: all(0 in r.anchor_digests for r in rounds), tasks, "a loop never started")
 
 
 async def test_a_replica_behind_joins_the_round_another_opened():
@@ -116,11 +121,8 @@ async def test_a_replica_behind_joins_the_round_another_opened():
         await _rounds_started(rounds, tasks)
         wb.optimizer.steps += 1  # stand-ins for inner steps: the schedule only counts them
         wa.optimizer.steps += 4
-        deadline = time.monotonic() + 60
-        while not all(1 in r.anchor_digests for r in rounds):
-            assert time.monotonic() < deadline, [r.round for r in rounds]
-            assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
-            await asyncio.sleep(0.02)
+        both_ended = lambda: all(1 in r.anchor_digests for r in rounds)  # noqa: E731
+        await _until(both_ended, tasks, lambda: [r.round for r in rounds], timeout=60)
         assert rounds[0].anchor_digests[1] == rounds[1].anchor_digests[1]
         assert all(r.outer.last_report.participants == 2 for r in rounds)
     finally:
@@ -158,25 +160,16 @@ async def test_a_replica_alone_in_its_stage_never_asks_the_dht_whether_its_round
     try:
         await _rounds_started([rounds], [task])
         worker.optimizer.steps += 1  # one step of 2: polls go on until the second
-        deadline = time.monotonic() + 30
         until = polls[0] + 3 * ASK_EVERY  # polls in which a replica with company asks twice
-        while polls[0] < until:
-            assert time.monotonic() < deadline, "the rounds loop stopped polling"
-            assert not task.done(), task.exception()
-            await asyncio.sleep(0.01)
+        await _until(lambda: polls[0] >= until, [task], "the rounds loop stopped polling")
         assert asked == []
         worker.optimizer.steps += 1
-        while 1 not in rounds.anchor_digests:
-            assert time.monotonic() < deadline, "the lone replica never ended its round"
-            assert not task.done(), task.exception()
-            await asyncio.sleep(0.01)
+        ended = lambda: 1 in rounds.anchor_digests  # noqa: E731
+        await _until(ended, [task], "the lone replica never ended its round")
         assert asked == []
         count[0] = 2  # a second replica joined the stage
         worker.optimizer.steps += 1
-        while not asked:
-            assert time.monotonic() < deadline, "a replica with company never asked"
-            assert not task.done(), task.exception()
-            await asyncio.sleep(0.01)
+        await _until(lambda: asked, [task], "a replica with company never asked")
     finally:
         stop.set()
         await asyncio.gather(task, return_exceptions=True)
@@ -287,19 +280,14 @@ async def test_overlapped_rounds_end_with_one_anchor_and_never_hold_steps_during
         (wa, _), (wb, _) = replicas
         await _rounds_started(rounds, tasks)
         wa.optimizer.steps += 4  # A's round ends; its mix waits for B (window 0.5 s)
-        deadline = time.monotonic() + 60
-        while rounds[0]._landing is None:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.005)
+        await _until(lambda: rounds[0]._landing is not None, tasks, "A's round never ended")
         held_while_mixing = []
         for _ in range(10):  # A's mix is under way: its inner steps are not held
             held_while_mixing.append(wa.hold_steps)
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # sampled across the mix: the spacing is under test
         wb.optimizer.steps += 1
-        while not all(1 in r.anchor_digests for r in rounds):
-            assert time.monotonic() < deadline, [r.round for r in rounds]
-            assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
-            await asyncio.sleep(0.02)
+        both_ended = lambda: all(1 in r.anchor_digests for r in rounds)  # noqa: E731
+        await _until(both_ended, tasks, lambda: [r.round for r in rounds])
         assert not any(held_while_mixing)
         assert rounds[0].anchor_digests[1] == rounds[1].anchor_digests[1]
         for worker, outer in replicas:
@@ -358,11 +346,8 @@ async def test_an_outvoted_replica_takes_the_majoritys_state_once():
         rounds.note_replica_anchors(
             [SimpleNamespace(peer_id=p, anchor_digest="f" * 64, anchor_round=0) for p in "pq"]
         )
-        deadline = time.monotonic() + 30
-        while not calls or 1 not in rounds.anchor_digests:
-            assert time.monotonic() < deadline, (calls, rounds.anchor_digests)
-            assert not task.done(), task.exception()
-            await asyncio.sleep(0.01)
+        resynced = lambda: calls and 1 in rounds.anchor_digests  # noqa: E731
+        await _until(resynced, [task], lambda: (calls, rounds.anchor_digests))
         assert outer.state.round == 1 and torch.equal(outer.state.anchor, theirs)
         assert outer.state.warming  # counts 0 in averaging until it has done a round
         assert torch.equal(WorkerWeights(worker)._flat(), theirs)

@@ -4,7 +4,8 @@ owners for spans whose reducer died, robust aggregation, codec-framed payloads.
 """
 
 from agora_node.comms.collective.aggregate import Aggregation, AggregationSpec, aggregate
-from agora_node.comms.collective.allreduce import AllReduce, Deadlines, Outcome
+from agora_node.comms.collective.allreduce import AllReduce, Outcome
+from agora_node.comms.collective.deadlines import Deadlines
 from agora_node.comms.collective.groups import (
     DHTBoard,
     Matchmaker,

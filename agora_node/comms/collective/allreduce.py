@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from agora_node.comms.collective.aggregate import AggregationSpec, aggregate
+from agora_node.comms.collective.deadlines import Deadlines
 from agora_node.comms.collective.payload import (
     PartEncoder,
     WireFormat,
@@ -81,35 +82,6 @@ from agora_node.compression import CodecError
 
 log = logging.getLogger(__name__)
 NETWORK_SLACK = 2.0  # a call may outlive the wait it asked for by this much before we give up
-
-
-@dataclass(frozen=True, kw_only=True)
-class Deadlines:
-    """Deadlines, in seconds from the member's own start, scaled by what must move."""
-
-    base: float = 5.0
-    """Fixed allowance per step: latency, scheduling, a peer a little behind."""
-    min_rate: float = 10e6
-    """Bytes per second a member's link and codec are assumed to sustain at worst."""
-
-    def reduce(self, numel: int, n: int, fmt: WireFormat) -> float:
-        part = numel / n * fmt.bits(fmt.part) / 8
-        return self.base + (4 * numel + (n - 1) * part) / self.min_rate
-
-    def gather(self, numel: int, n: int, fmt: WireFormat) -> float:
-        result = numel / n * fmt.bits(fmt.result) / 8
-        return self.reduce(numel, n, fmt) + self.base + (n - 1) * result / self.min_rate
-
-    def repair(self, numel: int, n: int, fmt: WireFormat) -> float:
-        span = numel / n * (fmt.bits(fmt.part) + fmt.bits(fmt.result)) / 8
-        return self.base + (n - 1) * span / self.min_rate
-
-    def attempt_end(self, attempt: int, numel: int, n: int, fmt: WireFormat) -> float:
-        return self.gather(numel, n, fmt) + attempt * self.repair(numel, n, fmt)
-
-    def worst_case(self, numel: int, n: int, fmt: WireFormat) -> float:
-        """When a member gives up on the last span: the round's hard deadline."""
-        return self.attempt_end(max(0, n - 1), numel, n, fmt)
 
 
 @dataclass

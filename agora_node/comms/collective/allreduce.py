@@ -460,11 +460,10 @@ class AllReduce:
         base = self.deadlines.base
         wait = max(base, self._left(self._attempt_deadline(attempt)) - base / 2)
         others = [m for m in self.plan.members if m != self.state.me]
+        # a member may take a quarter base to register and another to encode its part
+        ask = self._header(j, attempt, wait=base / 4)
         replies = await asyncio.gather(
-            *(
-                self._call(m, self.transport.query(m, self._header(j, attempt, wait=0.0)), wait)
-                for m in others
-            )
+            *(self._call(m, self.transport.query(m, ask), wait) for m in others)
         )
         finals, contributions, senders = [], [], []
         own = self.state.own_part(j)

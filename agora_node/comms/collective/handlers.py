@@ -175,6 +175,12 @@ class Responder:
         if header.attempt < 1 or sender != state.plan.owner(span, header.attempt):
             state.stats.reject("not the backup")
             return rejected("not the backup")
+        # Registered but still encoding its part (or still training): give it the query's
+        # wait, so a survivor that is merely slower is not left out of the span.
+        await state.changed.wait_for(
+            lambda: state.final(span) is not None or state.own_part(span) is not None,
+            min(header.wait, MAX_WAIT),
+        )
         final = state.final(span)
         if final is not None:
             state.stats.bytes_sent += len(final.frame)

@@ -164,6 +164,7 @@ def outer_config(method: str, args: argparse.Namespace) -> OuterConfig:
         deadlines=PATIENT,
         matchmaking=TOGETHER,
         mix_momentum=args.momentum_mix,
+        consensus=args.consensus,
     )
 
 
@@ -305,6 +306,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-samples", type=int, default=64)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--momentum-mix", action="store_true", help="also mix outer momenta (ablation)")
+    p.add_argument(
+        "--consensus",
+        type=float,
+        default=None,
+        help="gossip: pull toward the anchor group's mean through the momentum, by this "
+        "fraction (NoLoCo-style; default: adopt the mean)",
+    )
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov lr (default 0.7)")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="outer momentum (0.9)")
     p.add_argument(
@@ -357,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             "outer_lr": args.outer_lr,
             "outer_momentum": args.outer_momentum,
             "result_codec": args.result_codec,
+            "consensus": args.consensus,
             "warmup_steps": manifest.inner.warmup_steps,
             "inner_steps_per_replica": (
                 args.tokens // (args.replicas * manifest.inner.local_batch * manifest.model.seq_len)

@@ -230,7 +230,10 @@ class OuterLoop:
         round_no = self.state.round
         if outcome is not None:  # what every member now holds: sending it back is a replay
             self.replays.remember_mixed(round_no, mixed)
-        await weights.write(await asyncio.to_thread(self.state.step, mixed, anchor, momentum))
+        new = await asyncio.to_thread(
+            self.state.step, mixed, anchor, momentum, self.config.consensus
+        )
+        await weights.write(new)
         n = len(prep.delta_plan.members) if prep.delta_plan else 1
         deadline = self.config.deadlines.worst_case(self.state.numel, n, self.config.delta_format())
         report = round_report(
@@ -245,7 +248,7 @@ class OuterLoop:
             report.seconds_blocked = blocked_s()
         self._account(report)
         self._flag(report)
-        del prep_task, prep, outcome, delta, mixed, anchor, momentum  # this round's vectors
+        del prep_task, prep, outcome, delta, mixed, anchor, momentum, new  # this round's vectors
         await asyncio.to_thread(release_freed_memory)  # glibc keeps them otherwise (heap.py)
         return report
 

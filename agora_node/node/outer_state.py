@@ -40,6 +40,13 @@ class OuterConfig:
     """Also average the outer momentum in the anchor mix. It did not lower validation loss in
     bench/diloco.py (docs/outer.md), so it is off here; the daemon turns it on
     (from_manifest) because replicas whose momenta drifted apart never agree again without it."""
+    consensus: float | None = None
+    """None: the outer step starts from the anchor group's mean (the anchor is replaced by
+    it). A number g: it starts from the replica's own anchor and the pull toward the mean,
+    (anchor - mean) * g / lr, joins the pseudo-gradient in the momentum (NoLoCo-style).
+    With one group of everyone both agree. An ablation (bench/diloco.py `--consensus`):
+    over three sequences of gossip groups it did no better than adopting the mean
+    (docs/benchmarks.md), so nothing sets it."""
     block: int = 256
     rotation_seed: int | None = 0
     aggregation: AggregationSpec = field(default_factory=AggregationSpec)
@@ -135,14 +142,22 @@ class OuterState:
         mixed_delta: Tensor,
         mixed_anchor: Tensor | None = None,
         mixed_momentum: Tensor | None = None,
+        consensus: float | None = None,
     ) -> Tensor:
         """Nesterov outer step from the (mixed) anchor; returns the new anchor, which the
-        caller writes into the weights. Touches no parameter."""
-        base = self.anchor if mixed_anchor is None else mixed_anchor.float()
+        caller writes into the weights. Touches no parameter.
+
+        consensus (OuterConfig.consensus): step from the own anchor instead, with the pull
+        toward the mixed anchor folded into the momentum's gradient."""
+        grad, base = mixed_delta, self.anchor
+        if mixed_anchor is not None and consensus is None:
+            base = mixed_anchor.float()
+        elif mixed_anchor is not None:
+            grad = mixed_delta + (self.anchor - mixed_anchor.float()) * (consensus / self.lr)
         if mixed_momentum is not None:
             self.momentum = mixed_momentum.float().clone()
-        self.momentum.mul_(self.mu).add_(mixed_delta)
-        self.anchor = base - self.lr * (mixed_delta + self.mu * self.momentum)
+        self.momentum.mul_(self.mu).add_(grad)
+        self.anchor = base - self.lr * (grad + self.mu * self.momentum)
         self.round += 1
         self.anchor_round = self.round
         self.warming = False
@@ -161,9 +176,10 @@ class OuterState:
         mixed_delta: Tensor,
         mixed_anchor: Tensor | None = None,
         mixed_momentum: Tensor | None = None,
+        consensus: float | None = None,
     ) -> None:
         """`step`, then the weights := the new anchor (a module outside any stage worker)."""
-        self.load_weights(self.step(mixed_delta, mixed_anchor, mixed_momentum))
+        self.load_weights(self.step(mixed_delta, mixed_anchor, mixed_momentum, consensus))
 
     @torch.no_grad()
     def load_weights(self, flat: Tensor) -> None:

@@ -66,6 +66,14 @@ def flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
+def set_grad(module: nn.Module, flat_grad: torch.Tensor) -> None:
+    """Give `module`'s parameters the gradient `flat_grad` (flat, in their order)."""
+    offset = 0
+    for p in module.parameters():
+        p.grad = flat_grad[offset : offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+
+
 def test_outer_state_step_is_torch_nesterov_sgd() -> None:
     ours, ref = model(), model()
     state = OuterState(ours, lr=0.7, momentum=0.9)
@@ -74,13 +82,33 @@ def test_outer_state_step_is_torch_nesterov_sgd() -> None:
         inner_steps(ours.parameters(), t)
         delta = state.pseudo_gradient()
         state.apply(delta)
-        offset = 0
-        for p in ref.parameters():
-            p.grad = delta[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        set_grad(ref, delta)
         opt.step()
         torch.testing.assert_close(flat(ours), flat(ref), rtol=0, atol=1e-6)
     assert state.round == 3
+
+
+def test_consensus_folds_the_pull_toward_the_mean_into_the_momentum() -> None:
+    """NoLoCo-style step: torch's Nesterov SGD from the own anchor, its gradient the mixed
+    delta plus (anchor - mean) * g / lr; without momentum and g = 1 it is the default step
+    (adopt the mean, then step)."""
+    ours, ref, mean = model(0), model(0), flat(model(1))
+    state = OuterState(ours, lr=0.7, momentum=0.9)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    for t in range(3):
+        inner_steps(ours.parameters(), t)
+        delta = state.pseudo_gradient()
+        grad = delta + (state.anchor - mean) * (0.3 / 0.7)
+        state.apply(delta, mean, consensus=0.3)
+        set_grad(ref, grad)
+        opt.step()
+        torch.testing.assert_close(flat(ours), flat(ref), rtol=0, atol=1e-5)
+    plain, pulled = (
+        OuterState(model(0), lr=0.7, momentum=0),
+        OuterState(model(0), lr=0.7, momentum=0),
+    )
+    delta = torch.randn(plain.numel)
+    torch.testing.assert_close(plain.step(delta, mean), pulled.step(delta, mean, consensus=1.0))
 
 
 def diloco_reference(n: int, rounds: int, tokens: list[int]) -> torch.Tensor:
@@ -96,10 +124,7 @@ def diloco_reference(n: int, rounds: int, tokens: list[int]) -> torch.Tensor:
             inner_steps(replica.parameters(), 100 * r + i)
             deltas.append(flat(anchor) - flat(replica))
         mean = sum(wi * d for wi, d in zip(w, deltas, strict=True))
-        offset = 0
-        for p in anchor.parameters():
-            p.grad = mean[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        set_grad(anchor, mean)
         opt.step()
     return flat(anchor)
 

@@ -248,7 +248,7 @@ class OuterLoop:
             report.seconds_blocked = blocked_s()
         self._account(report)
         self._flag(report)
-        del prep_task, prep, outcome, delta, mixed, anchor, momentum, new  # this round's vectors
+        del prep_task, prep, outcome, delta, mixed, anchor, momentum  # this round's vectors
         await asyncio.to_thread(release_freed_memory)  # glibc keeps them otherwise (heap.py)
         return report
 

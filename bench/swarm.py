@@ -8,6 +8,8 @@ Each repeat runs, on the same cores one after the other:
 
 A. the reference: LocalTrainer, every stage chained in one process (bench/reference.py,
    in a child process), `--threads` torch threads, for `--seconds` of training-step time;
+   with `--reference-copies N`, N such processes at once (tokens and CPU summed), so that
+   the reference loads every core as the swarm does;
 B. the swarm: a bootstrap and one daemon per stage on 127.0.0.1, `--threads` torch
    threads in all (split over the daemons, at least 1 each), measured over `--seconds`
    once every node is active and the first micro-batches completed; started afresh.
@@ -20,7 +22,9 @@ Reported per side as the median over repeats (every repeat's figures are in `run
   of the reference process during its steps; every process of every daemon during the
   window, its libp2p daemon included; the bootstrap's CPU is reported apart and not
   counted, as it is no volunteer's stage work). `efficiency_per_compute_s` is the
-  swarm's over the reference's, `efficiency` the same for wall-seconds;
+  swarm's over the reference's, `efficiency` the same for wall-seconds. The swarm's CPU
+  is also given by part (`cpu_seconds_by_part`): the stage workers' compute threads, the
+  rest of the daemon processes, their DHT processes, their libp2p daemons;
 - wire bytes: what the daemons' pipeline streams wrote (frames incl. headers and token
   ids; libp2p framing/encryption and DHT traffic excluded), per token trained;
   dense_bf16_bytes_per_token is what the same boundaries would carry dense in bf16,
@@ -44,6 +48,7 @@ B's tokens per second over A's; `left_behind` counts namespaces the lab did not 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -94,6 +99,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="the daemons' --activation-codec (default: the daemon's own default)",
     )
+    p.add_argument(
+        "--reference-copies",
+        type=int,
+        default=1,
+        help="reference processes run at once, `--threads` each (default 1); with as many "
+        "copies as cores, the reference keeps every core busy as the swarm does, so per "
+        "compute-second both sides share the cores' caches and clocks alike",
+    )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin each daemon (with its libp2p and DHT processes) to one core, stage s on "
+        "core s mod cores, and each reference copy to core i mod cores (taskset)",
+    )
     p.add_argument("--skip-reference", action="store_true", help="only the swarm side")
     p.add_argument(
         "--lab",
@@ -103,8 +122,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    if args.seconds <= 0 or args.repeats < 1 or args.threads < 1:
-        p.error("--seconds, --repeats and --threads must be positive")
+    if args.seconds <= 0 or args.repeats < 1 or args.threads < 1 or args.reference_copies < 1:
+        p.error("--seconds, --repeats, --threads and --reference-copies must be positive")
     if args.lab:
         try:
             args.lab_link = parse_rates(args.lab, 3)
@@ -112,25 +131,64 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--lab {exc}")
         if args.bandwidth_mbit or args.latency_ms:
             p.error("--lab shapes the links itself: no --bandwidth-mbit/--latency-ms with it")
+        if args.pin:
+            p.error("--pin is for loopback runs, not --lab")
     return args
+
+
+def _ticks(stat: str) -> tuple[str, int, int]:
+    """(comm, process group, user + system ticks) of one /proc stat line."""
+    comm, rest = stat.split(" (", 1)[1].rsplit(")", 1)
+    fields = rest.split()  # state ppid pgrp ...
+    return comm, int(fields[2]), int(fields[11]) + int(fields[12])
 
 
 def group_cpu_seconds(pgid: int) -> dict[str, float]:
     """CPU seconds (user + system) of the live processes in process group `pgid`, by
-    program name (python: the daemon and its helpers; p2pd: its libp2p daemon)."""
+    part: `p2pd` (its libp2p daemon), `stage_worker` (the daemon's compute thread, named
+    agora-stage* by node/worker.py), `daemon_other` (the rest of the daemon process: event
+    loop, RPC, membership, finished threads), `helpers` (its other Python processes: the
+    hivemind DHT process, the reaper). `by_program` folds them back to p2pd and python."""
     ticks: dict[str, int] = {}
+
+    def count(part: str, n: int) -> None:
+        ticks[part] = ticks.get(part, 0) + n
+
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            stat = Path(entry.path, "stat").read_text()
+            comm, group, total = _ticks(Path(entry.path, "stat").read_text())
+            if group != pgid:
+                continue
+            if comm == "p2pd":
+                count("p2pd", total)
+            elif int(entry.name) != pgid:
+                count("helpers", total)
+            else:
+                worker = sum(
+                    t
+                    for c, _, t in map(_ticks, _task_stats(entry.path))
+                    if c.startswith("agora-stage")
+                )
+                count("stage_worker", worker)
+                count("daemon_other", total - worker)
         except OSError:  # exited meanwhile
             continue
-        comm, rest = stat.split(" (", 1)[1].rsplit(")", 1)
-        fields = rest.split()  # state ppid pgrp ...
-        if int(fields[2]) == pgid:
-            ticks[comm] = ticks.get(comm, 0) + int(fields[11]) + int(fields[12])
-    return {comm: t / TICKS for comm, t in ticks.items()}
+    return {part: t / TICKS for part, t in ticks.items()}
+
+
+def _task_stats(proc: str) -> list[str]:
+    stats = []
+    for task in os.scandir(Path(proc, "task")):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            stats.append(Path(task.path, "stat").read_text())
+    return stats
+
+
+def by_program(parts: dict[str, float]) -> dict[str, float]:
+    python = sum(v for k, v in parts.items() if k != "p2pd")
+    return {"p2pd": parts.get("p2pd", 0.0), "python": python}
 
 
 def _add(a: dict[str, float], b: dict[str, float], sign: float = 1.0) -> dict[str, float]:
@@ -142,6 +200,8 @@ def conditions(args: argparse.Namespace) -> dict:
         "cores_usable": len(os.sched_getaffinity(0)),
         "cpu": platform.processor() or platform.machine(),
         "threads_per_side": args.threads,
+        "reference_copies": args.reference_copies,
+        "pinned": args.pin,
         "activation_codec": args.activation_codec or PipelineConfig().activation_codec,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -150,30 +210,42 @@ def conditions(args: argparse.Namespace) -> dict:
 
 
 def run_reference(args: argparse.Namespace) -> dict:
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "reference.py"),
-            "--manifest",
-            args.manifest,
-            "--seconds",
-            str(args.seconds),
-            "--threads",
-            str(args.threads),
-            "--json",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
-    )
-    ref = json.loads(out.stdout)
+    """The reference side: `--reference-copies` processes at once, their tokens and CPU
+    seconds summed (each trains for `--seconds` of step time)."""
+    argv = [sys.executable, str(HERE / "reference.py"), "--manifest", args.manifest]
+    argv += ["--seconds", str(args.seconds), "--threads", str(args.threads), "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    procs = [
+        subprocess.Popen([*pinned(args, i), *argv], stdout=subprocess.PIPE, text=True, env=env)
+        for i in range(args.reference_copies)
+    ]
+    try:
+        refs = []
+        for proc in procs:
+            out, _ = proc.communicate()
+            if proc.returncode != 0:
+                raise RuntimeError(f"reference.py exited with {proc.returncode}")
+            refs.append(json.loads(out))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    tokens, cpu = sum(r["tokens"] for r in refs), sum(r["cpu_seconds"] for r in refs)
     return {
-        "tokens_per_s": ref["tokens_per_s"],
-        "tokens_per_cpu_s": round(ref["tokens"] / ref["cpu_seconds"], 1),
-        "cpu_seconds": ref["cpu_seconds"],
-        "train_seconds": ref["train_seconds"],
+        "tokens_per_s": round(sum(r["tokens_per_s"] for r in refs), 1),
+        "tokens_per_cpu_s": round(tokens / cpu, 1),
+        "cpu_seconds": round(cpu, 2),
+        "train_seconds": max(r["train_seconds"] for r in refs),
     }
+
+
+def pinned(args: argparse.Namespace, index: int) -> tuple[str, ...]:
+    """The taskset prefix that pins process `index` (and its children) to one core."""
+    if not args.pin:
+        return ()
+    cores = sorted(os.sched_getaffinity(0))
+    return ("taskset", "-c", str(cores[index % len(cores)]))
 
 
 def _port(child) -> int:  # noqa: ANN001
@@ -206,8 +278,8 @@ def run_swarm(args: argparse.Namespace, workdir: Path, lab: DaemonLab | None = N
     stages = manifest.num_stages
     swarm = Swarm(workdir)
 
-    def place(name: str) -> tuple[tuple[str, ...], list[str]]:
-        return lab.command(lab.host(name)) if lab is not None else ((), [])
+    def place(name: str, index: int = 0) -> tuple[tuple[str, ...], list[str]]:
+        return lab.command(lab.host(name)) if lab is not None else (pinned(args, index), [])
 
     prefix, listen = place("boot")
     boot = swarm.spawn(
@@ -228,7 +300,7 @@ def run_swarm(args: argparse.Namespace, workdir: Path, lab: DaemonLab | None = N
         nodes = []
         for s in range(stages):
             threads = max(1, args.threads // stages + (s < args.threads % stages))
-            prefix, listen = place(f"n{s}")
+            prefix, listen = place(f"n{s}", s)
             argv = ["join", "--initial-peers", *peers, "--stage", str(s), *listen]
             argv += ["--data-dir", str(workdir / f"n{s}"), "--threads", str(threads), *extra]
             nodes.append(swarm.spawn(f"node-{s}", argv, prefix=prefix))
@@ -255,13 +327,14 @@ def run_swarm(args: argparse.Namespace, workdir: Path, lab: DaemonLab | None = N
         swarm.stop(grace_s=20)
     window = end["at"] - start["at"]
     tokens = (end["ok"] - start["ok"]) * manifest.inner.micro_batch * manifest.model.seq_len
-    by_program = _add(end["cpu"], start["cpu"], -1.0)
-    cpu = sum(by_program.values())
+    by_part = _add(end["cpu"], start["cpu"], -1.0)
+    cpu = sum(by_part.values())
     return {
         "tokens_per_s": round(tokens / window, 1),
         "tokens_per_cpu_s": round(tokens / cpu, 1) if cpu > 0 else 0.0,
         "cpu_seconds": round(cpu, 1),
-        "cpu_seconds_by_program": {k: round(v, 1) for k, v in sorted(by_program.items())},
+        "cpu_seconds_by_program": {k: round(v, 1) for k, v in by_program(by_part).items()},
+        "cpu_seconds_by_part": {k: round(v, 1) for k, v in sorted(by_part.items())},
         "bootstrap_cpu_seconds": round(sum(boot_cpu.values()), 1),
         "wire_bytes_per_token": round((end["sent"] - start["sent"]) / max(tokens, 1), 1),
         "stage_utilization": [

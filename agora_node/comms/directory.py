@@ -88,12 +88,6 @@ class Directory:
             subkey=record.peer_id,
         )
 
-    async def fetch_stage(self, stage: int) -> list[NodeRecord]:
-        raw = await self.host.get(stage_key(self.run_id, stage))
-        if not isinstance(raw, dict):
-            return []
-        return self.keep(stage, raw, now=time.time())
-
     def keep(self, stage: int, raw: dict, *, now: float) -> list[NodeRecord]:
         """The records of `stage` worth using out of a DHT read ({subkey: value}):
         verified, counted when refused, at most `max_per_stage` of them."""
@@ -123,8 +117,14 @@ class Directory:
 
     async def fetch(self, *, include_leaving: bool = False) -> Snapshot:
         """Verified records of every stage (leaving ones dropped unless asked for),
-        one per peer: the newest, wherever it was stored."""
-        by_stage = {stage: await self.fetch_stage(stage) for stage in range(self.num_stages)}
+        one per peer: the newest, wherever it was stored. All stages in one DHT search."""
+        keys = {stage: stage_key(self.run_id, stage) for stage in range(self.num_stages)}
+        raw = await self.host.get_many(list(keys.values()))
+        now = time.time()
+        by_stage = {
+            stage: self.keep(stage, raw[key], now=now) if isinstance(raw[key], dict) else []
+            for stage, key in keys.items()
+        }
         return newest_per_peer(by_stage, include_leaving=include_leaving)
 
 

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import glob
 import logging
+import math
 import os
 import re
 import secrets
@@ -25,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -150,18 +152,21 @@ class Host:
 
     async def get(self, key: str, latest: bool = True) -> Any:
         """The value under `key` (for subkeyed keys: {subkey: value}), or None."""
-        future = self.dht.get(key, latest=latest, return_future=True)
+        return (await self.get_many([key], latest=latest))[key]
+
+    async def get_many(self, keys: Sequence[str], latest: bool = True) -> dict[str, Any]:
+        """The values under `keys`, each as `get` gives it, from one DHT search: hivemind
+        asks each peer it visits about every key still open in one request, so reading a
+        run's stages together costs a fraction of the requests of reading them one by one.
+        `latest`: search every replica for the newest value, not the first found."""
+        keys = list(dict.fromkeys(keys))
+        future = self.dht.run_coroutine(partial(_get_many, keys, latest), return_future=True)
         try:
             found = await asyncio.wait_for(_awaited(future), DHT_TIMEOUT_S)
         except TimeoutError:
-            log.warning("DHT get of %s timed out after %.0fs", key, DHT_TIMEOUT_S)
-            return None
-        if found is None:
-            return None
-        value = found.value
-        if isinstance(value, dict):  # subkeys -> ValueWithExpiration
-            return {k: getattr(v, "value", v) for k, v in value.items()}
-        return value
+            log.warning("DHT get of %s timed out after %.0fs", ", ".join(keys), DHT_TIMEOUT_S)
+            return dict.fromkeys(keys)
+        return {key: _plain(found.get(key)) for key in keys}
 
     def is_alive(self) -> bool:
         return self.dht.is_alive() and self.p2p.is_alive
@@ -193,6 +198,22 @@ class Host:
             log.warning("the DHT process %d did not stop: killing it", pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+async def _get_many(keys: list[str], latest: bool, _dht: object, node: Any) -> dict:
+    """Runs in the DHT process (DHT.run_coroutine): {key: ValueWithExpiration or None}."""
+    kwargs = {"sufficient_expiration_time": math.inf} if latest else {}
+    return await node.get_many(keys, **kwargs)
+
+
+def _plain(found: Any) -> Any:
+    """A DHT result without its expirations: the value, {subkey: value}, or None."""
+    if found is None:
+        return None
+    value = found.value
+    if isinstance(value, dict):  # subkeys -> ValueWithExpiration
+        return {k: getattr(v, "value", v) for k, v in value.items()}
+    return value
 
 
 def watch_p2p(reaper: Reaper, p2p: P2P) -> None:

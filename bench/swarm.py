@@ -107,12 +107,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "copies as cores, the reference keeps every core busy as the swarm does, so per "
         "compute-second both sides share the cores' caches and clocks alike",
     )
-    p.add_argument(
-        "--pin",
-        action="store_true",
-        help="pin each daemon (with its libp2p and DHT processes) to one core, stage s on "
-        "core s mod cores, and each reference copy to core i mod cores (taskset)",
-    )
     p.add_argument("--skip-reference", action="store_true", help="only the swarm side")
     p.add_argument(
         "--lab",
@@ -131,8 +125,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--lab {exc}")
         if args.bandwidth_mbit or args.latency_ms:
             p.error("--lab shapes the links itself: no --bandwidth-mbit/--latency-ms with it")
-        if args.pin:
-            p.error("--pin is for loopback runs, not --lab")
     return args
 
 
@@ -201,7 +193,6 @@ def conditions(args: argparse.Namespace) -> dict:
         "cpu": platform.processor() or platform.machine(),
         "threads_per_side": args.threads,
         "reference_copies": args.reference_copies,
-        "pinned": args.pin,
         "activation_codec": args.activation_codec or PipelineConfig().activation_codec,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -216,8 +207,8 @@ def run_reference(args: argparse.Namespace) -> dict:
     argv += ["--seconds", str(args.seconds), "--threads", str(args.threads), "--json"]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     procs = [
-        subprocess.Popen([*pinned(args, i), *argv], stdout=subprocess.PIPE, text=True, env=env)
-        for i in range(args.reference_copies)
+        subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+        for _ in range(args.reference_copies)
     ]
     try:
         refs = []
@@ -238,14 +229,6 @@ def run_reference(args: argparse.Namespace) -> dict:
         "cpu_seconds": round(cpu, 2),
         "train_seconds": max(r["train_seconds"] for r in refs),
     }
-
-
-def pinned(args: argparse.Namespace, index: int) -> tuple[str, ...]:
-    """The taskset prefix that pins process `index` (and its children) to one core."""
-    if not args.pin:
-        return ()
-    cores = sorted(os.sched_getaffinity(0))
-    return ("taskset", "-c", str(cores[index % len(cores)]))
 
 
 def _port(child) -> int:  # noqa: ANN001
@@ -278,8 +261,8 @@ def run_swarm(args: argparse.Namespace, workdir: Path, lab: DaemonLab | None = N
     stages = manifest.num_stages
     swarm = Swarm(workdir)
 
-    def place(name: str, index: int = 0) -> tuple[tuple[str, ...], list[str]]:
-        return lab.command(lab.host(name)) if lab is not None else (pinned(args, index), [])
+    def place(name: str) -> tuple[tuple[str, ...], list[str]]:
+        return lab.command(lab.host(name)) if lab is not None else ((), [])
 
     prefix, listen = place("boot")
     boot = swarm.spawn(
@@ -300,7 +283,7 @@ def run_swarm(args: argparse.Namespace, workdir: Path, lab: DaemonLab | None = N
         nodes = []
         for s in range(stages):
             threads = max(1, args.threads // stages + (s < args.threads % stages))
-            prefix, listen = place(f"n{s}", s)
+            prefix, listen = place(f"n{s}")
             argv = ["join", "--initial-peers", *peers, "--stage", str(s), *listen]
             argv += ["--data-dir", str(workdir / f"n{s}"), "--threads", str(threads), *extra]
             nodes.append(swarm.spawn(f"node-{s}", argv, prefix=prefix))

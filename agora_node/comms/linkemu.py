@@ -66,6 +66,11 @@ def configure(spec: LinkSpec | None) -> None:
     _active = LinkEmulator(spec) if spec is not None else None
 
 
+def shaping() -> bool:
+    """Whether this process's frames are shaped (`configure` was given a link)."""
+    return _active is not None
+
+
 async def transmit(nbytes: int, *, propagate: bool = True) -> None:
     if _active is not None:
         await _active.transmit(nbytes, propagate=propagate)

@@ -34,6 +34,8 @@ peer's signature over the request's nonce and every data frame."""
 LEN_BYTES = 8
 DEFAULT_MAX_FRAME = 64 << 20
 CHUNK = 1 << 20
+ONE_WRITE = 1 << 18
+"""Frames up to this size go to the socket in one write, header and payload together."""
 
 
 class Route(Protocol):
@@ -73,14 +75,18 @@ class SilentPeerError(StreamError):
 
 
 async def write_frame(writer: asyncio.StreamWriter, kind: bytes, payload: bytes = b"") -> None:
-    # the header leaves at once and the payload after the emulated link's delay, as on a
-    # real link, so a reader's header deadline does not count a shaped uplink's queue;
-    # an empty frame (END) follows its message's data without another latency
-    writer.write(kind + len(payload).to_bytes(LEN_BYTES, "big"))
-    await linkemu.transmit(len(payload) + 1 + LEN_BYTES, propagate=bool(payload))
-    view = memoryview(payload)
-    for offset in range(0, len(view), CHUNK):
-        writer.write(view[offset : offset + CHUNK])
+    head = kind + len(payload).to_bytes(LEN_BYTES, "big")
+    if len(payload) <= ONE_WRITE and not linkemu.shaping():
+        writer.write(head + payload)  # one send, and one read for libp2p's daemon
+    else:
+        # shaped, the header leaves at once and the payload after the emulated link's
+        # delay, as on a real link, so a reader's header deadline does not count a shaped
+        # uplink's queue; an empty frame (END) follows its data without another latency
+        writer.write(head)
+        await linkemu.transmit(len(payload) + 1 + LEN_BYTES, propagate=bool(payload))
+        view = memoryview(payload)
+        for offset in range(0, len(view), CHUNK):
+            writer.write(view[offset : offset + CHUNK])
     try:
         await writer.drain()
     except StreamError:

@@ -206,22 +206,23 @@ def run_reference(args: argparse.Namespace) -> dict:
     argv = [sys.executable, str(HERE / "reference.py"), "--manifest", args.manifest]
     argv += ["--seconds", str(args.seconds), "--threads", str(args.threads), "--json"]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    procs = [
-        subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
-        for _ in range(args.reference_copies)
-    ]
-    try:
-        refs = []
-        for proc in procs:
+    copies = args.reference_copies
+    refs = []
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(copies)]
+        procs: list[subprocess.Popen] = []
+        stack.callback(_kill_all, procs)  # first on the way out: before the logs close
+        for log in logs:
+            procs.append(
+                subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+            )
+        for proc, log in zip(procs, logs, strict=True):
             out, _ = proc.communicate()
             if proc.returncode != 0:
-                raise RuntimeError(f"reference.py exited with {proc.returncode}")
+                log.seek(0)
+                tail = log.read()[-2000:]
+                raise RuntimeError(f"reference.py exited with {proc.returncode}:\n{tail}")
             refs.append(json.loads(out))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
     tokens, cpu = sum(r["tokens"] for r in refs), sum(r["cpu_seconds"] for r in refs)
     return {
         "tokens_per_s": round(sum(r["tokens_per_s"] for r in refs), 1),
@@ -229,6 +230,13 @@ def run_reference(args: argparse.Namespace) -> dict:
         "cpu_seconds": round(cpu, 2),
         "train_seconds": max(r["train_seconds"] for r in refs),
     }
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _port(child) -> int:  # noqa: ANN001

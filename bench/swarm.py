@@ -139,8 +139,8 @@ def group_cpu_seconds(pgid: int) -> dict[str, float]:
     """CPU seconds (user + system) of the live processes in process group `pgid`, by
     part: `p2pd` (its libp2p daemon), `stage_worker` (the daemon's compute thread, named
     agora-stage* by node/worker.py), `daemon_other` (the rest of the daemon process: event
-    loop, RPC, membership, finished threads), `helpers` (its other Python processes: the
-    hivemind DHT process, the reaper). `by_program` folds them back to p2pd and python."""
+    loop, RPC, membership, finished threads), `helpers` (its other processes in the group:
+    the hivemind DHT process). `by_program` folds them back to p2pd and python."""
     ticks: dict[str, int] = {}
 
     def count(part: str, n: int) -> None:

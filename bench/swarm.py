@@ -8,8 +8,8 @@ Each repeat runs, on the same cores one after the other:
 
 A. the reference: LocalTrainer, every stage chained in one process (bench/reference.py,
    in a child process), `--threads` torch threads, for `--seconds` of training-step time;
-   with `--reference-copies N`, N such processes at once (tokens and CPU summed), so that
-   the reference loads every core as the swarm does;
+   with `--reference-copies N`, N such processes at once (tokens and CPU summed): one per
+   stage gives both sides as many compute threads on the same cores;
 B. the swarm: a bootstrap and one daemon per stage on 127.0.0.1, `--threads` torch
    threads in all (split over the daemons, at least 1 each), measured over `--seconds`
    once every node is active and the first micro-batches completed; started afresh.
@@ -103,9 +103,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--reference-copies",
         type=int,
         default=1,
-        help="reference processes run at once, `--threads` each (default 1); with as many "
-        "copies as cores, the reference keeps every core busy as the swarm does, so per "
-        "compute-second both sides share the cores' caches and clocks alike",
+        help="reference processes run at once, `--threads` each (default 1); with one copy "
+        "per daemon (stage), both sides put as many compute threads on the same cores, so "
+        "per compute-second they pay the same for sharing them",
     )
     p.add_argument("--skip-reference", action="store_true", help="only the swarm side")
     p.add_argument(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import hashlib
 import logging
 import threading
@@ -37,6 +36,7 @@ from torch import Tensor
 from torch.func import functional_call
 
 from agora_node.node.rates import WorkerStats
+from agora_node.node.thread_name import name_os_thread
 from agora_node.node.versions import WeightVersions
 from agora_node.protocol.manifest import Manifest
 from agora_node.stages.data import TokenBatch
@@ -45,14 +45,6 @@ from agora_node.stages.model import AttentionContext, Stage, lm_loss
 from agora_node.stages.optim import InnerOptimizer, lag_beta1
 
 log = logging.getLogger(__name__)
-
-
-def name_os_thread(name: str) -> None:
-    """Name the calling thread for top, ps and /proc/<pid>/task/<tid>/comm (Linux only, at
-    most 15 bytes; elsewhere nothing happens). The swarm benchmark tells the stage worker's
-    CPU time from the rest of the daemon's by it."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
 
 
 MAX_GRAPHS = 16
@@ -103,7 +95,12 @@ class StageWorker:
         self.stats = WorkerStats()
         self.calls_open = 0
         """Calls running or queued on the worker thread (node/waits.py samples it)."""
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{index}")
+        self._executor = ThreadPoolExecutor(
+            1,
+            thread_name_prefix=f"stage{index}",
+            initializer=name_os_thread,  # agora-stageN in top -H and for bench/swarm.py
+            initargs=(f"agora-stage{index}",),
+        )
         self._pending: dict[str, _Pending] = {}
         self._finished_since_step = 0
         self.hold_steps = False
@@ -373,7 +370,6 @@ class StageWorker:
 
     def _remember_thread(self) -> None:
         self._thread = threading.current_thread()
-        name_os_thread(f"agora-{self._thread.name.split('_')[0]}")
 
     def _step(self) -> None:
         """Sum finished gradients of every live version into the master weights and step."""

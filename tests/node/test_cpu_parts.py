@@ -2,6 +2,7 @@
 the worker thread's OS name (bench/swarm.py `cpu_seconds_by_part`): the worker must carry
 that name, and the split must count a named thread's time as the worker's."""
 
+import asyncio
 import importlib.util
 import subprocess
 import sys
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.timeout(60)
 
 SPIN = """
 import sys, threading
-from agora_node.node.worker import name_os_thread
+from agora_node.node.thread_name import name_os_thread
 def spin():
     name_os_thread("agora-stage2")
     while True:
@@ -43,7 +44,7 @@ sys.stdin.read()
 def test_the_stage_workers_thread_carries_its_os_name():
     worker = StageWorker(load_manifest("tiny"), 1)
     try:
-        tid = worker._executor.submit(threading.get_native_id).result()
+        tid = asyncio.run(worker.call(threading.get_native_id))
         assert Path(f"/proc/self/task/{tid}/comm").read_text().strip() == "agora-stage1"
     finally:
         worker.close()

@@ -18,6 +18,7 @@ import ctypes
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,6 +88,9 @@ class PeerProcess:
     """A child peer in its own process group, spoken to through JSON lines."""
 
     def __init__(self, argv: list[str], *, env: dict[str, str] | None = None) -> None:
+        self.tmp = tempfile.mkdtemp(prefix="agora-peer-")
+        """The peer's TMPDIR (its key, hivemind's sockets, multiprocessing's listeners):
+        a SIGKILL leaves them, so `kill` removes the folder."""
         self.proc = subprocess.Popen(
             [sys.executable, *argv],
             stdin=subprocess.PIPE,
@@ -94,7 +98,7 @@ class PeerProcess:
             stderr=None,
             text=True,
             start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+            env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": self.tmp, **(env or {})},
         )
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.seen: list[dict[str, Any]] = []
@@ -133,3 +137,19 @@ class PeerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+        # torch's shared-memory manager (hivemind's futures use it) runs in a session of
+        # its own and lingers for seconds: found by the TMPDIR it inherited
+        for pid in pids_with_env(f"TMPDIR={self.tmp}"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def pids_with_env(entry: str) -> list[int]:
+    """Processes whose environment holds `entry` ("NAME=value")."""
+    wanted, found = entry.encode(), []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):
+            if wanted in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+    return found

@@ -25,6 +25,11 @@ Every method spends the same number of training tokens in total:
   Not in the default list (`--methods` adds it);
 - gossip_topk4: gossip (groups of --group-size) with diloco_topk4's sparse pseudo-gradients
   and results; anchors mixed in bf16. Not in the default list;
+- diloco_lowrank: one group of everyone, each weight matrix's pseudo-gradient as two
+  rank --rank factors in two mixes (PowerSGD-style, error feedback; node/lowrank.py),
+  factors in --factor-codec. Not in the default list;
+- gossip_lowrank: gossip (groups of --group-size) with diloco_lowrank's factors; anchors
+  in bf16 (fp32 with fp32 factors). Not in the default list;
 - diloco_overlap: diloco whose rounds overlap inner steps (manifest `outer.overlap`): each
   round's new anchor lands --overlap-steps inner steps into the next round, with the
   progress made since the round's end added to it (what node/rounds.py does when the
@@ -72,7 +77,14 @@ CODECS = {
     "diloco_topk4": "topk4",
     "gossip_topk4": "topk4",
 }
-KNOWN = (*METHODS, "diloco_topk4", "gossip_topk4", "diloco_overlap")
+KNOWN = (
+    *METHODS,
+    "diloco_topk4",
+    "gossip_topk4",
+    "diloco_lowrank",
+    "gossip_lowrank",
+    "diloco_overlap",
+)
 # In one process nothing fails and nobody is late: deadlines only need to be generous.
 PATIENT = Deadlines(base=600.0)
 TOGETHER = MatchmakingConfig(window=600.0, settle=0.0, poll_interval=0.01)
@@ -153,14 +165,16 @@ def run_ddp(manifest: Manifest, args: argparse.Namespace) -> tuple[float, float,
 
 
 def outer_config(method: str, args: argparse.Namespace) -> OuterConfig:
-    codec = CODECS.get(method, "fp32")
+    low_rank = method.endswith("_lowrank")
+    codec = args.factor_codec if low_rank else CODECS.get(method, "fp32")
     group = 0 if method.startswith("diloco") else args.group_size
     return OuterConfig(
         lr=args.outer_lr,
         momentum=args.outer_momentum,
         group_size=group,
         codec=codec,
-        result_codec=args.result_codec if codec != "fp32" else None,
+        rank=args.rank if low_rank else 0,
+        result_codec=args.result_codec if codec != "fp32" and not low_rank else None,
         deadlines=PATIENT,
         matchmaking=TOGETHER,
         mix_momentum=args.momentum_mix,
@@ -320,6 +334,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="mixed results of the compressed methods (default: the codec's own default)",
     )
+    p.add_argument("--rank", type=int, default=4, help="*_lowrank: the factors' rank (4)")
+    p.add_argument(
+        "--factor-codec",
+        default="bf16",
+        choices=("fp32", "bf16", "int8", "int4"),
+        help="*_lowrank: how the factors travel (bf16)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     unknown = set(args.methods.split(",")) - set(KNOWN)
@@ -365,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             "outer_lr": args.outer_lr,
             "outer_momentum": args.outer_momentum,
             "result_codec": args.result_codec,
+            "rank": args.rank,
+            "factor_codec": args.factor_codec,
             "consensus": args.consensus,
             "warmup_steps": manifest.inner.warmup_steps,
             "inner_steps_per_replica": (

@@ -58,6 +58,7 @@ from agora_node.comms.collective.groups import MAX_FLAGS, Expect
 from agora_node.comms.collective.payload import max_frame_bytes
 from agora_node.comms.collective.replay import ReplayMemory
 from agora_node.node.heap import release_freed_memory
+from agora_node.node.lowrank import LowRank
 from agora_node.node.outer_state import ModuleWeights, OuterConfig, OuterState, Weights
 from agora_node.node.round_report import RoundReport, round_report, round_summary
 from agora_node.node.suspects import ROUND_EVIDENCE, Reason, Suspects
@@ -77,6 +78,8 @@ class _Prep:
     view: RoundView
     delta_plan: GroupPlan | None
     anchor: Outcome | None
+    factor_plan: GroupPlan | None = None
+    """A low-rank round's second mix (same group as the delta plan)."""
 
 
 class OuterLoop:
@@ -108,7 +111,15 @@ class OuterLoop:
             board, identity, run_id=run_id, stage=stage, config=config.matchmaking, admit=admit
         )
         self.delta_encoder = PartEncoder(config.delta_format())
-        self.replays = ReplayMemory(self.state.numel)
+        self.low_rank: LowRank | None = None
+        """With `config.rank`: the factorization of the pseudo-gradient (lowrank.py), whose
+        two mixes use `factor_encoder`."""
+        if config.rank:
+            shapes = [tuple(p.shape) for p in self.state.params]
+            self.low_rank = LowRank(shapes, config.rank)
+            self.delta_encoder = PartEncoder(config.factor_format())
+        delta_numel = self.low_rank.first_numel if self.low_rank else self.state.numel
+        self.replays = ReplayMemory(delta_numel)
         """Samples of other members' recent delta parts: a replayed delta is flagged."""
         self.anchor_encoder = PartEncoder(config.anchor_format())
         self.last_report: RoundReport | None = None
@@ -213,23 +224,29 @@ class OuterLoop:
         prep_task, self._prep = self._prep, None
         prep = await prep_task
         waited = time.monotonic() - started
-        outcome = None
+        outcomes: list[Outcome] = []
+        mixed = delta
         if prep.delta_plan is not None:
             weight = 0.0 if self.state.warming else float(tokens)
             try:
-                outcome = await self._mix(prep.delta_plan, delta, weight, self.delta_encoder)
+                if self.low_rank is not None:
+                    outcomes, mixed = await self._mix_low_rank(prep, delta, weight)
+                else:
+                    outcomes = [await self._mix(prep.delta_plan, delta, weight, self.delta_encoder)]
+                    mixed = outcomes[0].value
             except Exception:  # see _prepare_or_alone: apply the own delta, report it
                 log.exception("outer round %d: pseudo-gradient mix failed", self.state.round)
-                prep.delta_plan = None
-        mixed = delta if outcome is None else outcome.value
+                if self.low_rank is not None:
+                    self.low_rank.abandon()
+                prep.delta_plan, outcomes, mixed = None, [], delta
         anchor = momentum = None
         if prep.anchor is not None:
             anchor = prep.anchor.value[: self.state.numel]
             if self.config.mix_momentum:
                 momentum = prep.anchor.value[self.state.numel :]
         round_no = self.state.round
-        if outcome is not None:  # what every member now holds: sending it back is a replay
-            self.replays.remember_mixed(round_no, mixed)
+        if outcomes:  # what every member now holds: sending it back is a replay
+            self.replays.remember_mixed(round_no, outcomes[0].value)
         new = await asyncio.to_thread(
             self.state.step, mixed, anchor, momentum, self.config.consensus
         )
@@ -240,7 +257,7 @@ class OuterLoop:
             round_no,
             prep.view,
             self.config.group_size,
-            (prep.anchor, outcome),
+            (prep.anchor, *outcomes),
             (delta, mixed),
             (started, waited, deadline),
         )
@@ -248,7 +265,7 @@ class OuterLoop:
             report.seconds_blocked = blocked_s()
         self._account(report)
         self._flag(report)
-        del prep_task, prep, outcome, delta, mixed, anchor, momentum  # this round's vectors
+        del prep_task, prep, outcomes, delta, mixed, anchor, momentum  # this round's vectors
         await asyncio.to_thread(release_freed_memory)  # glibc keeps them otherwise (heap.py)
         return report
 
@@ -289,9 +306,15 @@ class OuterLoop:
         )
         g = self.config.group_size
         delta_group, anchor_group = view.group("delta", g), view.group("anchor", g)
-        delta_plan = self._plan(round_no, "delta", delta_group, self.state.numel)
+        low_rank = self.low_rank
+        delta_numel = low_rank.first_numel if low_rank else self.state.numel
+        delta_plan = self._plan(round_no, "delta", delta_group, delta_numel)
+        factor_plan = None
         if delta_plan is not None:
             self.book.register(delta_plan)  # accept parts from members that finish first
+            if low_rank is not None:
+                factor_plan = self._plan(round_no, "factor", delta_group, low_rank.second_numel)
+                self.book.register(factor_plan)
         digests = {(view.entry(p).digest if view.entry(p) else p) for p in anchor_group}
         mixed = self.state.mixed_state(self.config.mix_momentum)
         anchor_plan = None
@@ -301,7 +324,7 @@ class OuterLoop:
         if anchor_plan is not None:
             weight = 0.0 if self.state.warming else 1.0
             anchor = await self._mix(anchor_plan, mixed, weight, self.anchor_encoder)
-        return _Prep(view, delta_plan, anchor)
+        return _Prep(view, delta_plan, anchor, factor_plan)
 
     async def _prepare_or_alone(self, round_no: int, expect: Expect) -> _Prep:
         try:
@@ -350,12 +373,26 @@ class OuterLoop:
         )
         return await run.run(flat, weight)
 
+    async def _mix_low_rank(
+        self, prep: _Prep, delta: Tensor, weight: float
+    ) -> tuple[list[Outcome], Tensor]:
+        """A low-rank round's two mixes (lowrank.py): the outcomes and the mixed delta."""
+        low_rank, enc = self.low_rank, self.delta_encoder
+        assert low_rank is not None and prep.delta_plan is not None
+        assert prep.factor_plan is not None
+        seed = f"{self.namespace}/{self.state.round}/factors".encode()
+        first = await asyncio.to_thread(low_rank.first, delta, seed)
+        p = await self._mix(prep.delta_plan, first, weight, enc)
+        second = await asyncio.to_thread(low_rank.second, p.value)
+        q = await self._mix(prep.factor_plan, second, weight, enc)
+        return [p, q], await asyncio.to_thread(low_rank.finish, q.value)
+
     def _aggregation(self, phase: str) -> AggregationSpec:
-        """The delta mix refuses norms above an absolute bound and directions away from the
-        others' too; anchors never (a mix that refused every anchor would have nothing to
-        start from, and weights all point the same way)."""
+        """The delta mix (and a low-rank round's factor mix) refuses norms above an absolute
+        bound and directions away from the others' too; anchors never (a mix that refused
+        every anchor would have nothing to start from, and weights all point the same way)."""
         spec = self.config.aggregation
-        return spec if phase == "delta" else replace(spec, max_norm=math.inf, min_cosine=-1.0)
+        return spec if phase != "anchor" else replace(spec, max_norm=math.inf, min_cosine=-1.0)
 
     # ---- state transfer and status ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -365,7 +402,7 @@ class OuterLoop:
         if self._prep is not None:
             raise RuntimeError("cannot load outer state in the middle of a round")
         self.state.load_state_dict(state, warming=warming)
-        self.delta_encoder.reset()  # the residual belonged to the old trajectory
+        self._forget_residuals()  # they belonged to the old trajectory
 
     def reset_to_weights(self) -> None:
         """Anchor := the module's current weights, momentum := 0 (weights loaded without outer state)."""
@@ -373,7 +410,12 @@ class OuterLoop:
             raise RuntimeError("cannot reset outer state in the middle of a round")
         self.state.anchor = self.state.weights()
         self.state.momentum.zero_()
+        self._forget_residuals()
+
+    def _forget_residuals(self) -> None:
         self.delta_encoder.reset()
+        if self.low_rank is not None:
+            self.low_rank.reset()
 
     def status(self) -> dict[str, Any]:
         last = self.last_report

@@ -36,6 +36,10 @@ class OuterConfig:
     (topk4 results: the top 1/64 of each block of the mix)."""
     anchor_codec: str | None = None
     """Anchors on the wire; default fp32 with fp32 deltas, else bf16 (weights quantize badly)."""
+    rank: int = 0
+    """0: pseudo-gradients travel whole. r > 0: as rank-r factors of each weight matrix in
+    two mixes (lowrank.py), encoded with `codec` (a dense one), no error feedback on the
+    factors (the factorization keeps its own residual)."""
     mix_momentum: bool = False
     """Also average the outer momentum in the anchor mix. It did not lower validation loss in
     bench/diloco.py (docs/outer.md), so it is off here; the daemon turns it on
@@ -58,6 +62,10 @@ class OuterConfig:
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
 
     def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"outer rank must be >= 0, not {self.rank}")
+        if self.rank:
+            from_name(self.codec, what="outer codec with rank > 0", allowed=DENSE_CODEC_NAMES)
         for name in ("codec", "result_codec", "anchor_codec"):
             value = getattr(self, name)
             if value is not None:  # anchors are weights: every value of them counts
@@ -74,6 +82,7 @@ class OuterConfig:
             "momentum": o.momentum,
             "group_size": o.group_size,
             "codec": o.codec,
+            "rank": o.rank,
             "verify_results": True,
             # Replicas whose momenta drifted apart (one mixed a round alone, e.g. at
             # start-up) otherwise never hold equal anchors again; mixing the momentum
@@ -100,6 +109,13 @@ class OuterConfig:
             seed=None if sparse else self.rotation_seed,
             error_feedback=part.is_quantized,
         )
+
+    def factor_format(self) -> WireFormat:
+        """Both mixes of a low-rank round: the factors (and the whole vectors) in `codec`,
+        results too, without error feedback (what they leave out of a matrix is in the
+        factorization's residual; a factor's positions mean something else every round)."""
+        codec = from_name(self.codec)
+        return WireFormat(part=codec, result=codec, block=self.block, seed=self.rotation_seed)
 
     def anchor_format(self) -> WireFormat:
         default = Codec.FP32 if self.codec == "fp32" else Codec.BF16

@@ -84,18 +84,19 @@ def round_report(
     round_no: int,
     view: RoundView,
     group_size: int,
-    mixes: tuple[Outcome | None, Outcome | None],
+    mixes: tuple[Outcome | None, ...],
     vectors: tuple[Tensor, Tensor],
     times: tuple[float, float, float],
 ) -> RoundReport:
-    """What one round did, from its two mixes' outcomes (`mixes`: anchor and delta),
-    `vectors` (own and mixed delta) and `times` (monotonic start of end_round, seconds
-    waiting for the round's preparation, worst-case deadline)."""
-    anchor, outcome = mixes
+    """What one round did, from its mixes' outcomes (`mixes`: the anchor mix's, then the
+    delta mix's, or a low-rank round's two), `vectors` (own and mixed delta) and `times`
+    (monotonic start of end_round, seconds waiting for the round's preparation,
+    worst-case deadline)."""
+    anchor, *deltas = mixes
     delta, mixed = vectors
     started, waited, deadline = times
     outcomes = [o for o in mixes if o is not None]
-    radii = outcome.stats.clip_radii if outcome is not None else []
+    radii = [r for o in deltas if o is not None for r in o.stats.clip_radii]
     rejected: dict[str, int] = {}
     for o in outcomes:
         for reason, count in o.stats.rejected.items():

@@ -16,7 +16,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
-from agora_node.protocol.codecs import CODEC_NAMES
+from agora_node.protocol.codecs import CODEC_NAMES, DENSE_CODEC_NAMES
 
 MANIFEST_VERSION = 1
 BUILTIN_MANIFESTS = ("tiny", "demo", "bench", "gpu-1b", "long", "cells")
@@ -37,6 +37,7 @@ CANONICAL_DEFAULTS = {
     ("outer", "aggregation"): "centered_clip",
     ("outer", "min_cosine"): DEFAULT_MIN_COSINE,
     ("outer", "overlap"): False,
+    ("outer", "rank"): 0,
     ("inner", "weight_prediction"): False,
     ("model", "cp_degree"): 1,
     ("model", "kv_rank"): 0,
@@ -228,6 +229,10 @@ class OuterSpec:
     """Run each round's mixes while the next round's inner steps go on, then swap in the
     new anchor plus the inner progress made meanwhile (node/rounds.py); false: inner
     steps wait for the round."""
+    rank: int = 0
+    """0: pseudo-gradients travel whole (in `codec`). r > 0: each weight matrix travels as
+    two rank-r factors in two mixes, with error feedback (node/lowrank.py); `codec` must
+    then be a dense one (fp32, bf16, int8 or int4) and encodes the factors."""
 
     def __post_init__(self) -> None:
         _positive(self, "outer", "inner_steps", "lr")
@@ -247,6 +252,14 @@ class OuterSpec:
             _fail("outer.group_size", self.group_size, "must be >= 0 (0 = everyone)")
         if self.codec not in CODEC_NAMES:
             _fail("outer.codec", self.codec, f"must be one of {', '.join(CODEC_NAMES)}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            _fail("outer.rank", self.rank, "must be an integer >= 0 (0: whole pseudo-gradients)")
+        if self.rank and self.codec not in DENSE_CODEC_NAMES:
+            _fail(
+                "outer.codec",
+                self.codec,
+                f"with outer.rank > 0 must be one of {', '.join(DENSE_CODEC_NAMES)}",
+            )
 
 
 @dataclass(kw_only=True, frozen=True)

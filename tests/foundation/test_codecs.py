@@ -73,3 +73,18 @@ def test_every_consumer_takes_the_registry_names():
         ManifestError, match="outer.codec.*must be one of fp32, bf16, int8, int4, topk4"
     ):
         OuterSpec(codec="int2")
+
+
+def test_low_rank_factors_take_a_dense_codec_and_a_rank_of_at_least_zero():
+    from agora_node.node.outer_state import OuterConfig
+
+    for name in DENSE_CODEC_NAMES:
+        assert OuterSpec(codec=name, rank=4).rank == 4
+        assert OuterConfig(codec=name, rank=4).factor_format().part is from_name(name)
+    with pytest.raises(ManifestError, match="outer.codec.*with outer.rank > 0 must be one of"):
+        OuterSpec(codec="topk4", rank=4)
+    with pytest.raises(ValueError, match="outer codec with rank > 0 must be one of fp32"):
+        OuterConfig(codec="topk4", rank=4)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ManifestError, match="outer.rank"):
+            OuterSpec(rank=bad)

@@ -130,10 +130,11 @@ def small_manifest(
     documents: bool = False,
     optimizer: str = "adamw",
     weight_prediction: bool = False,
+    outer_rank: int = 0,
 ) -> str:
     """tiny with another stage cut, outer cadence H, gossip group size, overlapped outer
-    rounds or not, context-parallel cells of `cp_degree`, another inner optimizer and
-    weight prediction (written to `path`). With
+    rounds or not, context-parallel cells of `cp_degree`, another inner optimizer, weight
+    prediction and low-rank outer factors (`outer_rank`; written to `path`). With
     `documents`, the corpus is the built-in one cut into many documents (`speeches`,
     written beside `path`): windows pack several, and attention keeps them apart."""
     from agora_node.protocol.manifest import parse_manifest
@@ -152,6 +153,9 @@ def small_manifest(
     text = text.replace(
         "weight_prediction = false", f"weight_prediction = {str(weight_prediction).lower()}"
     )
+    if outer_rank:
+        assert "\nrank = 0\n" in text
+        text = text.replace("\nrank = 0\n", f"\nrank = {outer_rank}\n")
     if documents:
         corpus = speeches(path.with_suffix(".jsonl"))
         source = 'source = "builtin:tinyshakespeare"\nformat = "text"'

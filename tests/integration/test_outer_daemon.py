@@ -7,10 +7,22 @@ from tests.integration.harness import poll, small_manifest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_replicas_of_a_stage_agree_after_outer_rounds(swarm, tmp_path, overlap):
+@pytest.mark.parametrize(
+    "overlap, rank",
+    [
+        (False, 0),
+        pytest.param(True, 0, marks=pytest.mark.slow),
+        pytest.param(False, 2, marks=pytest.mark.slow),  # low-rank factors (tests/outer too)
+    ],
+)
+def test_replicas_of_a_stage_agree_after_outer_rounds(swarm, tmp_path, overlap, rank):
     manifest = small_manifest(
-        tmp_path / "two.toml", stages=2, layers=4, inner_steps=3, overlap=overlap
+        tmp_path / "two.toml",
+        stages=2,
+        layers=4,
+        inner_steps=3,
+        overlap=overlap,
+        outer_rank=rank,
     )
     swarm.bootstrap(manifest)
     nodes = [swarm.join(f"node-{i}", "--stage", str(s)) for i, s in enumerate([0, 0, 1, 1])]

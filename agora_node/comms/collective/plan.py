@@ -19,7 +19,9 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-PHASES = ("anchor", "delta")
+PHASES = ("anchor", "delta", "factor")
+"""A round's mixes: anchors, pseudo-gradients (or their first factors, node/lowrank.py),
+and the second factors of a low-rank round."""
 
 
 def hash_order(peers: Sequence[str], seed: bytes) -> list[str]:

@@ -154,7 +154,14 @@ class Relaying:
         self.routes = routes
 
     async def request_stream(
-        self, p2p: P2P, peer_id: str, name: str, payload: bytes, timeout: float, max_response: int
+        self,
+        p2p: P2P,
+        peer_id: str,
+        name: str,
+        payload: bytes,
+        timeout: float,
+        max_response: int,
+        max_total: int,
     ) -> AsyncIterator[bytes]:
         """comms/streams.request_stream through one of `peer_id`'s relays: the request
         signed, the answer's signature checked before any frame is yielded."""
@@ -169,7 +176,9 @@ class Relaying:
                 streams.KIND_DATA,
                 len(header).to_bytes(HEADER_LEN_BYTES, "big") + header + payload,
             )
-            frames = await read_signed(reader, peer_id, relay, nonce, timeout, max_response)
+            frames = await read_signed(
+                reader, peer_id, relay, nonce, timeout, (max_response, max_total)
+            )
             self.sent_via[relay] += len(payload) + sum(len(f) for f in frames)
         finally:
             streams.close_quietly(writer)

@@ -153,10 +153,12 @@ async def read_signed(
     relay: str,
     nonce: str,
     timeout: float,
-    max_response: int,
+    limits: tuple[int, int],
 ) -> list[bytes]:
-    """The answer's data frames, once the target's signature over them checked out."""
-    digest, frames, signed = AnswerDigest(nonce), [], False
+    """The answer's data frames, once the target's signature over them checked out.
+    limits: the most bytes of one frame and of all of them (they are held until then)."""
+    max_response, max_total = limits
+    digest, frames, signed, total = AnswerDigest(nonce), [], False, 0
     while True:
         try:
             kind, data = await asyncio.wait_for(streams.read_frame(reader, max_response), timeout)
@@ -165,6 +167,12 @@ async def read_signed(
                 f"{peer_id[-8:]} (through relay {relay[-8:]}) sent nothing for {timeout:.0f}s"
             ) from exc
         if kind == streams.KIND_DATA and not signed:
+            total += len(data)
+            if total > max_total:
+                raise streams.StreamError(
+                    f"the answer of {peer_id[-8:]} through relay {relay[-8:]} exceeds "
+                    f"{max_total} bytes"
+                )
             digest.update(data)
             frames.append(data)
         elif kind == streams.KIND_SIGNED and not signed:

@@ -98,6 +98,7 @@ async def fetch_state(
         request,
         timeout=timeout,
         max_response=streams.CHUNK + 4096,
+        max_total=max_bytes + streams.CHUNK + 4096,  # the state and its header frame
     )
     header: dict | None = None
     digest, received, parts = hashlib.sha256(), 0, []

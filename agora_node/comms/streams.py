@@ -281,12 +281,17 @@ async def request_stream(
     *,
     timeout: float,
     max_response: int = DEFAULT_MAX_FRAME,
+    max_total: int | None = None,
 ) -> AsyncIterator[bytes]:
-    """Send one request, yield the response frames; each frame must arrive within `timeout`.
-    A peer that cannot be dialed is asked through its relay (comms/relay.py), if known."""
+    """Send one request, yield the response frames; each frame must arrive within `timeout`,
+    be at most `max_response` bytes, and all of them together at most `max_total` (default:
+    one frame's worth). A peer that cannot be dialed is asked through its relay
+    (comms/relay.py), if known: the answer is held until its signature checks out, so
+    `max_total` also bounds what a relay or the peer can make this node buffer."""
+    max_total = max_response if max_total is None else max_total
     if relayed(p2p, peer_id):
         async for frame in _routes[p2p].request_stream(
-            p2p, peer_id, name, payload, timeout, max_response
+            p2p, peer_id, name, payload, timeout, max_response, max_total
         ):
             yield frame
         return
@@ -302,6 +307,7 @@ async def request_stream(
         raise StreamError(f"could not reach {peer_id[-8:]}: {exc}") from exc
     try:
         await write_frame(writer, KIND_DATA, payload)
+        total = 0
         while True:
             try:
                 kind, data = await asyncio.wait_for(read_frame(reader, max_response), timeout)
@@ -315,6 +321,9 @@ async def request_stream(
                 raise StreamError(f"{peer_id[-8:]} failed: {data.decode(errors='replace')}")
             if kind == KIND_SIGNED:  # only answers that came through a relay carry one
                 raise StreamError(f"{peer_id[-8:]} sent a signature frame on a direct stream")
+            total += len(data)
+            if total > max_total:
+                raise StreamError(f"{peer_id[-8:]} answered more than {max_total} bytes")
             yield data
     finally:
         close_quietly(writer)
@@ -329,13 +338,16 @@ async def request(
     timeout: float,
     max_response: int = DEFAULT_MAX_FRAME,
 ) -> bytes:
-    """A unary call: exactly one response frame."""
-    frames = [
-        f
-        async for f in request_stream(
-            p2p, peer_id, name, payload, timeout=timeout, max_response=max_response
-        )
-    ]
-    if len(frames) != 1:
-        raise StreamError(f"expected one response frame from {peer_id[-8:]}, got {len(frames)}")
-    return frames[0]
+    """A unary call: exactly one response frame (a second one fails the call at once)."""
+    frames = request_stream(p2p, peer_id, name, payload, timeout=timeout, max_response=max_response)
+    answer: bytes | None = None
+    try:
+        async for frame in frames:
+            if answer is not None:
+                raise StreamError(f"{peer_id[-8:]} sent more than one response frame")
+            answer = frame
+    finally:
+        await frames.aclose()
+    if answer is None:
+        raise StreamError(f"expected one response frame from {peer_id[-8:]}, got none")
+    return answer

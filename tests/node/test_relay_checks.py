@@ -147,7 +147,8 @@ def _answer(identity: Identity, nonce: str, frames: list[bytes]) -> bytes:
 
 
 async def _read(data: bytes, peer: str, nonce: str) -> list[bytes]:
-    return await relay_wire.read_signed(_reader(data), peer, "r" * 52, nonce, 5.0, 1 << 20)
+    limits = (1 << 20, 4 << 20)
+    return await relay_wire.read_signed(_reader(data), peer, "r" * 52, nonce, 5.0, limits)
 
 
 async def test_the_caller_takes_only_an_answer_its_target_signed() -> None:
@@ -170,6 +171,17 @@ async def test_the_caller_takes_only_an_answer_its_target_signed() -> None:
     appended += _frame(streams.KIND_DATA, b"more") + _frame(streams.KIND_END, b"")
     with pytest.raises(streams.StreamError, match="framing"):
         await _read(appended, target.peer_id, nonce)
+
+
+async def test_an_answer_held_for_its_signature_is_bounded() -> None:
+    """A relayed answer waits for the target's signature before any frame is used: a peer
+    or relay sending frames without end is cut at the caller's total, not buffered."""
+    target, nonce = Identity.generate(), os.urandom(16).hex()
+    endless = b"".join(_frame(streams.KIND_DATA, b"x" * 4096) for _ in range(8))
+    with pytest.raises(streams.StreamError, match="exceeds 16384 bytes"):
+        await relay_wire.read_signed(
+            _reader(endless), target.peer_id, "r" * 52, nonce, 5.0, (1 << 20, 16384)
+        )
 
 
 def test_a_header_is_strict() -> None:

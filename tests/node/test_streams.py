@@ -70,6 +70,29 @@ async def test_one_response_frame_is_returned() -> None:
     assert await _call(reader) == b"pong"
 
 
+async def test_a_second_response_frame_fails_a_unary_call_at_once() -> None:
+    """A peer that answers with endless frames is cut at the second, not buffered until it
+    stops (the reader here holds three frames and never ends)."""
+    reader = asyncio.StreamReader()
+    reader.feed_data(b"".join(_frame(streams.KIND_DATA, b"x" * 2048) for _ in range(3)))
+    with pytest.raises(streams.StreamError, match="more than one response frame"):
+        await _call(reader)
+
+
+async def test_a_streamed_answer_is_bounded_in_total() -> None:
+    reader = asyncio.StreamReader()
+    reader.feed_data(b"".join(_frame(streams.KIND_DATA, b"x" * 100) for _ in range(5)))
+    peer = Identity.generate().peer_id
+    frames = streams.request_stream(
+        _P2P(reader), peer, "/test/1", b"ping", timeout=0.05, max_total=250
+    )
+    got = []
+    with pytest.raises(streams.StreamError, match="more than 250 bytes"):
+        async for frame in frames:
+            got.append(frame)
+    assert len(got) == 2
+
+
 class _ResetWriter:
     """A writer whose peer reset the connection (what drain raises then)."""
 

@@ -260,6 +260,7 @@ class P2PTransport:
             request.SerializeToString(),
             timeout=LIMITS.deadline_s,  # the round's own deadlines end it sooner
             max_response=MAX_MESSAGE_BYTES,
+            max_total=2 * self.max_frame_bytes + MAX_MESSAGE_BYTES,  # a reply, its framing
         )
 
         async def messages() -> AsyncIterator[CollectiveMessage]:

@@ -12,6 +12,7 @@ joining.load_state), and reports progress as it goes.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
@@ -66,7 +67,9 @@ async def serve_state(
         except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
             raise StateTransferError(f"bad state request: {exc}") from None
         header, blob = await provider(stage)
-        header = {"sha256": hashlib.sha256(blob).hexdigest(), **header, "bytes": len(blob)}
+        if "sha256" not in header:  # providers cache it; hashing GBs must not hold the loop
+            header = {**header, "sha256": await asyncio.to_thread(_sha256, blob)}
+        header = {**header, "bytes": len(blob)}
         log.info("sending stage %d state (%.1f MiB) to %s", stage, len(blob) / 2**20, remote[-8:])
         yield json.dumps(header).encode()
         view = memoryview(blob)
@@ -77,6 +80,10 @@ async def serve_state(
     await streams.serve(
         p2p, state_protocol(run_id), handler, max_request=4096, guard=guard, refuse=refuse
     )
+
+
+def _sha256(blob: bytes) -> str:
+    return hashlib.sha256(blob).hexdigest()
 
 
 async def fetch_state(

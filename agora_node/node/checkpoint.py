@@ -7,6 +7,11 @@ is written to a temporary name, fsynced and renamed; the .json, written the
 same way after it, is the commit marker. A crash at any moment leaves either the
 previous checkpoint or the new one, never a torn file that loads. A node never
 resumes from a checkpoint that another identity wrote (a shared data dir).
+
+Saves in one process take turns (a periodic save still running when the leave's starts),
+each temporary file has a name of its own, and a save of a step already saved with the
+same content writes nothing; with other content, the old marker goes first, so a crash
+between the two files leaves no marker pointing at the wrong .pt.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import json
 import logging
 import os
 import re
+import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,10 +45,16 @@ class CheckpointInfo:
     """The identity that wrote it (None: written before checkpoints recorded it)."""
 
 
+_SAVING = threading.Lock()
+"""One save at a time in this process (the data dir's lock keeps other daemons out)."""
+_TMP_GLOB = ".ckpt-*.tmp"
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(name)
     try:
-        with open(tmp, "wb") as f:
+        with open(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -49,7 +62,11 @@ def _atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk must not also keep a partial copy
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
@@ -74,15 +91,32 @@ def save_checkpoint(
     payload = buf.getvalue()
     digest = hashlib.sha256(payload).hexdigest()
     pt = directory / f"ckpt-{step:09d}.pt"
-    _atomic_write(pt, payload)
+    marker = pt.with_suffix(".json")
     meta = {"run_id": run_id, "stage": stage, "step": step, "sha256": digest}
     if peer_id is not None:
         meta["peer_id"] = peer_id
-    _atomic_write(pt.with_suffix(".json"), json.dumps(meta).encode())
-    for old in list_checkpoints(directory)[keep:]:
-        for p in (old.path, old.path.with_suffix(".json")):
-            p.unlink(missing_ok=True)
-    return CheckpointInfo(pt, run_id, stage, step, digest, peer_id)
+    info = CheckpointInfo(pt, run_id, stage, step, digest, peer_id)
+    with _SAVING:
+        for stale in directory.glob(_TMP_GLOB):  # a crashed save's; no other save is running
+            stale.unlink(missing_ok=True)
+        if _committed(marker) == meta and pt.is_file():
+            return info  # this step, this content: already on disk
+        if marker.exists():  # uncommit the step before its .pt changes
+            marker.unlink()
+            _fsync_dir(directory)
+        _atomic_write(pt, payload)
+        _atomic_write(marker, json.dumps(meta).encode())
+        for old in list_checkpoints(directory)[keep:]:
+            for p in (old.path, old.path.with_suffix(".json")):
+                p.unlink(missing_ok=True)
+    return info
+
+
+def _committed(marker: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:

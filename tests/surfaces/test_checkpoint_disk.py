@@ -32,3 +32,57 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_no_partial_file(tmp_path,
     assert [c.step for c in list_checkpoints(tmp_path)] == [1]
     info, loaded = load_latest_checkpoint(tmp_path, run_id="r", stage=0)
     assert info.step == 1 and torch.equal(loaded["w"], state["w"])
+
+
+def test_saves_at_once_take_turns_and_each_lands_whole(tmp_path):
+    """A periodic save still running when the leave's begins (both in threads): neither
+    fails nor mixes the other's bytes; the step's checkpoint is one of the two."""
+    import threading
+
+    states = [{"w": torch.full((1 << 16,), float(i))} for i in range(2)]
+    errors: list[BaseException] = []
+
+    def save(state: dict) -> None:
+        try:
+            save_checkpoint(tmp_path, run_id="r", stage=0, step=5, state=state)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=save, args=(s,)) for s in states]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+    info, loaded = load_latest_checkpoint(tmp_path, run_id="r", stage=0)
+    assert info.step == 5 and any(torch.equal(loaded["w"], s["w"]) for s in states)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-000000005.json",
+        "ckpt-000000005.pt",
+    ]
+
+
+def test_the_same_step_again_writes_nothing_or_uncommits_first(tmp_path, monkeypatch):
+    first = save_checkpoint(tmp_path, run_id="r", stage=0, step=3, state={"w": torch.ones(4)})
+    before = (tmp_path / "ckpt-000000003.pt").stat().st_mtime_ns
+    again = save_checkpoint(tmp_path, run_id="r", stage=0, step=3, state={"w": torch.ones(4)})
+    assert again == first and (tmp_path / "ckpt-000000003.pt").stat().st_mtime_ns == before
+
+    def crash(src, dst) -> None:  # noqa: ANN001 - the process dies before the .pt lands
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, run_id="r", stage=0, step=3, state={"w": torch.zeros(4)})
+    monkeypatch.undo()
+    # no marker names the old .pt with a digest the new content would break: step 3 is gone
+    assert list_checkpoints(tmp_path) == []
+
+
+def test_a_crashed_saves_temporary_file_is_removed_by_the_next_save(tmp_path):
+    (tmp_path / ".ckpt-000000001.pt.abc123.tmp").write_bytes(b"partial")
+    save_checkpoint(tmp_path, run_id="r", stage=0, step=2, state={"w": torch.ones(4)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-000000002.json",
+        "ckpt-000000002.pt",
+    ]

@@ -14,6 +14,7 @@ stage is not believed next to the peer's current one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -158,6 +159,10 @@ async def publish_manifest(host: Host, manifest: Manifest, identity: Identity) -
 
 
 MAX_RUNS = 16
+"""Runs listed on the status page and in messages."""
+MAX_POINTERS_READ = 1024
+"""Run pointer entries checked per read; fetch_manifest looks up the manifests of all that
+verify, so signed pointers of runs without a manifest cannot hide the one that has one."""
 """Run pointer entries a joiner considers (verified ones, in run id order)."""
 
 
@@ -169,21 +174,25 @@ class RunChoiceError(RunDiscoveryError):
     """Several valid runs are served and nothing says which one: waiting will not help."""
 
 
-async def list_runs(host: Host, rejected: Counter[str] | None = None) -> list[RunPointer]:
+async def list_runs(
+    host: Host, rejected: Counter[str] | None = None, *, limit: int = MAX_RUNS
+) -> list[RunPointer]:
     """The runs the swarm's run pointer announces: signed, fresh entries only, one per run
-    (forged ones are counted in `rejected` by reason and ignored)."""
+    (forged ones are counted in `rejected` by reason and ignored), at most `limit` of them,
+    by run id. A pointer says nothing a stranger could not sign: fetch_manifest keeps only
+    the runs whose manifest is in the DHT."""
     raw = await host.get(run_pointer_key())
     if not isinstance(raw, dict):
         return []
     now, runs = time.time(), []
-    for subkey, value in raw.items():
+    for subkey, value in list(raw.items())[:MAX_POINTERS_READ]:
         try:
             runs.append(verify_run_pointer(value, subkey=str(subkey), now=now))
         except RecordError as exc:
             if rejected is not None:
                 rejected[f"run_pointer_{exc.reason}"] += 1
             log.debug("ignoring run pointer under %s: %s", str(subkey)[:16], exc)
-    return sorted(runs, key=lambda r: r.run_id)[:MAX_RUNS]
+    return sorted(runs, key=lambda r: r.run_id)[:limit]
 
 
 def describe_runs(runs: list[RunPointer]) -> str:
@@ -208,12 +217,13 @@ async def fetch_manifest(host: Host, local: Manifest | None, run_id: str | None 
                 f"the swarm does not serve run {wanted} (--run); it serves: {served}"
             )
         return _checked(remote, wanted)
-    pointers = await list_runs(host)
+    pointers = await list_runs(host, limit=MAX_POINTERS_READ)
     if not pointers:
         raise RunDiscoveryError("no run is published in this swarm yet (is the bootstrap peer up?)")
+    found = await host.get_many([manifest_key(p.run_id) for p in pointers])
     served: list[tuple[RunPointer, Manifest]] = []
     for pointer in pointers:
-        remote = await host.get(manifest_key(pointer.run_id))
+        remote = found.get(manifest_key(pointer.run_id))
         if remote is None:
             continue  # announced without a manifest: nothing to join
         try:
@@ -221,15 +231,16 @@ async def fetch_manifest(host: Host, local: Manifest | None, run_id: str | None 
         except RunDiscoveryError as exc:
             log.debug("ignoring run %s: %s", pointer.run_id, exc)
             continue
-        if manifest.run.name == pointer.name:
-            served.append((pointer, manifest))
+        # the manifest (its hash is the run id) names the run, not whoever signed a pointer
+        served.append((dataclasses.replace(pointer, name=manifest.run.name), manifest))
     if not served:
         raise RunDiscoveryError(
-            f"run(s) {describe_runs(pointers)} announced but no manifest is in the DHT"
+            f"run(s) {describe_runs(pointers[:MAX_RUNS])} announced but no manifest is in the DHT"
         )
     if len(served) > 1:
         raise RunChoiceError(
-            f"this swarm serves {len(served)} runs: {describe_runs([p for p, _ in served])}; "
+            f"this swarm serves {len(served)} runs: "
+            f"{describe_runs([p for p, _ in served[:MAX_RUNS]])}; "
             "choose one with --run RUN_ID or --manifest FILE"
         )
     return served[0][1]

@@ -69,6 +69,9 @@ class FakeDHT:
     async def get(self, key: str, latest: bool = True):
         return self.data.get(key)
 
+    async def get_many(self, keys, latest: bool = True):  # noqa: ANN001
+        return {key: self.data.get(key) for key in keys}
+
 
 def _run(manifest, publisher: Identity, **fields) -> tuple[str, dict]:
     pointer = RunPointer(
@@ -118,12 +121,33 @@ def test_forged_pointers_are_ignored_and_several_valid_runs_fail_in_one_line():
         asyncio.run(fetch_manifest(FakeDHT(data), None, "0123456789abcdef"))
 
 
-def test_a_pointer_whose_name_disagrees_with_its_manifest_is_not_a_run():
+def test_a_pointer_that_lies_about_the_name_neither_renames_nor_hides_the_run():
+    """A stranger's pointer for the real run id under another name (with a longer ttl it
+    outlives the publisher's under the same subkey): the run is still joined, under the
+    name its manifest gives; one more run announced, the choice names it rightly."""
     tiny, stranger = load_manifest("tiny"), Identity.generate()
     liar = RunPointer(run_id=tiny.run_id, name="free-gpus", publisher=stranger.peer_id)
+    other = _other_manifest("not-yours")
     data = {
         run_pointer_key(): {tiny.run_id: liar.sign(stranger)},
         manifest_key(tiny.run_id): tiny.canonical_bytes(),
+        manifest_key(other.run_id): other.canonical_bytes(),
     }
-    with pytest.raises(RunDiscoveryError, match="no manifest"):
+    assert asyncio.run(fetch_manifest(FakeDHT(data), None)).run_id == tiny.run_id
+    data[run_pointer_key()].update(dict([_run(other, stranger)]))
+    with pytest.raises(RunChoiceError) as info:
         asyncio.run(fetch_manifest(FakeDHT(data), None))
+    assert "'tiny'" in str(info.value) and "free-gpus" not in str(info.value)
+
+
+def test_pointers_without_a_manifest_cannot_crowd_out_the_run():
+    """Many signed pointers whose run ids sort before the real one (free to make): the run
+    whose manifest is in the DHT is still found."""
+    tiny, stranger = load_manifest("tiny"), Identity.generate()
+    pointers = dict([_run(tiny, Identity.generate())])
+    for i in range(40):
+        fake = RunPointer(run_id=f"{i:016x}", name="x", publisher=stranger.peer_id)
+        pointers[fake.run_id] = fake.sign(stranger)
+    assert all(k < tiny.run_id for k in pointers if k != tiny.run_id)
+    data = {run_pointer_key(): pointers, manifest_key(tiny.run_id): tiny.canonical_bytes()}
+    assert asyncio.run(fetch_manifest(FakeDHT(data), None)).run_id == tiny.run_id

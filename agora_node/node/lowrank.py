@@ -13,9 +13,12 @@ in two mixes of the same group:
    factors, same float64 arithmetic), and M_i - P Q_i^T is kept as the residual for
    the next round.
 
-Q is drawn afresh every round rather than warm-started from the last mixed one: with
-gossip every group mixed a different Q last round, and a member that missed a round
-would hold a stale one; a seed that is a function of the round needs no agreement.
+Q is warm-started: each member starts from the mean Q its group mixed last round (power
+iteration across rounds, so P follows the pseudo-gradient's top subspace as it drifts),
+or draws it from the round's seed when it has none (first round, after a reset). Members
+need not agree on Q: whatever subspace their mean P spans, every member projects onto
+the same orthonormal P, so the result is the projection of the group's mean M onto it
+and the same on all of them; a stale or foreign Q only makes that subspace worse.
 The first factor is orthonormalized in float64 (Householder QR) and the update rebuilt in
 float64 before rounding to float32, so members on different hardware disagree only
 where a float64 difference crosses a float32 rounding boundary; if they ever do, their
@@ -68,6 +71,8 @@ class LowRank:
         )
         """Values of the second mix (the Q factors, then the whole parameters)."""
         self.residual: Tensor | None = None
+        self.warm: list[Tensor] | None = None
+        """Last round's mixed Q of every matrix: where this round's power iteration starts."""
         self._m: Tensor | None = None
         self._p: list[Tensor] = []
         self._q: list[Tensor] = []
@@ -87,8 +92,10 @@ class LowRank:
         self._m = m
         gen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(seed).digest()[:8]) >> 1)
         parts = []
-        for mat in self.matrices:
+        for k, mat in enumerate(self.matrices):
             q = torch.randn(mat.cols, self.rank, generator=gen)
+            if self.warm is not None:
+                q = self.warm[k]
             parts.append((self._view(m, mat) @ q).reshape(-1))
         return torch.cat(parts) if parts else torch.zeros(0)
 
@@ -119,16 +126,17 @@ class LowRank:
             raise ValueError(f"expected {self.second_numel} values, got {mixed_second.numel()}")
         out = torch.empty(self.numel)
         residual = torch.zeros(self.numel)
-        at = 0
+        at, warm = 0, []
         for mat, p, own_q in zip(self.matrices, self._p, self._q, strict=True):
             q = mixed_second[at : at + mat.cols * self.rank].reshape(mat.cols, self.rank)
             at += mat.cols * self.rank
+            warm.append(torch.linalg.qr(q.double()).Q.float())  # same span, well conditioned
             self._view(out, mat).copy_((p @ q.double().T).float())
             self._view(residual, mat).copy_(self._view(self._m, mat) - p.float() @ own_q.T)
         for lo, hi in self.whole:
             out[lo:hi] = mixed_second[at : at + hi - lo]
             at += hi - lo
-        self.residual = residual
+        self.residual, self.warm = residual, warm
         self._m, self._p, self._q = None, [], []
         return out
 
@@ -138,8 +146,9 @@ class LowRank:
         self._m, self._p, self._q = None, [], []
 
     def reset(self) -> None:
-        """Forget the residual (the weights were replaced, e.g. by a state transfer)."""
-        self.residual = None
+        """Forget the residual and the warm start (the weights were replaced, e.g. by a
+        state transfer)."""
+        self.residual, self.warm = None, None
         self.abandon()
 
     @staticmethod

@@ -60,6 +60,28 @@ def test_deltas_sharing_a_column_space_mix_exactly() -> None:
         assert float(lr.residual.norm() / m.norm()) < 1e-5  # float32 rounding
 
 
+def test_members_starting_from_different_q_still_agree_on_a_projection_of_the_mean() -> None:
+    """The next round starts from the group's mixed Q (warm start); a member whose Q is
+    another (it missed a round, or mixed in another group) changes the subspace, not
+    the agreement: all rebuild the same update, the mean projected onto one subspace."""
+    ms = [torch.randn(2950, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    _, members = group_mix(ms)
+    assert all(lr.warm is not None for lr in members)
+    members[2].reset()  # this one draws Q from the seed again
+    sent = [
+        m + (0 if lr.residual is None else lr.residual) for lr, m in zip(members, ms, strict=True)
+    ]
+    firsts = [lr.first(m, SEED) for lr, m in zip(members, ms, strict=True)]
+    seconds = [lr.second(torch.stack(firsts).mean(0)) for lr in members]
+    outs = [lr.finish(torch.stack(seconds).mean(0)) for lr in members]
+    assert all(torch.equal(outs[0], o) for o in outs)
+    n = members[0].matrices[0].rows * members[0].matrices[0].cols
+    update = outs[0][:n].view(40, 48).double()
+    left = torch.stack(sent).mean(0)[:n].view(40, 48).double() - update
+    assert torch.linalg.matrix_rank(update, atol=1e-6) == 2
+    assert float((update.T @ left).abs().max()) < 1e-3 * float(update.norm() * left.norm())
+
+
 def test_what_the_factors_leave_out_is_sent_in_later_rounds() -> None:
     """Error feedback: a lone member's update plus its residual is always what it had to
     send, and sending the same full-rank delta round after round, the residual stops
@@ -148,7 +170,9 @@ async def test_outer_rounds_with_factors_are_diloco_when_deltas_are_low_rank() -
     reports = await play(loops, 3)
     finals = [lp.state.weights() for lp in loops]
     assert all(torch.equal(finals[0], f) for f in finals)
-    torch.testing.assert_close(finals[0], diloco_low_rank_reference(3, 3), rtol=0, atol=1e-5)
+    # equal up to float error, which the warm start amplifies here: these deltas' row spaces
+    # are unrelated from round to round (a round's move is about 1e-2 of a weight)
+    torch.testing.assert_close(finals[0], diloco_low_rank_reference(3, 3), rtol=0, atol=5e-4)
     flat_reports = [r for rs in reports for r in rs]
     assert all(r.consistent and not r.rejected and not r.anchor_mixed for r in flat_reports)
     dense = swarm(3, config())

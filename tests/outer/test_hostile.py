@@ -70,6 +70,25 @@ async def test_round_bookkeeping_stays_bounded_whatever_strangers_send() -> None
     assert all(r != 10**9 for r, _, _ in book.pending)
 
 
+async def test_a_stranger_filling_the_promise_table_leaves_room_for_the_backup() -> None:
+    """Queries for collectives not registered yet are promises kept until registration;
+    one peer's take of the table is capped, so a stranger asking without end cannot make
+    an honest backup's promise go unkept (a late owner would then reduce the span too)."""
+    book, members = RoundBook("peer0"), peers(3)
+    responder = Responder(book)
+    for i in range(3 * MAX_PENDING):
+        header = Header(0, "delta", i.to_bytes(16, "big"), i % 3, 1 + i % 2)
+        await responder.on_query("stranger", header)
+    plan = _plan(members)
+    backup = plan.owner(0, 1)
+    reply = await responder.on_query(backup, Header(0, "delta", plan.group_id, 0, 1))
+    assert reply.code is Code.NOTHING  # a promise made, so kept
+    assert book.register(plan).spans[0].min_attempt == 1
+    assert book.unknown_rejections["too many promises for one peer"] > 0
+    refused = await responder.on_query("stranger", Header(0, "delta", b"y" * 16, 0, 1))
+    assert refused.code is Code.REJECTED  # not promised: the asker is told
+
+
 async def test_a_push_is_refused_on_its_header_before_its_payload_is_read() -> None:
     """Transports ask admit_push on the first chunk: a non-member, a wrong span or a frame
     announced larger than its span can hold is refused without being buffered."""

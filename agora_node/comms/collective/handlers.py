@@ -165,10 +165,11 @@ class Responder:
             # answer as if registered: promise, so a late registration cannot reduce. The
             # book keeps who asked and applies the promise at registration only if that
             # peer is the span's backup owner at that attempt (strangers' are dropped).
-            self.book.promise_unregistered(
+            # A promise the book could not keep is not made: the asker hears so.
+            kept = self.book.promise_unregistered(
                 header.round, header.phase, header.group_id, header.span, header.attempt, sender
             )
-            return Reply(Code.NOTHING)
+            return Reply(Code.NOTHING) if kept else rejected("no promise kept")
         except LookupError as exc:
             return rejected(str(exc))
         span = header.span

@@ -31,6 +31,9 @@ from agora_node.comms.collective.plan import GroupPlan
 LINGER_ROUNDS = 2  # a state is dropped this many rounds after its own
 AHEAD_ROUNDS = 2  # promises for unregistered collectives at most this many rounds ahead
 MAX_PENDING = 1024  # promises for unregistered collectives kept at most
+MAX_PENDING_PER_ASKER = 32
+"""Of them, from one peer: a backup asks once per span and attempt it re-reduces, so one
+stranger cannot fill the table and leave an honest backup's promise unkept."""
 
 
 class UnknownRoundError(LookupError):
@@ -272,11 +275,14 @@ class RoundBook:
             self.unknown_rejections["promise for a distant round"] += 1
             return False
         spans = self.pending.get((round_no, phase, group_id))
-        if sum(len(v) for v in self.pending.values()) >= MAX_PENDING and (
-            spans is None or (span, asker) not in spans
-        ):
-            self.unknown_rejections["promise table full"] += 1
-            return False
+        if spans is None or (span, asker) not in spans:
+            held = [a for v in self.pending.values() for _, a in v]
+            if len(held) >= MAX_PENDING:
+                self.unknown_rejections["promise table full"] += 1
+                return False
+            if held.count(asker) >= MAX_PENDING_PER_ASKER:
+                self.unknown_rejections["too many promises for one peer"] += 1
+                return False
         spans = self.pending.setdefault((round_no, phase, group_id), {})
         spans[(span, asker)] = max(attempt, spans.get((span, asker), 0))
         return True

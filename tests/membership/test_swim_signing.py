@@ -197,3 +197,36 @@ def test_decoder_survives_corrupted_valid_messages(position: int, value: int) ->
     data[position % len(data)] = value
     with contextlib.suppress(MalformedMessage):
         wire.decode_envelope(bytes(data))
+
+
+def test_a_push_pull_of_forged_entries_costs_at_most_the_verify_budget(pair) -> None:
+    """A stranger's push-pull of many entries for unknown members, each signed by the
+    stranger instead of its subject: the machine checks at most VERIFY_BUDGET signatures
+    for the message (the loop's time), learns none of them, and counts the rest."""
+    from agora_node.comms.membership.swim import VERIFY_BUDGET
+
+    machine, out, me, alice = pair
+    mallory = Identity.generate()
+    calls = []
+    verify = machine._verify
+    machine._verify = lambda *a: calls.append(1) or verify(*a)
+    entries = []
+    for _ in range(VERIFY_BUDGET + 300):
+        subject = Identity.generate().peer_id
+        body = wire.item_body(Status.ALIVE, subject, 1, meta=MemberMeta(stage=0))
+        entries.append(
+            wire.entry_bytes(Status.ALIVE, 1, body + mallory.sign(wire.ITEM_DOMAIN + body))
+        )
+    data = message(mallory, me.peer_id, MsgKind.PUSH_PULL, 1, wire.push_pull_body(False, entries))
+    machine.on_message(mallory.peer_id, data, 0.1)
+    assert len(calls) == 1 + VERIFY_BUDGET  # the envelope, then the budget
+    assert machine.counters["dropped_bad_item_signature"] == VERIFY_BUDGET
+    assert machine.counters["dropped_over_verify_budget"] == 300
+    assert machine.get(subject) is None and machine.get(alice.peer_id).status == Status.ALIVE
+
+
+def test_a_push_pull_cannot_claim_more_entries_than_a_table_holds() -> None:
+    body = bytes([0]) + (wire.MAX_ENTRIES + 1).to_bytes(4, "big") + b"\0" * 64
+    envelope = wire.encode_envelope(MsgKind.PUSH_PULL, 1, body, [], signed=False)
+    with pytest.raises(MalformedMessage, match="at most"):
+        wire.decode_envelope(envelope)

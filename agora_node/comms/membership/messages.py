@@ -41,6 +41,9 @@ NO_SIGNATURE = bytes(SIGNATURE_BYTES)
 _HEADER = struct.Struct(">BBBQ")
 _U8 = struct.Struct(">B")
 _U16 = struct.Struct(">H")
+MAX_ENTRIES = 8193
+"""Entries of one push-pull: the sender and the most members a table holds
+(settings.max_members, which may not exceed MAX_ENTRIES - 1)."""
 _U32 = struct.Struct(">I")
 _I16 = struct.Struct(">h")
 _ENTRY_HEAD = struct.Struct(">BI")
@@ -280,8 +283,8 @@ def _read_body(env: Envelope, data: bytes, pos: int) -> int:
         env.reply = data[pos] == 1
         count = _U32.unpack_from(data, pos + 1)[0]
         pos += 5
-        if count > len(data):  # every entry takes many bytes: refuse absurd counts early
-            raise MalformedMessage("entry count exceeds message size")
+        if count > min(len(data), MAX_ENTRIES):  # refuse absurd counts before parsing
+            raise MalformedMessage(f"push-pull of {count} entries (at most {MAX_ENTRIES})")
         for _ in range(count):
             status, incarnation = _ENTRY_HEAD.unpack_from(data, pos)
             record, pos = read_item(data, pos + _ENTRY_HEAD.size)

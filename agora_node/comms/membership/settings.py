@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from agora_node.comms.membership.messages import MAX_ENTRIES
+
 
 @dataclass(frozen=True, kw_only=True)
 class MembershipSettings:
@@ -63,8 +65,8 @@ class MembershipSettings:
             raise ValueError("indirect_checks and gossip_fanout must be >= 0")
         if self.suspicion_mult <= 0 or self.suspicion_max_mult < 1:
             raise ValueError("need suspicion_mult > 0 and suspicion_max_mult >= 1")
-        if self.max_members < 1 or self.max_relays < 0:
-            raise ValueError("need max_members >= 1 and max_relays >= 0")
+        if not 1 <= self.max_members < MAX_ENTRIES or self.max_relays < 0:
+            raise ValueError(f"need 1 <= max_members < {MAX_ENTRIES} and max_relays >= 0")
         if self.retransmit_mult < 1 or self.max_piggyback < 1 or self.max_awareness < 1:
             raise ValueError("retransmit_mult, max_piggyback and max_awareness must be >= 1")
         for name in ("gossip_interval_s", "push_pull_interval_s", "reconnect_interval_s"):

@@ -45,7 +45,7 @@ COUNTERS = (
     "sent", "sent_bytes", "received", "received_bytes",
     "dropped_malformed", "dropped_unsigned", "dropped_bad_signature", "dropped_replay",
     "dropped_not_admitted", "dropped_bad_item_signature", "stale_items",
-    "dropped_table_full", "dropped_relays_full",
+    "dropped_table_full", "dropped_relays_full", "dropped_over_verify_budget",
     "probes", "probe_failures", "probes_inconclusive", "indirect_probes",
     "suspicions", "confirmations", "declared_dead", "refutations", "push_pulls",
 )  # fmt: skip
@@ -55,6 +55,12 @@ _KEPT_SEEDS = 8
 
 # timer kinds
 _PROBE, _PROBE_TIMEOUT, _PROBE_END, _SUSPICION, _NACK, _GOSSIP, _PUSH_PULL, _RECONNECT = range(8)
+
+
+VERIFY_BUDGET = 512
+"""Item signatures checked per received message, at most (about 20 ms of the loop): a
+push-pull carries a whole table (8192 members), so a newcomer learns a big swarm over a
+few exchanges, and a stranger's forged entries cost the loop no more than that."""
 
 
 @dataclass(slots=True)
@@ -106,6 +112,8 @@ class Membership:
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.awareness = Awareness(self.settings.max_awareness)
         self._signer, self._verify, self._send_fn = signer, verify, send
+        self._budget: int | None = None
+        """Signature checks left for the message being handled (None: not in one)."""
         self._rng, self._listener, self._admit = rng, listener, admit
         self._members = MemberTable(rng)
         self._incarnation = 0
@@ -228,12 +236,21 @@ class Membership:
             handlers[timer.kind](timer.key, timer.when, now)
 
     def on_message(self, sender: str, data: bytes, now: float) -> None:
-        """Verify and handle one message; bad ones are dropped and counted."""
+        """Verify and handle one message; bad ones are dropped and counted. One message
+        gets at most VERIFY_BUDGET signature checks of the items in it (the event loop's
+        time is what a stranger's push-pull of forged entries would spend)."""
         self.counters["received"] += 1
         self.counters["received_bytes"] += len(data)
         env = self._open(sender, data)
         if env is None:
             return
+        self._budget = VERIFY_BUDGET
+        try:
+            self._handle(sender, env, now)
+        finally:
+            self._budget = None
+
+    def _handle(self, sender: str, env: wire.Envelope, now: float) -> None:
         for item in env.items:
             self._apply_item(item, now, gossip=True, sender=sender)
         kind = env.kind
@@ -708,6 +725,11 @@ class Membership:
         return suspicion.confirmations >= max(1, suspicion.expected)
 
     def _verified(self, item: Item) -> bool:
+        if self._budget is not None:
+            if self._budget <= 0:  # the rest of this message's news waits for a later one
+                self.counters["dropped_over_verify_budget"] += 1
+                return False
+            self._budget -= 1
         if self._verify(item.signer, item.signing_input, item.signature):
             return True
         self.counters["dropped_bad_item_signature"] += 1

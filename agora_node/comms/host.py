@@ -106,7 +106,7 @@ class Host:
             raise _explain_start_failure(exc, config) from None
         watch_p2p(reaper, p2p)
         try:
-            dht = hivemind.DHT(
+            dht = OwnSessionDHT(
                 initial_peers=list(config.initial_peers) or None,
                 p2p=p2p,
                 start=True,
@@ -233,11 +233,44 @@ async def create_p2p(**options: Any) -> P2P:
     prefix = f"/tmp/hivemind-{secrets.token_hex(4)}-"
     tagged = type("P2P", (P2P,), {"_UNIX_SOCKET_PREFIX": "/unix" + prefix})
     try:
-        return await tagged.create(**options)
+        with _children_in_own_session():
+            return await tagged.create(**options)
     except BaseException:
         for path in glob.glob(glob.escape(prefix) + "*.sock"):
             remove_socket(path)
         raise
+
+
+@contextlib.contextmanager
+def _children_in_own_session():  # noqa: ANN202
+    """hivemind starts p2pd with asyncio's create_subprocess_exec and no way to pass options:
+    for that call, it starts the child in a session of its own (see OwnSessionDHT)."""
+    spawn = asyncio.subprocess.create_subprocess_exec
+
+    def in_own_session(*args: Any, **kwargs: Any):  # noqa: ANN202 - spawn's coroutine
+        kwargs.setdefault("start_new_session", True)
+        return spawn(*args, **kwargs)
+
+    asyncio.subprocess.create_subprocess_exec = in_own_session
+    try:
+        yield
+    finally:
+        asyncio.subprocess.create_subprocess_exec = spawn
+
+
+class OwnSessionDHT(hivemind.DHT):
+    """hivemind's DHT, whose process (like the libp2p daemon) runs in a session of its own.
+
+    A signal to the node's process group (Ctrl-C in a terminal, a closed terminal's SIGHUP,
+    `kill -- -PGID`, systemd) then reaches the node alone, which leaves cleanly through
+    them: withdraws its record, forwards in-flight work, says goodbye over SWIM. Sent to
+    them too, p2pd exited at once and each of those steps ran into its deadline. If the
+    node dies, the reaper kills both (reaper.py)."""
+
+    def run(self) -> None:
+        with contextlib.suppress(OSError):  # already a session leader
+            os.setsid()
+        super().run()
 
 
 async def shutdown_p2p(p2p: P2P, timeout_s: float) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import poll
+from tests.integration.harness import poll, wait_for_line
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -72,6 +72,19 @@ def test_node_and_bootstrap_leave_when_their_process_group_gets_sigterm_or_sighu
         line for line in swarm.log(node).splitlines() if "leaving: " in line and " W " in line
     ]
     assert not unfinished, unfinished
+
+
+def test_a_signal_while_joining_stops_the_join(swarm):
+    """SIGTERM while a `--stage auto` joiner still settles on its stage (8 directory reads
+    1.5 s apart): the join is cancelled and the node exits cleanly, without first taking
+    a stage, publishing itself and then leaving."""
+    swarm.bootstrap("demo")
+    node = swarm.join("node-0", "--stage", "auto")
+    wait_for_line(node, "joined run", 90)
+    swarm.kill(node, signal.SIGTERM)
+    assert node.proc.wait(timeout=60) == 0, swarm.log(node)[-2000:]
+    log = swarm.log(node)
+    assert "stopped while joining" in log and "serving stage" not in log, log[-2000:]
 
 
 def _start_demo(workdir: Path) -> subprocess.Popen:

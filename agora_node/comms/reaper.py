@@ -74,7 +74,11 @@ class Reaper:
             self._proc.stdin.write(b"exit\n")
             self._proc.stdin.flush()
             self._proc.stdin.close()
-            self._proc.wait(timeout=5)
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # it has nothing left to do: do not wait on it
+                self._proc.kill()
+                self._proc.wait(timeout=5)
 
 
 def _main(parent: int) -> None:

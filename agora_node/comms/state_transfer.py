@@ -148,4 +148,4 @@ def _parse_header(frame: bytes, max_bytes: int = MAX_STATE_BYTES) -> dict:
         raise StateTransferError(f"bad state header: {exc}") from None
     if not 0 <= size <= min(max_bytes, MAX_STATE_BYTES) or len(sha) != 64:
         raise StateTransferError(f"implausible state header: {size} bytes (limit {max_bytes})")
-    return header
+    return {**header, "bytes": size, "sha256": sha}  # what was checked, not what was sent

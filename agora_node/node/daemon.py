@@ -501,7 +501,8 @@ class _ControlHandlers:
 async def run_node(config: NodeConfig, compute: Compute | None = None) -> int:
     """Run a node until it is told to leave; the exit code.
 
-    SIGTERM, SIGINT and SIGHUP all mean: leave cleanly (while joining: stop joining, close);
+    SIGTERM, SIGINT, SIGHUP and SIGQUIT all mean: leave cleanly (while joining: stop
+    joining, close);
     a second one skips the rest of the leave and closes at once (the checkpoint of a
     leave still in progress is lost, the helper processes are still stopped)."""
     node = Node(config, compute)
@@ -517,7 +518,7 @@ async def run_node(config: NodeConfig, compute: Compute | None = None) -> int:
             main.cancel()
         node.stop_event.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         loop.add_signal_handler(sig, on_stop)
     loop.add_signal_handler(signal.SIGUSR1, node.admittance.reload)
     try:

@@ -248,7 +248,8 @@ class StageService:
         await self.rounds.close()
         if self.pipeline.cells is not None:
             await self.pipeline.cells.close()
-        self.worker.close()
+        # the worker may be inside a step: wait off the loop, so the leave's deadline holds
+        await asyncio.to_thread(self.worker.close)
 
     # ---- state ------------------------------------------------------------------------
     async def checkpoint(self) -> str:

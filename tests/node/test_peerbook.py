@@ -29,13 +29,26 @@ def test_pick_takes_one_address_of_each_other_active_peer_naming_that_peer():
         _record(d, addrs=["not a multiaddr"]),
         _record(e, addrs=[relayed, f"/ip4/127.0.0.1/tcp/6/p2p/{e}"]),  # a relay's: skipped
     ]
-    assert peerbook.pick(records, me) == [
+    assert sorted(peerbook.pick(records, me)) == sorted([
         f"/ip4/127.0.0.1/tcp/1/p2p/{a}",
         f"/ip4/127.0.0.1/tcp/4/p2p/{b}",
         f"/ip4/127.0.0.1/tcp/6/p2p/{e}",
-    ]
-    many = peerbook.pick([_record(p) for p in IDS], IDS[0])
-    assert len(many) == MAX_PEERS and many == sorted(many, key=lambda x: x.rsplit("/", 1)[1])
+    ])  # fmt: skip
+    many = peerbook.pick([_record(p) for p in IDS], IDS[0], b"salt")
+    assert len(many) == MAX_PEERS and many == peerbook.pick(
+        [_record(p) for p in IDS], IDS[0], b"salt"
+    )
+
+
+def test_peers_whose_ids_sort_first_do_not_take_every_place():
+    """Ids ground to sort low (free to make) got all eight places when peers were taken by id;
+    with a node's secret salt they get places like any other peer."""
+    ground = sorted(IDS)[:MAX_PEERS]
+    others = [Identity.generate().peer_id for _ in range(4 * MAX_PEERS)]
+    records = [_record(p) for p in ground + others]
+    for salt in (b"a", b"b", b"c"):
+        chosen = [a.rsplit("/", 1)[1] for a in peerbook.pick(records, "me", salt)]
+        assert not set(chosen) <= set(ground), chosen
 
 
 def test_load_is_bounded_and_a_bad_file_means_no_remembered_peers(tmp_path):

@@ -79,7 +79,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             return _run_daemon(_dry_run(config, compute))
         import torch
 
-        from agora_node.node.daemon import run_node
+        from agora_node.node.run import run_node
 
         if config.threads:
             torch.set_num_threads(config.threads)

@@ -9,7 +9,7 @@ Lifecycle (DESIGN.md "Joining, stage choice, leaving"):
      publish a signed record every few seconds; SWIM decides who is alive;
      now and then re-evaluate the stage (placement.should_switch) and move by
      closing the service and opening the next;
-  5. on SIGTERM/SIGINT/SIGHUP or `agora-node leave`: announce leaving, drain the
+  5. on a stop signal (run.py) or `agora-node leave`: announce leaving, drain the
      service, checkpoint, withdraw the record, exit 0.
 A private swarm (`--allow-keys`): everything from unlisted peers is refused and
 counted; a node that the swarm's peers refuse stops with their one-line refusal
@@ -25,11 +25,9 @@ import contextlib
 import logging
 import math
 import random
-import signal
 import time
 from collections import deque
 from collections.abc import Awaitable
-from typing import Any
 
 from agora_node.comms import admission, reachability
 from agora_node.comms.directory import (
@@ -496,73 +494,3 @@ class _ControlHandlers:
 
     async def status(self) -> dict:
         return self.node.snapshot()
-
-
-async def run_node(config: NodeConfig, compute: Compute | None = None) -> int:
-    """Run a node until it is told to leave; the exit code.
-
-    SIGTERM, SIGINT, SIGHUP and SIGQUIT all mean: leave cleanly (while joining: stop
-    joining, close);
-    a second one skips the rest of the leave and closes at once (the checkpoint of a
-    leave still in progress is lost, the helper processes are still stopped)."""
-    node = Node(config, compute)
-    loop = asyncio.get_running_loop()
-    main = asyncio.current_task()
-    forced = False
-
-    def on_stop() -> None:
-        nonlocal forced
-        if node.stop_event.is_set() and not forced and main is not None:
-            forced = True
-            log.warning("second stop signal: skipping the rest of the leave")
-            main.cancel()
-        node.stop_event.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-        loop.add_signal_handler(sig, on_stop)
-    loop.add_signal_handler(signal.SIGUSR1, node.admittance.reload)
-    try:
-        if not await _unless_stopped(node.start(), node.stop_event):
-            log.info("stopped while joining")
-            print("agora-node: stopped while joining", flush=True)
-            return 0
-        print(f"agora-node: serving stage {node.service.index} as {node.peer_id}", flush=True)
-        print(
-            f"agora-node: status page http://{config.status_host}:{node._status.port}/", flush=True
-        )
-        await node.stop_event.wait()
-        if node.refused is not None:  # nothing to hand over: the swarm ignores this node
-            raise JoinError(node.refused)
-        await node.leave()
-        return 0
-    except asyncio.CancelledError:
-        if not forced:
-            raise
-        main.uncancel()
-        print("agora-node: stopped without finishing the leave (second signal)", flush=True)
-        return EXIT_FORCED
-    finally:
-        await node.close()
-
-
-EXIT_FORCED = 130
-"""Exit code after a second stop signal cut the leave short (as a shell reports SIGINT)."""
-
-
-async def _unless_stopped(work: Awaitable[Any], stop: asyncio.Event) -> bool:
-    """Run `work` unless `stop` is set first, then cancel it; whether it completed (its
-    errors propagate)."""
-    task = asyncio.ensure_future(work)
-    waiter = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        return False
-    task.result()  # raises what `work` raised
-    return True

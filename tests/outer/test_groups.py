@@ -8,7 +8,7 @@ import time
 import pytest
 
 from agora_node.comms.collective import Matchmaker, MatchmakingConfig, MemoryBoard, RoundEntry
-from agora_node.comms.collective.groups import EntryError, close_view
+from agora_node.comms.collective.groups import EntryError, close_view, excluded
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.names import outer_round_key
 
@@ -219,3 +219,37 @@ async def test_one_other_entry_ends_nobodys_round_in_a_stage_of_five() -> None:
     assert await maker.opened_by_others(3, expect=2)  # two replicas: the other's word counts
     await board.publish(key, honest.peer_id, _signed_entry(honest, 3, time.time()), 1e12)
     assert await maker.opened_by_others(3, expect=5)  # joining now makes 3 of 5
+
+
+async def test_strangers_entries_neither_close_the_round_nor_end_anyones_inner_steps() -> None:
+    """Three strangers' entries (fresh keys, joined_at 60 s back, still fresh) closed the
+    round on themselves before the replicas came, when every entry counted: each replica
+    then mixed alone, round after round. Given the replicas' ids, only theirs count."""
+    board = MemoryBoard()
+    key, now = outer_round_key("r", 0, 4), time.time()
+    for sybil in (Identity.generate() for _ in range(3)):
+        await board.publish(key, sybil.peer_id, _signed_entry(sybil, 4, now - 60.0), 1e12)
+    ids = [Identity.generate() for _ in range(3)]
+    replicas = {i.peer_id for i in ids}
+    makers = [Matchmaker(board, i, run_id="r", stage=0, config=QUICK) for i in ids]
+    assert not await makers[0].opened_by_others(4, expect=replicas)
+    assert await makers[0].opened_by_others(4, expect=3)  # by count, anyone counts
+    views = await asyncio.gather(*(m.gather(4, expect=replicas) for m in makers))
+    assert len({tuple(v.peers) for v in views}) == 1
+    assert all(replicas <= set(v.group("delta", 0)) for v in views)
+
+
+def test_only_the_expected_replicas_vote_to_leave_a_peer_out() -> None:
+    def flagged(peer: str, joined: float, flags: tuple[str, ...]) -> RoundEntry:
+        return dataclasses.replace(entry(peer, joined), flags=flags)
+
+    entries = [
+        flagged("a", 100.0, ()),
+        flagged("b", 100.1, ("x",)),
+        flagged("c", 100.2, ("x",)),
+        flagged("x", 100.3, ()),
+        *(flagged(f"s{i}", 100.4, ("a", "b")) for i in range(5)),  # strangers voting
+    ]
+    assert excluded(entries) == {"a", "b"}  # every entry a vote: the strangers win
+    assert excluded(entries, {"a", "b", "c", "x"}) == frozenset()  # 2 of 4: no majority
+    assert excluded(entries, {"a", "b", "c"}) == {"x"}  # 2 of the 3 replicas

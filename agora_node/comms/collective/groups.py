@@ -152,16 +152,26 @@ def _check_fields(body: Any) -> dict[str, Any]:
     return known
 
 
-def excluded(entries: Collection[RoundEntry]) -> frozenset[str]:
+def excluded(
+    entries: Collection[RoundEntry], voters: Collection[str] | None = None
+) -> frozenset[str]:
     """Participants named as banned by a strict majority of the entries (each entry one
-    vote per peer, its own name not counted): the same set for everyone reading them."""
+    vote per peer, its own name not counted): the same set for everyone reading them.
+    voters: only these peers' entries vote (the replicas the reader expects; strangers'
+    entries must not outvote them), the majority taken of those present."""
+    ballots = [e for e in entries if voters is None or e.peer_id in voters]
     votes: dict[str, int] = {}
-    for e in entries:
+    for e in ballots:
         for peer in e.flags:
             if peer != e.peer_id:
                 votes[peer] = votes.get(peer, 0) + 1
     present = {e.peer_id for e in entries}
-    return frozenset(p for p, n in votes.items() if p in present and 2 * n > len(entries))
+    return frozenset(p for p, n in votes.items() if p in present and 2 * n > len(ballots))
+
+
+def expected_ids(expect: Expect) -> frozenset[str] | None:
+    """The expected replicas' peer ids, when `expect` names them."""
+    return None if expect is None or isinstance(expect, int) else frozenset(expect)
 
 
 Expect = int | Collection[str] | None
@@ -194,10 +204,14 @@ def close_view(
 
     The round closes early once everyone expected is there: every expected peer id (or,
     given a count, that many entries). since: when this peer entered the round; after
-    `patience` more seconds without a quorum, the round closes on every entry seen."""
+    `patience` more seconds without a quorum, the round closes on every entry seen.
+    Given peer ids, only their entries open the round and set its close: others still
+    join it within the window, but entries of strangers (free to sign, `joined_at` of
+    their choice) cannot close it before the expected replicas are in."""
     if not entries:
         return None
-    times = sorted(e.joined_at for e in entries)
+    ids = expected_ids(expect)
+    times = sorted(e.joined_at for e in entries if ids is None or e.peer_id in ids)
     q = quorum(expect)
     if len(times) < q:
         if since is not None and now >= since + patience:
@@ -330,7 +344,7 @@ class Matchmaker:
                 patience=cfg.waited(),
             )
             if closed is not None:
-                out = excluded(closed)
+                out = excluded(closed, expected_ids(expect))
                 if out:
                     log.info(
                         "round %d leaves out %s (a majority banned them)", round_no, sorted(out)
@@ -358,10 +372,15 @@ class Matchmaker:
     ) -> bool:
         """Have enough other peers entered round `round_no` (verified, fresh entries) that
         this one joining completes a quorum? One other is enough when `expect` is unknown.
-        Entries of `ignore` (peers this one banned) do not count."""
+        Entries of `ignore` (peers this one banned) do not count, nor, when `expect` names
+        the replicas, anyone else's."""
         key = outer_round_key(self.run_id, self.stage, round_no)
-        skip = {self.identity.peer_id, *ignore}
-        others = [e for e in await self._read(key, round_no) if e.peer_id not in skip]
+        skip, ids = {self.identity.peer_id, *ignore}, expected_ids(expect)
+        others = [
+            e
+            for e in await self._read(key, round_no)
+            if e.peer_id not in skip and (ids is None or e.peer_id in ids)
+        ]
         return len(others) >= max(1, quorum(expect) - 1)
 
     async def _read(self, key: str, round_no: int) -> list[RoundEntry]:

@@ -30,6 +30,12 @@ import torch
 
 WIRE_VERSION = 1
 MAX_HEADER = 4096
+MAX_ID_CHARS = 128
+"""Run ids, micro-batch ids and origins in a forward header: printable ASCII, this long."""
+
+
+def _printable(text: str) -> bool:
+    return text.isascii() and text.isprintable()
 
 
 class Status(StrEnum):
@@ -226,10 +232,20 @@ def decode_forward(data: bytes) -> tuple[ForwardHeader, bytes, bytes, memoryview
         )
     except TypeError as exc:
         raise WireError(Code.BAD_HEADER, f"forward header: {exc}") from None
-    for name in ("stage", "batch", "seq", "width", "docs"):
+    for name in ("stage", "batch", "seq", "width", "docs", "version"):
         value = getattr(header, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise WireError(Code.BAD_HEADER, f"forward header field {name} = {value!r}")
+    for name in ("run_id", "mb_id", "origin"):
+        # printable ASCII and short: a header passed on downstream re-encodes to the size
+        # it came in (escaped non-ASCII grew past MAX_HEADER, and the next stage's refusal
+        # was charged to that stage)
+        value = getattr(header, name)
+        if not isinstance(value, str) or len(value) > MAX_ID_CHARS or not _printable(value):
+            raise WireError(Code.BAD_HEADER, f"forward header field {name} is not a short id")
+    for name in ("train", "probe"):
+        if not isinstance(getattr(header, name), bool):
+            raise WireError(Code.BAD_HEADER, f"forward header field {name} is not a boolean")
     if not isinstance(header.loss_scale, int | float) or not 0 < header.loss_scale <= 1:
         raise WireError(Code.BAD_HEADER, f"loss_scale = {header.loss_scale!r}")
     if header.docs > len(payload):

@@ -109,7 +109,12 @@ class Canaries:
         if len(chosen) < 3:
             return
         probe = ForwardHeader(
-            **{**header.__dict__, "mb_id": f"{header.mb_id}/canary", "train": False, "probe": True}
+            **{
+                **header.__dict__,
+                "mb_id": f"{header.mb_id[:64]}/canary",
+                "train": False,
+                "probe": True,
+            }
         )
         payload = encode_forward(probe, tokens.ids, encoded, tokens.docs)
         self.counts["sent"] += 1

@@ -75,6 +75,14 @@ def test_forward_round_trip_and_strictness():
         (b"\xff\xff\xff\x00" + data[4:], Code.BAD_HEADER),
         (encode_forward(_header(batch=-1), tokens, b""), Code.BAD_HEADER),
         (encode_forward(_header(loss_scale=5.0), tokens, b""), Code.BAD_HEADER),
+        # ids that re-encode larger when passed downstream (JSON escapes non-ASCII), or
+        # are not strings, and flags that are not booleans
+        (encode_forward(_header(mb_id="\u20ac" * 10), tokens, b""), Code.BAD_HEADER),
+        (encode_forward(_header(mb_id="x" * 129), tokens, b""), Code.BAD_HEADER),
+        (encode_forward(_header(origin=["o"]), tokens, b""), Code.BAD_HEADER),
+        (encode_forward(_header(run_id="r\n"), tokens, b""), Code.BAD_HEADER),
+        (encode_forward(_header(train=1), tokens, b""), Code.BAD_HEADER),
+        (encode_forward(_header(version="1"), tokens, b""), Code.BAD_HEADER),
     ]:
         with pytest.raises(WireError) as info:
             decode_forward(bad)

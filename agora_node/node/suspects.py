@@ -13,7 +13,8 @@ where a strict majority of a round's entrants naming it leaves it out of the rou
 for everyone (groups.py, `excluded`).
 
 Pure: the clock is injected; the ledger is bounded (`max_peers`, the entries that
-expire first are forgotten first), so a flood of identities cannot grow it.
+expire first are forgotten first, outer-round evidence last), so a flood of identities
+cannot grow it, nor flush the bans that round entries name.
 """
 
 from __future__ import annotations
@@ -129,7 +130,10 @@ class Suspects:
         for peer in [p for p, f in self._flags.items() if f.until <= now]:
             del self._flags[peer]
         while len(self._flags) > self.max_peers:
-            del self._flags[min(self._flags.values(), key=lambda f: f.until).peer]
+            # outer-round evidence goes last: identities are free, and sybils flagged in
+            # the pipeline (one non-finite micro-batch each) flushed the round bans out
+            oldest = min(self._flags.values(), key=lambda f: (f.reason in ROUND_EVIDENCE, f.until))
+            del self._flags[oldest.peer]
 
     def status(self) -> dict:
         """For the status page: the peers banned now, and the totals by reason."""

@@ -59,6 +59,19 @@ def test_the_ledger_is_bounded_and_forgets_the_soonest_to_expire() -> None:
     assert s.newest_banned(3) == ["p999", "p998", "p997"]
 
 
+def test_a_flood_of_pipeline_flags_does_not_flush_round_evidence() -> None:
+    """Sybils each sending one non-finite micro-batch (a flag apiece) evicted the bans on
+    outer-round evidence, the ones round entries name; now those go last."""
+    clock = Clock(1000.0)
+    s = Suspects(ban_s=100, max_peers=8, clock=clock)
+    s.flag("liar", Reason.DIRECTION_OUTLIER)
+    for i in range(1000):
+        clock.now += 0.01
+        s.flag(f"sybil{i}", Reason.NONFINITE)
+    assert s.is_banned("liar") and s.newest_banned(8, ROUND_EVIDENCE) == ["liar"]
+    assert len(s.banned()) == 8 and s.is_banned("sybil999")
+
+
 def test_round_entries_name_only_peers_banned_on_round_evidence() -> None:
     s = Suspects()
     s.flag("next-stage", Reason.CANARY)

@@ -119,7 +119,11 @@ class OuterLoop:
             self.low_rank = LowRank(shapes, config.rank)
             self.delta_encoder = PartEncoder(config.factor_format())
         delta_numel = self.low_rank.first_numel if self.low_rank else self.state.numel
-        self.replays = ReplayMemory(delta_numel)
+        self.replays = {"delta": ReplayMemory(delta_numel)}
+        """Per phase (anchors repeat by nature, so not theirs): samples of other members'
+        recent parts, a replayed part is flagged (replay.py)."""
+        if self.low_rank is not None:
+            self.replays["factor"] = ReplayMemory(self.low_rank.second_numel)
         """Samples of other members' recent delta parts: a replayed delta is flagged."""
         self.anchor_encoder = PartEncoder(config.anchor_format())
         self.last_report: RoundReport | None = None
@@ -245,8 +249,9 @@ class OuterLoop:
             if self.config.mix_momentum:
                 momentum = prep.anchor.value[self.state.numel :]
         round_no = self.state.round
-        if outcomes:  # what every member now holds: sending it back is a replay
-            self.replays.remember_mixed(round_no, outcomes[0].value)
+        for phase, outcome in zip(("delta", "factor"), outcomes, strict=False):
+            # what every member now holds: sending it back is a replay
+            self.replays[phase].remember_mixed(round_no, outcome.value)
         new = await asyncio.to_thread(
             self.state.step, mixed, anchor, momentum, self.config.consensus
         )
@@ -369,7 +374,7 @@ class OuterLoop:
             deadlines=self.config.deadlines,
             verify=self.config.verify_results,
             ignore=self.suspects.banned(),
-            replays=self.replays if plan.phase == "delta" else None,  # anchors repeat
+            replays=self.replays.get(plan.phase),
         )
         return await run.run(flat, weight)
 

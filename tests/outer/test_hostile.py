@@ -209,3 +209,19 @@ def test_sketches_tell_a_forgery_from_quantization_noise() -> None:
         nonce = i.to_bytes(16, "big")
         assert sketches_match(sketch(value, nonce), sketch(noise, nonce), 0.05)
         assert not sketches_match(sketch(value, nonce), sketch(forged, nonce), 0.05)
+
+
+async def test_a_member_asking_its_witness_again_and_again_is_refused() -> None:
+    """Each witness check costs a sketch of the span (a new set of parts a reduction): a
+    member checks the one result it fetched, so the fifth check is refused."""
+    members = peers(3)
+    book, plan = RoundBook(members[0]), _plan(members)
+    state = book.register(plan)
+    span = state.witness_span()
+    asker = next(m for m in members if m != members[0])
+    header = Header(0, "delta", plan.group_id, span, 1)
+    mask = members_mask(plan.members, set(members))
+    responder = Responder(book)
+    replies = [await responder.on_check(asker, header, b"n" * 16, mask) for _ in range(5)]
+    assert [r.code for r in replies[:4]] == [Code.NOT_READY] * 4  # no witness running here
+    assert replies[4].code is Code.REJECTED and state.stats.rejected["too many checks"] == 1

@@ -84,6 +84,11 @@ log = logging.getLogger(__name__)
 NETWORK_SLACK = 2.0  # a call may outlive the wait it asked for by this much before we give up
 
 
+MAX_WITNESS_MASKS = 4
+"""Reductions this member computes as a witness per collective, one per set of parts named
+(each is a span-sized tensor kept until the collective is dropped)."""
+
+
 @dataclass
 class Outcome:
     value: Tensor
@@ -321,6 +326,8 @@ class AllReduce:
             return None
         task = self._witnessed.get(mask)
         if task is None:
+            if len(self._witnessed) >= MAX_WITNESS_MASKS:  # honest members name one or two
+                return None
             task = asyncio.ensure_future(self._reduce_witnessed(j, named, wait))
             self._witnessed[mask] = task
         return await asyncio.shield(task)

@@ -34,6 +34,10 @@ NOT_LISTED = "not listed"
 """Refusal of every request from a peer a private swarm's allow list does not name."""
 
 
+MAX_CHECKS_PER_MEMBER = 4
+"""Witness checks one member may ask of this one per collective."""
+
+
 class Responder:
     def __init__(self, book: RoundBook, *, admit: Callable[[str], bool] | None = None) -> None:
         self.book = book
@@ -148,6 +152,12 @@ class Responder:
             return rejected("not the witness")
         if len(nonce) != NONCE_BYTES or mask_members(state.plan.members, members) is None:
             return rejected("bad check")
+        # each check is a sketch of the span (and a new mask a reduction): a member checks
+        # the one span result it fetched, perhaps again after a backup's
+        if state.checks_asked[sender] >= MAX_CHECKS_PER_MEMBER:
+            state.stats.reject("too many checks")
+            return rejected("too many checks")
+        state.checks_asked[sender] += 1
         wait = min(header.wait, MAX_WAIT)
         await state.changed.wait_for(lambda: state.witness is not None, wait)
         if state.witness is None:  # this member is not running the collective (yet)

@@ -143,6 +143,8 @@ class RoundState:
         self.reducing_done = False
         self.witness: Callable[[bytes, float], Awaitable[Tensor | None]] | None = None
         """Set by this member's AllReduce when it runs with verification."""
+        self.checks_asked: Counter[str] = Counter()
+        """Witness checks each member asked of this one (handlers.on_check caps them)."""
 
     # ---- this member's own contribution -----------------------------------------
     def set_contribution(self, weight: float, frames: list[bytes], values: list[Tensor]) -> None:

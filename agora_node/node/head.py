@@ -81,7 +81,11 @@ class Head:
             if stop.is_set():
                 break
             self.events.count_injected(tokens_per_mb)
-            batch = sampler.claim(self.manifest.inner.micro_batch)
+            # in a thread: with many heads listed (strangers' records too) a claim scans and
+            # hashes for long; the heads are read here, on the loop
+            batch = await asyncio.to_thread(
+                sampler.claim, self.manifest.inner.micro_batch, sampler.heads()
+            )
             task = asyncio.create_task(self._run_microbatch(batch))
             tasks.add(task)
             task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
@@ -179,8 +183,9 @@ class Sampler:
 
         return max(heads, key=score)
 
-    def claim(self, count: int) -> TokenBatch:
-        heads = sorted(set(self.heads()) | {self.peer_id})
+    def claim(self, count: int, heads: list[str] | None = None) -> TokenBatch:
+        """The next `count` samples this head owns among `heads` (default: `self.heads()`)."""
+        heads = sorted(set(self.heads() if heads is None else heads) | {self.peer_id})
         n = len(self.windows)
         ids: list[int] = []
         while len(ids) < count:

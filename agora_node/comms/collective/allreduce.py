@@ -494,7 +494,9 @@ class AllReduce:
             checked = []
             for f in finals:
                 expected = await self._witness_value(f.members, wait)
-                if expected is not None and values_match(f.value, expected, self.tolerance):
+                if expected is not None and await asyncio.to_thread(
+                    values_match, f.value, expected, self.tolerance
+                ):
                     checked.append(f)
             finals = checked
         if finals:  # someone already holds the span's value: re-issue exactly that

@@ -432,6 +432,9 @@ class AllReduce:
         final = await self._decode_final(reply, j)
         if final is None:
             return
+        # the attempt is the one asked of this owner, not what it claims: a claimed later
+        # attempt would pass a promise made to that attempt's (other) owner
+        final = Final(final.frame, min(final.attempt, attempt), final.value, final.members)
         if self.verify and attempt == 0 and not await self._matches_witness(j, final, owner):
             self._fall_back(j)  # neither the owner's value nor a takeover by the witness
             return

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -161,9 +162,9 @@ async def publish_manifest(host: Host, manifest: Manifest, identity: Identity) -
 MAX_RUNS = 16
 """Runs listed on the status page and in messages."""
 MAX_POINTERS_READ = 1024
-"""Run pointer entries checked per read; fetch_manifest looks up the manifests of all that
-verify, so signed pointers of runs without a manifest cannot hide the one that has one."""
-"""Run pointer entries a joiner considers (verified ones, in run id order)."""
+"""Run pointer entries checked per read (a random share when there are more); fetch_manifest
+looks up the manifests of all that verify, so signed pointers of runs without a manifest
+cannot hide the one that has one."""
 
 
 class RunDiscoveryError(RuntimeError):
@@ -185,7 +186,10 @@ async def list_runs(
     if not isinstance(raw, dict):
         return []
     now, runs = time.time(), []
-    for subkey, value in list(raw.items())[:MAX_POINTERS_READ]:
+    entries = list(raw.items())
+    if len(entries) > MAX_POINTERS_READ:  # a random share: junk cannot push a run past a cut
+        entries = random.sample(entries, MAX_POINTERS_READ)
+    for subkey, value in entries:
         try:
             runs.append(verify_run_pointer(value, subkey=str(subkey), now=now))
         except RecordError as exc:

@@ -241,21 +241,29 @@ async def create_p2p(**options: Any) -> P2P:
         raise
 
 
+_SPAWN = asyncio.subprocess.create_subprocess_exec
+_sessions_wanted = 0
+
+
+def _spawn_in_own_session(*args: Any, **kwargs: Any):  # noqa: ANN202 - _SPAWN's coroutine
+    kwargs.setdefault("start_new_session", True)
+    return _SPAWN(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def _children_in_own_session():  # noqa: ANN202
     """hivemind starts p2pd with asyncio's create_subprocess_exec and no way to pass options:
-    for that call, it starts the child in a session of its own (see OwnSessionDHT)."""
-    spawn = asyncio.subprocess.create_subprocess_exec
-
-    def in_own_session(*args: Any, **kwargs: Any):  # noqa: ANN202 - spawn's coroutine
-        kwargs.setdefault("start_new_session", True)
-        return spawn(*args, **kwargs)
-
-    asyncio.subprocess.create_subprocess_exec = in_own_session
+    while any create_p2p runs (they may overlap), children start in sessions of their own
+    (see OwnSessionDHT)."""
+    global _sessions_wanted
+    _sessions_wanted += 1
+    asyncio.subprocess.create_subprocess_exec = _spawn_in_own_session
     try:
         yield
     finally:
-        asyncio.subprocess.create_subprocess_exec = spawn
+        _sessions_wanted -= 1
+        if _sessions_wanted == 0:
+            asyncio.subprocess.create_subprocess_exec = _SPAWN
 
 
 class OwnSessionDHT(hivemind.DHT):

@@ -44,7 +44,14 @@ class Route(Protocol):
     def relays_of(self, peer_id: str) -> list[str]: ...
 
     def request_stream(
-        self, p2p: P2P, peer_id: str, name: str, payload: bytes, timeout: float, max_response: int
+        self,
+        p2p: P2P,
+        peer_id: str,
+        name: str,
+        payload: bytes,
+        timeout: float,
+        max_response: int,
+        max_total: int,
     ) -> AsyncIterator[bytes]: ...
 
 

@@ -10,8 +10,9 @@ resumes from a checkpoint that another identity wrote (a shared data dir).
 
 Saves in one process take turns (a periodic save still running when the leave's starts),
 each temporary file has a name of its own, and a save of a step already saved with the
-same content writes nothing; with other content, the old marker goes first, so a crash
-between the two files leaves no marker pointing at the wrong .pt.
+same content writes nothing. Saved again with other content, a crash between the two
+files leaves the old marker beside the new .pt: its digest fails and the step is skipped
+for the one before, as for any torn checkpoint.
 """
 
 from __future__ import annotations
@@ -101,9 +102,6 @@ def save_checkpoint(
             stale.unlink(missing_ok=True)
         if _committed(marker) == meta and pt.is_file():
             return info  # this step, this content: already on disk
-        if marker.exists():  # uncommit the step before its .pt changes
-            marker.unlink()
-            _fsync_dir(directory)
         _atomic_write(pt, payload)
         _atomic_write(marker, json.dumps(meta).encode())
         for old in list_checkpoints(directory)[keep:]:

@@ -112,8 +112,8 @@ class OuterLoop:
         )
         self.delta_encoder = PartEncoder(config.delta_format())
         self.low_rank: LowRank | None = None
-        """With `config.rank`: the factorization of the pseudo-gradient (lowrank.py), whose
-        two mixes use `factor_encoder`."""
+        """With `config.rank`: the factorization of the pseudo-gradient (lowrank.py); its
+        two mixes encode with `delta_encoder`, then in `config.factor_format()`."""
         if config.rank:
             shapes = [tuple(p.shape) for p in self.state.params]
             self.low_rank = LowRank(shapes, config.rank)
@@ -257,7 +257,12 @@ class OuterLoop:
         )
         await weights.write(new)
         n = len(prep.delta_plan.members) if prep.delta_plan else 1
-        deadline = self.config.deadlines.worst_case(self.state.numel, n, self.config.delta_format())
+        fmt = self.delta_encoder.fmt
+        if self.low_rank is not None:  # two mixes, each of its factors
+            numel = self.low_rank.first_numel + self.low_rank.second_numel
+        else:
+            numel = self.state.numel
+        deadline = self.config.deadlines.worst_case(numel, n, fmt)
         report = round_report(
             round_no,
             prep.view,

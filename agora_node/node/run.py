@@ -27,20 +27,24 @@ async def run_node(config: NodeConfig, compute: Compute | None = None) -> int:
     """Run a node until it is told to leave; the exit code.
 
     SIGTERM, SIGINT, SIGHUP and SIGQUIT all mean: leave cleanly (while joining: stop
-    joining, close);
-    a second one skips the rest of the leave and closes at once (the checkpoint of a
-    leave still in progress is lost, the helper processes are still stopped)."""
+    joining, close). A second stop signal while the leave runs skips the rest of it and
+    closes at once (a checkpoint being written is lost; the previous one stays); one
+    while joining is cancelled or while closing changes nothing (both are short and
+    bounded). `agora-node leave` and the node's own reasons to stop are not signals:
+    the first signal after them still leaves cleanly."""
     node = Node(config, compute)
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
-    forced = False
+    signals, phase = 0, "joining"  # joining -> serving -> leaving -> closing
 
     def on_stop() -> None:
-        nonlocal forced
-        if node.stop_event.is_set() and not forced and main is not None:
-            forced = True
+        nonlocal signals
+        signals += 1
+        if signals >= 2 and phase == "leaving" and main is not None:
             log.warning("second stop signal: skipping the rest of the leave")
             main.cancel()
+        elif signals >= 2:
+            log.info("stop signal: already stopping (%s)", phase)
         node.stop_event.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
@@ -51,6 +55,7 @@ async def run_node(config: NodeConfig, compute: Compute | None = None) -> int:
             log.info("stopped while joining")
             print("agora-node: stopped while joining", flush=True)
             return 0
+        phase = "serving"
         print(f"agora-node: serving stage {node.service.index} as {node.peer_id}", flush=True)
         print(
             f"agora-node: status page http://{config.status_host}:{node._status.port}/", flush=True
@@ -58,16 +63,25 @@ async def run_node(config: NodeConfig, compute: Compute | None = None) -> int:
         await node.stop_event.wait()
         if node.refused is not None:  # nothing to hand over: the swarm ignores this node
             raise JoinError(node.refused)
-        await node.leave()
-        return 0
+        phase = "leaving"
+        if signals < 2:  # else both came before the leave could begin
+            await node.leave()
+            return 0
+        return _forced()
     except asyncio.CancelledError:
-        if not forced:
+        if phase != "leaving" or signals < 2:
             raise
-        main.uncancel()
-        print("agora-node: stopped without finishing the leave (second signal)", flush=True)
-        return EXIT_FORCED
+        if main is not None:
+            main.uncancel()
+        return _forced()
     finally:
+        phase = "closing"
         await node.close()
+
+
+def _forced() -> int:
+    print("agora-node: stopped without finishing the leave (second signal)", flush=True)
+    return EXIT_FORCED
 
 
 EXIT_FORCED = 130

@@ -132,17 +132,29 @@ class PeerProcess:
         self.proc.stdin.flush()
 
     def kill(self) -> None:
-        """SIGKILL the whole process group (the peer, its DHT process, their daemons)."""
+        """SIGKILL the peer's process group, then what it started in sessions of their own
+        (its DHT process, p2pd, torch's shared-memory manager: found by their TMPDIR) but
+        its reaper, which is left to remove p2pd's sockets and exit; then the TMPDIR."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
-        # torch's shared-memory manager (hivemind's futures use it) runs in a session of
-        # its own and lingers for seconds: found by the TMPDIR it inherited
-        for pid in pids_with_env(f"TMPDIR={self.tmp}"):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        mine = f"TMPDIR={self.tmp}"
+        for pid in pids_with_env(mine):
+            if not _is_reaper(pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while pids_with_env(mine) and time.monotonic() < deadline:  # the reaper finishing
+            time.sleep(0.05)
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _is_reaper(pid: int) -> bool:
+    try:
+        return b"agora_node.comms.reaper" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def pids_with_env(entry: str) -> list[int]:

@@ -225,3 +225,25 @@ async def test_a_member_asking_its_witness_again_and_again_is_refused() -> None:
     replies = [await responder.on_check(asker, header, b"n" * 16, mask) for _ in range(5)]
     assert [r.code for r in replies[:4]] == [Code.NOT_READY] * 4  # no witness running here
     assert replies[4].code is Code.REJECTED and state.stats.rejected["too many checks"] == 1
+
+
+async def test_a_witness_out_of_checks_says_nothing_about_the_owner() -> None:
+    """A member can spend a witness's reductions on masks of its own choosing; what the
+    witness answers after that must read as unchecked (REJECTED), not as a part missing
+    from the result (NOTHING), which would get the honest owner flagged."""
+    from agora_node.comms.collective.state import WitnessBusy
+
+    members = peers(3)
+    book, plan = RoundBook(members[0]), _plan(members)
+    state = book.register(plan)
+
+    async def busy(mask: bytes, wait: float):  # noqa: ANN202
+        raise WitnessBusy("4 sets of parts checked already")
+
+    state.witness = busy
+    asker = next(m for m in members if m != members[0])
+    header = Header(0, "delta", plan.group_id, state.witness_span(), 1)
+    reply = await Responder(book).on_check(
+        asker, header, b"n" * 16, members_mask(plan.members, set(members))
+    )
+    assert reply.code is Code.REJECTED and "busy" in reply.reason

@@ -156,9 +156,11 @@ def excluded(
     entries: Collection[RoundEntry], voters: Collection[str] | None = None
 ) -> frozenset[str]:
     """Participants named as banned by a strict majority of the entries (each entry one
-    vote per peer, its own name not counted): the same set for everyone reading them.
-    voters: only these peers' entries vote (the replicas the reader expects; strangers'
-    entries must not outvote them), the majority taken of those present."""
+    vote per peer, its own name not counted). voters: only these peers' entries vote (the
+    replicas the reader expects; strangers' entries must not outvote them), the majority
+    taken of those present. The same set for everyone who reads the same entries with the
+    same voters; replicas whose membership views differ for a moment may disagree, and
+    then form groups that do not match for that round (each mixes alone or with fewer)."""
     ballots = [e for e in entries if voters is None or e.peer_id in voters]
     votes: dict[str, int] = {}
     for e in ballots:

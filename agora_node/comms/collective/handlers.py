@@ -20,6 +20,7 @@ from agora_node.comms.collective.state import (
     RoundBook,
     RoundState,
     UnknownRoundError,
+    WitnessBusy,
 )
 from agora_node.comms.collective.verify import NONCE_BYTES, mask_members, sketch_bytes
 from agora_node.comms.collective.wire import Code, Header, Reply, rejected
@@ -162,7 +163,10 @@ class Responder:
         await state.changed.wait_for(lambda: state.witness is not None, wait)
         if state.witness is None:  # this member is not running the collective (yet)
             return Reply(Code.NOT_READY)
-        value = await state.witness(members, wait)
+        try:
+            value = await state.witness(members, wait)
+        except WitnessBusy as exc:
+            return rejected(f"witness busy: {exc}")
         if value is None:  # it lacks a part the result names: that result cannot stand
             return Reply(Code.NOTHING)
         payload = await asyncio.to_thread(sketch_bytes, value, nonce)

@@ -128,6 +128,12 @@ class CollectiveStats:
         self.rejected[reason] += 1
 
 
+class WitnessBusy(RuntimeError):
+    """A witness computed as many reductions as it may (allreduce.MAX_WITNESS_MASKS): a
+    check now says nothing (answered REJECTED, which the asker counts as unchecked, never
+    as a mismatch)."""
+
+
 class RoundState:
     """What this member knows about one collective."""
 

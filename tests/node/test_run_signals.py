@@ -1,0 +1,83 @@
+"""node/run.py: what stop signals do to a node in each phase (a stand-in Node: the real
+one's signals are tests/integration/test_signals.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from agora_node.node import run
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Node:
+    """Joins at once; its leave waits until `release` is set."""
+
+    def __init__(self, config, compute) -> None:  # noqa: ANN001
+        self.stop_event = asyncio.Event()
+        self.release = asyncio.Event()
+        self.refused = None
+        self.peer_id = "me"
+        self.service = type("S", (), {"index": 0})()
+        self._status = type("P", (), {"port": 1})()
+        self.admittance = type("A", (), {"reload": staticmethod(lambda: None)})()
+        self.left = self.closed = False
+        self.leaving = asyncio.Event()
+        _Node.last = self
+
+    async def start(self) -> None:
+        pass
+
+    async def leave(self) -> None:
+        self.leaving.set()
+        await self.release.wait()
+        self.left = True
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class _Config:
+    status_host = "127.0.0.1"
+
+
+async def _started(monkeypatch) -> tuple[asyncio.Task, _Node]:  # noqa: ANN001
+    monkeypatch.setattr(run, "Node", _Node)
+    task = asyncio.create_task(run.run_node(_Config(), None))
+    while not hasattr(_Node, "last") or _Node.last is None:
+        await asyncio.sleep(0)
+    node = _Node.last
+    _Node.last = None
+    await asyncio.sleep(0.05)  # serving: waiting on stop_event
+    return task, node
+
+
+@pytest.fixture(autouse=True)
+def _no_last():
+    _Node.last = None
+
+
+async def test_a_second_signal_during_the_leave_cuts_it_short(monkeypatch) -> None:
+    task, node = await _started(monkeypatch)
+    os.kill(os.getpid(), signal.SIGTERM)
+    await asyncio.wait_for(node.leaving.wait(), 5)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert await asyncio.wait_for(task, 5) == run.EXIT_FORCED
+    assert not node.left and node.closed
+
+
+async def test_a_signal_after_a_leave_request_lets_the_leave_finish(monkeypatch) -> None:
+    """`agora-node leave` sets the stop event without a signal; the SIGTERM that
+    `systemctl stop` sends after it is the first signal, so the leave goes on."""
+    task, node = await _started(monkeypatch)
+    node.stop_event.set()  # what the control API's Leave does
+    await asyncio.wait_for(node.leaving.wait(), 5)
+    os.kill(os.getpid(), signal.SIGTERM)
+    await asyncio.sleep(0.05)
+    node.release.set()
+    assert await asyncio.wait_for(task, 5) == 0
+    assert node.left and node.closed

@@ -74,7 +74,8 @@ def test_a_book_saves_changes_at_most_every_interval_and_never_forgets_on_an_emp
     now[0] += SAVE_EVERY_S
     assert not book.update([], IDS[0])  # an empty view keeps what was remembered
     assert book.update([_record(IDS[1])], IDS[0])
-    assert peerbook.load(tmp_path) == first[:1]
+    only = [a for a in first if a.endswith(IDS[1])]  # the order of `first` is the salt's
+    assert peerbook.load(tmp_path) == only
     restarted = PeerBook(tmp_path)
-    assert restarted.initial_peers(given) == given + first[:1]
-    assert restarted.initial_peers(first[:1]) == first[:1]  # no duplicates
+    assert restarted.initial_peers(given) == given + only
+    assert restarted.initial_peers(only) == only  # no duplicates

@@ -14,11 +14,34 @@ from agora_node.node import run
 pytestmark = pytest.mark.timeout(30)
 
 
+class _CountingEvent(asyncio.Event):
+    """An Event that counts its `set` calls (the signal handler's one visible effect)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.called = asyncio.Condition()
+
+    def set(self) -> None:
+        self.calls += 1
+        super().set()
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self.called:
+            self.called.notify_all()
+
+    async def wait_calls(self, n: int) -> None:
+        async with self.called:
+            await self.called.wait_for(lambda: self.calls >= n)
+
+
 class _Node:
     """Joins at once; its leave waits until `release` is set."""
 
     def __init__(self, config, compute) -> None:  # noqa: ANN001
-        self.stop_event = asyncio.Event()
+        self.stop_event = _CountingEvent()
+        self.started = asyncio.Event()
         self.release = asyncio.Event()
         self.refused = None
         self.peer_id = "me"
@@ -30,7 +53,7 @@ class _Node:
         _Node.last = self
 
     async def start(self) -> None:
-        pass
+        self.started.set()
 
     async def leave(self) -> None:
         self.leaving.set()
@@ -46,14 +69,19 @@ class _Config:
 
 
 async def _started(monkeypatch) -> tuple[asyncio.Task, _Node]:  # noqa: ANN001
-    monkeypatch.setattr(run, "Node", _Node)
+    created = asyncio.Event()
+    monkeypatch.setattr(run, "Node", lambda *a: _created(created, *a))
     task = asyncio.create_task(run.run_node(_Config(), None))
-    while not hasattr(_Node, "last") or _Node.last is None:
-        await asyncio.sleep(0)
+    await asyncio.wait_for(created.wait(), 5)
     node = _Node.last
-    _Node.last = None
-    await asyncio.sleep(0.05)  # serving: waiting on stop_event
+    await asyncio.wait_for(node.started.wait(), 5)
     return task, node
+
+
+def _created(created: asyncio.Event, *args) -> _Node:  # noqa: ANN002
+    node = _Node(*args)
+    created.set()
+    return node
 
 
 @pytest.fixture(autouse=True)
@@ -77,7 +105,7 @@ async def test_a_signal_after_a_leave_request_lets_the_leave_finish(monkeypatch)
     node.stop_event.set()  # what the control API's Leave does
     await asyncio.wait_for(node.leaving.wait(), 5)
     os.kill(os.getpid(), signal.SIGTERM)
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(node.stop_event.wait_calls(2), 5)  # the handler ran
     node.release.set()
     assert await asyncio.wait_for(task, 5) == 0
     assert node.left and node.closed

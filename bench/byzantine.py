@@ -61,6 +61,7 @@ from agora_node.node.outer_state import ModuleWeights, OuterConfig, OuterState  
 from agora_node.node.suspects import Suspects  # noqa: E402
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer  # noqa: E402
 from agora_node.protocol.identity import Identity  # noqa: E402
+from agora_node.protocol.identity import verify as verify_signature  # noqa: E402
 from agora_node.protocol.manifest import Manifest  # noqa: E402
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 
@@ -135,7 +136,8 @@ async def run(
     r, h = args.replicas, args.inner_steps
     tokens_per_step = manifest.inner.local_batch * manifest.model.seq_len
     rounds = max(1, args.tokens // (r * h * tokens_per_step))
-    network, board, cfg = LocalNetwork(), MemoryBoard(), config(manifest, defended)
+    board, cfg = MemoryBoard(), config(manifest, defended)
+    network = LocalNetwork(verify=verify_signature if cfg.verify_results else None)
     trainers, loops = [], []
     for k in range(r):
         t = trainer(manifest, args.eval_samples, k, r)

@@ -56,6 +56,7 @@ from agora_node.comms.collective import (
 )
 from agora_node.comms.collective.groups import MAX_FLAGS, Expect
 from agora_node.comms.collective.payload import max_frame_bytes
+from agora_node.comms.collective.proofs import Signing
 from agora_node.comms.collective.replay import ReplayMemory
 from agora_node.node.heap import release_freed_memory
 from agora_node.node.lowrank import LowRank
@@ -64,6 +65,7 @@ from agora_node.node.round_report import RoundReport, round_report, round_summar
 from agora_node.node.suspects import ROUND_EVIDENCE, Reason, Suspects
 from agora_node.protocol.allowlist import AllowList
 from agora_node.protocol.identity import Identity
+from agora_node.protocol.identity import verify as verify_signature
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import outer_namespace
 
@@ -80,6 +82,13 @@ class _Prep:
     anchor: Outcome | None
     factor_plan: GroupPlan | None = None
     """A low-rank round's second mix (same group as the delta plan)."""
+
+
+def part_signing(identity: Identity, config: OuterConfig) -> Signing | None:
+    """Parts are signed, and others' signatures checked, wherever results are verified: a
+    failed check then names the member that sent two parts (proofs.py). Every member of a
+    group must agree on it, as on `verify_results`."""
+    return Signing(identity.sign, verify_signature) if config.verify_results else None
 
 
 class OuterLoop:
@@ -104,6 +113,8 @@ class OuterLoop:
         """Peers this replica caught (its own, or the node's shared ledger): named in its
         round entries, their parts dropped when it reduces (docs/security.md)."""
         self.identity, self.me = identity, identity.peer_id
+        self.signing = part_signing(identity, config)
+        """Signs this replica's parts when results are verified (proofs.py)."""
         self.run_id, self.stage, self.config = run_id, stage, config
         self.book, self.transport = book, transport
         self.namespace = outer_namespace(run_id, stage)
@@ -169,7 +180,11 @@ class OuterLoop:
         namespace = outer_namespace(manifest.run_id, stage)
         rpc_admit = allow.admit("rpc") if allow is not None else None
         guard = Guard("collective", COLLECTIVE_LIMITS, on_refuse=on_refuse)
-        servicer = CollectiveServicer(Responder(book, admit=rpc_admit), limit, guard=guard)
+        signing = part_signing(identity, config)
+        responder = Responder(
+            book, admit=rpc_admit, verify=signing.verify if signing is not None else None
+        )
+        servicer = CollectiveServicer(responder, limit, guard=guard)
         await servicer.add_p2p_handlers(p2p, namespace=namespace)
         await servicer.serve_streams(p2p, namespace)
         transport = P2PTransport(p2p, namespace=namespace, max_frame_bytes=limit)
@@ -296,6 +311,9 @@ class OuterLoop:
             self.suspects.flag(peer, Reason.MISMATCH, f"{where}: its span result failed the check")
         for peer in report.mismatch_witnesses:
             self.suspects.flag(peer, Reason.MISMATCH, f"{where}: witness of a failed span check")
+        for peer in report.equivocated:
+            evidence = f"{where}: signed one part for a span's owner and another for its witness"
+            self.suspects.flag(peer, Reason.EQUIVOCATION, evidence)
 
     async def opened_elsewhere(self, expect: Expect = None) -> bool:
         """Have enough other replicas opened this round's matchmaking (verified entries) that
@@ -380,6 +398,7 @@ class OuterLoop:
             verify=self.config.verify_results,
             ignore=self.suspects.banned(),
             replays=self.replays.get(plan.phase),
+            signing=self.signing,
         )
         return await run.run(flat, weight)
 

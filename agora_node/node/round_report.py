@@ -53,6 +53,9 @@ class RoundReport:
     """Spans adopted from a backup owner because their first owner was late or gone."""
     mismatch_witnesses: list[str] = field(default_factory=list)
     """Witnesses of those spans (other than this replica): either side may have lied."""
+    equivocated: list[str] = field(default_factory=list)
+    """Members that signed two parts for one span, one for its owner and one for its
+    witness (proofs.py): the failed check was theirs."""
     excluded: list[str] = field(default_factory=list)
     """Participants left out of the round: a majority of the entries named them banned."""
     ignored: list[str] = field(default_factory=list)
@@ -77,6 +80,7 @@ def round_summary(report: RoundReport, at: float | None = None) -> dict[str, Any
         "direction_outliers": list(report.direction_outliers),
         "replayed": list(report.replayed),
         "mismatched": list(report.mismatched),
+        "equivocated": list(report.equivocated),
     }
 
 
@@ -127,6 +131,7 @@ def round_report(
         unchecked_spans=sum(o.stats.unchecked_spans for o in outcomes),
         late_spans=sum(o.stats.late_spans for o in outcomes),
         mismatch_witnesses=sorted({p for o in outcomes for p in o.stats.mismatch_witnesses}),
+        equivocated=sorted({p for o in outcomes for p in o.stats.equivocated}),
         excluded=list(view.excluded),
         ignored=sorted({p for o in outcomes for p in o.stats.ignored}),
     )

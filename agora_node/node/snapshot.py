@@ -112,9 +112,9 @@ def record_history(node: Node) -> None:
 
 def flags_by_peer(rounds: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
     """How often each peer failed ("failed"), sent a part refused for its norm ("outlier")
-    or its direction ("direction_outlier"), replayed an earlier round's ("replayed"), or a
-    result the witness refuted ("mismatched")
-    in this replica's recent outer rounds."""
+    or its direction ("direction_outlier"), replayed an earlier round's ("replayed"), a
+    result the witness refuted ("mismatched"), or signed two parts for one span
+    ("equivocated") in this replica's recent outer rounds."""
     out: dict[str, Counter] = {}
     for r in rounds:
         for field, name in (
@@ -123,6 +123,7 @@ def flags_by_peer(rounds: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, in
             ("direction_outliers", "direction_outlier"),
             ("replayed", "replayed"),
             ("mismatched", "mismatched"),
+            ("equivocated", "equivocated"),
         ):
             for peer in r.get(field) or ():
                 out.setdefault(peer, Counter())[name] += 1

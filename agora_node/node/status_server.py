@@ -65,8 +65,7 @@ class PeerView(TypedDict):
     bytes_sent: int  # micro-batch bytes this node sent it (outer rounds: `outer`)
     bytes_received: int
     flags: dict[str, int]  # {"failed" | "outlier" | "direction_outlier" | "replayed" |
-    # "mismatched":
-    # recent rounds}, empty if none
+    # "mismatched" | "equivocated": recent rounds}, empty if none
     anchor_agrees: bool | None  # same stage: its attested anchor equals ours for that round
 
 
@@ -101,7 +100,7 @@ class NodeStatus(TypedDict):
     outer: dict[str, Any]  # this stage's rounds: totals, "last_round", "recent_rounds"
     # ([{round, at, participants, group, anchor_mixed, consistent, bytes_sent,
     # bytes_received, seconds_blocked, failed_peers, outliers, direction_outliers,
-    # replayed, mismatched}], oldest
+    # replayed, mismatched, equivocated}], oldest
     # first) and "agreement" ({round: {"agree": [peer], "differ": [peer]}})
     members: dict[str, Any]  # SWIM: "view", "counters", "events" ([{at, peer_id,
     # event: joined | suspected | dead | left | alive | moved, stage}], oldest first)

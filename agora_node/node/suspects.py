@@ -42,6 +42,9 @@ class Reason(StrEnum):
     round (comms/collective/replay.py)."""
     MISMATCH = "mismatch"
     """A span result it produced (or witnessed) failed the witness check."""
+    EQUIVOCATION = "equivocation"
+    """It signed one outer part for a span's owner and another for the span's witness
+    (comms/collective/proofs.py): two statements under its key prove it."""
     NONFINITE = "nonfinite"
     """It sent non-finite activations, gradients or loss in the pipeline."""
     CANARY = "canary"
@@ -55,7 +58,13 @@ class Reason(StrEnum):
     (`NormWatch`)."""
 
 
-ROUND_EVIDENCE = (Reason.NORM_OUTLIER, Reason.DIRECTION_OUTLIER, Reason.REPLAY, Reason.MISMATCH)
+ROUND_EVIDENCE = (
+    Reason.NORM_OUTLIER,
+    Reason.DIRECTION_OUTLIER,
+    Reason.REPLAY,
+    Reason.MISMATCH,
+    Reason.EQUIVOCATION,
+)
 """What a replica saw in its own stage's outer rounds: the reasons its round entries name."""
 
 

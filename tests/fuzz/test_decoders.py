@@ -28,6 +28,14 @@ from agora_node.comms.collective.payload import (
     encode_result,
     max_frame_bytes,
 )
+from agora_node.comms.collective.proofs import (
+    PROOF_BYTES,
+    Signing,
+    attribute,
+    pack_proofs,
+    parse_proofs,
+    sign_part,
+)
 from agora_node.comms.collective.verify import (
     SKETCH_ROWS,
     mask_members,
@@ -232,6 +240,29 @@ def test_sketches_and_member_masks(data: bytes, mask: bytes) -> None:
     members = ("a", "b", "c", "d", "e")
     named = mask_members(members, mask)
     assert named is None or set(named) <= set(members)
+
+
+_KEYS = [Identity.generate() for _ in range(3)]
+_GROUP = b"g" * 16
+_PROOFS = pack_proofs(
+    [sign_part(Signing(k.sign, verify), _GROUP, 1, 1.0, bytes([i])) for i, k in enumerate(_KEYS)]
+)
+
+
+@FUZZ
+@given(mutated([_PROOFS], max_random=4 * PROOF_BYTES))
+def test_signed_entries_of_a_result(data: bytes) -> None:
+    """Entries from the wire (proofs.py): the wrong count is None; a mutated entry is at
+    worst a forgery `attribute` blames on whoever presented it, never an exception."""
+    named = [k.peer_id for k in _KEYS]
+    parsed = parse_proofs(data, len(named))
+    assert parsed is None or len(parsed) == len(named)
+    verdict = attribute(verify, _GROUP, 1, named, data, _PROOFS)
+    if data == _PROOFS:
+        event("same entries")
+        assert verdict.reducer_unknown
+    else:
+        assert verdict.owner_forged and not verdict.witness_forged and not verdict.equivocators
 
 
 # ---- pipeline wire (comms/pipeline_wire.py) ---------------------------------------------

@@ -18,6 +18,7 @@ from agora_node.comms.collective import (
     WireFormat,
     plain_format,
 )
+from agora_node.comms.collective.proofs import Signing
 
 # roomy enough that a loaded CI machine never drops a part; tests of timeouts pass their own
 LOCAL = Deadlines(base=2.0, min_rate=1e9)
@@ -43,6 +44,7 @@ async def run_group(
     block: int = 64,
     verify: bool = False,
     ignore: dict[str, frozenset[str]] | None = None,
+    signing: dict[str, Signing] | None = None,
 ) -> dict[str, Outcome]:
     """Run one collective among `values`' keys; members in `skip` register but never run,
     and a member in `before` first awaits its entry (to order events deterministically)."""
@@ -70,6 +72,7 @@ async def run_group(
             deadlines=deadlines,
             verify=verify,
             ignore=(ignore or {}).get(p, frozenset()),
+            signing=(signing or {}).get(p),
         )
         return await run.run(values[p], (weights or {}).get(p, 1.0))
 

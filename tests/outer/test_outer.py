@@ -12,6 +12,7 @@ from agora_node.node.outer import OuterLoop
 from agora_node.node.outer_state import OuterConfig, OuterState
 from agora_node.node.round_report import RoundReport
 from agora_node.protocol.identity import Identity
+from agora_node.protocol.identity import verify as verify_signature
 from tests.outer.helpers import LOCAL
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,7 +30,9 @@ def config(**kw) -> OuterConfig:
 
 
 def swarm(n: int, cfg: OuterConfig) -> list[OuterLoop]:
-    network, board = LocalNetwork(), MemoryBoard()
+    # members check parts' signatures where results are verified, as daemons do
+    network = LocalNetwork(verify=verify_signature if cfg.verify_results else None)
+    board = MemoryBoard()
     loops = []
     for i in range(n):
         # fixed keys: the random groups (a hash of peer ids) are the same on every run

@@ -48,7 +48,7 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -61,6 +61,7 @@ from agora_node.comms.collective.payload import (
     decode_span,
     encode_result,
 )
+from agora_node.comms.collective.proofs import Signing, attribute, pack_proofs, sign_part
 from agora_node.comms.collective.replay import ReplayMemory
 from agora_node.comms.collective.state import (
     CollectiveStats,
@@ -68,6 +69,7 @@ from agora_node.comms.collective.state import (
     Final,
     RoundState,
     WitnessBusy,
+    Witnessed,
 )
 from agora_node.comms.collective.verify import (
     NONCE_BYTES,
@@ -116,6 +118,7 @@ class AllReduce:
         tolerance: float = 0.05,
         ignore: frozenset[str] = frozenset(),
         replays: ReplayMemory | None = None,
+        signing: Signing | None = None,
     ) -> None:
         self.verify, self.tolerance = verify and state.plan.size >= 2, tolerance
         self.ignore = ignore
@@ -123,6 +126,9 @@ class AllReduce:
         banned); the result names the parts it used, so its witness agrees."""
         self.replays = replays
         """Senders' earlier parts (replay.py): a part repeating one is flagged, not refused."""
+        self.signing = signing
+        """Signs this member's parts and checks the entries a failed check compares
+        (proofs.py); None: unsigned, and a failed check blames owner and witness alike."""
         self._witnessed: dict[bytes, asyncio.Future] = {}
         self.state, self.transport = state, transport
         self.plan, self.stats = state.plan, state.stats
@@ -136,8 +142,8 @@ class AllReduce:
     async def run(self, flat: Tensor, weight: float) -> Outcome:
         self.t0 = time.monotonic()
         self.flat = flat.detach().reshape(-1).float()
-        frames, values = await asyncio.to_thread(self._encode, self.flat)
-        self.state.set_contribution(weight, frames, values)
+        frames, values, proofs = await asyncio.to_thread(self._encode, self.flat, weight)
+        self.state.set_contribution(weight, frames, values, proofs)
         for j, (lo, hi) in enumerate(self.plan.spans):
             if hi == lo:  # nothing to move: every member knows the empty span
                 self.state.try_finalize(j, Final(b"", 0, torch.zeros(0)))
@@ -177,13 +183,18 @@ class AllReduce:
             members=self.plan.members,
         )
 
-    def _encode(self, flat: Tensor) -> tuple[list[bytes], list[Tensor]]:
+    def _encode(self, flat: Tensor, weight: float) -> tuple[list[bytes], list[Tensor], list]:
         frames = self.encoder.encode(flat, self.plan.spans)
         values = [
             decode_span(f, self.plan.span_numel(j)) if f else torch.zeros(0)
             for j, f in enumerate(frames)
         ]
-        return frames, values
+        signing, group = self.signing, self.plan.group_id
+        proofs = [
+            sign_part(signing, group, j, weight, f) if signing is not None else None
+            for j, f in enumerate(frames)
+        ]
+        return frames, values, proofs
 
     def _span_value(self, j: int) -> Tensor:
         final = self.state.final(j)
@@ -193,10 +204,17 @@ class AllReduce:
         return deadline - (time.monotonic() - self.t0)
 
     def _header(
-        self, span: int, attempt: int = 0, weight: float = 0.0, wait: float = 0.0
+        self,
+        span: int,
+        attempt: int = 0,
+        weight: float = 0.0,
+        wait: float = 0.0,
+        signature: bytes = b"",
     ) -> Header:
         p = self.plan
-        return Header(p.round, p.phase, p.group_id, span, attempt, weight, max(0.0, wait))
+        return Header(
+            p.round, p.phase, p.group_id, span, attempt, weight, max(0.0, wait), signature
+        )
 
     async def _call(self, peer: str, coro, timeout: float) -> Reply | None:
         """One request under a deadline; None on any failure (recorded for the peer)."""
@@ -223,8 +241,10 @@ class AllReduce:
         attempt = 1 if witness else 0
         owner = self.plan.owner(span, attempt)
         wait = self._left(self._reduce_deadline())
-        header = self._header(span, attempt, weight=self.state.my_weight or 0.0, wait=wait)
-        self.stats.bytes_sent += len(frame)
+        own = self.state.own_part(span)
+        signature = own.proof.signature if own is not None and own.proof is not None else b""
+        header = self._header(span, attempt, self.state.my_weight or 0.0, wait, signature)
+        self.stats.bytes_sent += len(frame) + len(signature)
         reply = await self._call(
             owner, self.transport.push(owner, header, frame), wait + NETWORK_SLACK
         )
@@ -287,9 +307,12 @@ class AllReduce:
             frame = encode_result(agg.value, self.fmt)
             value = decode_span(frame, agg.value.numel())
             mask = members_mask(self.plan.members, senders)
+            by_sender = dict(zip(senders, contributions, strict=True))
+            proofs = pack_proofs([by_sender[m].proof for m in self.plan.members if m in by_sender])
+            final = Final(frame, attempt, value, mask, proofs)
             self._note_replays(span, contributions, senders)
             if not count:  # the witness's reduction: its owner counts
-                return Final(frame, attempt, value, mask)
+                return final
             if agg.clip_radius is not None:
                 self.stats.clip_radii.append(agg.clip_radius)
             for i in agg.refused:
@@ -298,7 +321,7 @@ class AllReduce:
             for i in agg.misdirected:
                 self.stats.reject("direction away from the others")
                 self.stats.direction_outliers.add(senders[i])
-            return Final(frame, attempt, value, mask)
+            return final
 
         return await asyncio.to_thread(work)
 
@@ -314,10 +337,11 @@ class AllReduce:
             if sender != self.state.me and self.replays.check(sender, self.plan.round, lo, c.value):
                 self.stats.replayed.add(sender)
 
-    async def _witness_value(self, mask: bytes, wait: float) -> Tensor | None:
+    async def _witness_value(self, mask: bytes, wait: float) -> Witnessed | None:
         """This member's reduction, as the witness, of its span over the parts `mask` names
-        (None if the mask is not a majority including the owner, or a named part is
-        missing after `wait` s). Cached per mask: every member asks about the same one."""
+        (None if the mask is not a majority including the owner; `missing` if a named part
+        has not arrived after `wait` s). Cached per mask: every member asks about the same
+        one."""
         j = self.state.witness_span()
         named = mask_members(self.plan.members, mask)
         owner = self.plan.owner(j, 0) if j is not None else None
@@ -333,26 +357,26 @@ class AllReduce:
             self._witnessed[mask] = task
         return await asyncio.shield(task)
 
-    async def _reduce_witnessed(self, j: int, named: list[str], wait: float) -> Tensor | None:
+    async def _reduce_witnessed(self, j: int, named: list[str], wait: float) -> Witnessed:
         span = self.state.spans[j]
         others = [m for m in named if m != self.state.me]
 
-        def delivered() -> bool:
-            return all(m in span.witness_parts for m in others)
+        def missing() -> tuple[str, ...]:
+            return tuple(m for m in others if m not in span.witness_parts)
 
-        if not await self.state.changed.wait_for(delivered, wait):
-            return None
+        await self.state.changed.wait_for(lambda: not missing(), wait)
         own = self.state.own_part(j) if self.state.me in named else None
-        if self.state.me in named and own is None:
-            return None
+        lacking = missing() + ((self.state.me,) if self.state.me in named and own is None else ())
+        if lacking:
+            return Witnessed(None, lacking)
         senders = ([self.state.me] if own is not None else []) + others
         contributions = ([own] if own is not None else []) + [span.witness_parts[m] for m in others]
-        final = await self._aggregate_final(j, contributions, 0, senders, count=False)
-        return final.value
+        return Witnessed(await self._aggregate_final(j, contributions, 0, senders, count=False))
 
     async def _matches_witness(self, j: int, final: Final, owner: str) -> bool:
         """Is the attempt-0 owner's result for span j what its witness computes over the
-        parts the owner names? (verify.py; True unchecked if the witness does not answer.)"""
+        parts the owner names? (verify.py; True unchecked if the witness does not answer.)
+        If not, flag whom the signed entries point at (`_blame`)."""
         witness = self.plan.owner(j, 1)
         wait = max(0.0, self._left(self._attempt_deadline(0)))
         named = mask_members(self.plan.members, final.members)
@@ -362,17 +386,21 @@ class AllReduce:
             # late. Flagging it made two replicas ban each other for good in the lab.
             self.stats.reject("result names a minority")
             return False
-        if named is None or owner not in named:
-            ok = False  # a result must name its owner's part
-        elif witness == self.state.me:
+        if named is None or owner not in named:  # a result must name its owner's part
+            self._flag_mismatch(j, owner, None)
+            return False
+        if witness == self.state.me:
             try:
-                expected = await self._witness_value(final.members, wait)
+                witnessed = await self._witness_value(final.members, wait)
             except WitnessBusy:  # others used up the checks: nothing said about the owner
                 self.stats.unchecked_spans += 1
                 return True
-            ok = expected is not None and await asyncio.to_thread(
-                values_match, final.value, expected, self.tolerance
+            assert witnessed is not None  # the mask was checked above
+            theirs = witnessed.final
+            ok = theirs is not None and await asyncio.to_thread(
+                values_match, final.value, theirs.value, self.tolerance
             )
+            proofs, missing = (theirs.proofs if theirs else b""), list(witnessed.missing)
         else:
             nonce = os.urandom(NONCE_BYTES)
             header = self._header(j, 0, wait=wait)
@@ -381,26 +409,68 @@ class AllReduce:
             if reply is None or reply.code not in (Code.SKETCH, Code.NOTHING):
                 self.stats.unchecked_spans += 1
                 return True
-            theirs = parse_sketch(reply.payload) if reply.code is Code.SKETCH else None
-            ok = theirs is not None and sketches_match(
-                await asyncio.to_thread(sketch, final.value, nonce), theirs, self.tolerance
+            sketched = parse_sketch(reply.payload) if reply.code is Code.SKETCH else None
+            ok = sketched is not None and sketches_match(
+                await asyncio.to_thread(sketch, final.value, nonce), sketched, self.tolerance
             )
+            proofs, missing = reply.proofs, []
+            if reply.code is Code.NOTHING:
+                missing = mask_members(self.plan.members, reply.members) or [owner]
         if ok:
             self.stats.checked_spans += 1
-        else:
-            self.stats.reject("result mismatch")
-            self.stats.mismatched.add(owner)
-            if witness != self.state.me:
-                self.stats.mismatch_witnesses.add(witness)
-            self.stats.failed_peers.add(owner)
-            log.warning(
-                "span %d of %s round %d: the result of %s does not match its witness's",
-                j,
-                self.plan.phase,
-                self.plan.round,
-                owner[-8:],
+            return True
+        await self._blame(j, final, owner, named, proofs, missing)
+        return False
+
+    async def _blame(
+        self, j: int, final: Final, owner: str, named: list[str], proofs: bytes, missing: list[str]
+    ) -> None:
+        """A result failed its witness check: flag who lied, as far as the signed entries of
+        the parts (proofs.py) tell. The span is not adopted either way."""
+        witness = self.plan.owner(j, 1)
+        if missing and owner not in missing and set(missing) <= set(named):
+            # The witness lacks another member's part: that member may have sent it to the
+            # owner alone (or its copy was lost), or the witness lies. Nobody is flagged.
+            self.stats.reject("witness lacks a part")
+            return
+        if self.signing is not None and not missing:
+            verdict = await asyncio.to_thread(
+                attribute, self.signing.verify, self.plan.group_id, j, named, final.proofs, proofs
             )
-        return ok
+            if verdict.equivocators:
+                self.stats.reject("equivocation")
+                self.stats.equivocated.update(verdict.equivocators)
+                log.warning(
+                    "span %d of %s round %d: %s signed two parts",
+                    j,
+                    self.plan.phase,
+                    self.plan.round,
+                    ", ".join(m[-8:] for m in sorted(verdict.equivocators)),
+                )
+                return
+            if not verdict.reducer_unknown:  # a forged entry: whoever presented it
+                self._flag_mismatch(
+                    j,
+                    owner if verdict.owner_forged else None,
+                    witness if verdict.witness_forged else None,
+                )
+                return
+        self._flag_mismatch(j, owner, witness)
+
+    def _flag_mismatch(self, j: int, owner: str | None, witness: str | None) -> None:
+        self.stats.reject("result mismatch")
+        if owner is not None:
+            self.stats.mismatched.add(owner)
+            self.stats.failed_peers.add(owner)
+        if witness is not None and witness != self.state.me:
+            self.stats.mismatch_witnesses.add(witness)
+        log.warning(
+            "span %d of %s round %d: the result of %s does not match its witness's",
+            j,
+            self.plan.phase,
+            self.plan.round,
+            self.plan.owner(j, 0)[-8:],
+        )
 
     # ---- 3. gather, escalating down the owner chain ---------------------------------
     async def _resolve(self, j: int, reduce_task: asyncio.Task) -> None:
@@ -433,13 +503,13 @@ class AllReduce:
         reply = await self._unless_superseded(j, attempt, call)
         if reply is None or reply.code is not Code.FINAL:
             return
-        self.stats.bytes_received += len(reply.payload)
+        self.stats.bytes_received += len(reply.payload) + len(reply.proofs)
         final = await self._decode_final(reply, j)
         if final is None:
             return
         # the attempt is the one asked of this owner, not what it claims: a claimed later
         # attempt would pass a promise made to that attempt's (other) owner
-        final = Final(final.frame, min(final.attempt, attempt), final.value, final.members)
+        final = replace(final, attempt=min(final.attempt, attempt))
         if self.verify and attempt == 0 and not await self._matches_witness(j, final, owner):
             self._fall_back(j)  # neither the owner's value nor a takeover by the witness
             return
@@ -466,7 +536,7 @@ class AllReduce:
         except CodecError:
             self.stats.reject("malformed result")
             return None
-        return Final(reply.payload, reply.attempt, value, reply.members)
+        return Final(reply.payload, reply.attempt, value, reply.members, reply.proofs)
 
     async def _rereduce(self, j: int, attempt: int) -> None:
         """Become the owner of span j at `attempt` (see the module docstring)."""
@@ -505,14 +575,15 @@ class AllReduce:
                     expected = await self._witness_value(f.members, wait)
                 except WitnessBusy:  # not checked: not re-issued either
                     continue
-                if expected is not None and await asyncio.to_thread(
-                    values_match, f.value, expected, self.tolerance
+                mine = expected.final if expected is not None else None
+                if mine is not None and await asyncio.to_thread(
+                    values_match, f.value, mine.value, self.tolerance
                 ):
                     checked.append(f)
             finals = checked
         if finals:  # someone already holds the span's value: re-issue exactly that
             best = max(finals, key=lambda f: f.attempt)
-            final = Final(best.frame, attempt, best.value, best.members)
+            final = Final(best.frame, attempt, best.value, best.members, best.proofs)
         elif contributions:
             final = await self._aggregate_final(j, contributions, attempt, senders)
         else:

@@ -15,14 +15,21 @@ import math
 from collections.abc import Callable
 
 from agora_node.comms.collective.payload import decode_span, max_frame_bytes
+from agora_node.comms.collective.proofs import Verify, check_part
 from agora_node.comms.collective.state import (
     Contribution,
+    Final,
     RoundBook,
     RoundState,
     UnknownRoundError,
     WitnessBusy,
 )
-from agora_node.comms.collective.verify import NONCE_BYTES, mask_members, sketch_bytes
+from agora_node.comms.collective.verify import (
+    NONCE_BYTES,
+    mask_members,
+    members_mask,
+    sketch_bytes,
+)
 from agora_node.comms.collective.wire import Code, Header, Reply, rejected
 from agora_node.compression import CodecError
 
@@ -40,10 +47,19 @@ MAX_CHECKS_PER_MEMBER = 4
 
 
 class Responder:
-    def __init__(self, book: RoundBook, *, admit: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self,
+        book: RoundBook,
+        *,
+        admit: Callable[[str], bool] | None = None,
+        verify: Verify | None = None,
+    ) -> None:
         self.book = book
         self.admit = admit
         """A private swarm's allow list (counts what it refuses); None: an open swarm."""
+        self.verify = verify
+        """Checks a part's signature by its sender (proofs.py); None: parts go unsigned
+        (in-process tests and simulations)."""
 
     async def _state(self, sender: str, header: Header) -> RoundState:
         if self.admit is not None and not self.admit(sender):
@@ -103,18 +119,35 @@ class Responder:
         except LookupError as exc:
             return rejected(str(exc))
         stats = state.stats
-        stats.bytes_received += len(payload)
+        stats.bytes_received += len(payload) + len(header.signature)
         refusal = self._push_refusal(state, sender, header, len(payload))
         if refusal is not None:
             return refusal
+        refused_span = header.span if header.attempt == 1 else None
+        proof = None
+        if self.verify is not None:
+            plan = state.plan
+            proof = await asyncio.to_thread(
+                check_part,
+                self.verify,
+                sender,
+                plan.group_id,
+                header.span,
+                header.weight,
+                payload,
+                header.signature,
+            )
+            if proof is None:
+                state.refuse(sender, "bad signature", refused_span)
+                return rejected("bad signature")
         try:
             value = await asyncio.to_thread(
                 decode_span, payload, state.plan.span_numel(header.span)
             )
         except CodecError as exc:
-            state.refuse(sender, "malformed", header.span if header.attempt == 1 else None)
+            state.refuse(sender, "malformed", refused_span)
             return rejected(f"malformed: {exc}")
-        contribution = Contribution(header.weight, value, payload)
+        contribution = Contribution(header.weight, value, payload, proof)
         if header.attempt == 1:  # admitted above as a copy for the span's witness
             reason = state.add_witness_part(header.span, sender, contribution)
         else:
@@ -136,8 +169,7 @@ class Responder:
         final = state.final(span)
         if not ready or final is None:
             return Reply(Code.NOT_READY)
-        state.stats.bytes_sent += len(final.frame)
-        return Reply(Code.FINAL, final.frame, attempt=final.attempt, members=final.members)
+        return _final_reply(state, final)
 
     async def on_check(
         self, sender: str, header: Header, nonce: bytes, members: bytes = b""
@@ -164,13 +196,16 @@ class Responder:
         if state.witness is None:  # this member is not running the collective (yet)
             return Reply(Code.NOT_READY)
         try:
-            value = await state.witness(members, wait)
+            witnessed = await state.witness(members, wait)
         except WitnessBusy as exc:
             return rejected(f"witness busy: {exc}")
-        if value is None:  # it lacks a part the result names: that result cannot stand
-            return Reply(Code.NOTHING)
-        payload = await asyncio.to_thread(sketch_bytes, value, nonce)
-        return Reply(Code.SKETCH, payload)
+        if witnessed is None:  # not a set of parts a result may name
+            return rejected("bad check")
+        if witnessed.final is None:  # it lacks parts the result names: it cannot stand
+            return Reply(Code.NOTHING, members=members_mask(state.plan.members, witnessed.missing))
+        payload = await asyncio.to_thread(sketch_bytes, witnessed.final.value, nonce)
+        state.stats.bytes_sent += len(payload) + len(witnessed.final.proofs)
+        return Reply(Code.SKETCH, payload, proofs=witnessed.final.proofs)
 
     async def on_query(self, sender: str, header: Header) -> Reply:
         try:
@@ -198,14 +233,20 @@ class Responder:
         )
         final = state.final(span)
         if final is not None:
-            state.stats.bytes_sent += len(final.frame)
-            return Reply(Code.FINAL, final.frame, attempt=final.attempt, members=final.members)
+            return _final_reply(state, final)
         state.promise(span, header.attempt)
         own = state.own_part(span)
         if own is None:
             return Reply(Code.NOTHING)
         state.stats.bytes_sent += len(own.frame)
         return Reply(Code.CONTRIBUTION, own.frame, weight=own.weight)
+
+
+def _final_reply(state: RoundState, final: Final) -> Reply:
+    state.stats.bytes_sent += len(final.frame) + len(final.proofs)
+    return Reply(
+        Code.FINAL, final.frame, attempt=final.attempt, members=final.members, proofs=final.proofs
+    )
 
 
 def _for_witness(state: RoundState, header: Header) -> bool:

@@ -8,6 +8,7 @@ handler can never alias the sender's buffers, as over a real wire.
 from __future__ import annotations
 
 from agora_node.comms.collective.handlers import Responder
+from agora_node.comms.collective.proofs import Verify
 from agora_node.comms.collective.state import RoundBook
 from agora_node.comms.collective.wire import Header, Reply
 
@@ -15,14 +16,16 @@ from agora_node.comms.collective.wire import Header, Reply
 class LocalNetwork:
     """Routes requests between in-process members; `down` peers refuse every call."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, verify: Verify | None = None) -> None:
+        self.verify = verify
+        """How members check parts' signatures (proofs.py); None: parts go unsigned."""
         self.responders: dict[str, Responder] = {}
         self.down: set[str] = set()
         self.bytes_moved = 0
 
     def join(self, peer: str) -> RoundBook:
         book = RoundBook(peer)
-        self.responders[peer] = Responder(book)
+        self.responders[peer] = Responder(book, verify=self.verify)
         return book
 
     def transport(self, me: str) -> LocalTransport:

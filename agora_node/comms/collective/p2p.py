@@ -28,6 +28,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 
 from agora_node.comms import streams
 from agora_node.comms.collective.handlers import MAX_WAIT, MEMBER_REFUSALS, Responder
+from agora_node.comms.collective.proofs import MAX_PROOFS_BYTES
 from agora_node.comms.collective.verify import NONCE_BYTES
 from agora_node.comms.collective.wire import Code, Header, Reply, rejected
 from agora_node.comms.guard import Guard, Limits
@@ -52,6 +53,8 @@ def _message_class() -> type:
         ("total", f.TYPE_UINT64),
         ("reason", f.TYPE_STRING),
         ("members", f.TYPE_BYTES),
+        ("signature", f.TYPE_BYTES),
+        ("proofs", f.TYPE_BYTES),
     ]
     proto = descriptor_pb2.FileDescriptorProto(
         name="agora_collective.proto", package="agora.collective", syntax="proto3"
@@ -81,11 +84,21 @@ def _request(code: Code, header: Header, data: bytes = b"", total: int = 0) -> C
         wait=header.wait,
         data=data,
         total=total,
+        signature=header.signature,
     )
 
 
 def _header(msg: CollectiveMessage) -> Header:
-    return Header(msg.round, msg.phase, msg.group_id, msg.span, msg.attempt, msg.weight, msg.wait)
+    return Header(
+        msg.round,
+        msg.phase,
+        msg.group_id,
+        msg.span,
+        msg.attempt,
+        msg.weight,
+        msg.wait,
+        bytes(msg.signature),
+    )
 
 
 def _reply_chunks(reply: Reply) -> list[CollectiveMessage]:
@@ -96,6 +109,7 @@ def _reply_chunks(reply: Reply) -> list[CollectiveMessage]:
         weight=reply.weight,
         reason=reply.reason,
         members=reply.members,
+        proofs=reply.proofs,
         total=len(data),
         data=bytes(data[:CHUNK_BYTES]),
     )
@@ -107,6 +121,8 @@ async def _read_reply(stream: AsyncIterator[CollectiveMessage], limit: int) -> R
     head = await anext(stream)
     if head.total > limit:
         raise ValueError(f"reply of {head.total} bytes exceeds {limit}")
+    if len(head.proofs) > MAX_PROOFS_BYTES:
+        raise ValueError("reply carries too many proofs")
     buf = bytearray(head.data)
     async for msg in stream:
         buf += msg.data
@@ -115,7 +131,13 @@ async def _read_reply(stream: AsyncIterator[CollectiveMessage], limit: int) -> R
     if len(buf) != head.total:
         raise ValueError("reply shorter than announced")
     return Reply(
-        Code(head.code), bytes(buf), head.attempt, head.weight, head.reason, bytes(head.members)
+        Code(head.code),
+        bytes(buf),
+        head.attempt,
+        head.weight,
+        head.reason,
+        bytes(head.members),
+        bytes(head.proofs),
     )
 
 
@@ -309,17 +331,19 @@ class P2PTransport:
         request.members = members
         if streams.relayed(self.p2p, peer):
             reply = await self._whole(peer, request)
-            code, data, attempt, weight, reason = (
-                reply.code,
-                reply.payload,
-                reply.attempt,
-                reply.weight,
-                reply.reason,
-            )
         else:
             msg = await self._stub(peer).rpc_check(request)
-            code, data = Code(msg.code), bytes(msg.data)
-            attempt, weight, reason = msg.attempt, msg.weight, msg.reason
-        if len(data) > 1024:
+            if len(msg.proofs) > MAX_PROOFS_BYTES:
+                raise ValueError("check reply carries too many proofs")
+            reply = Reply(
+                Code(msg.code),
+                bytes(msg.data),
+                msg.attempt,
+                msg.weight,
+                msg.reason,
+                bytes(msg.members),
+                bytes(msg.proofs),
+            )
+        if len(reply.payload) > 1024:
             raise ValueError("sketch reply too long")
-        return Reply(code, data, attempt, weight, reason)
+        return reply

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from agora_node.comms.collective.plan import GroupPlan
+from agora_node.comms.collective.proofs import Proof
 
 LINGER_ROUNDS = 2  # a state is dropped this many rounds after its own
 AHEAD_ROUNDS = 2  # promises for unregistered collectives at most this many rounds ahead
@@ -69,6 +70,8 @@ class Contribution:
     weight: float
     value: Tensor
     frame: bytes
+    proof: Proof | None = None
+    """Its sender's signed entry (proofs.py); None where parts go unsigned."""
 
 
 @dataclass
@@ -78,6 +81,8 @@ class Final:
     value: Tensor
     members: bytes = b""
     """Bitmask over the plan's members whose parts the reducer aggregated (verify.py)."""
+    proofs: bytes = b""
+    """Their signed entries, in plan order (proofs.py; b"" unsigned)."""
 
 
 @dataclass
@@ -115,6 +120,9 @@ class CollectiveStats:
     """Owners whose result for their span failed the witness check (not adopted)."""
     mismatch_witnesses: set[str] = field(default_factory=set)
     """Witnesses of those spans, when another member than this one: either may have lied."""
+    equivocated: set[str] = field(default_factory=set)
+    """Members that signed one part for a span's owner and another for its witness
+    (proofs.py): the failed check is theirs, not the owner's or the witness's."""
     ignored: set[str] = field(default_factory=set)
     """Members whose parts this member, as a reducer, dropped (`AllReduce(ignore=...)`)."""
     checked_spans: int = 0
@@ -126,6 +134,15 @@ class CollectiveStats:
 
     def reject(self, reason: str) -> None:
         self.rejected[reason] += 1
+
+
+@dataclass
+class Witnessed:
+    """A witness's reduction of its span over the parts a check names (`final`), or, when
+    it lacks some of them, who sent those (`missing`)."""
+
+    final: Final | None
+    missing: tuple[str, ...] = ()
 
 
 class WitnessBusy(RuntimeError):
@@ -146,21 +163,30 @@ class RoundState:
         self.my_weight: float | None = None
         self.my_frames: list[bytes] | None = None
         self.my_values: list[Tensor] | None = None
+        self.my_proofs: list[Proof | None] | None = None
         self.reducing_done = False
-        self.witness: Callable[[bytes, float], Awaitable[Tensor | None]] | None = None
+        self.witness: Callable[[bytes, float], Awaitable[Witnessed | None]] | None = None
         """Set by this member's AllReduce when it runs with verification."""
         self.checks_asked: Counter[str] = Counter()
         """Witness checks each member asked of this one (handlers.on_check caps them)."""
 
     # ---- this member's own contribution -----------------------------------------
-    def set_contribution(self, weight: float, frames: list[bytes], values: list[Tensor]) -> None:
+    def set_contribution(
+        self,
+        weight: float,
+        frames: list[bytes],
+        values: list[Tensor],
+        proofs: list[Proof | None] | None = None,
+    ) -> None:
         self.my_weight, self.my_frames, self.my_values = weight, frames, values
+        self.my_proofs = proofs
         self.changed.fire()
 
     def own_part(self, span: int) -> Contribution | None:
         if self.my_frames is None or self.my_values is None or self.my_weight is None:
             return None
-        return Contribution(self.my_weight, self.my_values[span], self.my_frames[span])
+        proof = self.my_proofs[span] if self.my_proofs is not None else None
+        return Contribution(self.my_weight, self.my_values[span], self.my_frames[span], proof)
 
     # ---- transitions ----------------------------------------------------------------
     def add_part(self, sender: str, contribution: Contribution) -> str | None:

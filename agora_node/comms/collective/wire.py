@@ -7,7 +7,9 @@
     check(CHECK, nonce + members mask)     SKETCH(sketch of the witness's value) | NOT_READY
          member -> witness                 | NOTHING (lacks a part) | REJECTED     (verify.py)
 
-A PART with attempt 1 is a copy of the sender's part for the span's witness.
+A PART with attempt 1 is a copy of the sender's part for the span's witness. A PART
+carries its sender's signature; FINAL and SKETCH the signed entries of the parts they
+aggregate (proofs.py), so a failed check can name who lied.
 
 `Transport` is the narrow interface the protocol driver talks through; `P2PTransport`
 (p2p.py) carries it over hivemind, `LocalTransport` (local.py) in-process for unit
@@ -49,6 +51,8 @@ class Header:
     """The sender's contribution weight (PART only)."""
     wait: float = 0.0
     """How long the receiver may hold the request open (registration, long-poll)."""
+    signature: bytes = b""
+    """PART: the sender's signature over its part (proofs.py)."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,11 @@ class Reply:
     weight: float = 0.0
     reason: str = ""
     members: bytes = b""
-    """FINAL: bitmask of the members whose parts the result aggregates (verify.py)."""
+    """FINAL: bitmask of the members whose parts the result aggregates (verify.py).
+    NOTHING to a check: those whose parts the witness lacks."""
+    proofs: bytes = b""
+    """FINAL and SKETCH: the signed entries of the parts aggregated, in plan order
+    (proofs.py)."""
 
 
 class Transport(Protocol):

@@ -76,8 +76,35 @@ class FreezeAfterFirstPush:
     async def query(self, peer: str, header: Any) -> Any:
         return await self.inner.query(peer, header)
 
-    async def check(self, peer: str, header: Any, nonce: bytes) -> Any:
-        return await self.inner.check(peer, header, nonce)
+    async def check(self, peer: str, header: Any, nonce: bytes, members: bytes) -> Any:
+        return await self.inner.check(peer, header, nonce, members)
+
+
+class Equivocating:
+    """Wraps a Transport: sends each span's owner a part 1.5x the one it sends the span's
+    witness, both signed with `identity` (what a liar would do to have the honest owner
+    and witness blamed for the failed check; proofs.py)."""
+
+    def __init__(self, inner: Any, identity: Identity) -> None:
+        self.inner, self.identity = inner, identity
+
+    async def push(self, peer: str, header: Any, payload: bytes) -> Any:
+        from dataclasses import replace
+
+        from agora_node.comms.collective.payload import encode_result, plain_format
+        from agora_node.comms.collective.proofs import digest, statement
+        from agora_node.compression import decode_frame, dequantize
+
+        if header.attempt != 0:
+            return await self.inner.push(peer, header, payload)
+        value = dequantize(decode_frame(payload, max_bytes=1 << 30))
+        other = encode_result(1.5 * value, plain_format())
+        said = statement(header.group_id, header.span, header.weight, digest(other))
+        signed = replace(header, signature=self.identity.sign(said))
+        return await self.inner.push(peer, signed, other)
+
+    def __getattr__(self, name: str) -> Any:  # fetch, query, check: unchanged
+        return getattr(self.inner, name)
 
 
 def emit(event: str, **fields: Any) -> None:

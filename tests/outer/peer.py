@@ -1,7 +1,7 @@
 """One stage replica as a real hivemind peer, driven by the integration tests.
 
     python tests/outer/peer.py --rounds 2 [--initial-peer MADDR] [--scale 1000]
-                               [--stall-round 1] [--out DIR] ...
+                               [--stall-round 1] [--equivocate] [--out DIR] ...
 
 Prints `ready` (with its multiaddrs), waits for `go` on stdin, then plays rounds:
 begin_round, a deterministic stand-in for H inner steps, end_round; prints one
@@ -40,6 +40,7 @@ from agora_node.protocol.identity import Identity  # noqa: E402
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 from agora_node.stages.model import Stage  # noqa: E402
 from tests.outer.harness import (  # noqa: E402
+    Equivocating,
     FreezeAfterFirstPush,
     die_with_parent,
     emit,
@@ -93,6 +94,8 @@ async def main(args: argparse.Namespace) -> None:
         inner_steps(loop, seed=args.seed, round_no=r, scale=args.scale, steady=args.steady)
         if r == args.stall_round:
             loop.transport = FreezeAfterFirstPush(loop.transport)
+        if args.equivocate and r == 0:
+            loop.transport = Equivocating(loop.transport, identity)
         if r == args.hold_round:
             await stdin.readline()  # "release": lets a stalling peer enter the mix first
         if args.replay:  # every round sends round 0's delta again
@@ -125,6 +128,8 @@ async def main(args: argparse.Namespace) -> None:
             unchecked=report.unchecked_spans,
             late=report.late_spans,
             mismatched=report.mismatched,
+            mismatch_witnesses=report.mismatch_witnesses,
+            equivocated=report.equivocated,
             outliers=report.outliers,
             direction_outliers=report.direction_outliers,
             replayed=report.replayed,
@@ -147,6 +152,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--aggregation", default="mean")
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--replay", action="store_true", help="send round 0's delta every round")
+    p.add_argument(
+        "--equivocate", action="store_true", help="send owners other parts than witnesses"
+    )
     p.add_argument("--steady", action="store_true", help="one shared direction every round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stall-round", type=int, default=-1)

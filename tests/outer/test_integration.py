@@ -7,7 +7,9 @@
   clip radius of the honest mean;
 - a replica whose delta is 1000x or sign-flipped: refused and flagged in round 0, left
   out of round 1 by everyone;
-- a replica replaying its round-0 delta: flagged in round 1, left out of round 2.
+- a replica replaying its round-0 delta: flagged in round 1, left out of round 2;
+- a replica sending owners other parts than witnesses: flagged for it by its two
+  signatures in round 0 (not the honest owners and witnesses), left out of round 1.
 """
 
 from __future__ import annotations
@@ -196,4 +198,24 @@ def test_a_member_replaying_its_first_delta_is_flagged_then_left_out() -> None:
     assert all(e["excluded"] == [bad] for e in rounds[2])
     honest = rounds[2][:2]
     assert all(e["group"] == 2 and e["consistent"] and e["finite"] for e in honest), honest
+    assert len({e["digest"] for e in honest}) == 1
+
+
+def test_a_member_sending_two_parts_is_flagged_not_the_honest_owner_and_witness() -> None:
+    """Round 0: the liar sends each owner a part 1.5x its witness copy, both signed. Every
+    span it broke fails its check; the honest replicas compare the signed entries of the
+    owner's result and the witness's answer (proofs.py) and flag the liar alone, whose
+    two signatures disagree. Round 1 leaves it out; the honest pair agrees."""
+    args = [["--rounds", "2", "--seed", str(i), "--codec", "fp32"] for i in range(3)]
+    args[2] += ["--equivocate"]
+    with replicas(args) as peers:
+        first = [p.expect("round", ROUND_TIMEOUT, round=0) for p in peers]
+        second = [p.expect("round", ROUND_TIMEOUT, round=1) for p in peers]
+    bad = first[2]["peer"]
+    for e in first[:2]:
+        assert e["equivocated"] == [bad] and e["banned"] == [bad], e
+        assert e["mismatched"] == [] and e["mismatch_witnesses"] == []
+    assert all(e["excluded"] == [bad] for e in second)
+    honest = second[:2]
+    assert all(e["group"] == 2 and e["consistent"] and e["finite"] for e in honest)
     assert len({e["digest"] for e in honest}) == 1

@@ -25,6 +25,7 @@ from agora_node.comms.collective.proofs import (
 from agora_node.comms.collective.wire import Code, Header, Reply
 from agora_node.compression import decode_frame, dequantize
 from agora_node.protocol.identity import Identity, verify
+from tests.outer.harness import Equivocating
 from tests.outer.helpers import run_group
 
 pytestmark = pytest.mark.timeout(60)
@@ -45,25 +46,6 @@ def values_for(names: list[str], seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     common = torch.randn(NUMEL, generator=g)
     return {p: common + torch.randn(NUMEL, generator=g) for p in names}
-
-
-class Equivocating:
-    """Sends each owner a part 1.5x the one it sends the span's witness, both signed."""
-
-    def __init__(self, inner, identity: Identity) -> None:  # noqa: ANN001
-        self.inner, self.identity = inner, identity
-
-    async def push(self, peer: str, header: Header, payload: bytes) -> Reply:
-        if header.attempt == 0:
-            other = encode_result(1.5 * _value(payload), plain_format())
-            sig = self.identity.sign(
-                statement(header.group_id, header.span, header.weight, digest(other))
-            )
-            return await self.inner.push(peer, replace(header, signature=sig), other)
-        return await self.inner.push(peer, header, payload)
-
-    def __getattr__(self, name: str):  # noqa: ANN204 - fetch, query, check unchanged
-        return getattr(self.inner, name)
 
 
 def _value(frame: bytes) -> torch.Tensor:

@@ -49,6 +49,7 @@ from agora_node.node import pipeline as pipeline_module
 from agora_node.node.config import PipelineConfig
 from agora_node.node.pipeline import Pipeline
 from agora_node.node.worker import StageWorker
+from agora_node.protocol.identity import verify as verify_signature
 from agora_node.protocol.manifest import parse_manifest
 from agora_node.protocol.names import outer_round_key
 from agora_node.protocol.records import NodeRecord
@@ -274,6 +275,7 @@ def collective_headers(draw: st.DrawFn) -> Header:
         attempt=draw(st.one_of(st.integers(-1, 3), HUGE_INTS)),
         weight=draw(st.one_of(st.floats(), ODD_FLOATS)),
         wait=draw(waits),  # inf is capped at MAX_WAIT (120 s): left out to keep CI fast
+        signature=draw(st.binary(max_size=70)),
     )
 
 
@@ -282,20 +284,23 @@ senders = st.sampled_from([*MEMBERS, "stranger", ""])
 
 @FUZZ
 @given(
-    st.sampled_from(["push", "admit", "fetch", "query", "check"]),
+    st.sampled_from(["push", "admit", "fetch", "query", "check", "inventory"]),
     senders,
     collective_headers(),
     mutated(PARTS, seal=seal_frame),
     st.binary(max_size=20),
+    st.booleans(),
 )
 def test_the_collective_responder_answers_every_request(
-    kind: str, sender: str, header: Header, payload: bytes, nonce: bytes
+    kind: str, sender: str, header: Header, payload: bytes, nonce: bytes, signed: bool
 ) -> None:
     async def scenario() -> Reply | None:
         book = RoundBook("peer0")
         state = book.register(_plan())
         state.set_contribution(1.0, [PARTS[0]] * 3, [torch.zeros(PLAN.span_numel(0))] * 3)
-        responder = Responder(book)
+        responder = Responder(book, verify=verify_signature if signed else None)
+        if kind == "inventory":
+            return await responder.on_inventory(sender, header, payload[:2])
         if kind == "push":
             return await responder.on_push(sender, header, payload)
         if kind == "admit":
@@ -326,6 +331,8 @@ def collective_messages(draw: st.DrawFn) -> CollectiveMessage:
         attempt=draw(st.one_of(st.integers(0, 3), uint32)),
         weight=draw(st.one_of(st.floats(), ODD_FLOATS)),
         wait=draw(waits),
+        signature=draw(st.binary(max_size=80)),
+        proofs=draw(st.binary(max_size=120)),
         data=draw(mutated(PARTS, seal=seal_frame)),
         total=draw(st.one_of(st.integers(0, 2 * max_frame_bytes(NUMEL)), uint64)),
         members=draw(st.binary(max_size=3)),

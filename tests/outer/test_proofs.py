@@ -67,45 +67,79 @@ class Withholding:
         return getattr(self.inner, name)
 
 
+class NoInventory:
+    """An owner whose witness refuses its inventory (as if it were busy): it names every
+    part it got, and the members' checks must sort out a broken span."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner = inner
+
+    async def inventory(self, peer: str, header: Header, members: bytes) -> Reply:
+        return Reply(Code.REJECTED, reason="busy")
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+def _transports(network: LocalNetwork, names: list[str], liar: str, inventory: bool) -> dict:
+    return {} if inventory else {p: NoInventory(network.transport(p)) for p in names if p != liar}
+
+
+@pytest.mark.parametrize("inventory", [True, False], ids=["inventory", "no-inventory"])
 @pytest.mark.parametrize("n", [3, 4])
-async def test_a_member_sending_two_parts_is_blamed_not_the_owner_or_witness(n: int) -> None:
+async def test_a_member_sending_two_parts_is_blamed_not_the_owner_or_witness(
+    n: int, inventory: bool
+) -> None:
     """Before signed parts, every member that checked flagged the honest owner and witness of
-    each span the liar's two parts broke; now they name the liar, from its two signatures."""
+    each span the liar's two parts broke. Now an owner, comparing its parts' entries with
+    its witness's inventory, drops the liar's part and flags the liar; and where a result
+    named it anyway (no inventory), the members flag the liar from its two signatures."""
     names, ids, signing = keyed(n)
     network = LocalNetwork(verify=verify)
     for p in names:
         network.join(p)
     liar = names[1]
-    transports = {liar: Equivocating(network.transport(liar), ids[liar])}
+    transports = _transports(network, names, liar, inventory)
+    transports[liar] = Equivocating(network.transport(liar), ids[liar])
     values = values_for(names, seed=3)
     outs = await run_group(
         values, network=network, transports=transports, verify=True, signing=signing
     )
-    for p in (p for p in names if p != liar):
+    honest = [p for p in names if p != liar]
+    for p in honest:
         stats = outs[p].stats
-        assert liar in stats.equivocated, stats.rejected
-        assert stats.equivocated == {liar}
+        assert stats.equivocated == {liar}, stats.rejected
         assert not stats.mismatched and not stats.mismatch_witnesses
         assert stats.rejected["equivocation"] >= 1
-        # broken spans fall back to the member's own values: nothing of the 1.5x is adopted
-        for j, (lo, hi) in enumerate(span_bounds(NUMEL, n, 64)):
-            owner = names[j]
-            if owner not in (p, liar) and names[(j + 1) % n] != p:
+    spans = span_bounds(NUMEL, n, 64)
+    if inventory:  # every span mixed, none with the liar's 1.5x part
+        assert all(outs[p].consistent for p in honest)
+        assert all(torch.equal(outs[p].value, outs[honest[0]].value) for p in honest)
+        lo, hi = spans[0]  # an honest owner's span: the mean of the honest parts
+        mean = sum(values[p] for p in honest) / len(honest)
+        torch.testing.assert_close(outs[honest[0]].value[lo:hi], mean[lo:hi], atol=1e-5, rtol=0)
+        return
+    for p in honest:  # broken spans fall back to the member's own values
+        for j, (lo, hi) in enumerate(spans):
+            if names[j] not in (p, liar) and names[(j + 1) % n] != p:
                 assert torch.equal(outs[p].value[lo:hi], values[p][lo:hi])
 
 
-async def test_a_part_withheld_from_the_witness_flags_nobody() -> None:
-    """The liar's part reached the owner and not the witness: the result names it, the
-    witness lacks it. Either the liar or the witness may be lying (or a copy was lost):
-    the span is not adopted, and no one is flagged (before: the honest owner and witness).
-    (An owner withholding its own part from its witness still gets both flagged:
-    docs/security.md.)"""
+@pytest.mark.parametrize("inventory", [True, False], ids=["inventory", "no-inventory"])
+async def test_a_part_withheld_from_the_witness_flags_nobody(inventory: bool) -> None:
+    """The liar sends owners its parts and their witnesses none. With the inventory the
+    owners leave its part out, and every span mixes. Without it (a witness that refused),
+    the result names the part and the witness lacks it: the liar or the witness may be
+    lying, or a copy was lost, so the span is not adopted and no one is flagged (before:
+    the honest owner and witness). (An owner withholding its own part from its witness
+    still gets both flagged: docs/security.md.)"""
     names, _, signing = keyed(4)
     network = LocalNetwork(verify=verify)
     for p in names:
         network.join(p)
     liar = names[2]
-    transports = {liar: Withholding(network.transport(liar), names.index(liar))}
+    transports = _transports(network, names, liar, inventory)
+    transports[liar] = Withholding(network.transport(liar), names.index(liar))
     outs = await run_group(
         values_for(names, seed=4),
         network=network,
@@ -113,12 +147,18 @@ async def test_a_part_withheld_from_the_witness_flags_nobody() -> None:
         verify=True,
         signing=signing,
     )
-    lacked = 0
-    for p in (p for p in names if p != liar):
+    honest = [p for p in names if p != liar]
+    for p in honest:
         stats = outs[p].stats
         assert not stats.mismatched and not stats.mismatch_witnesses and not stats.equivocated
-        lacked += stats.rejected["witness lacks a part"]
-    assert lacked >= 2  # the spans whose witness is honest, checked by their members
+    if inventory:
+        assert all(outs[p].consistent for p in honest)
+        dropped = sum(outs[p].stats.rejected["part its witness lacks"] for p in honest)
+        assert dropped == 2  # by the honest owners whose witness is honest (the liar
+        # witnesses one span, where it holds its own part)
+    else:
+        lacked = sum(outs[p].stats.rejected["witness lacks a part"] for p in honest)
+        assert lacked >= 2  # the spans whose witness is honest, checked by their members
 
 
 class ForgingOwner(Responder):
@@ -220,3 +260,21 @@ async def test_signatures_and_proofs_cross_the_p2p_messages() -> None:
     huge = replace(reply, proofs=b"p" * (MAX_PROOFS_BYTES + 1))
     with pytest.raises(ValueError, match="proofs"):
         await _read_reply(stream(_reply_chunks(huge)), 100)
+
+
+async def test_only_the_spans_owner_may_ask_its_witness_for_an_inventory() -> None:
+    names, _, _ = keyed(3)
+    book = LocalNetwork(verify=verify).join(names[1])  # the witness of span 0
+    plan = GroupPlan(round=0, phase="delta", members=tuple(names), numel=NUMEL, block=64)
+    book.register(plan)
+    responder = Responder(book, verify=verify)
+    mask = b"\x07"
+    for sender, span in ((names[2], 0), (names[0], 1)):  # not the owner; not its span
+        reply = await responder.on_inventory(sender, Header(0, "delta", plan.group_id, span), mask)
+        assert reply.code is Code.REJECTED and reply.reason == "bad inventory"
+    answers = [
+        await responder.on_inventory(names[0], Header(0, "delta", plan.group_id, 0), b"\x01")
+        for _ in range(6)
+    ]
+    assert all(a.code is Code.HOLDS and a.members == b"\x00" for a in answers[:4])  # none yet
+    assert all(a.code is Code.REJECTED for a in answers[4:])  # the cap: 4 per member

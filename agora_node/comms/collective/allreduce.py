@@ -21,14 +21,19 @@ With `verify` (verify.py), each member also pushes its part of span j to the spa
 witness, its attempt-1 owner, and that copy goes first: the part goes to the owner
 once the witness has answered (or after half the reduce deadline), so a member that
 dies in the middle of its pushes cannot leave an owner holding a part the witness
-lacks, whose result no survivor could then check. A result fetched from the
+lacks, whose result no survivor could then check. Before naming its parts, an owner
+asks its witness which of them it holds (an inventory) and names only those, with the
+same signed entry (proofs.py): a member that sent the witness no copy, or another
+part, is left out of the span instead of failing its check. A result fetched from the
 attempt-0 owner is adopted only if it matches the witness's reduction of the parts
 the result names (the witness compares directly, everyone else through a sketch
 under a nonce of its own). On a mismatch the member keeps its own values for that span (step 4): it
 cannot tell whether the owner or the witness lies, and handing the span to the
 witness would let a lying witness take it over. A lying member thus costs at most
 the mixing of two spans (inconsistent, repaired by the next anchor mix), never
-poisons one. A witness re-reducing a dead owner's span re-issues a value some
+poisons one. The parts' signed entries, which results and sketches carry, tell a
+member who sent two different parts from a lying owner or witness (`_blame`).
+A witness re-reducing a dead owner's span re-issues a value some
 member already holds only if it matches its own reduction. Results of later
 attempts, and results whose witness does not answer, are adopted unchecked
 (counted).
@@ -61,7 +66,13 @@ from agora_node.comms.collective.payload import (
     decode_span,
     encode_result,
 )
-from agora_node.comms.collective.proofs import Signing, attribute, pack_proofs, sign_part
+from agora_node.comms.collective.proofs import (
+    Signing,
+    attribute,
+    held_alike,
+    pack_proofs,
+    sign_part,
+)
 from agora_node.comms.collective.replay import ReplayMemory
 from agora_node.comms.collective.state import (
     CollectiveStats,
@@ -278,10 +289,53 @@ class AllReduce:
         for member in self.ignore.intersection(others):
             self.stats.reject("banned sender")
             self.stats.ignored.add(member)
+        if self.verify:
+            parts = await self._held_by_witness(parts)
+            if span.min_attempt > 0:
+                return
         senders = ([self.state.me] if own is not None else []) + list(parts)
         contributions = ([own] if own is not None else []) + list(parts.values())
         final = await self._aggregate_final(me, contributions, attempt=0, senders=senders)
         self.state.try_finalize(me, final)
+
+    async def _held_by_witness(self, parts: dict[str, Contribution]) -> dict[str, Contribution]:
+        """The parts the span's witness holds too, with the same signed entry (an inventory,
+        handlers.on_inventory): the result names only those, so it stays checkable when a
+        member sent this owner a part and the witness none, or another one (that member is
+        flagged for equivocation). A witness that does not answer, or answers with an entry
+        that does not verify, leaves the parts as they are: its check will tell."""
+        j, me = self.state.my_index, self.state.me
+        witness = self.plan.owner(j, 1)
+        mask = members_mask(self.plan.members, [me, *parts])
+        # a frozen witness must not hold this owner's result past the members' fetches
+        base, left = self.deadlines.base, self._left(self._attempt_deadline(0))
+        wait = min(base / 4, max(0.0, left - base / 2))
+        call = self.transport.inventory(witness, self._header(j, wait=wait), mask)
+        reply = await self._call(witness, call, min(wait + NETWORK_SLACK, left - base / 2))
+        held = mask_members(self.plan.members, reply.members) if reply is not None else None
+        if reply is None or reply.code is not Code.HOLDS or held is None:
+            return parts
+        if not set(held) <= {me, *parts}:
+            return parts
+        own = self.state.own_part(j)
+        if me not in held and own is not None:  # its copy was lost: once more, before naming it
+            await self._push(j, own.frame, witness=True)
+        if self.signing is None:
+            keep = set(held)
+        else:
+            ours = {m: c.proof for m, c in parts.items()}
+            read = await asyncio.to_thread(
+                held_alike, self.signing.verify, self.plan.group_id, j, held, reply.proofs, ours
+            )
+            if read is None:
+                return parts
+            keep, two_parts = read
+            if two_parts:
+                self.stats.reject("equivocation")
+                self.stats.equivocated.update(two_parts)
+        for _ in parts.keys() - keep:
+            self.stats.reject("part its witness lacks")
+        return {m: c for m, c in parts.items() if m in keep}
 
     async def _aggregate_final(
         self,

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 
 from agora_node.comms.collective.payload import decode_span, max_frame_bytes
-from agora_node.comms.collective.proofs import Verify, check_part
+from agora_node.comms.collective.proofs import Verify, check_part, pack_proofs
 from agora_node.comms.collective.state import (
     Contribution,
     Final,
@@ -206,6 +206,36 @@ class Responder:
         payload = await asyncio.to_thread(sketch_bytes, witnessed.final.value, nonce)
         state.stats.bytes_sent += len(payload) + len(witnessed.final.proofs)
         return Reply(Code.SKETCH, payload, proofs=witnessed.final.proofs)
+
+    async def on_inventory(self, sender: str, header: Header, members: bytes) -> Reply:
+        """A span's owner asks this witness which of the parts `members` names it holds,
+        before naming them in its result: it names only those (with the same signed entry),
+        so one member withholding its witness copies cannot fail every span's check."""
+        try:
+            state = await self._state(sender, header)
+        except LookupError as exc:
+            return rejected(str(exc))
+        span = header.span
+        named = mask_members(state.plan.members, members)
+        if state.witness_span() != span or sender != state.plan.owner(span, 0) or named is None:
+            state.stats.reject("bad inventory")
+            return rejected("bad inventory")
+        if state.checks_asked[sender] >= MAX_CHECKS_PER_MEMBER:
+            state.stats.reject("too many checks")
+            return rejected("too many checks")
+        state.checks_asked[sender] += 1
+        parts = state.spans[span].witness_parts
+        others = [m for m in named if m != state.me]
+        await state.changed.wait_for(
+            lambda: all(m in parts for m in others), min(header.wait, MAX_WAIT)
+        )
+        held = {m: parts[m] for m in others if m in parts}
+        own = state.own_part(span) if state.me in named else None
+        if own is not None:
+            held[state.me] = own
+        order = [m for m in state.plan.members if m in held]
+        proofs = pack_proofs([held[m].proof for m in order])
+        return Reply(Code.HOLDS, members=members_mask(state.plan.members, order), proofs=proofs)
 
     async def on_query(self, sender: str, header: Header) -> Reply:
         try:

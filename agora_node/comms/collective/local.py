@@ -60,3 +60,7 @@ class LocalTransport:
         reply = await responder.on_check(self.me, header, nonce, members)
         self.network.bytes_moved += len(reply.payload)
         return reply
+
+    async def inventory(self, peer: str, header: Header, members: bytes) -> Reply:
+        responder = self.network.responder(self.me, peer)
+        return await responder.on_inventory(self.me, header, members)

@@ -1,8 +1,9 @@
-"""The collective over hivemind P2P: one servicer, four RPCs, frames streamed in chunks.
+"""The collective over hivemind P2P: one servicer, five RPCs, frames streamed in chunks.
 
 Unary libp2p messages are capped at 4 MiB, so every frame travels as a stream of
 ~1 MiB chunks: `push` streams in (one reply), `fetch` and `query` stream out;
-`check` (a nonce in, a sketch of 72 bytes out) is unary. To a peer reached only
+`check` (a nonce in, a sketch of 72 bytes out) and `inventory` (a members mask in, a
+mask and the parts' signed entries out) are unary. To a peer reached only
 through a relay (comms/relay.py: libp2p circuits carry 128 KiB), each request goes
 whole as one request of comms/streams.py instead (`outer_stream_protocol`), which the
 relay passes on, and the servicer answers it the same way. The
@@ -238,6 +239,8 @@ class CollectiveServicer(GuardedServicer):
         if code == Code.CHECK:
             nonce, members = bytes(msg.data[:NONCE_BYTES]), bytes(msg.members)
             return await self.responder.on_check(sender, header, nonce, members)
+        if code == Code.INVENTORY:
+            return await self.responder.on_inventory(sender, header, bytes(msg.members))
         return rejected("malformed")
 
     async def rpc_fetch(
@@ -260,6 +263,14 @@ class CollectiveServicer(GuardedServicer):
             _header(request),
             bytes(request.data[:NONCE_BYTES]),
             bytes(request.members),
+        )
+        return _reply_chunks(reply)[0]
+
+    async def rpc_inventory(
+        self, request: CollectiveMessage, context: P2PContext
+    ) -> CollectiveMessage:
+        reply = await self.responder.on_inventory(
+            context.remote_id.to_base58(), _header(request), bytes(request.members)
         )
         return _reply_chunks(reply)[0]
 
@@ -329,12 +340,21 @@ class P2PTransport:
     async def check(self, peer: str, header: Header, nonce: bytes, members: bytes) -> Reply:
         request = _request(Code.CHECK, header, nonce)
         request.members = members
+        return await self._unary(peer, request, "rpc_check")
+
+    async def inventory(self, peer: str, header: Header, members: bytes) -> Reply:
+        request = _request(Code.INVENTORY, header)
+        request.members = members
+        return await self._unary(peer, request, "rpc_inventory")
+
+    async def _unary(self, peer: str, request: CollectiveMessage, rpc: str) -> Reply:
+        """A request answered in one small message (a sketch, an inventory)."""
         if streams.relayed(self.p2p, peer):
             reply = await self._whole(peer, request)
         else:
-            msg = await self._stub(peer).rpc_check(request)
+            msg = await getattr(self._stub(peer), rpc)(request)
             if len(msg.proofs) > MAX_PROOFS_BYTES:
-                raise ValueError("check reply carries too many proofs")
+                raise ValueError("reply carries too many proofs")
             reply = Reply(
                 Code(msg.code),
                 bytes(msg.data),
@@ -345,5 +365,5 @@ class P2PTransport:
                 bytes(msg.proofs),
             )
         if len(reply.payload) > 1024:
-            raise ValueError("sketch reply too long")
+            raise ValueError("reply too long for a sketch or an inventory")
         return reply

@@ -107,6 +107,33 @@ def parse_proofs(data: bytes, count: int) -> list[Proof] | None:
     return out
 
 
+def held_alike(
+    verify: Verify,
+    group_id: bytes,
+    span: int,
+    held: list[str],
+    witness_proofs: bytes,
+    ours: dict[str, Proof | None],
+) -> tuple[set[str], set[str]] | None:
+    """An owner's reading of its witness's inventory (`held`, plan order, with their
+    entries): the members whose part the witness holds with the same entry as the owner,
+    and those whose two entries are both validly signed and differ (equivocators). None
+    if an entry of the witness's does not verify (its answer is worth nothing)."""
+    theirs = parse_proofs(witness_proofs, len(held))
+    if theirs is None:
+        return None
+    alike, two_parts = set(), set()
+    for m, p in zip(held, theirs, strict=True):
+        if not verify(m, statement(group_id, span, p.weight, p.digest), p.signature):
+            return None
+        mine = ours.get(m)
+        if mine is not None and (mine.weight, mine.digest) == (p.weight, p.digest):
+            alike.add(m)
+        elif mine is not None:
+            two_parts.add(m)
+    return alike, two_parts
+
+
 @dataclass(frozen=True)
 class Verdict:
     """Who a failed check points at (`attribute`)."""

@@ -6,6 +6,8 @@
                                            | NOTHING | REJECTED
     check(CHECK, nonce + members mask)     SKETCH(sketch of the witness's value) | NOT_READY
          member -> witness                 | NOTHING (lacks a part) | REJECTED     (verify.py)
+    inventory(INVENTORY, members mask)     HOLDS(mask of those parts it holds, their
+         owner -> witness                  signed entries) | REJECTED
 
 A PART with attempt 1 is a copy of the sender's part for the span's witness. A PART
 carries its sender's signature; FINAL and SKETCH the signed entries of the parts they
@@ -36,6 +38,8 @@ class Code(IntEnum):
     NOTHING = 9
     CHECK = 10
     SKETCH = 11
+    INVENTORY = 12
+    HOLDS = 13
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,8 @@ class Transport(Protocol):
     async def query(self, peer: str, header: Header) -> Reply: ...
 
     async def check(self, peer: str, header: Header, nonce: bytes, members: bytes) -> Reply: ...
+
+    async def inventory(self, peer: str, header: Header, members: bytes) -> Reply: ...
 
 
 def rejected(reason: str) -> Reply:

@@ -32,7 +32,7 @@ cannot tell whether the owner or the witness lies, and handing the span to the
 witness would let a lying witness take it over. A lying member thus costs at most
 the mixing of two spans (inconsistent, repaired by the next anchor mix), never
 poisons one. The parts' signed entries, which results and sketches carry, tell a
-member who sent two different parts from a lying owner or witness (`_blame`).
+member who sent two different parts from a lying owner or witness (checking.py).
 A witness re-reducing a dead owner's span re-issues a value some
 member already holds only if it matches its own reduction. Results of later
 attempts, and results whose witness does not answer, are adopted unchecked
@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass, replace
 
@@ -59,6 +58,7 @@ import torch
 from torch import Tensor
 
 from agora_node.comms.collective.aggregate import AggregationSpec, aggregate
+from agora_node.comms.collective.checking import NETWORK_SLACK, Checking
 from agora_node.comms.collective.deadlines import Deadlines
 from agora_node.comms.collective.payload import (
     PartEncoder,
@@ -68,8 +68,6 @@ from agora_node.comms.collective.payload import (
 )
 from agora_node.comms.collective.proofs import (
     Signing,
-    attribute,
-    held_alike,
     pack_proofs,
     sign_part,
 )
@@ -80,27 +78,15 @@ from agora_node.comms.collective.state import (
     Final,
     RoundState,
     WitnessBusy,
-    Witnessed,
 )
 from agora_node.comms.collective.verify import (
-    NONCE_BYTES,
-    mask_members,
     members_mask,
-    parse_sketch,
-    sketch,
-    sketches_match,
     values_match,
 )
 from agora_node.comms.collective.wire import Code, Header, Reply, Transport
 from agora_node.compression import CodecError
 
 log = logging.getLogger(__name__)
-NETWORK_SLACK = 2.0  # a call may outlive the wait it asked for by this much before we give up
-
-
-MAX_WITNESS_MASKS = 4
-"""Reductions this member computes as a witness per collective, one per set of parts named
-(each is a span-sized tensor kept until the collective is dropped)."""
 
 
 @dataclass
@@ -113,8 +99,9 @@ class Outcome:
     members: tuple[str, ...]
 
 
-class AllReduce:
-    """One member's run of one collective; create, then `await run(...)` once."""
+class AllReduce(Checking):
+    """One member's run of one collective; create, then `await run(...)` once. With
+    `verify`, the checks of checking.py."""
 
     def __init__(
         self,
@@ -298,45 +285,6 @@ class AllReduce:
         final = await self._aggregate_final(me, contributions, attempt=0, senders=senders)
         self.state.try_finalize(me, final)
 
-    async def _held_by_witness(self, parts: dict[str, Contribution]) -> dict[str, Contribution]:
-        """The parts the span's witness holds too, with the same signed entry (an inventory,
-        handlers.on_inventory): the result names only those, so it stays checkable when a
-        member sent this owner a part and the witness none, or another one (that member is
-        flagged for equivocation). A witness that does not answer, or answers with an entry
-        that does not verify, leaves the parts as they are: its check will tell."""
-        j, me = self.state.my_index, self.state.me
-        witness = self.plan.owner(j, 1)
-        mask = members_mask(self.plan.members, [me, *parts])
-        # a frozen witness must not hold this owner's result past the members' fetches
-        base, left = self.deadlines.base, self._left(self._attempt_deadline(0))
-        wait = min(base / 4, max(0.0, left - base / 2))
-        call = self.transport.inventory(witness, self._header(j, wait=wait), mask)
-        reply = await self._call(witness, call, min(wait + NETWORK_SLACK, left - base / 2))
-        held = mask_members(self.plan.members, reply.members) if reply is not None else None
-        if reply is None or reply.code is not Code.HOLDS or held is None:
-            return parts
-        if not set(held) <= {me, *parts}:
-            return parts
-        own = self.state.own_part(j)
-        if me not in held and own is not None:  # its copy was lost: once more, before naming it
-            await self._push(j, own.frame, witness=True)
-        if self.signing is None:
-            keep = set(held)
-        else:
-            ours = {m: c.proof for m, c in parts.items()}
-            read = await asyncio.to_thread(
-                held_alike, self.signing.verify, self.plan.group_id, j, held, reply.proofs, ours
-            )
-            if read is None:
-                return parts
-            keep, two_parts = read
-            if two_parts:
-                self.stats.reject("equivocation")
-                self.stats.equivocated.update(two_parts)
-        for _ in parts.keys() - keep:
-            self.stats.reject("part its witness lacks")
-        return {m: c for m, c in parts.items() if m in keep}
-
     async def _aggregate_final(
         self,
         span: int,
@@ -390,141 +338,6 @@ class AllReduce:
         for sender, c in zip(senders, contributions, strict=True):
             if sender != self.state.me and self.replays.check(sender, self.plan.round, lo, c.value):
                 self.stats.replayed.add(sender)
-
-    async def _witness_value(self, mask: bytes, wait: float) -> Witnessed | None:
-        """This member's reduction, as the witness, of its span over the parts `mask` names
-        (None if the mask is not a majority including the owner; `missing` if a named part
-        has not arrived after `wait` s). Cached per mask: every member asks about the same
-        one."""
-        j = self.state.witness_span()
-        named = mask_members(self.plan.members, mask)
-        owner = self.plan.owner(j, 0) if j is not None else None
-        if j is None or named is None or owner not in named:
-            return None
-        if len(named) < self.plan.size // 2 + 1:
-            return None
-        task = self._witnessed.get(mask)
-        if task is None:
-            if len(self._witnessed) >= MAX_WITNESS_MASKS:  # honest members name one or two
-                raise WitnessBusy(f"{MAX_WITNESS_MASKS} sets of parts checked already")
-            task = asyncio.ensure_future(self._reduce_witnessed(j, named, wait))
-            self._witnessed[mask] = task
-        return await asyncio.shield(task)
-
-    async def _reduce_witnessed(self, j: int, named: list[str], wait: float) -> Witnessed:
-        span = self.state.spans[j]
-        others = [m for m in named if m != self.state.me]
-
-        def missing() -> tuple[str, ...]:
-            return tuple(m for m in others if m not in span.witness_parts)
-
-        await self.state.changed.wait_for(lambda: not missing(), wait)
-        own = self.state.own_part(j) if self.state.me in named else None
-        lacking = missing() + ((self.state.me,) if self.state.me in named and own is None else ())
-        if lacking:
-            return Witnessed(None, lacking)
-        senders = ([self.state.me] if own is not None else []) + others
-        contributions = ([own] if own is not None else []) + [span.witness_parts[m] for m in others]
-        return Witnessed(await self._aggregate_final(j, contributions, 0, senders, count=False))
-
-    async def _matches_witness(self, j: int, final: Final, owner: str) -> bool:
-        """Is the attempt-0 owner's result for span j what its witness computes over the
-        parts the owner names? (verify.py; True unchecked if the witness does not answer.)
-        If not, flag whom the signed entries point at (`_blame`)."""
-        witness = self.plan.owner(j, 1)
-        wait = max(0.0, self._left(self._attempt_deadline(0)))
-        named = mask_members(self.plan.members, final.members)
-        if named is not None and owner in named and len(named) < self.plan.size // 2 + 1:
-            # Not adopted, and no one blamed: an honest owner names only the parts that
-            # reached it in time, and with slow links (a relay, say) a member's part can be
-            # late. Flagging it made two replicas ban each other for good in the lab.
-            self.stats.reject("result names a minority")
-            return False
-        if named is None or owner not in named:  # a result must name its owner's part
-            self._flag_mismatch(j, owner, None)
-            return False
-        if witness == self.state.me:
-            try:
-                witnessed = await self._witness_value(final.members, wait)
-            except WitnessBusy:  # others used up the checks: nothing said about the owner
-                self.stats.unchecked_spans += 1
-                return True
-            assert witnessed is not None  # the mask was checked above
-            theirs = witnessed.final
-            ok = theirs is not None and await asyncio.to_thread(
-                values_match, final.value, theirs.value, self.tolerance
-            )
-            proofs, missing = (theirs.proofs if theirs else b""), list(witnessed.missing)
-        else:
-            nonce = os.urandom(NONCE_BYTES)
-            header = self._header(j, 0, wait=wait)
-            call = self.transport.check(witness, header, nonce, final.members)
-            reply = await self._call(witness, call, wait + NETWORK_SLACK)
-            if reply is None or reply.code not in (Code.SKETCH, Code.NOTHING):
-                self.stats.unchecked_spans += 1
-                return True
-            sketched = parse_sketch(reply.payload) if reply.code is Code.SKETCH else None
-            ok = sketched is not None and sketches_match(
-                await asyncio.to_thread(sketch, final.value, nonce), sketched, self.tolerance
-            )
-            proofs, missing = reply.proofs, []
-            if reply.code is Code.NOTHING:
-                missing = mask_members(self.plan.members, reply.members) or [owner]
-        if ok:
-            self.stats.checked_spans += 1
-            return True
-        await self._blame(j, final, owner, named, proofs, missing)
-        return False
-
-    async def _blame(
-        self, j: int, final: Final, owner: str, named: list[str], proofs: bytes, missing: list[str]
-    ) -> None:
-        """A result failed its witness check: flag who lied, as far as the signed entries of
-        the parts (proofs.py) tell. The span is not adopted either way."""
-        witness = self.plan.owner(j, 1)
-        if missing and owner not in missing and set(missing) <= set(named):
-            # The witness lacks another member's part: that member may have sent it to the
-            # owner alone (or its copy was lost), or the witness lies. Nobody is flagged.
-            self.stats.reject("witness lacks a part")
-            return
-        if self.signing is not None and not missing:
-            verdict = await asyncio.to_thread(
-                attribute, self.signing.verify, self.plan.group_id, j, named, final.proofs, proofs
-            )
-            if verdict.equivocators:
-                self.stats.reject("equivocation")
-                self.stats.equivocated.update(verdict.equivocators)
-                log.warning(
-                    "span %d of %s round %d: %s signed two parts",
-                    j,
-                    self.plan.phase,
-                    self.plan.round,
-                    ", ".join(m[-8:] for m in sorted(verdict.equivocators)),
-                )
-                return
-            if not verdict.reducer_unknown:  # a forged entry: whoever presented it
-                self._flag_mismatch(
-                    j,
-                    owner if verdict.owner_forged else None,
-                    witness if verdict.witness_forged else None,
-                )
-                return
-        self._flag_mismatch(j, owner, witness)
-
-    def _flag_mismatch(self, j: int, owner: str | None, witness: str | None) -> None:
-        self.stats.reject("result mismatch")
-        if owner is not None:
-            self.stats.mismatched.add(owner)
-            self.stats.failed_peers.add(owner)
-        if witness is not None and witness != self.state.me:
-            self.stats.mismatch_witnesses.add(witness)
-        log.warning(
-            "span %d of %s round %d: the result of %s does not match its witness's",
-            j,
-            self.plan.phase,
-            self.plan.round,
-            self.plan.owner(j, 0)[-8:],
-        )
 
     # ---- 3. gather, escalating down the owner chain ---------------------------------
     async def _resolve(self, j: int, reduce_task: asyncio.Task) -> None:

@@ -146,7 +146,7 @@ class Witnessed:
 
 
 class WitnessBusy(RuntimeError):
-    """A witness computed as many reductions as it may (allreduce.MAX_WITNESS_MASKS): a
+    """A witness computed as many reductions as it may (checking.MAX_WITNESS_MASKS): a
     check now says nothing (answered REJECTED, which the asker counts as unchecked, never
     as a mismatch)."""
 

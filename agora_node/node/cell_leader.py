@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import math
 import time
 
 import torch
@@ -54,8 +55,35 @@ class CellFailed(ConnectionError):
 
 
 _CELL_ERRORS = (TimeoutError, CellTimeout, streams.StreamError, KVFrameError, ValueError)
+
 """What a member's failure looks like from the leader (refusals, timeouts, broken or
 malformed answers, refused frames)."""
+
+
+HELPER_NORM_RATIO = 10.0
+"""A helper's gradients (of the weights, and of the stage's input) may be at most this many
+times the norm of the leader's own chunk's: the chunks are slices of one micro-batch, and
+a helper sending huge but finite values would otherwise make the leader's optimizer skip
+its steps (a non-finite norm) or steer them (clipping keeps the direction)."""
+
+
+def _norm(tensors) -> float:  # noqa: ANN001
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
+
+
+def _plausible(results: list) -> None:
+    """(Thread) refuse the micro-batch's gradients when a helper's are out of proportion to
+    the leader's own chunk's (HELPER_NORM_RATIO): a ValueError, so the cell fails it and
+    the leader trains it whole."""
+    own_in, own_grads = results[0][0], results[0][1]
+    own = _norm(own_grads.values())
+    own_in_norm = _norm([own_in]) if own_in is not None else 0.0
+    for rank, (grad_in, flat, _, _) in enumerate(results[1:], 1):
+        if _norm([flat]) > HELPER_NORM_RATIO * own + 1e-12:
+            raise ValueError(f"helper {rank}'s weight gradient is far above the leader's own")
+        has_input = grad_in is not None and own_in is not None and grad_in.numel() > 0
+        if has_input and _norm([grad_in]) > HELPER_NORM_RATIO * own_in_norm + 1e-12:
+            raise ValueError(f"helper {rank}'s input gradient is far above the leader's own")
 
 
 def _flatten(params: dict[str, Tensor]) -> Tensor:
@@ -138,7 +166,7 @@ class CellLeader:
             own = self.worker.call(self._own_backward, chunk, layout.take(grad_out, 0))
             try:
                 results = await self._together(
-                    xid, own, requests, self._parse_grads(layout, len(grad_out))
+                    xid, own, requests, self._parse_grads(layout, len(grad_out)), _plausible
                 )
             except CellFailed:
                 self._held[mb_id] = chunk  # the pipeline hands it back to the worker
@@ -161,7 +189,11 @@ class CellLeader:
                 self._own_last, xid, version, params, layout, c_in, tokens, loss_scale
             )
             results = await self._together(
-                xid, own, requests, self._parse_grads(layout, len(tokens), with_loss=True)
+                xid,
+                own,
+                requests,
+                self._parse_grads(layout, len(tokens), with_loss=True),
+                _plausible,
             )
             chunk = results[0][2]
             loss = sum(r[3] for r in results)
@@ -207,9 +239,10 @@ class CellLeader:
             reqs.append((peer, req))
         return reqs
 
-    async def _together(self, xid: bytes, own, requests, parse) -> list:  # noqa: ANN001
+    async def _together(self, xid: bytes, own, requests, parse, check=None) -> list:  # noqa: ANN001
         """Run the own part and every helper's at once; all their results, in rank order,
-        or CellFailed (and every member's waiting ends) as soon as one fails."""
+        or CellFailed (and every member's waiting ends) as soon as one fails, or `check`
+        (on a thread, given the results) raises."""
         own_task = asyncio.ensure_future(own)
         asks = [asyncio.ensure_future(self._ask(peer, req, parse)) for peer, req in requests]
         pending = {own_task, *asks}
@@ -221,10 +254,13 @@ class CellLeader:
             failed = [t for t in (own_task, *asks) if t.done() and t.exception() is not None]
             if failed:
                 raise failed[0].exception()
+            results = [own_task.result(), *(a.result() for a in asks)]
+            if check is not None:
+                await asyncio.to_thread(check, results)
             for peer, req in requests:
                 if req.weights is not None:
                     self._shipped[peer] = req.version
-            return [own_task.result(), *(a.result() for a in asks)]
+            return results
         except BaseException as exc:
             # whatever ended it (a member, this stage's own input, a cancelled request), no
             # member may go on waiting for the others' frames

@@ -15,6 +15,7 @@ import torch
 
 from agora_node.comms import streams
 from agora_node.comms.cell_link import CellLink
+from agora_node.node import cell_work
 from agora_node.node.cell import cell_groups, cell_of, routable
 from agora_node.node.cell_leader import CellFailed, CellLeader
 from agora_node.node.cell_work import CellHelper
@@ -180,6 +181,32 @@ async def test_a_dead_helper_fails_the_micro_batch_at_once_and_the_leader_redoes
         await leader.worker.call(leader.take_back, "mb")
         grad_in = await leader.worker.call(leader.worker.backward, "mb", torch.ones_like(c_out))
         assert grad_in.shape == c_in.shape and bool(torch.isfinite(grad_in).all())
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("op", ["backward", "last"])
+async def test_a_helpers_huge_gradients_fail_the_micro_batch_not_the_leaders_step(op, monkeypatch):
+    """A helper answering with finite gradients 1000x its share (a liar, or a broken
+    machine): before, they were summed into the leader's step (whose norm they then
+    decided, or made non-finite so the step was skipped). Now the micro-batch fails over
+    to the leader, which trains it whole, and its weights are untouched."""
+    real = cell_work._answer
+    monkeypatch.setattr(
+        cell_work, "_answer", lambda g_in, grads: real(g_in, {n: 1e3 * g for n, g in grads.items()})
+    )
+    manifest = cell_manifest(stages=2 if op == "last" else 3)
+    tokens, c_in = _batch(manifest, 1)
+    async with cell_of_two(manifest, 1) as (leader, _, _, _):
+        before = _masters(leader.worker)
+        with pytest.raises(CellFailed, match="far above"):
+            if op == "last":
+                await leader.last(c_in, tokens, 1.0)
+            else:
+                c_out = await leader.forward("mb", c_in, tokens)
+                await leader.backward("mb", torch.ones_like(c_out))
+        assert leader.failed == 1 and not leader.ready and leader.worker.stats.steps == 0
+        for b, a in zip(before, _masters(leader.worker), strict=True):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.integration

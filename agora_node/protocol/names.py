@@ -28,16 +28,17 @@ def run_pointer_key() -> str:
 
 
 def outer_round_key(run_id: str, stage: int, round_no: int) -> str:
-    """Entries of the replicas of `stage` that take part in outer round `round_no`."""
-    return f"agora/{run_id}/outer/{stage}/{round_no}"
+    """Entries of the replicas of `stage` that take part in outer round `round_no`.
+    v2: parts are signed (comms/collective/proofs.py); a v1 peer must not be grouped."""
+    return f"agora/{run_id}/outer-v2/{stage}/{round_no}"
 
 
 # ---- libp2p handler namespaces and stream protocols -------------------------------------
 
 
 def outer_namespace(run_id: str, stage: int) -> str:
-    """Namespace of the collective RPCs among the replicas of `stage`."""
-    return f"agora/{run_id}/outer/{stage}"
+    """Namespace of the collective RPCs among the replicas of `stage` (v2: signed parts)."""
+    return f"agora/{run_id}/outer-v2/{stage}"
 
 
 def outer_stream_protocol(namespace: str) -> str:
@@ -99,6 +100,10 @@ def relay_protocol(run_id: str) -> str:
 def relayed_protocol(run_id: str) -> str:
     """Stream protocol a relay passes a caller's request on to its target with."""
     return f"/agora/{run_id}/relayed/1"
+
+
+COLLECTIVE_PART_DOMAIN = b"agora-collective-part/2\n"
+"""What a collective part's signed statement starts with (comms/collective/proofs.py)."""
 
 
 def telemetry_prefix(run_id: str, peer_id: str) -> str:

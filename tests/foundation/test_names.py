@@ -38,8 +38,8 @@ def test_exact_spellings_are_pinned():
         "stage_key": "agora/r1/stage/2",
         "manifest_key": "agora/r1/manifest",
         "run_pointer_key": "agora/current-run",
-        "outer_round_key": "agora/r1/outer/2/7",
-        "outer_namespace": "agora/r1/outer/2",
+        "outer_round_key": "agora/r1/outer-v2/2/7",  # v2: signed parts
+        "outer_namespace": "agora/r1/outer-v2/2",
         "swim_namespace": "agora/r1/swim",
         "standalone_swim_namespace": "agora-membership",
         "forward_protocol": "/agora/r1/forward/1",
@@ -48,7 +48,7 @@ def test_exact_spellings_are_pinned():
         "cell_work_protocol": "/agora/r1/cellwork/1",
         "reachability_protocol": "/agora/r1/reachability/1",
         "relay_protocol": "/agora/r1/relay/1",
-        "outer_stream_protocol": "/agora/r1/outer/2/stream/1",
+        "outer_stream_protocol": "/agora/r1/outer-v2/2/stream/1",
         "relayed_protocol": "/agora/r1/relayed/1",
     }
 

@@ -96,6 +96,7 @@ def report(**fields) -> SimpleNamespace:
         direction_outliers=[],
         replayed=[],
         mismatched=[],
+        equivocated=[],
     )
     return SimpleNamespace(**(base | fields))
 
@@ -117,10 +118,16 @@ def test_round_summaries_and_the_peers_they_flag():
         "direction_outliers": [],
         "replayed": [],
         "mismatched": [],
+        "equivocated": [],
     }
     second = round_summary(
         report(
-            round=8, failed_peers=[], mismatched=["B"], direction_outliers=["D"], replayed=["E"]
+            round=8,
+            failed_peers=[],
+            mismatched=["B"],
+            direction_outliers=["D"],
+            replayed=["E"],
+            equivocated=["F"],
         ),
         at=110.0,
     )
@@ -129,4 +136,5 @@ def test_round_summaries_and_the_peers_they_flag():
         "B": {"outlier": 2, "mismatched": 1},
         "D": {"direction_outlier": 1},
         "E": {"replayed": 1},
+        "F": {"equivocated": 1},
     }

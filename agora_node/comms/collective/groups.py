@@ -1,7 +1,7 @@
 """Group formation without a coordinator: who takes part in an outer round.
 
 A replica of stage k that reaches round t stores a small signed entry under the DHT
-key `agora/<run>/outer/<k>/<t>` (subkey: its peer id) and polls that key. The
+key `agora/<run>/outer-v2/<k>/<t>` (subkey: its peer id) and polls that key. The
 round's participant list is closed by a rule every peer evaluates the same way,
 where q is a strict majority of the replicas the peer expects (`expect`, from
 membership; q = 1 when unknown):

@@ -28,12 +28,13 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from agora_node.protocol.names import COLLECTIVE_PART_DOMAIN
+
 DIGEST_BYTES = 32
 SIGNATURE_BYTES = 64
 PROOF_BYTES = 8 + DIGEST_BYTES + SIGNATURE_BYTES
 MAX_PROOFS_BYTES = PROOF_BYTES * 1024
 """What a reply may carry in proofs at most (a group of 1024); plans check the exact count."""
-_DOMAIN = b"agora/collective-part/v1\n"
 
 Verify = Callable[[str, bytes, bytes], bool]
 """(peer id, message, signature) -> whether the peer signed it (protocol.identity.verify)."""
@@ -64,7 +65,7 @@ class Proof:
 def statement(group_id: bytes, span: int, weight: float, digest: bytes) -> bytes:
     """What a sender signs for its part of `span` (the group id names round, phase, run,
     stage and members: plan.py)."""
-    return _DOMAIN + group_id + struct.pack("<Id", span, weight) + digest
+    return COLLECTIVE_PART_DOMAIN + group_id + struct.pack("<Id", span, weight) + digest
 
 
 def digest(frame: bytes) -> bytes:

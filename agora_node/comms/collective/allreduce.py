@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
@@ -77,7 +78,6 @@ from agora_node.comms.collective.state import (
     Contribution,
     Final,
     RoundState,
-    WitnessBusy,
 )
 from agora_node.comms.collective.verify import (
     members_mask,
@@ -128,6 +128,9 @@ class AllReduce(Checking):
         """Signs this member's parts and checks the entries a failed check compares
         (proofs.py); None: unsigned, and a failed check blames owner and witness alike."""
         self._witnessed: dict[bytes, asyncio.Future] = {}
+        """As the witness: the reductions checks asked for, by the parts named."""
+        self._masks_by: Counter[str] = Counter()
+        """As the witness: new reductions each asker caused (checking.MASKS_PER_ASKER)."""
         self.state, self.transport = state, transport
         self.plan, self.stats = state.plan, state.stats
         self.fmt, self.encoder = fmt, encoder
@@ -140,6 +143,7 @@ class AllReduce(Checking):
     async def run(self, flat: Tensor, weight: float) -> Outcome:
         self.t0 = time.monotonic()
         self.flat = flat.detach().reshape(-1).float()
+        weight = float(weight) + 0.0  # -0.0 would be signed as such but sent as 0.0
         frames, values, proofs = await asyncio.to_thread(self._encode, self.flat, weight)
         self.state.set_contribution(weight, frames, values, proofs)
         for j, (lo, hi) in enumerate(self.plan.spans):
@@ -214,22 +218,32 @@ class AllReduce(Checking):
             p.round, p.phase, p.group_id, span, attempt, weight, max(0.0, wait), signature
         )
 
-    async def _call(self, peer: str, coro, timeout: float) -> Reply | None:
-        """One request under a deadline; None on any failure (recorded for the peer)."""
+    async def _call(self, peer: str, coro, timeout: float, record: bool = True) -> Reply | None:
+        """One request under a deadline; None on any failure (recorded for the peer unless
+        `record` is False)."""
         try:
             return await asyncio.wait_for(coro, max(0.01, timeout))
         except TimeoutError:
-            self.stats.failed_peers.add(peer)
+            if record:
+                self.stats.failed_peers.add(peer)
         except Exception as exc:  # a transport error: the peer is gone or broken
             log.debug("call to %s failed: %r", peer[-8:], exc)
-            self.stats.failed_peers.add(peer)
+            if record:
+                self.stats.failed_peers.add(peer)
         self.state.changed.fire()  # waiters on "all live members delivered" re-check
         return None
 
     # ---- 1. push -------------------------------------------------------------------
     async def _push(
-        self, span: int, frame: bytes, witness: bool = False, after: asyncio.Task | None = None
-    ) -> None:
+        self,
+        span: int,
+        frame: bytes,
+        witness: bool = False,
+        after: asyncio.Task | None = None,
+        wait: float | None = None,
+    ) -> Reply | None:
+        """Push this member's part of `span` to its owner (or, `witness`, to its witness),
+        asking the owner to wait `wait` s (default: until the reduce deadline)."""
         if after is not None:
             # The witness's copy first: if this member dies in the middle of its pushes, an
             # owner then holds its part only if the span's witness does too, so the owner's
@@ -238,7 +252,8 @@ class AllReduce(Checking):
             await asyncio.wait({after}, timeout=max(0.0, self._left(self._reduce_deadline() / 2)))
         attempt = 1 if witness else 0
         owner = self.plan.owner(span, attempt)
-        wait = self._left(self._reduce_deadline())
+        if wait is None:
+            wait = self._left(self._reduce_deadline())
         own = self.state.own_part(span)
         signature = own.proof.signature if own is not None and own.proof is not None else b""
         header = self._header(span, attempt, self.state.my_weight or 0.0, wait, signature)
@@ -248,6 +263,7 @@ class AllReduce(Checking):
         )
         if reply is not None and reply.code is Code.REJECTED:
             self.stats.reject(f"ours refused: {reply.reason.split(':')[0]}")
+        return reply
 
     # ---- 2. reduce own span -----------------------------------------------------------
     def _reduce_deadline(self) -> float:
@@ -277,9 +293,10 @@ class AllReduce(Checking):
             self.stats.reject("banned sender")
             self.stats.ignored.add(member)
         if self.verify:
-            parts = await self._held_by_witness(parts)
-            if span.min_attempt > 0:
+            held = await self._held_by_witness(parts)
+            if held is None or span.min_attempt > 0:
                 return
+            parts = held
         senders = ([self.state.me] if own is not None else []) + list(parts)
         contributions = ([own] if own is not None else []) + list(parts.values())
         final = await self._aggregate_final(me, contributions, attempt=0, senders=senders)
@@ -438,10 +455,7 @@ class AllReduce(Checking):
             wait = max(0.0, self._left(self._attempt_deadline(attempt)) - base / 2)
             checked = []
             for f in finals:
-                try:
-                    expected = await self._witness_value(f.members, wait)
-                except WitnessBusy:  # not checked: not re-issued either
-                    continue
+                expected = await self._witness_value(f.members, wait)
                 mine = expected.final if expected is not None else None
                 if mine is not None and await asyncio.to_thread(
                     values_match, f.value, mine.value, self.tolerance

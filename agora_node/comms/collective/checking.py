@@ -29,58 +29,78 @@ from agora_node.comms.collective.wire import Code
 log = logging.getLogger(__name__)
 NETWORK_SLACK = 2.0  # a call may outlive the wait it asked for by this much before we give up
 
-MAX_WITNESS_MASKS = 4
-"""Reductions this member computes as a witness per collective, one per set of parts named
-(each is a span-sized tensor kept until the collective is dropped)."""
+MASKS_PER_ASKER = 2
+"""Reductions one member may have this witness compute per collective, one per new set of
+parts its checks name (an honest member checks the one result it fetched: one). Each is a
+span-sized tensor kept until the collective is dropped, so a witness holds at most two
+per member; the span's owner never checks its own span and may ask none."""
 
 
 class Checking:
     """Verification for AllReduce (see the module docstring); only AllReduce uses it."""
 
-    async def _held_by_witness(self, parts: dict[str, Contribution]) -> dict[str, Contribution]:
+    async def _held_by_witness(
+        self, parts: dict[str, Contribution]
+    ) -> dict[str, Contribution] | None:
         """The parts the span's witness holds too, with the same signed entry (an inventory,
         handlers.on_inventory): the result names only those, so it stays checkable when a
         member sent this owner a part and the witness none, or another one (that member is
         flagged for equivocation). A witness that does not answer, or answers with an entry
-        that does not verify, leaves the parts as they are: its check will tell."""
+        that does not verify, leaves the parts as they are: its check will tell. None: the
+        witness lacks this owner's own part and a second copy did not reach it either, so
+        no result of this owner could pass its check (the witness takes the span over)."""
         j, me = self.state.my_index, self.state.me
         witness = self.plan.owner(j, 1)
         mask = members_mask(self.plan.members, [me, *parts])
         # a frozen witness must not hold this owner's result past the members' fetches
-        base, left = self.deadlines.base, self._left(self._attempt_deadline(0))
-        wait = min(base / 4, max(0.0, left - base / 2))
+        base = self.deadlines.base
+        budget = self._left(self._attempt_deadline(0)) - base / 2
+        wait = min(base / 4, max(0.0, budget))
         call = self.transport.inventory(witness, self._header(j, wait=wait), mask)
-        reply = await self._call(witness, call, min(wait + NETWORK_SLACK, left - base / 2))
-        held = mask_members(self.plan.members, reply.members) if reply is not None else None
-        if reply is None or reply.code is not Code.HOLDS or held is None:
+        # not recorded as a failure: the witness's own span is still fetched from it
+        reply = await self._call(witness, call, min(wait + NETWORK_SLACK, budget), record=False)
+        if reply is None:
             return parts
-        if not set(held) <= {me, *parts}:
+        self.stats.bytes_received += len(reply.proofs)
+        held = mask_members(self.plan.members, reply.members)
+        if reply.code is not Code.HOLDS or held is None or not set(held) <= {me, *parts}:
             return parts
         own = self.state.own_part(j)
         if me not in held and own is not None:  # its copy was lost: once more, before naming it
-            await self._push(j, own.frame, witness=True)
+            budget = self._left(self._attempt_deadline(0)) - base / 2
+            again = await self._push(j, own.frame, witness=True, wait=budget)
+            if again is None or not (
+                again.code is Code.ACCEPTED or again.reason.startswith("duplicate")
+            ):
+                self.stats.reject("witness lacks the owner's part")
+                return None
         if self.signing is None:
-            keep = set(held)
+            keep, two_parts = set(held), set()
         else:
             ours = {m: c.proof for m, c in parts.items()}
             read = await asyncio.to_thread(
                 held_alike, self.signing.verify, self.plan.group_id, j, held, reply.proofs, ours
             )
             if read is None:
+                self.stats.reject("forged inventory")
                 return parts
             keep, two_parts = read
             if two_parts:
                 self.stats.reject("equivocation")
                 self.stats.equivocated.update(two_parts)
-        for _ in parts.keys() - keep:
+        for _ in parts.keys() - keep - two_parts:
             self.stats.reject("part its witness lacks")
         return {m: c for m, c in parts.items() if m in keep}
 
-    async def _witness_value(self, mask: bytes, wait: float) -> Witnessed | None:
+    async def _witness_value(
+        self, mask: bytes, wait: float, asker: str | None = None
+    ) -> Witnessed | None:
         """This member's reduction, as the witness, of its span over the parts `mask` names
         (None if the mask is not a majority including the owner; `missing` if a named part
-        has not arrived after `wait` s). Cached per mask: every member asks about the same
-        one."""
+        has not arrived after `wait` s). Each asker waits on its own, so one asking with a
+        short wait decides nothing for the others; a complete reduction is cached per mask
+        (every honest member asks about the same one), and `asker` (None: this member) may
+        have at most MASKS_PER_ASKER new ones computed, or WitnessBusy."""
         j = self.state.witness_span()
         named = mask_members(self.plan.members, mask)
         owner = self.plan.owner(j, 0) if j is not None else None
@@ -88,27 +108,32 @@ class Checking:
             return None
         if len(named) < self.plan.size // 2 + 1:
             return None
+        span, me = self.state.spans[j], self.state.me
+
+        def missing() -> tuple[str, ...]:
+            lacking = tuple(m for m in named if m != me and m not in span.witness_parts)
+            own = me in named and self.state.own_part(j) is None
+            return lacking + ((me,) if own else ())
+
+        await self.state.changed.wait_for(lambda: not missing(), wait)
+        if lacking := missing():
+            return Witnessed(None, lacking)
         task = self._witnessed.get(mask)
         if task is None:
-            if len(self._witnessed) >= MAX_WITNESS_MASKS:  # honest members name one or two
-                raise WitnessBusy(f"{MAX_WITNESS_MASKS} sets of parts checked already")
-            task = asyncio.ensure_future(self._reduce_witnessed(j, named, wait))
+            if asker is not None:
+                if self._masks_by[asker] >= MASKS_PER_ASKER:
+                    raise WitnessBusy(f"{MASKS_PER_ASKER} sets of parts checked already")
+                self._masks_by[asker] += 1
+            task = asyncio.ensure_future(self._reduce_witnessed(j, named))
             self._witnessed[mask] = task
         return await asyncio.shield(task)
 
-    async def _reduce_witnessed(self, j: int, named: list[str], wait: float) -> Witnessed:
-        span = self.state.spans[j]
-        others = [m for m in named if m != self.state.me]
-
-        def missing() -> tuple[str, ...]:
-            return tuple(m for m in others if m not in span.witness_parts)
-
-        await self.state.changed.wait_for(lambda: not missing(), wait)
-        own = self.state.own_part(j) if self.state.me in named else None
-        lacking = missing() + ((self.state.me,) if self.state.me in named and own is None else ())
-        if lacking:
-            return Witnessed(None, lacking)
-        senders = ([self.state.me] if own is not None else []) + others
+    async def _reduce_witnessed(self, j: int, named: list[str]) -> Witnessed:
+        """The reduction `_witness_value` caches: every part `named` has arrived."""
+        span, me = self.state.spans[j], self.state.me
+        own = self.state.own_part(j) if me in named else None
+        others = [m for m in named if m != me]
+        senders = ([me] if own is not None else []) + others
         contributions = ([own] if own is not None else []) + [span.witness_parts[m] for m in others]
         return Witnessed(await self._aggregate_final(j, contributions, 0, senders, count=False))
 
@@ -129,11 +154,7 @@ class Checking:
             self._flag_mismatch(j, owner, None)
             return False
         if witness == self.state.me:
-            try:
-                witnessed = await self._witness_value(final.members, wait)
-            except WitnessBusy:  # others used up the checks: nothing said about the owner
-                self.stats.unchecked_spans += 1
-                return True
+            witnessed = await self._witness_value(final.members, wait)
             assert witnessed is not None  # the mask was checked above
             theirs = witnessed.final
             ok = theirs is not None and await asyncio.to_thread(
@@ -148,6 +169,7 @@ class Checking:
             if reply is None or reply.code not in (Code.SKETCH, Code.NOTHING):
                 self.stats.unchecked_spans += 1
                 return True
+            self.stats.bytes_received += len(reply.payload) + len(reply.proofs)
             sketched = parse_sketch(reply.payload) if reply.code is Code.SKETCH else None
             ok = sketched is not None and sketches_match(
                 await asyncio.to_thread(sketch, final.value, nonce), sketched, self.tolerance

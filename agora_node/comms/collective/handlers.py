@@ -101,10 +101,10 @@ class Responder:
             state.refuse(sender, "bad weight", refused_span)
             return rejected("bad weight")
         span = state.spans[header.span]
-        if witness:
-            late = span.witness_closed
-        else:
-            late = span.final is not None or span.min_attempt > 0 or state.reducing_done
+        # a witness takes copies until the collective ends: checks wait for the parts they name
+        late = not witness and (
+            span.final is not None or span.min_attempt > 0 or state.reducing_done
+        )
         if late:
             stats.reject("late")
             return rejected("late")
@@ -183,6 +183,9 @@ class Responder:
         if state.witness_span() != header.span:
             state.stats.reject("not the witness")
             return rejected("not the witness")
+        if sender == state.plan.owner(header.span, 0):  # it has its own value: nothing to check
+            state.stats.reject("bad check")
+            return rejected("bad check")
         if len(nonce) != NONCE_BYTES or mask_members(state.plan.members, members) is None:
             return rejected("bad check")
         # each check is a sketch of the span (and a new mask a reduction): a member checks
@@ -196,7 +199,7 @@ class Responder:
         if state.witness is None:  # this member is not running the collective (yet)
             return Reply(Code.NOT_READY)
         try:
-            witnessed = await state.witness(members, wait)
+            witnessed = await state.witness(members, wait, sender)
         except WitnessBusy as exc:
             return rejected(f"witness busy: {exc}")
         if witnessed is None:  # not a set of parts a result may name
@@ -224,10 +227,10 @@ class Responder:
             state.stats.reject("too many checks")
             return rejected("too many checks")
         state.checks_asked[sender] += 1
-        parts = state.spans[span].witness_parts
+        parts, refused = state.spans[span].witness_parts, state.spans[span].witness_refused
         others = [m for m in named if m != state.me]
         await state.changed.wait_for(
-            lambda: all(m in parts for m in others), min(header.wait, MAX_WAIT)
+            lambda: all(m in parts or m in refused for m in others), min(header.wait, MAX_WAIT)
         )
         held = {m: parts[m] for m in others if m in parts}
         own = state.own_part(span) if state.me in named else None
@@ -235,6 +238,7 @@ class Responder:
             held[state.me] = own
         order = [m for m in state.plan.members if m in held]
         proofs = pack_proofs([held[m].proof for m in order])
+        state.stats.bytes_sent += len(proofs)
         return Reply(Code.HOLDS, members=members_mask(state.plan.members, order), proofs=proofs)
 
     async def on_query(self, sender: str, header: Header) -> Reply:

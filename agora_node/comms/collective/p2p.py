@@ -160,8 +160,8 @@ LIMITS = Limits(
     drain_deadline_s=30.0,
     deadline_s=MAX_WAIT + 180.0,  # the longest wait a request may ask, then its transfer
 )
-MAX_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
-"""One request message: a chunk and the header fields."""
+MAX_MESSAGE_BYTES = CHUNK_BYTES + MAX_PROOFS_BYTES + (16 << 10)
+"""One message: a chunk, the signed entries a reply may carry, and the other fields."""
 
 
 class CollectiveServicer(GuardedServicer):

@@ -95,8 +95,7 @@ class SpanState:
     witness_parts: dict[str, Contribution] = field(default_factory=dict)
     """Parts pushed to this member as the span's witness (verify.py)."""
     witness_refused: set[str] = field(default_factory=set)
-    witness_closed: bool = False
-    """No more witness parts are taken (the witness has started checking)."""
+    """Members whose copy for this member as the witness was invalid."""
 
 
 @dataclass
@@ -146,9 +145,8 @@ class Witnessed:
 
 
 class WitnessBusy(RuntimeError):
-    """A witness computed as many reductions as it may (checking.MAX_WITNESS_MASKS): a
-    check now says nothing (answered REJECTED, which the asker counts as unchecked, never
-    as a mismatch)."""
+    """The asker had this witness compute as many reductions as it may
+    (checking.MASKS_PER_ASKER): its further checks are refused. Honest members ask one."""
 
 
 class RoundState:
@@ -165,8 +163,9 @@ class RoundState:
         self.my_values: list[Tensor] | None = None
         self.my_proofs: list[Proof | None] | None = None
         self.reducing_done = False
-        self.witness: Callable[[bytes, float], Awaitable[Witnessed | None]] | None = None
-        """Set by this member's AllReduce when it runs with verification."""
+        self.witness: Callable[[bytes, float, str], Awaitable[Witnessed | None]] | None = None
+        """(parts named, wait, asker) -> this member's reduction as the span's witness;
+        set by this member's AllReduce when it runs with verification."""
         self.checks_asked: Counter[str] = Counter()
         """Witness checks each member asked of this one (handlers.on_check caps them)."""
 
@@ -217,8 +216,6 @@ class RoundState:
 
     def add_witness_part(self, span: int, sender: str, contribution: Contribution) -> str | None:
         state = self.spans[span]
-        if state.witness_closed:
-            return "late"
         if sender in state.witness_parts:
             return "duplicate"
         state.witness_parts[sender] = contribution

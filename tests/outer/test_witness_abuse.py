@@ -1,0 +1,232 @@
+"""A witness's checks and inventories under abuse: a member cannot use them up for the
+others, a short wait decides nothing for the other askers, an owner whose witness lacks its
+own part sends it again (or hands the span over), and a forged inventory changes nothing.
+Transport-free (LocalNetwork), real keys; each test but "sent-again" failed before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import replace
+from itertools import combinations
+
+import pytest
+import torch
+
+from agora_node.comms.collective import LocalNetwork
+from agora_node.comms.collective.handlers import Responder
+from agora_node.comms.collective.payload import encode_result, plain_format
+from agora_node.comms.collective.plan import span_bounds
+from agora_node.comms.collective.verify import NONCE_BYTES, members_mask
+from agora_node.comms.collective.wire import Code, Header, Reply, rejected
+from agora_node.protocol.identity import verify
+from tests.outer.helpers import run_group
+from tests.outer.test_proofs import NUMEL, _value, keyed, values_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Tripling(Responder):
+    """Serves its span's result tripled (its entries are genuine)."""
+
+    async def on_fetch(self, sender, header):  # noqa: ANN001, ANN201
+        reply = await super().on_fetch(sender, header)
+        if reply.code is not Code.FINAL:
+            return reply
+        return replace(reply, payload=encode_result(3 * _value(reply.payload), plain_format()))
+
+
+class AskingAround:
+    """Asks the witness of each span in `spans` checks over all parts, then over every
+    smallest majority of parts including the span's owner, next to its witness copy of that span: before it (`first`,
+    with a short wait, when the parts are not all there), or after it (waiting for them)."""
+
+    def __init__(self, inner, members: tuple[str, ...], spans: set[int], first: bool) -> None:  # noqa: ANN001
+        self.inner, self.members, self.spans, self.first = inner, members, spans, first
+        self.answers: list[Reply] = []
+
+    async def push(self, peer: str, header: Header, payload: bytes) -> Reply:
+        if header.attempt != 1 or header.span not in self.spans:
+            return await self.inner.push(peer, header, payload)
+        if not self.first:
+            reply = await self.inner.push(peer, header, payload)
+        owner = self.members[header.span]
+        others = [m for m in self.members if m != owner]
+        wait = 0.3 if self.first else 5.0
+        ask = Header(header.round, header.phase, header.group_id, header.span, 0, 0.0, wait)
+        every = [tuple(others), *combinations(others, len(self.members) // 2)]
+        for more in every:
+            mask = members_mask(self.members, (owner, *more))
+            self.answers.append(await self.inner.check(peer, ask, os.urandom(NONCE_BYTES), mask))
+        return reply if not self.first else await self.inner.push(peer, header, payload)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+def _network(names: list[str]) -> LocalNetwork:
+    network = LocalNetwork(verify=verify)
+    for p in names:
+        network.join(p)
+    return network
+
+
+async def test_an_owner_cannot_use_up_its_witness_checks_to_pass_a_forged_result() -> None:
+    """Before: the owner had its witness reduce 4 sets of parts of its choosing, the
+    members' checks were then answered "busy", counted unchecked, and the tripled span was
+    adopted by everyone. Now a witness refuses checks from the span's owner."""
+    names, _, signing = keyed(5)
+    network, liar = _network(names), names[0]
+    network.responders[liar] = Tripling(network.responders[liar].book, verify=verify)
+    asking = AskingAround(network.transport(liar), tuple(names), spans={0}, first=False)
+    values = values_for(names, seed=11)
+    outs = await run_group(
+        values, network=network, transports={liar: asking}, verify=True, signing=signing
+    )
+    assert asking.answers and all(
+        a.code is Code.REJECTED and a.reason == "bad check" for a in asking.answers
+    )
+    lo, hi = span_bounds(NUMEL, len(names), 64)[0]
+    for p in names[1:]:
+        stats = outs[p].stats
+        assert liar in stats.mismatched and stats.unchecked_spans == 0, stats.rejected
+        assert torch.equal(outs[p].value[lo:hi], values[p][lo:hi])  # not adopted: own values
+
+
+async def test_a_member_asking_many_checks_leaves_the_others_theirs() -> None:
+    """A member may have the witness reduce MASKS_PER_ASKER sets of parts; past that its
+    checks are refused as busy, and the other members' checks are still answered."""
+    names, _, signing = keyed(5)
+    network, spammer = _network(names), names[2]
+    asking = AskingAround(network.transport(spammer), tuple(names), spans={0}, first=False)
+    outs = await run_group(
+        values_for(names, seed=12),
+        network=network,
+        transports={spammer: asking},
+        verify=True,
+        signing=signing,
+    )
+    codes = [(a.code, a.reason.split(":")[0]) for a in asking.answers]
+    assert codes[:2] == [(Code.SKETCH, "")] * 2
+    assert (Code.REJECTED, "witness busy") in codes, codes
+    first = outs[names[0]].value
+    for p in names:
+        if p == spammer:
+            continue
+        assert outs[p].consistent and torch.equal(outs[p].value, first)
+        assert not outs[p].stats.mismatched and outs[p].stats.unchecked_spans == 0
+
+
+@pytest.mark.parametrize("late_owner", [False, True], ids=["on-time", "late-owner"])
+async def test_a_check_with_a_short_wait_decides_nothing_for_the_others(late_owner: bool) -> None:
+    """A member asks each witness about the full set of parts, with a short wait, before it
+    sends its own copy. Before: the witness cached "lacking that member" for that set, every
+    span fell back, and with an owner late to start, the honest owner and witness were
+    flagged. Now each asker waits on its own and only complete reductions are cached."""
+    names, _, signing = keyed(4)
+    network, liar = _network(names), names[3]
+    asking = AskingAround(network.transport(liar), tuple(names), {0, 1, 2}, first=True)
+    before = {names[1]: lambda: asyncio.sleep(0.5)} if late_owner else None
+    outs = await run_group(
+        values_for(names, seed=13),
+        network=network,
+        transports={liar: asking},
+        verify=True,
+        signing=signing,
+        before=before,
+    )
+    assert any(a.code is Code.NOTHING for a in asking.answers)
+    for p in names[:3]:
+        stats = outs[p].stats
+        assert outs[p].consistent and stats.fallback_spans == 0, stats.rejected
+        assert not stats.mismatched and not stats.mismatch_witnesses
+
+
+class LosingOwnCopies:
+    """The owner's copies of its own span for its witness get lost: the first `lose` (the
+    transport says ACCEPTED), then, if `refuse`, every later one is refused."""
+
+    def __init__(self, inner, span: int, lose: int, refuse: bool) -> None:  # noqa: ANN001
+        self.inner, self.span, self.lose, self.refuse = inner, span, lose, refuse
+        self.copies = 0
+
+    async def push(self, peer: str, header: Header, payload: bytes) -> Reply:
+        if header.attempt == 1 and header.span == self.span:
+            self.copies += 1
+            if self.copies <= self.lose:
+                return Reply(Code.ACCEPTED)
+            if self.refuse:
+                return rejected("late")
+        return await self.inner.push(peer, header, payload)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["sent-again", "never-there"])
+async def test_an_owner_whose_witness_lacks_its_part_sends_it_again_or_hands_over(
+    refuse: bool,
+) -> None:
+    """The witness's inventory shows the owner's own copy missing. The owner sends it again
+    and its result is checked; if that fails too, it publishes nothing (any result of its
+    would fail the check, getting it and its witness flagged) and the witness takes the span
+    over at attempt 1. Nobody is flagged either way."""
+    names, _, signing = keyed(4)
+    network, owner = _network(names), names[0]
+    losing = LosingOwnCopies(network.transport(owner), span=0, lose=1, refuse=refuse)
+    values = values_for(names, seed=14)
+    outs = await run_group(
+        values, network=network, transports={owner: losing}, verify=True, signing=signing
+    )
+    assert losing.copies == 2
+    first = outs[owner].value
+    for p in names:
+        stats = outs[p].stats
+        assert outs[p].consistent and torch.equal(outs[p].value, first), stats.rejected
+        assert not stats.mismatched and not stats.mismatch_witnesses
+    assert outs[owner].stats.rejected["witness lacks the owner's part"] == int(refuse)
+    late = sum(outs[p].stats.late_spans for p in names[1:])
+    assert late == (3 if refuse else 0)  # span 0 adopted from its witness's attempt 1
+    checked = sum(outs[p].stats.checked_spans for p in names[1:])
+    assert checked == (6 if refuse else 9)
+
+
+class ForgedInventory(Responder):
+    """A witness whose inventory answers carry entries it made up."""
+
+    async def on_inventory(self, sender, header, members):  # noqa: ANN001, ANN201
+        reply = await super().on_inventory(sender, header, members)
+        if reply.code is not Code.HOLDS or not reply.proofs:
+            return reply
+        proofs = bytearray(reply.proofs)
+        proofs[-1] ^= 1
+        return replace(reply, proofs=bytes(proofs))
+
+
+async def test_a_forged_inventory_is_counted_and_changes_nothing() -> None:
+    names, _, signing = keyed(4)
+    network, witness = _network(names), names[1]
+    network.responders[witness] = ForgedInventory(network.responders[witness].book, verify=verify)
+    outs = await run_group(
+        values_for(names, seed=15), network=network, verify=True, signing=signing
+    )
+    assert outs[names[0]].stats.rejected["forged inventory"] == 1
+    first = outs[names[0]].value
+    for p in names:
+        assert outs[p].consistent and torch.equal(outs[p].value, first)
+        assert not outs[p].stats.mismatched and not outs[p].stats.equivocated
+
+
+async def test_a_negative_zero_weight_is_signed_as_sent() -> None:
+    """-0.0 was signed as such but sent as 0.0: every part of that member was refused."""
+    names, _, signing = keyed(3)
+    weights = {p: 1.0 for p in names} | {names[2]: -0.0}
+    outs = await run_group(
+        values_for(names, seed=16),
+        weights=weights,
+        network=_network(names),
+        verify=True,
+        signing=signing,
+    )
+    for p in names:
+        assert outs[p].stats.rejected["bad signature"] == 0 and outs[p].consistent

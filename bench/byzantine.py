@@ -56,7 +56,7 @@ from agora_node.comms.collective import (  # noqa: E402
     MatchmakingConfig,
     MemoryBoard,
 )
-from agora_node.node.outer import OuterLoop  # noqa: E402
+from agora_node.node.outer import OuterLoop, part_signing  # noqa: E402
 from agora_node.node.outer_state import ModuleWeights, OuterConfig, OuterState  # noqa: E402
 from agora_node.node.suspects import Suspects  # noqa: E402
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer  # noqa: E402
@@ -148,7 +148,7 @@ async def run(
             run_id="byzantine",
             stage=0,
             config=cfg,
-            book=network.join(ident.peer_id),
+            book=network.join(ident.peer_id, part_signing(ident, cfg)),
             transport=network.transport(ident.peer_id),
             board=board,
             suspects=Suspects(me=ident.peer_id, ban_s=args.ban_s),

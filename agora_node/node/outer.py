@@ -182,7 +182,10 @@ class OuterLoop:
         guard = Guard("collective", COLLECTIVE_LIMITS, on_refuse=on_refuse)
         signing = part_signing(identity, config)
         responder = Responder(
-            book, admit=rpc_admit, verify=signing.verify if signing is not None else None
+            book,
+            admit=rpc_admit,
+            verify=signing.verify if signing is not None else None,
+            sign=signing.sign if signing is not None else None,
         )
         servicer = CollectiveServicer(responder, limit, guard=guard)
         await servicer.add_p2p_handlers(p2p, namespace=namespace)

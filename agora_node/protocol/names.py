@@ -105,6 +105,9 @@ def relayed_protocol(run_id: str) -> str:
 COLLECTIVE_PART_DOMAIN = b"agora-collective-part/2\n"
 """What a collective part's signed statement starts with (comms/collective/proofs.py)."""
 
+COLLECTIVE_RECEIPT_DOMAIN = b"agora-collective-receipt/2\n"
+"""What a witness's signed inventory receipt starts with (comms/collective/proofs.py)."""
+
 
 def telemetry_prefix(run_id: str, peer_id: str) -> str:
     """MQTT topic prefix of a node's telemetry (`/status`, `/events` below it)."""

@@ -54,7 +54,9 @@ async def run_group(
     numel = next(iter(values.values())).numel()
     plan = GroupPlan(round=round_no, phase="delta", members=members, numel=numel, block=block)
     books = {
-        p: network.responders[p].book if p in network.responders else network.join(p)
+        p: network.responders[p].book
+        if p in network.responders
+        else network.join(p, signing.get(p) if signing else None)
         for p in members
     }
     states = {p: books[p].register(plan) for p in members}

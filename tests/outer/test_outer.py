@@ -8,7 +8,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from torch import nn
 
 from agora_node.comms.collective import LocalNetwork, MatchmakingConfig, MemoryBoard
-from agora_node.node.outer import OuterLoop
+from agora_node.node.outer import OuterLoop, part_signing
 from agora_node.node.outer_state import OuterConfig, OuterState
 from agora_node.node.round_report import RoundReport
 from agora_node.protocol.identity import Identity
@@ -40,7 +40,7 @@ def swarm(n: int, cfg: OuterConfig) -> list[OuterLoop]:
         loops.append(
             OuterLoop(
                 model(), ident, run_id="run", stage=0, config=cfg,
-                book=network.join(ident.peer_id), transport=network.transport(ident.peer_id),
+                book=network.join(ident.peer_id, part_signing(ident, cfg)), transport=network.transport(ident.peer_id),
                 board=board,
             )
         )  # fmt: skip

@@ -19,7 +19,9 @@ from agora_node.comms.collective.proofs import (
     attribute,
     digest,
     pack_proofs,
+    read_receipt,
     sign_part,
+    sign_receipt,
     statement,
 )
 from agora_node.comms.collective.wire import Code, Header, Reply
@@ -97,7 +99,7 @@ async def test_a_member_sending_two_parts_is_blamed_not_the_owner_or_witness(
     names, ids, signing = keyed(n)
     network = LocalNetwork(verify=verify)
     for p in names:
-        network.join(p)
+        network.join(p, signing[p])
     liar = names[1]
     transports = _transports(network, names, liar, inventory)
     transports[liar] = Equivocating(network.transport(liar), ids[liar])
@@ -136,7 +138,7 @@ async def test_a_part_withheld_from_the_witness_flags_nobody(inventory: bool) ->
     names, _, signing = keyed(4)
     network = LocalNetwork(verify=verify)
     for p in names:
-        network.join(p)
+        network.join(p, signing[p])
     liar = names[2]
     transports = _transports(network, names, liar, inventory)
     transports[liar] = Withholding(network.transport(liar), names.index(liar))
@@ -178,7 +180,7 @@ async def test_an_owner_presenting_a_forged_entry_is_blamed_alone() -> None:
     names, _, signing = keyed(4)
     network = LocalNetwork(verify=verify)
     for p in names:
-        network.join(p)
+        network.join(p, signing[p])
     forger = names[0]
     network.responders[forger] = ForgingOwner(network.responders[forger].book, verify=verify)
     outs = await run_group(values_for(names, seed=5), network=network, verify=True, signing=signing)
@@ -245,7 +247,7 @@ def test_attribute_reads_the_entries() -> None:
 async def test_signatures_and_proofs_cross_the_p2p_messages() -> None:
     """The fields ride the collective's protobuf messages (p2p.py), proofs bounded."""
     from agora_node.comms.collective.p2p import _header, _read_reply, _reply_chunks, _request
-    from agora_node.comms.collective.proofs import MAX_PROOFS_BYTES
+    from agora_node.comms.collective.proofs import MAX_PROOFS_BYTES, MAX_RECEIPT_BYTES
 
     header = Header(3, "delta", b"g" * 16, 1, 0, 2.0, 1.0, b"s" * 64)
     assert _header(_request(Code.PART, header, b"frame", 5)) == header
@@ -254,11 +256,27 @@ async def test_signatures_and_proofs_cross_the_p2p_messages() -> None:
         for m in msgs:
             yield m
 
-    reply = Reply(Code.FINAL, b"x" * 10, 1, members=b"\x07", proofs=b"p" * 312)
+    reply = Reply(Code.FINAL, b"x" * 10, 1, members=b"\x07", proofs=b"p" * 312, receipt=b"r" * 65)
     assert await _read_reply(stream(_reply_chunks(reply)), 100) == reply
     huge = replace(reply, proofs=b"p" * (MAX_PROOFS_BYTES + 1))
     with pytest.raises(ValueError, match="proofs"):
         await _read_reply(stream(_reply_chunks(huge)), 100)
+    long = replace(reply, receipt=b"r" * (MAX_RECEIPT_BYTES + 1))
+    with pytest.raises(ValueError, match="receipt"):
+        await _read_reply(stream(_reply_chunks(long)), 100)
+
+
+def test_a_receipt_reads_only_as_its_witness_signed_it() -> None:
+    names, _, signing = keyed(2)
+    group, witness = b"g" * 16, names[1]
+    receipt = sign_receipt(signing[witness].sign, group, 0, b"\x03")
+    assert read_receipt(verify, witness, group, 0, receipt) == b"\x03"
+    assert read_receipt(verify, names[0], group, 0, receipt) is None  # not the owner's
+    assert read_receipt(verify, witness, group, 1, receipt) is None  # another span
+    assert read_receipt(verify, witness, b"h" * 16, 0, receipt) is None  # another group
+    assert read_receipt(verify, witness, group, 0, b"\x01" + receipt[1:]) is None
+    assert read_receipt(verify, witness, group, 0, receipt[-64:]) is None  # no mask
+    assert read_receipt(verify, witness, group, 0, b"") is None
 
 
 async def test_only_the_spans_owner_may_ask_its_witness_for_an_inventory() -> None:

@@ -17,6 +17,7 @@ from agora_node.comms.collective import LocalNetwork
 from agora_node.comms.collective.handlers import Responder
 from agora_node.comms.collective.payload import encode_result, plain_format
 from agora_node.comms.collective.plan import span_bounds
+from agora_node.comms.collective.proofs import Signing
 from agora_node.comms.collective.verify import NONCE_BYTES, members_mask
 from agora_node.comms.collective.wire import Code, Header, Reply, rejected
 from agora_node.protocol.identity import verify
@@ -64,10 +65,10 @@ class AskingAround:
         return getattr(self.inner, name)
 
 
-def _network(names: list[str]) -> LocalNetwork:
+def _network(names: list[str], signing: dict[str, Signing]) -> LocalNetwork:
     network = LocalNetwork(verify=verify)
     for p in names:
-        network.join(p)
+        network.join(p, signing[p])
     return network
 
 
@@ -76,7 +77,7 @@ async def test_an_owner_cannot_use_up_its_witness_checks_to_pass_a_forged_result
     members' checks were then answered "busy", counted unchecked, and the tripled span was
     adopted by everyone. Now a witness refuses checks from the span's owner."""
     names, _, signing = keyed(5)
-    network, liar = _network(names), names[0]
+    network, liar = _network(names, signing), names[0]
     network.responders[liar] = Tripling(network.responders[liar].book, verify=verify)
     asking = AskingAround(network.transport(liar), tuple(names), spans={0}, first=False)
     values = values_for(names, seed=11)
@@ -97,7 +98,7 @@ async def test_a_member_asking_many_checks_leaves_the_others_theirs() -> None:
     """A member may have the witness reduce MASKS_PER_ASKER sets of parts; past that its
     checks are refused as busy, and the other members' checks are still answered."""
     names, _, signing = keyed(5)
-    network, spammer = _network(names), names[2]
+    network, spammer = _network(names, signing), names[2]
     asking = AskingAround(network.transport(spammer), tuple(names), spans={0}, first=False)
     outs = await run_group(
         values_for(names, seed=12),
@@ -124,7 +125,7 @@ async def test_a_check_with_a_short_wait_decides_nothing_for_the_others(late_own
     span fell back, and with an owner late to start, the honest owner and witness were
     flagged. Now each asker waits on its own and only complete reductions are cached."""
     names, _, signing = keyed(4)
-    network, liar = _network(names), names[3]
+    network, liar = _network(names, signing), names[3]
     asking = AskingAround(network.transport(liar), tuple(names), {0, 1, 2}, first=True)
     before = {names[1]: lambda: asyncio.sleep(0.5)} if late_owner else None
     outs = await run_group(
@@ -172,7 +173,7 @@ async def test_an_owner_whose_witness_lacks_its_part_sends_it_again_or_hands_ove
     would fail the check, getting it and its witness flagged) and the witness takes the span
     over at attempt 1. Nobody is flagged either way."""
     names, _, signing = keyed(4)
-    network, owner = _network(names), names[0]
+    network, owner = _network(names, signing), names[0]
     losing = LosingOwnCopies(network.transport(owner), span=0, lose=1, refuse=refuse)
     values = values_for(names, seed=14)
     outs = await run_group(
@@ -205,7 +206,7 @@ class ForgedInventory(Responder):
 
 async def test_a_forged_inventory_is_counted_and_changes_nothing() -> None:
     names, _, signing = keyed(4)
-    network, witness = _network(names), names[1]
+    network, witness = _network(names, signing), names[1]
     network.responders[witness] = ForgedInventory(network.responders[witness].book, verify=verify)
     outs = await run_group(
         values_for(names, seed=15), network=network, verify=True, signing=signing
@@ -224,9 +225,69 @@ async def test_a_negative_zero_weight_is_signed_as_sent() -> None:
     outs = await run_group(
         values_for(names, seed=16),
         weights=weights,
-        network=_network(names),
+        network=_network(names, signing),
         verify=True,
         signing=signing,
     )
     for p in names:
         assert outs[p].stats.rejected["bad signature"] == 0 and outs[p].consistent
+
+
+class DenyingWitness(Responder):
+    """Holds every part, but answers checks that it lacks `denied` (the span's owner's or
+    another member's)."""
+
+    def __init__(self, book, denied: str, **kwargs) -> None:  # noqa: ANN001, ANN003
+        super().__init__(book, **kwargs)
+        self.denied = denied
+
+    async def on_check(self, sender, header, nonce, members=b""):  # noqa: ANN001, ANN201
+        state = await self.book.lookup(header.round, header.phase, header.group_id, 5.0)
+        return Reply(Code.NOTHING, members=members_mask(state.plan.members, [self.denied]))
+
+
+@pytest.mark.parametrize("denied", [0, 2], ids=["owner", "member"])
+async def test_a_witness_denying_a_part_it_signed_for_is_blamed_alone(denied: int) -> None:
+    """The witness's inventory answer carries its signed receipt, and the owner's result
+    passes it on: a witness that then answers a check "I lack that part" contradicts its own
+    signature. Before: denying the owner's part flagged the honest owner too, and denying
+    another member's flagged nobody."""
+    names, _, signing = keyed(4)
+    network, witness = _network(names, signing), names[1]
+    network.responders[witness] = DenyingWitness(
+        network.responders[witness].book, names[denied], verify=verify, sign=signing[witness].sign
+    )
+    values = values_for(names, seed=17)
+    outs = await run_group(values, network=network, verify=True, signing=signing)
+    lo, hi = span_bounds(NUMEL, len(names), 64)[0]
+    for p in names[2:]:  # the members that check span 0 through the liar
+        stats = outs[p].stats
+        assert stats.mismatch_witnesses == {witness} and not stats.mismatched, stats.rejected
+        assert stats.rejected["witness denies its receipt"] == 1
+        assert torch.equal(outs[p].value[lo:hi], values[p][lo:hi])  # not adopted
+
+
+async def test_a_receipt_the_owner_made_up_blames_no_witness() -> None:
+    """An owner cannot make a receipt its witness did not sign: an altered one is read as
+    none, and a witness lacking another member's part flags nobody, as without receipts."""
+    names, _, signing = keyed(4)
+    network, owner = _network(names, signing), names[0]
+
+    class ClaimingMore(Responder):
+        async def on_fetch(self, sender, header):  # noqa: ANN001, ANN202
+            reply = await super().on_fetch(sender, header)
+            if reply.code is not Code.FINAL or not reply.receipt:
+                return reply
+            return replace(reply, receipt=reply.receipt[:-1] + bytes([reply.receipt[-1] ^ 1]))
+
+    network.responders[owner] = ClaimingMore(network.responders[owner].book, verify=verify)
+    network.responders[names[1]] = DenyingWitness(
+        network.responders[names[1]].book, names[2], verify=verify, sign=signing[names[1]].sign
+    )
+    outs = await run_group(
+        values_for(names, seed=18), network=network, verify=True, signing=signing
+    )
+    for p in names[2:]:
+        stats = outs[p].stats
+        assert not stats.mismatch_witnesses and not stats.mismatched, stats.rejected
+        assert stats.rejected["witness lacks a part"] == 1

@@ -292,15 +292,16 @@ class AllReduce(Checking):
         for member in self.ignore.intersection(others):
             self.stats.reject("banned sender")
             self.stats.ignored.add(member)
+        receipt = b""
         if self.verify:
             held = await self._held_by_witness(parts)
             if held is None or span.min_attempt > 0:
                 return
-            parts = held
+            parts, receipt = held
         senders = ([self.state.me] if own is not None else []) + list(parts)
         contributions = ([own] if own is not None else []) + list(parts.values())
         final = await self._aggregate_final(me, contributions, attempt=0, senders=senders)
-        self.state.try_finalize(me, final)
+        self.state.try_finalize(me, replace(final, receipt=receipt))
 
     async def _aggregate_final(
         self,
@@ -387,7 +388,7 @@ class AllReduce(Checking):
         reply = await self._unless_superseded(j, attempt, call)
         if reply is None or reply.code is not Code.FINAL:
             return
-        self.stats.bytes_received += len(reply.payload) + len(reply.proofs)
+        self.stats.bytes_received += len(reply.payload) + len(reply.proofs) + len(reply.receipt)
         final = await self._decode_final(reply, j)
         if final is None:
             return
@@ -420,7 +421,9 @@ class AllReduce(Checking):
         except CodecError:
             self.stats.reject("malformed result")
             return None
-        return Final(reply.payload, reply.attempt, value, reply.members, reply.proofs)
+        return Final(
+            reply.payload, reply.attempt, value, reply.members, reply.proofs, reply.receipt
+        )
 
     async def _rereduce(self, j: int, attempt: int) -> None:
         """Become the owner of span j at `attempt` (see the module docstring)."""

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 
-from agora_node.comms.collective.proofs import attribute, held_alike
+from agora_node.comms.collective.proofs import attribute, held_alike, read_receipt
 from agora_node.comms.collective.state import Contribution, Final, WitnessBusy, Witnessed
 from agora_node.comms.collective.verify import (
     NONCE_BYTES,
@@ -41,14 +41,16 @@ class Checking:
 
     async def _held_by_witness(
         self, parts: dict[str, Contribution]
-    ) -> dict[str, Contribution] | None:
+    ) -> tuple[dict[str, Contribution], bytes] | None:
         """The parts the span's witness holds too, with the same signed entry (an inventory,
         handlers.on_inventory): the result names only those, so it stays checkable when a
         member sent this owner a part and the witness none, or another one (that member is
         flagged for equivocation). A witness that does not answer, or answers with an entry
-        that does not verify, leaves the parts as they are: its check will tell. None: the
-        witness lacks this owner's own part and a second copy did not reach it either, so
-        no result of this owner could pass its check (the witness takes the span over)."""
+        that does not verify, leaves the parts as they are: its check will tell. Also
+        returned: the witness's signed receipt for what it holds (b"" none), which the
+        result carries (`_blame`). None: the witness lacks this owner's own part and a
+        second copy did not reach it either, so no result of this owner could pass its
+        check (the witness takes the span over)."""
         j, me = self.state.my_index, self.state.me
         witness = self.plan.owner(j, 1)
         mask = members_mask(self.plan.members, [me, *parts])
@@ -60,11 +62,11 @@ class Checking:
         # not recorded as a failure: the witness's own span is still fetched from it
         reply = await self._call(witness, call, min(wait + NETWORK_SLACK, budget), record=False)
         if reply is None:
-            return parts
-        self.stats.bytes_received += len(reply.proofs)
+            return parts, b""
+        self.stats.bytes_received += len(reply.proofs) + len(reply.receipt)
         held = mask_members(self.plan.members, reply.members)
         if reply.code is not Code.HOLDS or held is None or not set(held) <= {me, *parts}:
-            return parts
+            return parts, b""
         own = self.state.own_part(j)
         if me not in held and own is not None:  # its copy was lost: once more, before naming it
             budget = self._left(self._attempt_deadline(0)) - base / 2
@@ -74,23 +76,23 @@ class Checking:
             ):
                 self.stats.reject("witness lacks the owner's part")
                 return None
-        if self.signing is None:
-            keep, two_parts = set(held), set()
-        else:
+        receipt, keep, two_parts = b"", set(held), set()
+        if self.signing is not None:
+            verify, group = self.signing.verify, self.plan.group_id
             ours = {m: c.proof for m, c in parts.items()}
-            read = await asyncio.to_thread(
-                held_alike, self.signing.verify, self.plan.group_id, j, held, reply.proofs, ours
-            )
+            read = await asyncio.to_thread(held_alike, verify, group, j, held, reply.proofs, ours)
             if read is None:
                 self.stats.reject("forged inventory")
-                return parts
+                return parts, b""
             keep, two_parts = read
+            signed = await asyncio.to_thread(read_receipt, verify, witness, group, j, reply.receipt)
+            receipt = reply.receipt if signed == reply.members else b""
             if two_parts:
                 self.stats.reject("equivocation")
                 self.stats.equivocated.update(two_parts)
         for _ in parts.keys() - keep - two_parts:
             self.stats.reject("part its witness lacks")
-        return {m: c for m, c in parts.items() if m in keep}
+        return {m: c for m, c in parts.items() if m in keep}, receipt
 
     async def _witness_value(
         self, mask: bytes, wait: float, asker: str | None = None
@@ -189,6 +191,22 @@ class Checking:
         """A result failed its witness check: flag who lied, as far as the signed entries of
         the parts (proofs.py) tell. The span is not adopted either way."""
         witness = self.plan.owner(j, 1)
+        if missing and self.signing is not None and witness != self.state.me:
+            verify, group = self.signing.verify, self.plan.group_id
+            signed = await asyncio.to_thread(read_receipt, verify, witness, group, j, final.receipt)
+            held = mask_members(self.plan.members, signed) if signed is not None else None
+            if held is not None and set(missing) <= set(held):
+                # it signed that it held these parts, and parts are never dropped: it lies
+                self.stats.reject("witness denies its receipt")
+                self.stats.mismatch_witnesses.add(witness)
+                log.warning(
+                    "span %d of %s round %d: witness %s says it lacks parts it signed for",
+                    j,
+                    self.plan.phase,
+                    self.plan.round,
+                    witness[-8:],
+                )
+                return
         if missing and owner not in missing and set(missing) <= set(named):
             # The witness lacks another member's part: that member may have sent it to the
             # owner alone (or its copy was lost), or the witness lies. Nobody is flagged.

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 
 from agora_node.comms.collective.payload import decode_span, max_frame_bytes
-from agora_node.comms.collective.proofs import Verify, check_part, pack_proofs
+from agora_node.comms.collective.proofs import Verify, check_part, pack_proofs, sign_receipt
 from agora_node.comms.collective.state import (
     Contribution,
     Final,
@@ -53,6 +53,7 @@ class Responder:
         *,
         admit: Callable[[str], bool] | None = None,
         verify: Verify | None = None,
+        sign: Callable[[bytes], bytes] | None = None,
     ) -> None:
         self.book = book
         self.admit = admit
@@ -60,6 +61,8 @@ class Responder:
         self.verify = verify
         """Checks a part's signature by its sender (proofs.py); None: parts go unsigned
         (in-process tests and simulations)."""
+        self.sign = sign
+        """Signs this member's inventory receipts as a witness (proofs.sign_receipt)."""
 
     async def _state(self, sender: str, header: Header) -> RoundState:
         if self.admit is not None and not self.admit(sender):
@@ -238,8 +241,13 @@ class Responder:
             held[state.me] = own
         order = [m for m in state.plan.members if m in held]
         proofs = pack_proofs([held[m].proof for m in order])
-        state.stats.bytes_sent += len(proofs)
-        return Reply(Code.HOLDS, members=members_mask(state.plan.members, order), proofs=proofs)
+        mask = members_mask(state.plan.members, order)
+        receipt = b""
+        if self.sign is not None:
+            group = state.plan.group_id
+            receipt = await asyncio.to_thread(sign_receipt, self.sign, group, span, mask)
+        state.stats.bytes_sent += len(proofs) + len(receipt)
+        return Reply(Code.HOLDS, members=mask, proofs=proofs, receipt=receipt)
 
     async def on_query(self, sender: str, header: Header) -> Reply:
         try:
@@ -277,9 +285,14 @@ class Responder:
 
 
 def _final_reply(state: RoundState, final: Final) -> Reply:
-    state.stats.bytes_sent += len(final.frame) + len(final.proofs)
+    state.stats.bytes_sent += len(final.frame) + len(final.proofs) + len(final.receipt)
     return Reply(
-        Code.FINAL, final.frame, attempt=final.attempt, members=final.members, proofs=final.proofs
+        Code.FINAL,
+        final.frame,
+        attempt=final.attempt,
+        members=final.members,
+        proofs=final.proofs,
+        receipt=final.receipt,
     )
 
 

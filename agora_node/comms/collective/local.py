@@ -8,7 +8,7 @@ handler can never alias the sender's buffers, as over a real wire.
 from __future__ import annotations
 
 from agora_node.comms.collective.handlers import Responder
-from agora_node.comms.collective.proofs import Verify
+from agora_node.comms.collective.proofs import Signing, Verify
 from agora_node.comms.collective.state import RoundBook
 from agora_node.comms.collective.wire import Header, Reply
 
@@ -23,9 +23,11 @@ class LocalNetwork:
         self.down: set[str] = set()
         self.bytes_moved = 0
 
-    def join(self, peer: str) -> RoundBook:
+    def join(self, peer: str, signing: Signing | None = None) -> RoundBook:
+        """Add `peer`; `signing` signs its inventory receipts as a witness (proofs.py)."""
         book = RoundBook(peer)
-        self.responders[peer] = Responder(book, verify=self.verify)
+        sign = signing.sign if signing is not None else None
+        self.responders[peer] = Responder(book, verify=self.verify, sign=sign)
         return book
 
     def transport(self, me: str) -> LocalTransport:

@@ -29,7 +29,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 
 from agora_node.comms import streams
 from agora_node.comms.collective.handlers import MAX_WAIT, MEMBER_REFUSALS, Responder
-from agora_node.comms.collective.proofs import MAX_PROOFS_BYTES
+from agora_node.comms.collective.proofs import MAX_PROOFS_BYTES, MAX_RECEIPT_BYTES
 from agora_node.comms.collective.verify import NONCE_BYTES
 from agora_node.comms.collective.wire import Code, Header, Reply, rejected
 from agora_node.comms.guard import Guard, Limits
@@ -56,6 +56,7 @@ def _message_class() -> type:
         ("members", f.TYPE_BYTES),
         ("signature", f.TYPE_BYTES),
         ("proofs", f.TYPE_BYTES),
+        ("receipt", f.TYPE_BYTES),
     ]
     proto = descriptor_pb2.FileDescriptorProto(
         name="agora_collective.proto", package="agora.collective", syntax="proto3"
@@ -111,6 +112,7 @@ def _reply_chunks(reply: Reply) -> list[CollectiveMessage]:
         reason=reply.reason,
         members=reply.members,
         proofs=reply.proofs,
+        receipt=reply.receipt,
         total=len(data),
         data=bytes(data[:CHUNK_BYTES]),
     )
@@ -118,12 +120,28 @@ def _reply_chunks(reply: Reply) -> list[CollectiveMessage]:
     return [head, *(CollectiveMessage(data=bytes(data[i : i + CHUNK_BYTES])) for i in rest)]
 
 
+def _reply(head: CollectiveMessage, payload: bytes) -> Reply:
+    """The reply a head message (and its payload) carries, its signed fields bounded."""
+    if len(head.proofs) > MAX_PROOFS_BYTES:
+        raise ValueError("reply carries too many proofs")
+    if len(head.receipt) > MAX_RECEIPT_BYTES:
+        raise ValueError("reply carries too long a receipt")
+    return Reply(
+        Code(head.code),
+        payload,
+        head.attempt,
+        head.weight,
+        head.reason,
+        bytes(head.members),
+        bytes(head.proofs),
+        bytes(head.receipt),
+    )
+
+
 async def _read_reply(stream: AsyncIterator[CollectiveMessage], limit: int) -> Reply:
     head = await anext(stream)
     if head.total > limit:
         raise ValueError(f"reply of {head.total} bytes exceeds {limit}")
-    if len(head.proofs) > MAX_PROOFS_BYTES:
-        raise ValueError("reply carries too many proofs")
     buf = bytearray(head.data)
     async for msg in stream:
         buf += msg.data
@@ -131,15 +149,7 @@ async def _read_reply(stream: AsyncIterator[CollectiveMessage], limit: int) -> R
             raise ValueError("reply longer than announced")
     if len(buf) != head.total:
         raise ValueError("reply shorter than announced")
-    return Reply(
-        Code(head.code),
-        bytes(buf),
-        head.attempt,
-        head.weight,
-        head.reason,
-        bytes(head.members),
-        bytes(head.proofs),
-    )
+    return _reply(head, bytes(buf))
 
 
 async def _discard(stream: AsyncIterator[CollectiveMessage], left: int) -> None:
@@ -160,7 +170,7 @@ LIMITS = Limits(
     drain_deadline_s=30.0,
     deadline_s=MAX_WAIT + 180.0,  # the longest wait a request may ask, then its transfer
 )
-MAX_MESSAGE_BYTES = CHUNK_BYTES + MAX_PROOFS_BYTES + (16 << 10)
+MAX_MESSAGE_BYTES = CHUNK_BYTES + MAX_PROOFS_BYTES + MAX_RECEIPT_BYTES + (16 << 10)
 """One message: a chunk, the signed entries a reply may carry, and the other fields."""
 
 
@@ -353,17 +363,7 @@ class P2PTransport:
             reply = await self._whole(peer, request)
         else:
             msg = await getattr(self._stub(peer), rpc)(request)
-            if len(msg.proofs) > MAX_PROOFS_BYTES:
-                raise ValueError("reply carries too many proofs")
-            reply = Reply(
-                Code(msg.code),
-                bytes(msg.data),
-                msg.attempt,
-                msg.weight,
-                msg.reason,
-                bytes(msg.members),
-                bytes(msg.proofs),
-            )
+            reply = _reply(msg, bytes(msg.data))
         if len(reply.payload) > 1024:
             raise ValueError("reply too long for a sketch or an inventory")
         return reply

@@ -28,13 +28,15 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agora_node.protocol.names import COLLECTIVE_PART_DOMAIN
+from agora_node.protocol.names import COLLECTIVE_PART_DOMAIN, COLLECTIVE_RECEIPT_DOMAIN
 
 DIGEST_BYTES = 32
 SIGNATURE_BYTES = 64
 PROOF_BYTES = 8 + DIGEST_BYTES + SIGNATURE_BYTES
 MAX_PROOFS_BYTES = PROOF_BYTES * 1024
 """What a reply may carry in proofs at most (a group of 1024); plans check the exact count."""
+MAX_RECEIPT_BYTES = 128 + SIGNATURE_BYTES
+"""A receipt: a members mask (a group of 1024 at most) and the witness's signature."""
 
 Verify = Callable[[str, bytes, bytes], bool]
 """(peer id, message, signature) -> whether the peer signed it (protocol.identity.verify)."""
@@ -87,6 +89,28 @@ def check_part(
     if not verify(sender, statement(group_id, span, weight, d), sig):
         return None
     return Proof(weight, d, sig)
+
+
+def receipt_statement(group_id: bytes, span: int, mask: bytes) -> bytes:
+    """What a span's witness signs for the parts it holds (`mask`, verify.members_mask)."""
+    return COLLECTIVE_RECEIPT_DOMAIN + group_id + struct.pack("<I", span) + mask
+
+
+def sign_receipt(sign: Callable[[bytes], bytes], group_id: bytes, span: int, mask: bytes) -> bytes:
+    """A witness's receipt for the parts of `span` it holds: the mask, then its signature.
+    Parts are never dropped during a collective, so it stays true for the whole round: a
+    witness that later answers a check with one of them "missing" lies."""
+    return mask + sign(receipt_statement(group_id, span, mask))
+
+
+def read_receipt(
+    verify: Verify, witness: str, group_id: bytes, span: int, receipt: bytes
+) -> bytes | None:
+    """The mask of a receipt `witness` signed for `span`, or None (none, or not its)."""
+    if not SIGNATURE_BYTES < len(receipt) <= MAX_RECEIPT_BYTES:
+        return None
+    mask, sig = receipt[:-SIGNATURE_BYTES], receipt[-SIGNATURE_BYTES:]
+    return mask if verify(witness, receipt_statement(group_id, span, mask), sig) else None
 
 
 def pack_proofs(proofs: list[Proof | None]) -> bytes:

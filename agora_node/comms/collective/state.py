@@ -83,6 +83,8 @@ class Final:
     """Bitmask over the plan's members whose parts the reducer aggregated (verify.py)."""
     proofs: bytes = b""
     """Their signed entries, in plan order (proofs.py; b"" unsigned)."""
+    receipt: bytes = b""
+    """The span witness's signed receipt for the parts it held (proofs.sign_receipt)."""
 
 
 @dataclass

@@ -7,11 +7,13 @@
     check(CHECK, nonce + members mask)     SKETCH(sketch of the witness's value) | NOT_READY
          member -> witness                 | NOTHING (lacks a part) | REJECTED     (verify.py)
     inventory(INVENTORY, members mask)     HOLDS(mask of those parts it holds, their
-         owner -> witness                  signed entries) | REJECTED
+         owner -> witness                  signed entries, its signed receipt) | REJECTED
 
 A PART with attempt 1 is a copy of the sender's part for the span's witness. A PART
 carries its sender's signature; FINAL and SKETCH the signed entries of the parts they
-aggregate (proofs.py), so a failed check can name who lied.
+aggregate (proofs.py), so a failed check can name who lied; FINAL also passes on the
+witness's receipt from the inventory, so a witness that denies holding a part it signed
+for is caught.
 
 `Transport` is the narrow interface the protocol driver talks through; `P2PTransport`
 (p2p.py) carries it over hivemind, `LocalTransport` (local.py) in-process for unit
@@ -72,6 +74,9 @@ class Reply:
     proofs: bytes = b""
     """FINAL and SKETCH: the signed entries of the parts aggregated, in plan order
     (proofs.py)."""
+    receipt: bytes = b""
+    """HOLDS: the witness's signed receipt for the parts it holds; FINAL: that receipt,
+    passed on by the span's owner (proofs.sign_receipt; b"" none)."""
 
 
 class Transport(Protocol):

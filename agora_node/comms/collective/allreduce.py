@@ -12,8 +12,10 @@ Protocol for one member of a group of n (plan.py gives the spans and owner chain
    next member in the chain owns the span. A backup owner *re-reduces*: it promises
    (state.py) and asks every member for the span; any member already holding a
    final returns it and the backup re-issues that same value; otherwise members
-   return their own contribution and the backup aggregates those. Others fetch the
-   span from the backup. This repeats down the chain.
+   return their own contribution and the backup aggregates those. A running member
+   promises only once it would move on by itself (it gave up on the attempt before,
+   or its own deadline for it passed; state.may_promise): an earlier query is held,
+   then refused. Others fetch the span from the backup. This repeats down the chain.
 4. If every owner of a span failed, the member keeps its own values for that span
    and reports the round as inconsistent.
 
@@ -160,9 +162,10 @@ class AllReduce(Checking):
                 pushes.append(copy)
             if j != me:
                 pushes.append(asyncio.create_task(self._push(j, frames[j], after=copy)))
+        self.state.opens = lambda attempt: self.t0 + self._attempt_deadline(attempt - 1)
         if self.verify:
             self.state.witness = self._witness_value
-            self.state.changed.fire()
+        self.state.changed.fire()
         reduce_task = asyncio.create_task(self._reduce_own())
         try:
             await asyncio.gather(*(self._resolve(j, reduce_task) for j in range(self.plan.size)))
@@ -241,9 +244,11 @@ class AllReduce(Checking):
         witness: bool = False,
         after: asyncio.Task | None = None,
         wait: float | None = None,
+        record: bool = True,
     ) -> Reply | None:
         """Push this member's part of `span` to its owner (or, `witness`, to its witness),
-        asking the owner to wait `wait` s (default: until the reduce deadline)."""
+        asking the owner to wait `wait` s (default: until the reduce deadline); `record`:
+        a failed push marks the owner failed."""
         if after is not None:
             # The witness's copy first: if this member dies in the middle of its pushes, an
             # owner then holds its part only if the span's witness does too, so the owner's
@@ -259,7 +264,7 @@ class AllReduce(Checking):
         header = self._header(span, attempt, self.state.my_weight or 0.0, wait, signature)
         self.stats.bytes_sent += len(frame) + len(signature)
         reply = await self._call(
-            owner, self.transport.push(owner, header, frame), wait + NETWORK_SLACK
+            owner, self.transport.push(owner, header, frame), wait + NETWORK_SLACK, record
         )
         if reply is not None and reply.code is Code.REJECTED:
             self.stats.reject(f"ours refused: {reply.reason.split(':')[0]}")
@@ -294,10 +299,9 @@ class AllReduce(Checking):
             self.stats.ignored.add(member)
         receipt = b""
         if self.verify:
-            held = await self._held_by_witness(parts)
-            if held is None or span.min_attempt > 0:
+            parts, receipt = await self._held_by_witness(parts)
+            if span.min_attempt > 0:
                 return
-            parts, receipt = held
         senders = ([self.state.me] if own is not None else []) + list(parts)
         contributions = ([own] if own is not None else []) + list(parts.values())
         final = await self._aggregate_final(me, contributions, attempt=0, senders=senders)
@@ -374,6 +378,8 @@ class AllReduce(Checking):
                 await self._rereduce(j, attempt)
             else:
                 await self._fetch(j, owner, attempt)
+            if span.final is None:
+                self.state.give_up(j, attempt)
             attempt += 1
 
     async def _fetch(self, j: int, owner: str, attempt: int) -> None:

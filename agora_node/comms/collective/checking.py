@@ -24,7 +24,7 @@ from agora_node.comms.collective.verify import (
     sketches_match,
     values_match,
 )
-from agora_node.comms.collective.wire import Code
+from agora_node.comms.collective.wire import Code, Reply
 
 log = logging.getLogger(__name__)
 NETWORK_SLACK = 2.0  # a call may outlive the wait it asked for by this much before we give up
@@ -33,7 +33,8 @@ MASKS_PER_ASKER = 2
 """Reductions one member may have this witness compute per collective, one per new set of
 parts its checks name (an honest member checks the one result it fetched: one). Each is a
 span-sized tensor kept until the collective is dropped, so a witness holds at most two
-per member; the span's owner never checks its own span and may ask none."""
+per member, plus one per result it re-issues as the backup (one per member at most); the
+span's owner never checks its own span and may ask none."""
 
 
 class Checking:
@@ -41,41 +42,34 @@ class Checking:
 
     async def _held_by_witness(
         self, parts: dict[str, Contribution]
-    ) -> tuple[dict[str, Contribution], bytes] | None:
+    ) -> tuple[dict[str, Contribution], bytes]:
         """The parts the span's witness holds too, with the same signed entry (an inventory,
         handlers.on_inventory): the result names only those, so it stays checkable when a
         member sent this owner a part and the witness none, or another one (that member is
         flagged for equivocation). A witness that does not answer, or answers with an entry
         that does not verify, leaves the parts as they are: its check will tell. Also
         returned: the witness's signed receipt for what it holds (b"" none), which the
-        result carries (`_blame`). None: the witness lacks this owner's own part and a
-        second copy did not reach it either, so no result of this owner could pass its
-        check (the witness takes the span over)."""
+        result carries (`_blame`). A witness lacking this owner's own part gets it once
+        more, and is asked again for a receipt that lists it."""
         j, me = self.state.my_index, self.state.me
         witness = self.plan.owner(j, 1)
-        mask = members_mask(self.plan.members, [me, *parts])
-        # a frozen witness must not hold this owner's result past the members' fetches
-        base = self.deadlines.base
-        budget = self._left(self._attempt_deadline(0)) - base / 2
-        wait = min(base / 4, max(0.0, budget))
-        call = self.transport.inventory(witness, self._header(j, wait=wait), mask)
-        # not recorded as a failure: the witness's own span is still fetched from it
-        reply = await self._call(witness, call, min(wait + NETWORK_SLACK, budget), record=False)
-        if reply is None:
-            return parts, b""
-        self.stats.bytes_received += len(reply.proofs) + len(reply.receipt)
-        held = mask_members(self.plan.members, reply.members)
-        if reply.code is not Code.HOLDS or held is None or not set(held) <= {me, *parts}:
+        reply = await self._inventory(j, [me, *parts])
+        held = mask_members(self.plan.members, reply.members) if reply is not None else None
+        if reply is None or held is None or not set(held) <= {me, *parts}:
             return parts, b""
         own = self.state.own_part(j)
         if me not in held and own is not None:  # its copy was lost: once more, before naming it
-            budget = self._left(self._attempt_deadline(0)) - base / 2
-            again = await self._push(j, own.frame, witness=True, wait=budget)
-            if again is None or not (
+            budget = self._left(self._attempt_deadline(0)) - self.deadlines.base / 2
+            again = await self._push(j, own.frame, witness=True, wait=budget, record=False)
+            if again is not None and (
                 again.code is Code.ACCEPTED or again.reason.startswith("duplicate")
             ):
+                second = await self._inventory(j, [me, *parts])
+                named = mask_members(self.plan.members, second.members) if second else None
+                if second is not None and named is not None and set(held) | {me} <= set(named):
+                    reply, held = second, named
+            if me not in held:  # published all the same: the check decides (docs/security.md)
                 self.stats.reject("witness lacks the owner's part")
-                return None
         receipt, keep, two_parts = b"", set(held), set()
         if self.signing is not None:
             verify, group = self.signing.verify, self.plan.group_id
@@ -93,6 +87,22 @@ class Checking:
         for _ in parts.keys() - keep - two_parts:
             self.stats.reject("part its witness lacks")
         return {m: c for m, c in parts.items() if m in keep}, receipt
+
+    async def _inventory(self, j: int, named: list[str]) -> Reply | None:
+        """Ask span j's witness which of the parts of `named` it holds (HOLDS, or None)."""
+        witness = self.plan.owner(j, 1)
+        # a frozen witness must not hold this owner's result past the members' fetches
+        base = self.deadlines.base
+        budget = self._left(self._attempt_deadline(0)) - base / 2
+        wait = min(base / 4, max(0.0, budget))
+        mask = members_mask(self.plan.members, named)
+        call = self.transport.inventory(witness, self._header(j, wait=wait), mask)
+        # not recorded as a failure: the witness's own span is still fetched from it
+        reply = await self._call(witness, call, min(wait + NETWORK_SLACK, budget), record=False)
+        if reply is None:
+            return None
+        self.stats.bytes_received += len(reply.proofs) + len(reply.receipt)
+        return reply if reply.code is Code.HOLDS else None
 
     async def _witness_value(
         self, mask: bytes, wait: float, asker: str | None = None

@@ -12,10 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Callable
 
+from torch import Tensor
+
 from agora_node.comms.collective.payload import decode_span, max_frame_bytes
-from agora_node.comms.collective.proofs import Verify, check_part, pack_proofs, sign_receipt
+from agora_node.comms.collective.proofs import (
+    Proof,
+    Verify,
+    check_part,
+    pack_proofs,
+    sign_receipt,
+)
 from agora_node.comms.collective.state import (
     Contribution,
     Final,
@@ -127,26 +136,14 @@ class Responder:
         if refusal is not None:
             return refusal
         refused_span = header.span if header.attempt == 1 else None
-        proof = None
-        if self.verify is not None:
-            plan = state.plan
-            proof = await asyncio.to_thread(
-                check_part,
-                self.verify,
-                sender,
-                plan.group_id,
-                header.span,
-                header.weight,
-                payload,
-                header.signature,
-            )
-            if proof is None:
-                state.refuse(sender, "bad signature", refused_span)
-                return rejected("bad signature")
+        numel = state.plan.span_numel(header.span)
         try:
-            value = await asyncio.to_thread(
-                decode_span, payload, state.plan.span_numel(header.span)
+            proof, value = await asyncio.to_thread(
+                _read_part, self.verify, sender, state.plan.group_id, header, payload, numel
             )
+        except _BadSignature:
+            state.refuse(sender, "bad signature", refused_span)
+            return rejected("bad signature")
         except CodecError as exc:
             state.refuse(sender, "malformed", refused_span)
             return rejected(f"malformed: {exc}")
@@ -170,7 +167,9 @@ class Responder:
             lambda: state.final(span) is not None, min(header.wait, MAX_WAIT)
         )
         final = state.final(span)
-        if not ready or final is None:
+        # only a result of the attempt asked: one this owner adopted from a later attempt's
+        # would be checked as its own (and it is not), so the asker fetches it from there
+        if not ready or final is None or final.attempt != header.attempt:
             return Reply(Code.NOT_READY)
         return _final_reply(state, final)
 
@@ -267,21 +266,62 @@ class Responder:
         if header.attempt < 1 or sender != state.plan.owner(span, header.attempt):
             state.stats.reject("not the backup")
             return rejected("not the backup")
+
         # Registered but still encoding its part (or still training): give it the query's
-        # wait, so a survivor that is merely slower is not left out of the span.
-        await state.changed.wait_for(
-            lambda: state.final(span) is not None or state.own_part(span) is not None,
-            min(header.wait, MAX_WAIT),
-        )
+        # wait, so a survivor that is merely slower is not left out of the span. Running,
+        # promise only once this member would move on itself (state.may_promise); one that
+        # has not started promises as an unregistered one does (docs/security.md).
+        def ready() -> bool:
+            if state.final(span) is not None:
+                return True
+            if state.opens is None:
+                return False
+            return state.own_part(span) is not None and state.may_promise(span, header.attempt)
+
+        await _wait_or_opens(state, ready, header.attempt, min(header.wait, MAX_WAIT))
         final = state.final(span)
         if final is not None:
             return _final_reply(state, final)
+        if state.opens is not None and not ready():
+            state.stats.reject("promise asked too early")
+            return rejected("too early")
         state.promise(span, header.attempt)
         own = state.own_part(span)
         if own is None:
             return Reply(Code.NOTHING)
         state.stats.bytes_sent += len(own.frame)
         return Reply(Code.CONTRIBUTION, own.frame, weight=own.weight)
+
+
+async def _wait_or_opens(
+    state: RoundState, ready: Callable[[], bool], attempt: int, wait: float
+) -> None:
+    """Wait up to `wait` s for `ready()`, re-checking it when `attempt` opens
+    (`RoundState.opens`), which no event announces."""
+    end = time.monotonic() + wait
+    while not ready() and (left := end - time.monotonic()) > 0:
+        opens = state.opens(attempt) if state.opens is not None else None
+        if opens is not None and opens > time.monotonic():
+            left = min(left, opens - time.monotonic() + 0.001)
+        await state.changed.wait_for(ready, left)
+
+
+class _BadSignature(Exception):
+    pass
+
+
+def _read_part(
+    verify: Verify | None, sender: str, group_id: bytes, header: Header, frame: bytes, numel: int
+) -> tuple[Proof | None, Tensor]:
+    """A pushed part's signature checked (`verify` None: unsigned), then its frame decoded:
+    one trip to a worker thread for both."""
+    proof = None
+    if verify is not None:
+        span, weight, sig = header.span, header.weight, header.signature
+        proof = check_part(verify, sender, group_id, span, weight, frame, sig)
+        if proof is None:
+            raise _BadSignature
+    return proof, decode_span(frame, numel)
 
 
 def _final_reply(state: RoundState, final: Final) -> Reply:

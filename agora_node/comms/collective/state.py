@@ -98,6 +98,9 @@ class SpanState:
     """Parts pushed to this member as the span's witness (verify.py)."""
     witness_refused: set[str] = field(default_factory=set)
     """Members whose copy for this member as the witness was invalid."""
+    given_up: int = -1
+    """The last attempt this member gave up on for this span (its owner failed or was late;
+    handlers.on_query promises a later one only then, or after `RoundState.opens`)."""
 
 
 @dataclass
@@ -170,6 +173,9 @@ class RoundState:
         set by this member's AllReduce when it runs with verification."""
         self.checks_asked: Counter[str] = Counter()
         """Witness checks each member asked of this one (handlers.on_check caps them)."""
+        self.opens: Callable[[int], float] | None = None
+        """attempt -> the monotonic time after which this member would itself have moved on
+        to that attempt (its deadline for the one before); set by its running AllReduce."""
 
     # ---- this member's own contribution -----------------------------------------
     def set_contribution(
@@ -240,6 +246,21 @@ class RoundState:
             state.min_attempt = attempt
             self.changed.fire()
 
+    def give_up(self, span: int, attempt: int) -> None:
+        """This member moved past `attempt` of `span` without a result from it."""
+        state = self.spans[span]
+        if attempt > state.given_up:
+            state.given_up = attempt
+            self.changed.fire()
+
+    def may_promise(self, span: int, attempt: int) -> bool:
+        """Would this member move on to `attempt` of `span` by now itself? A backup asking
+        for a promise earlier may be a witness grabbing the span before its owner's result
+        could be checked (results of later attempts are not)."""
+        if self.spans[span].given_up >= attempt - 1:
+            return True
+        return self.opens is not None and time.monotonic() >= self.opens(attempt)
+
     def final(self, span: int) -> Final | None:
         return self.spans[span].final
 
@@ -283,9 +304,10 @@ class RoundBook:
         self.states[key] = state
         self.latest = plan.round if self.latest is None else max(self.latest, plan.round)
         for old in [k for k in self.states if k[0] < plan.round - LINGER_ROUNDS]:
-            # its all-reduce and it point at each other (the witness callback), holding
-            # the round's vectors until Python's rare full collection: break the cycle
-            self.states.pop(old).witness = None
+            # its all-reduce and it point at each other (the witness and opens callbacks),
+            # holding the round's vectors until Python's rare full collection: break the cycle
+            dropped = self.states.pop(old)
+            dropped.witness = dropped.opens = None
         self._prune_pending()
         self.registered.fire()
         return state

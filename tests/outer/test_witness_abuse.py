@@ -1,6 +1,7 @@
-"""A witness's checks and inventories under abuse: a member cannot use them up for the
-others, a short wait decides nothing for the other askers, an owner whose witness lacks its
-own part sends it again (or hands the span over), and a forged inventory changes nothing.
+"""A witness's checks, inventories and backups under abuse: a member cannot use checks up
+for the others, a short wait decides nothing for the other askers, an owner whose witness
+lacks its own part sends it again, a witness denying its receipt is blamed, a backup
+asking early gets no promise, and a forged inventory changes nothing.
 Transport-free (LocalNetwork), real keys; each test but "sent-again" failed before its fix."""
 
 from __future__ import annotations
@@ -215,6 +216,7 @@ class EarlyBackup:
         self.inner, self.network, self.members, self.span = inner, network, members, span
         self.answers: list[Reply] = []
         self.asked = False
+        self.tasks: list[asyncio.Future] = []
 
     def _all_running(self) -> bool:
         books = [self.network.responders[m].book for m in self.members]
@@ -228,8 +230,12 @@ class EarlyBackup:
                 await asyncio.sleep(0.001)  # polls a condition under a deadline
             ask = Header(header.round, header.phase, header.group_id, self.span, 1, 0.0, 0.0)
             others = [m for m in self.members if m != self.members[self.span + 1]]
-            self.answers = list(await asyncio.gather(*(self.inner.query(m, ask) for m in others)))
+            for m in others:  # not awaited here: the members hold these queries
+                self.tasks.append(asyncio.ensure_future(self._ask(m, ask)))
         return await self.inner.push(peer, header, payload)
+
+    async def _ask(self, member: str, header: Header) -> None:
+        self.answers.append(await self.inner.query(member, header))
 
     def __getattr__(self, name: str):  # noqa: ANN204
         return getattr(self.inner, name)
@@ -238,7 +244,7 @@ class EarlyBackup:
 async def test_a_witness_asking_for_promises_early_cannot_take_the_span_over() -> None:
     """Before: members promised attempt 1 to whoever was its owner whenever asked, dropped
     their fetch of the owner's result and adopted the witness's attempt-1 result, which is
-    not checked. Now a member promises only once it would move on by itself."""
+    not checked. Now a running member promises only once it would move on by itself."""
     names, _, signing = keyed(4)
     network, witness = _network(names, signing), names[1]
     network.responders[witness] = Tripling(network.responders[witness].book, verify=verify)
@@ -252,7 +258,14 @@ async def test_a_witness_asking_for_promises_early_cannot_take_the_span_over() -
     assert owners.norm() < 0.6 * sum(values.values())[lo:hi].norm()  # not tripled
     for p in names[2:]:
         assert torch.equal(outs[p].value[lo:hi], owners), outs[p].stats.rejected
-    assert len(early.answers) == 3 and all(a.reason == "too early" for a in early.answers)
+    # each member held the query until it would move on itself, by then holding the
+    # owner's result: it answered with that, and promised nothing
+    for task in early.tasks:
+        task.cancel()
+    for p in (names[0], names[2], names[3]):
+        (state,) = network.responders[p].book.states.values()
+        assert state.spans[0].min_attempt == 0
+    assert all(a.code is Code.FINAL for a in early.answers)
 
 
 class ForgedInventory(Responder):
@@ -354,3 +367,41 @@ async def test_a_receipt_the_owner_made_up_blames_no_witness() -> None:
         stats = outs[p].stats
         assert not stats.mismatch_witnesses and not stats.mismatched, stats.rejected
         assert stats.rejected["witness lacks a part"] == 1
+
+
+class FetchFailsOnce:
+    """The first fetch from `owner` fails as a reset stream would."""
+
+    def __init__(self, inner, owner: str) -> None:  # noqa: ANN001
+        self.inner, self.owner, self.failed = inner, owner, False
+
+    async def fetch(self, peer: str, header: Header) -> Reply:
+        if peer == self.owner and not self.failed:
+            self.failed = True
+            raise ConnectionError("stream reset")
+        return await self.inner.fetch(peer, header)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+async def test_an_honest_backup_asking_early_still_ends_with_the_group() -> None:
+    """A backup whose fetch of a live owner failed asks the members at once. They hold its
+    query until they would move on themselves, then answer with the owner's result, which
+    the backup re-issues: everyone ends with the same value (refusing the query instead left
+    the backup reducing alone, silently apart from the group)."""
+    names, _, signing = keyed(4)
+    network, owner, backup = _network(names, signing), names[0], names[1]
+    flaky = FetchFailsOnce(network.transport(backup), owner)
+    outs = await run_group(
+        values_for(names, seed=20),
+        network=network,
+        transports={backup: flaky},
+        verify=True,
+        signing=signing,
+    )
+    assert flaky.failed
+    first = outs[owner].value
+    for p in names:
+        assert outs[p].consistent and torch.equal(outs[p].value, first), outs[p].stats.rejected
+        assert not outs[p].stats.mismatched and not outs[p].stats.mismatch_witnesses

@@ -14,8 +14,8 @@ Protocol for one member of a group of n (plan.py gives the spans and owner chain
    final returns it and the backup re-issues that same value; otherwise members
    return their own contribution and the backup aggregates those. A running member
    promises only once it would move on by itself (it gave up on the attempt before,
-   or its own deadline for it passed; state.may_promise): an earlier query is held,
-   then refused. Others fetch the span from the backup. This repeats down the chain.
+   or its own deadline for it passed; state.may_promise): an earlier query is held
+   until then. Others fetch the span from the backup. This repeats down the chain.
 4. If every owner of a span failed, the member keeps its own values for that span
    and reports the round as inconsistent.
 
@@ -162,7 +162,9 @@ class AllReduce(Checking):
                 pushes.append(copy)
             if j != me:
                 pushes.append(asyncio.create_task(self._push(j, frames[j], after=copy)))
-        self.state.opens = lambda attempt: self.t0 + self._attempt_deadline(attempt - 1)
+        # plain values, not self: the state outlives this object by a few rounds
+        t0, deadlines, plan, fmt = self.t0, self.deadlines, self.plan, self.fmt
+        self.state.opens = lambda a: t0 + deadlines.attempt_end(a - 1, plan.numel, plan.size, fmt)
         if self.verify:
             self.state.witness = self._witness_value
         self.state.changed.fire()
@@ -378,7 +380,7 @@ class AllReduce(Checking):
                 await self._rereduce(j, attempt)
             else:
                 await self._fetch(j, owner, attempt)
-            if span.final is None:
+            if span.final is None and j not in self.fallback:
                 self.state.give_up(j, attempt)
             attempt += 1
 

@@ -167,9 +167,9 @@ class Responder:
             lambda: state.final(span) is not None, min(header.wait, MAX_WAIT)
         )
         final = state.final(span)
-        # only a result of the attempt asked: one this owner adopted from a later attempt's
+        # not a result of a later attempt than asked: one this owner adopted from a backup
         # would be checked as its own (and it is not), so the asker fetches it from there
-        if not ready or final is None or final.attempt != header.attempt:
+        if not ready or final is None or final.attempt > header.attempt:
             return Reply(Code.NOT_READY)
         return _final_reply(state, final)
 
@@ -296,13 +296,23 @@ class Responder:
 async def _wait_or_opens(
     state: RoundState, ready: Callable[[], bool], attempt: int, wait: float
 ) -> None:
-    """Wait up to `wait` s for `ready()`, re-checking it when `attempt` opens
-    (`RoundState.opens`), which no event announces."""
-    end = time.monotonic() + wait
-    while not ready() and (left := end - time.monotonic()) > 0:
+    """Wait up to `wait` s for `ready()`; for a running member, at least until `attempt`
+    opens (`RoundState.opens`, which no event announces), MAX_WAIT at most. An honest
+    backup asks early only when the owner failed for it, and then the member either gets
+    the owner's result or would move on by itself by then: answering either way keeps the
+    group consistent, where refusing left the backup to reduce without its part."""
+    start = time.monotonic()
+    end = start + wait
+    while not ready():
+        now = time.monotonic()
         opens = state.opens(attempt) if state.opens is not None else None
-        if opens is not None and opens > time.monotonic():
-            left = min(left, opens - time.monotonic() + 0.001)
+        if opens is not None:
+            end = max(end, min(opens + 0.001, start + MAX_WAIT))
+        if now >= end:
+            return
+        left = end - now
+        if opens is not None and opens > now:
+            left = min(left, opens - now + 0.001)
         await state.changed.wait_for(ready, left)
 
 

@@ -293,6 +293,8 @@ class RoundBook:
         existing = self.states.get(key)
         if existing is not None and existing.plan.group_id == plan.group_id:
             return existing
+        if existing is not None:  # replaced by another group: break its cycle (below)
+            existing.witness = existing.opens = None
         state = RoundState(plan, self.me)
         pending = self.pending.pop((*key, plan.group_id), {})
         for (span, asker), attempt in pending.items():

@@ -66,6 +66,11 @@ class AskingAround:
         return getattr(self.inner, name)
 
 
+async def _mix(values: dict[str, torch.Tensor], *, signing: dict[str, Signing], **kwargs):  # noqa: ANN202
+    """One verified collective among `values`' keys, parts signed (helpers.run_group)."""
+    return await run_group(values, verify=True, signing=signing, **kwargs)
+
+
 def _network(names: list[str], signing: dict[str, Signing]) -> LocalNetwork:
     network = LocalNetwork(verify=verify)
     for p in names:
@@ -82,9 +87,7 @@ async def test_an_owner_cannot_use_up_its_witness_checks_to_pass_a_forged_result
     network.responders[liar] = Tripling(network.responders[liar].book, verify=verify)
     asking = AskingAround(network.transport(liar), tuple(names), spans={0}, first=False)
     values = values_for(names, seed=11)
-    outs = await run_group(
-        values, network=network, transports={liar: asking}, verify=True, signing=signing
-    )
+    outs = await _mix(values, network=network, transports={liar: asking}, signing=signing)
     assert asking.answers and all(
         a.code is Code.REJECTED and a.reason == "bad check" for a in asking.answers
     )
@@ -101,11 +104,10 @@ async def test_a_member_asking_many_checks_leaves_the_others_theirs() -> None:
     names, _, signing = keyed(5)
     network, spammer = _network(names, signing), names[2]
     asking = AskingAround(network.transport(spammer), tuple(names), spans={0}, first=False)
-    outs = await run_group(
+    outs = await _mix(
         values_for(names, seed=12),
         network=network,
         transports={spammer: asking},
-        verify=True,
         signing=signing,
     )
     codes = [(a.code, a.reason.split(":")[0]) for a in asking.answers]
@@ -129,11 +131,10 @@ async def test_a_check_with_a_short_wait_decides_nothing_for_the_others(late_own
     network, liar = _network(names, signing), names[3]
     asking = AskingAround(network.transport(liar), tuple(names), {0, 1, 2}, first=True)
     before = {names[1]: lambda: asyncio.sleep(0.5)} if late_owner else None
-    outs = await run_group(
+    outs = await _mix(
         values_for(names, seed=13),
         network=network,
         transports={liar: asking},
-        verify=True,
         signing=signing,
         before=before,
     )
@@ -171,11 +172,10 @@ async def test_an_owner_whose_witness_lacks_its_part_sends_it_again() -> None:
     names, _, signing = keyed(4)
     network, owner = _network(names, signing), names[0]
     losing = LosingOwnCopies(network.transport(owner), span=0, lose=1, refuse=False)
-    outs = await run_group(
+    outs = await _mix(
         values_for(names, seed=14),
         network=network,
         transports={owner: losing},
-        verify=True,
         signing=signing,
     )
     assert losing.copies == 2
@@ -196,9 +196,7 @@ async def test_an_owner_whose_copy_its_witness_refuses_publishes_and_is_not_adop
     network, owner, witness = _network(names, signing), names[0], names[1]
     losing = LosingOwnCopies(network.transport(owner), span=0, lose=1, refuse=True)
     values = values_for(names, seed=14)
-    outs = await run_group(
-        values, network=network, transports={owner: losing}, verify=True, signing=signing
-    )
+    outs = await _mix(values, network=network, transports={owner: losing}, signing=signing)
     assert outs[owner].stats.rejected["witness lacks the owner's part"] == 1
     lo, hi = span_bounds(NUMEL, len(names), 64)[0]
     for p in names[2:]:
@@ -250,9 +248,7 @@ async def test_a_witness_asking_for_promises_early_cannot_take_the_span_over() -
     network.responders[witness] = Tripling(network.responders[witness].book, verify=verify)
     early = EarlyBackup(network.transport(witness), network, tuple(names), span=0)
     values = values_for(names, seed=19)
-    outs = await run_group(
-        values, network=network, transports={witness: early}, verify=True, signing=signing
-    )
+    outs = await _mix(values, network=network, transports={witness: early}, signing=signing)
     lo, hi = span_bounds(NUMEL, len(names), 64)[0]
     owners = outs[names[0]].value[lo:hi]  # the owner's own result (robustly aggregated)
     assert owners.norm() < 0.6 * sum(values.values())[lo:hi].norm()  # not tripled
@@ -284,9 +280,7 @@ async def test_a_forged_inventory_is_counted_and_changes_nothing() -> None:
     names, _, signing = keyed(4)
     network, witness = _network(names, signing), names[1]
     network.responders[witness] = ForgedInventory(network.responders[witness].book, verify=verify)
-    outs = await run_group(
-        values_for(names, seed=15), network=network, verify=True, signing=signing
-    )
+    outs = await _mix(values_for(names, seed=15), network=network, signing=signing)
     assert outs[names[0]].stats.rejected["forged inventory"] == 1
     first = outs[names[0]].value
     for p in names:
@@ -298,11 +292,10 @@ async def test_a_negative_zero_weight_is_signed_as_sent() -> None:
     """-0.0 was signed as such but sent as 0.0: every part of that member was refused."""
     names, _, signing = keyed(3)
     weights = {p: 1.0 for p in names} | {names[2]: -0.0}
-    outs = await run_group(
+    outs = await _mix(
         values_for(names, seed=16),
         weights=weights,
         network=_network(names, signing),
-        verify=True,
         signing=signing,
     )
     for p in names:
@@ -334,7 +327,7 @@ async def test_a_witness_denying_a_part_it_signed_for_is_blamed_alone(denied: in
         network.responders[witness].book, names[denied], verify=verify, sign=signing[witness].sign
     )
     values = values_for(names, seed=17)
-    outs = await run_group(values, network=network, verify=True, signing=signing)
+    outs = await _mix(values, network=network, signing=signing)
     lo, hi = span_bounds(NUMEL, len(names), 64)[0]
     for p in names[2:]:  # the members that check span 0 through the liar
         stats = outs[p].stats
@@ -360,9 +353,7 @@ async def test_a_receipt_the_owner_made_up_blames_no_witness() -> None:
     network.responders[names[1]] = DenyingWitness(
         network.responders[names[1]].book, names[2], verify=verify, sign=signing[names[1]].sign
     )
-    outs = await run_group(
-        values_for(names, seed=18), network=network, verify=True, signing=signing
-    )
+    outs = await _mix(values_for(names, seed=18), network=network, signing=signing)
     for p in names[2:]:
         stats = outs[p].stats
         assert not stats.mismatch_witnesses and not stats.mismatched, stats.rejected
@@ -393,11 +384,10 @@ async def test_an_honest_backup_asking_early_still_ends_with_the_group() -> None
     names, _, signing = keyed(4)
     network, owner, backup = _network(names, signing), names[0], names[1]
     flaky = FetchFailsOnce(network.transport(backup), owner)
-    outs = await run_group(
+    outs = await _mix(
         values_for(names, seed=20),
         network=network,
         transports={backup: flaky},
-        verify=True,
         signing=signing,
     )
     assert flaky.failed

@@ -83,7 +83,6 @@ from agora_node.comms.collective.state import (
 )
 from agora_node.comms.collective.verify import (
     members_mask,
-    values_match,
 )
 from agora_node.comms.collective.wire import Code, Header, Reply, Transport
 from agora_node.compression import CodecError
@@ -464,15 +463,7 @@ class AllReduce(Checking):
                 senders.append(member)
         if self.verify and attempt == 1 and finals:  # as the witness: only a value that matches
             wait = max(0.0, self._left(self._attempt_deadline(attempt)) - base / 2)
-            checked = []
-            for f in finals:
-                expected = await self._witness_value(f.members, wait)
-                mine = expected.final if expected is not None else None
-                if mine is not None and await asyncio.to_thread(
-                    values_match, f.value, mine.value, self.tolerance
-                ):
-                    checked.append(f)
-            finals = checked
+            finals = await self._matching_own_reduction(finals, wait)
         if finals:  # someone already holds the span's value: re-issue exactly that
             best = max(finals, key=lambda f: f.attempt)
             final = Final(best.frame, attempt, best.value, best.members, best.proofs)

@@ -59,7 +59,7 @@ class Checking:
             return parts, b""
         own = self.state.own_part(j)
         if me not in held and own is not None:  # its copy was lost: once more, before naming it
-            budget = self._left(self._attempt_deadline(0)) - self.deadlines.base / 2
+            budget = self._before_fetches_end()
             again = await self._push(j, own.frame, witness=True, wait=budget, record=False)
             if again is not None and (
                 again.code is Code.ACCEPTED or again.reason.startswith("duplicate")
@@ -88,13 +88,16 @@ class Checking:
             self.stats.reject("part its witness lacks")
         return {m: c for m, c in parts.items() if m in keep}, receipt
 
+    def _before_fetches_end(self) -> float:
+        """Seconds an owner may still spend with its witness before publishing: a frozen
+        witness must not hold its result past the members' attempt-0 fetches."""
+        return self._left(self._attempt_deadline(0)) - self.deadlines.base / 2
+
     async def _inventory(self, j: int, named: list[str]) -> Reply | None:
         """Ask span j's witness which of the parts of `named` it holds (HOLDS, or None)."""
         witness = self.plan.owner(j, 1)
-        # a frozen witness must not hold this owner's result past the members' fetches
-        base = self.deadlines.base
-        budget = self._left(self._attempt_deadline(0)) - base / 2
-        wait = min(base / 4, max(0.0, budget))
+        budget = self._before_fetches_end()
+        wait = min(self.deadlines.base / 4, max(0.0, budget))
         mask = members_mask(self.plan.members, named)
         call = self.transport.inventory(witness, self._header(j, wait=wait), mask)
         # not recorded as a failure: the witness's own span is still fetched from it
@@ -148,6 +151,19 @@ class Checking:
         senders = ([me] if own is not None else []) + others
         contributions = ([own] if own is not None else []) + [span.witness_parts[m] for m in others]
         return Witnessed(await self._aggregate_final(j, contributions, 0, senders, count=False))
+
+    async def _matching_own_reduction(self, finals: list[Final], wait: float) -> list[Final]:
+        """As the witness taking its span over: the results members hold that match this
+        member's own reduction of the parts each names (only those may be re-issued)."""
+        checked = []
+        for f in finals:
+            expected = await self._witness_value(f.members, wait)
+            mine = expected.final if expected is not None else None
+            if mine is not None and await asyncio.to_thread(
+                values_match, f.value, mine.value, self.tolerance
+            ):
+                checked.append(f)
+        return checked
 
     async def _matches_witness(self, j: int, final: Final, owner: str) -> bool:
         """Is the attempt-0 owner's result for span j what its witness computes over the

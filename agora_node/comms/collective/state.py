@@ -246,6 +246,11 @@ class RoundState:
             state.min_attempt = attempt
             self.changed.fire()
 
+    def detach(self) -> None:
+        """Drop the callbacks its all-reduce set: the two point at each other, holding the
+        round's vectors until Python's rare full collection."""
+        self.witness = self.opens = None
+
     def give_up(self, span: int, attempt: int) -> None:
         """This member moved past `attempt` of `span` without a result from it."""
         state = self.spans[span]
@@ -293,8 +298,8 @@ class RoundBook:
         existing = self.states.get(key)
         if existing is not None and existing.plan.group_id == plan.group_id:
             return existing
-        if existing is not None:  # replaced by another group: break its cycle (below)
-            existing.witness = existing.opens = None
+        if existing is not None:  # replaced by another group
+            existing.detach()
         state = RoundState(plan, self.me)
         pending = self.pending.pop((*key, plan.group_id), {})
         for (span, asker), attempt in pending.items():
@@ -306,10 +311,7 @@ class RoundBook:
         self.states[key] = state
         self.latest = plan.round if self.latest is None else max(self.latest, plan.round)
         for old in [k for k in self.states if k[0] < plan.round - LINGER_ROUNDS]:
-            # its all-reduce and it point at each other (the witness and opens callbacks),
-            # holding the round's vectors until Python's rare full collection: break the cycle
-            dropped = self.states.pop(old)
-            dropped.witness = dropped.opens = None
+            self.states.pop(old).detach()
         self._prune_pending()
         self.registered.fire()
         return state

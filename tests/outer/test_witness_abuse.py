@@ -216,16 +216,16 @@ class EarlyBackup:
         self.asked = False
         self.tasks: list[asyncio.Future] = []
 
-    def _all_running(self) -> bool:
-        books = [self.network.responders[m].book for m in self.members]
-        return all(s.opens is not None for b in books for s in b.states.values())
+    async def _all_running(self) -> None:
+        """Until every member runs the collective (its AllReduce fires `changed` then)."""
+        for m in self.members:
+            for state in list(self.network.responders[m].book.states.values()):
+                await state.changed.wait_for(lambda s=state: s.opens is not None, 5.0)
 
     async def push(self, peer: str, header: Header, payload: bytes) -> Reply:
         if not self.asked:
             self.asked = True
-            deadline = asyncio.get_running_loop().time() + 5.0
-            while not self._all_running() and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(0.001)  # polls a condition under a deadline
+            await self._all_running()
             ask = Header(header.round, header.phase, header.group_id, self.span, 1, 0.0, 0.0)
             others = [m for m in self.members if m != self.members[self.span + 1]]
             for m in others:  # not awaited here: the members hold these queries

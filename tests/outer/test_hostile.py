@@ -53,7 +53,7 @@ async def test_the_backup_owners_promise_still_holds() -> None:
     header = Header(0, "delta", plan.group_id, 0, 1)
     assert (await Responder(book).on_query(backup, header)).code is Code.NOTHING
     state = book.register(plan)
-    assert state.spans[0].min_attempt == 1
+    assert (state.spans[0].min_attempt, state.spans[0].deferred) == (0, 1)
 
 
 async def test_round_bookkeeping_stays_bounded_whatever_strangers_send() -> None:
@@ -83,7 +83,7 @@ async def test_a_stranger_filling_the_promise_table_leaves_room_for_the_backup()
     backup = plan.owner(0, 1)
     reply = await responder.on_query(backup, Header(0, "delta", plan.group_id, 0, 1))
     assert reply.code is Code.NOTHING  # a promise made, so kept
-    assert book.register(plan).spans[0].min_attempt == 1
+    assert book.register(plan).spans[0].deferred == 1
     assert book.unknown_rejections["too many promises for one peer"] > 0
     refused = await responder.on_query("stranger", Header(0, "delta", b"y" * 16, 0, 1))
     assert refused.code is Code.REJECTED  # not promised: the asker is told

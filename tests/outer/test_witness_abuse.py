@@ -1,7 +1,8 @@
 """A witness's checks, inventories and backups under abuse: a member cannot use checks up
 for the others, a short wait decides nothing for the other askers, an owner whose witness
 lacks its own part sends it again, a witness denying its receipt is blamed, a backup
-asking early gets no promise, and a forged inventory changes nothing.
+asking early gets no promise (nor one asking before members run), and a forged inventory
+changes nothing.
 Transport-free (LocalNetwork), real keys; each test but "sent-again" failed before its fix."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from agora_node.comms.collective import LocalNetwork
 from agora_node.comms.collective.handlers import Responder
 from agora_node.comms.collective.payload import encode_result, plain_format
-from agora_node.comms.collective.plan import span_bounds
+from agora_node.comms.collective.plan import GroupPlan, span_bounds
 from agora_node.comms.collective.proofs import Signing
 from agora_node.comms.collective.verify import NONCE_BYTES, members_mask
 from agora_node.comms.collective.wire import Code, Header, Reply, rejected
@@ -262,6 +263,38 @@ async def test_a_witness_asking_for_promises_early_cannot_take_the_span_over() -
         (state,) = network.responders[p].book.states.values()
         assert state.spans[0].min_attempt == 0
     assert all(a.code is Code.FINAL for a in early.answers)
+
+
+@pytest.mark.parametrize("when", ["unregistered", "registered"])
+async def test_a_witness_asking_before_members_run_cannot_take_the_span_over(when: str) -> None:
+    """Before: a member asked before it ran the collective (not yet registered, or not yet
+    started) promised at once. A witness asking everyone as matchmaking closed had the owner
+    abandon its span and the members refuse the owner's result, and its own attempt-1
+    result, unchecked, was adopted tripled. Now such a promise is kept only once the member
+    would move on by itself, and the owner drops it when another member takes its parts."""
+    names, _, signing = keyed(4)
+    network, witness = _network(names, signing), names[1]
+    network.responders[witness] = Tripling(network.responders[witness].book, verify=verify)
+    plan = GroupPlan(round=0, phase="delta", members=tuple(names), numel=NUMEL, block=64)
+    ask = Header(0, "delta", plan.group_id, 0, 1, 0.0, 0.0)
+
+    async def asked(p: str) -> None:
+        assert (await network.responders[p].on_query(witness, ask)).code is Code.NOTHING
+
+    others = [p for p in names if p != witness]
+    if when == "unregistered":
+        for p in others:
+            await asked(p)
+    before = {p: (lambda p=p: asked(p)) for p in others} if when == "registered" else None
+    values = values_for(names, seed=21)
+    outs = await _mix(values, network=network, signing=signing, before=before)
+    lo, hi = span_bounds(NUMEL, len(names), 64)[0]
+    owners = outs[names[0]].value[lo:hi]
+    assert owners.norm() < 0.6 * sum(values.values())[lo:hi].norm()  # not tripled
+    assert outs[names[0]].stats.rejected["promise asked early"] == 1
+    for p in names[2:]:
+        assert torch.equal(outs[p].value[lo:hi], owners), outs[p].stats.rejected
+        assert outs[p].stats.checked_spans >= 1
 
 
 class ForgedInventory(Responder):

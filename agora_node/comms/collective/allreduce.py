@@ -139,6 +139,10 @@ class AllReduce(Checking):
         self.t0 = time.monotonic()
         self.fallback: dict[int, Tensor] = {}
         self.flat = torch.zeros(0)
+        self._to_owners: list[asyncio.Task] = []
+        self._taken = False
+        """An owner accepted one of this member's parts: it was still reducing, waiting on
+        this member, so the group had not gone on without it (_reduce_own)."""
 
     # ---- the whole run ----------------------------------------------------------------
     async def run(self, flat: Tensor, weight: float) -> Outcome:
@@ -160,7 +164,8 @@ class AllReduce(Checking):
                 copy = asyncio.create_task(self._push(j, frames[j], witness=True))
                 pushes.append(copy)
             if j != me:
-                pushes.append(asyncio.create_task(self._push(j, frames[j], after=copy)))
+                self._to_owners.append(asyncio.create_task(self._push(j, frames[j], after=copy)))
+        pushes += self._to_owners
         # plain values, not self: the state outlives this object by a few rounds
         t0, deadlines, plan, fmt = self.t0, self.deadlines, self.plan, self.fmt
         self.state.opens = lambda a: t0 + deadlines.attempt_end(a - 1, plan.numel, plan.size, fmt)
@@ -269,6 +274,9 @@ class AllReduce(Checking):
         )
         if reply is not None and reply.code is Code.REJECTED:
             self.stats.reject(f"ours refused: {reply.reason.split(':')[0]}")
+        elif reply is not None and reply.code is Code.ACCEPTED and not witness:
+            self._taken = True
+        self.state.changed.fire()  # _keep_deferred_promise waits on the pushes
         return reply
 
     # ---- 2. reduce own span -----------------------------------------------------------
@@ -291,6 +299,8 @@ class AllReduce(Checking):
 
         await self.state.changed.wait_for(delivered, self._left(self._reduce_deadline()))
         self.state.reducing_done = True
+        if span.deferred > span.min_attempt:
+            await self._keep_deferred_promise()
         if span.min_attempt > 0:  # a backup took the span over: it is no longer ours
             return
         own = self.state.own_part(me)
@@ -307,6 +317,26 @@ class AllReduce(Checking):
         contributions = ([own] if own is not None else []) + list(parts.values())
         final = await self._aggregate_final(me, contributions, attempt=0, senders=senders)
         self.state.try_finalize(me, replace(final, receipt=receipt))
+
+    async def _keep_deferred_promise(self) -> None:
+        """The own span's backup asked for a promise before this member ran. An honest one
+        asks only once its deadline for this span passed, when every other member's own
+        reduce has ended too: then none accepts this member's parts, and the promise is
+        kept (the group went on without this member). If one accepts, its owner was still
+        waiting on this member, the backup asked early (a witness taking the span over),
+        and the promise is dropped."""
+        me, span = self.state.my_index, self.state.spans[self.state.my_index]
+        pushes = self._to_owners
+
+        def heard() -> bool:
+            return self._taken or all(t.done() for t in pushes)
+
+        await self.state.changed.wait_for(heard, self._left(self._reduce_deadline()))
+        if self._taken:
+            self.stats.reject("promise asked early")
+            span.deferred = 0
+        else:
+            self.state.promise(me, span.deferred)
 
     async def _aggregate_final(
         self,

@@ -270,7 +270,7 @@ class Responder:
         # Registered but still encoding its part (or still training): give it the query's
         # wait, so a survivor that is merely slower is not left out of the span. Running,
         # promise only once this member would move on itself (state.may_promise); one that
-        # has not started promises as an unregistered one does (docs/security.md).
+        # has not started defers the promise as an unregistered one does (state.defer).
         def ready() -> bool:
             if state.final(span) is not None:
                 return True
@@ -282,10 +282,13 @@ class Responder:
         final = state.final(span)
         if final is not None:
             return _final_reply(state, final)
-        if state.opens is not None and not ready():
+        if state.opens is None:
+            state.defer(span, header.attempt)
+        elif ready():
+            state.promise(span, header.attempt)
+        else:
             state.stats.reject("promise asked too early")
             return rejected("too early")
-        state.promise(span, header.attempt)
         own = state.own_part(span)
         if own is None:
             return Reply(Code.NOTHING)

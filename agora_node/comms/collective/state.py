@@ -12,6 +12,8 @@ results. For every span it records:
   contribution. From then on a result from an earlier attempt is refused, and this
   member's own reduce of the span (if it was the owner) is abandoned. This promise
   is what lets a backup re-reduce a span without two different values surviving.
+  A running member makes it only once it would move on by itself; one asked before it
+  ran keeps it (`deferred`) only then too.
 
 All mutations happen on the event loop thread, so check-and-set is atomic.
 """
@@ -101,6 +103,12 @@ class SpanState:
     given_up: int = -1
     """The last attempt this member gave up on for this span (its owner failed or was late;
     handlers.on_query promises a later one only then, or after `RoundState.opens`)."""
+    deferred: int = 0
+    """An attempt promised before this member ran the collective (its backup asked while
+    this member had not registered or started): kept only once this member would move on
+    to it by itself (`RoundState.settle`); for its own span, only if no other member's
+    part reached it (AllReduce._reduce_own). Applied at once, a witness asking early could
+    take its span over with an unchecked attempt-1 result."""
 
 
 @dataclass
@@ -232,6 +240,7 @@ class RoundState:
 
     def try_finalize(self, span: int, final: Final) -> bool:
         """Adopt a value for `span` unless one is known or a later attempt was promised."""
+        self.settle(span)
         state = self.spans[span]
         if state.final is not None or final.attempt < state.min_attempt:
             return False
@@ -246,6 +255,18 @@ class RoundState:
             state.min_attempt = attempt
             self.changed.fire()
 
+    def defer(self, span: int, attempt: int) -> None:
+        """A promise asked before this member runs: kept once it would move on by itself."""
+        state = self.spans[span]
+        if attempt > max(state.min_attempt, state.deferred):
+            state.deferred = attempt
+
+    def settle(self, span: int) -> None:
+        """Keep the deferred promise for `span` once this member would move on to it itself."""
+        state = self.spans[span]
+        if state.deferred > state.min_attempt and self.may_promise(span, state.deferred):
+            self.promise(span, state.deferred)
+
     def detach(self) -> None:
         """Drop the callbacks its all-reduce set: the two point at each other, holding the
         round's vectors until Python's rare full collection."""
@@ -256,6 +277,7 @@ class RoundState:
         state = self.spans[span]
         if attempt > state.given_up:
             state.given_up = attempt
+            self.settle(span)
             self.changed.fire()
 
     def may_promise(self, span: int, attempt: int) -> bool:
@@ -278,8 +300,9 @@ class RoundBook:
 
     Bounded: states are dropped LINGER_ROUNDS rounds after their own; promises for
     collectives not registered yet are kept only for rounds near the latest registered
-    one, MAX_PENDING at most, and applied at registration only when the peer that asked
-    is the span's owner at the promised attempt (a stranger's promise is dropped)."""
+    one, MAX_PENDING at most, and deferred at registration (SpanState.deferred) only when
+    the peer that asked is the span's owner at the promised attempt (a stranger's promise
+    is dropped)."""
 
     def __init__(self, me: str) -> None:
         self.me = me
@@ -305,7 +328,7 @@ class RoundBook:
         for (span, asker), attempt in pending.items():
             legit = 0 <= span < plan.size and 0 < attempt < plan.size
             if legit and asker == plan.owner(span, attempt) and asker != self.me:
-                state.promise(span, attempt)
+                state.defer(span, attempt)
             else:
                 self.unknown_rejections["promise from a non-owner"] += 1
         self.states[key] = state

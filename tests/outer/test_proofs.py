@@ -20,6 +20,7 @@ from agora_node.comms.collective.proofs import (
     digest,
     pack_proofs,
     read_receipt,
+    read_receipts,
     sign_part,
     sign_receipt,
     statement,
@@ -247,7 +248,7 @@ def test_attribute_reads_the_entries() -> None:
 async def test_signatures_and_proofs_cross_the_p2p_messages() -> None:
     """The fields ride the collective's protobuf messages (p2p.py), proofs bounded."""
     from agora_node.comms.collective.p2p import _header, _read_reply, _reply_chunks, _request
-    from agora_node.comms.collective.proofs import MAX_PROOFS_BYTES, MAX_RECEIPT_BYTES
+    from agora_node.comms.collective.proofs import MAX_PROOFS_BYTES, MAX_RECEIPT_BYTES, MAX_RECEIPTS
 
     header = Header(3, "delta", b"g" * 16, 1, 0, 2.0, 1.0, b"s" * 64)
     assert _header(_request(Code.PART, header, b"frame", 5)) == header
@@ -261,7 +262,7 @@ async def test_signatures_and_proofs_cross_the_p2p_messages() -> None:
     huge = replace(reply, proofs=b"p" * (MAX_PROOFS_BYTES + 1))
     with pytest.raises(ValueError, match="proofs"):
         await _read_reply(stream(_reply_chunks(huge)), 100)
-    long = replace(reply, receipt=b"r" * (MAX_RECEIPT_BYTES + 1))
+    long = replace(reply, receipt=b"r" * (MAX_RECEIPTS * MAX_RECEIPT_BYTES + 1))
     with pytest.raises(ValueError, match="receipt"):
         await _read_reply(stream(_reply_chunks(long)), 100)
 
@@ -277,6 +278,22 @@ def test_a_receipt_reads_only_as_its_witness_signed_it() -> None:
     assert read_receipt(verify, witness, group, 0, b"\x01" + receipt[1:]) is None
     assert read_receipt(verify, witness, group, 0, receipt[-64:]) is None  # no mask
     assert read_receipt(verify, witness, group, 0, b"") is None
+
+
+def test_two_receipts_read_as_the_union_of_what_their_witness_signed() -> None:
+    """A result carries the inventory's receipt and, when that lacks the owner's part, the
+    one its witness signed for the owner's copy: read together, or not at all."""
+    names, _, signing = keyed(2)
+    group, witness = b"g" * 16, names[1]
+    inventory = sign_receipt(signing[witness].sign, group, 0, b"\x06")
+    copy = sign_receipt(signing[witness].sign, group, 0, b"\x01")
+    assert read_receipts(verify, witness, group, 0, inventory, 1) == b"\x06"
+    assert read_receipts(verify, witness, group, 0, inventory + copy, 1) == b"\x07"
+    forged = b"\x08" + copy[1:]
+    assert read_receipts(verify, witness, group, 0, inventory + forged, 1) is None
+    assert read_receipts(verify, witness, group, 0, inventory + copy + copy, 1) is None
+    assert read_receipts(verify, witness, group, 0, inventory + copy[:-1], 1) is None
+    assert read_receipts(verify, witness, group, 0, b"", 1) is None
 
 
 async def test_only_the_spans_owner_may_ask_its_witness_for_an_inventory() -> None:

@@ -20,7 +20,7 @@ from agora_node.comms.collective.handlers import Responder
 from agora_node.comms.collective.payload import encode_result, plain_format
 from agora_node.comms.collective.plan import GroupPlan, span_bounds
 from agora_node.comms.collective.proofs import Signing
-from agora_node.comms.collective.verify import NONCE_BYTES, members_mask
+from agora_node.comms.collective.verify import NONCE_BYTES, mask_members, members_mask
 from agora_node.comms.collective.wire import Code, Header, Reply, rejected
 from agora_node.protocol.identity import verify
 from tests.outer.helpers import run_group
@@ -367,6 +367,46 @@ async def test_a_witness_denying_a_part_it_signed_for_is_blamed_alone(denied: in
         assert stats.mismatch_witnesses == {witness} and not stats.mismatched, stats.rejected
         assert stats.rejected["witness denies its receipt"] == 1
         assert torch.equal(outs[p].value[lo:hi], values[p][lo:hi])  # not adopted
+
+
+class OmittingWitness(DenyingWitness):
+    """Takes the owner's copies (the honest handler signs for them), leaves the owner out
+    of every inventory answer, then answers checks that it lacks the owner's part."""
+
+    async def on_inventory(self, sender, header, members):  # noqa: ANN001, ANN201
+        state = await self.book.lookup(header.round, header.phase, header.group_id, 5.0)
+        named = mask_members(state.plan.members, members) or []
+        without = members_mask(state.plan.members, [m for m in named if m != self.denied])
+        return await super().on_inventory(sender, header, without)
+
+
+@pytest.mark.parametrize("inventory", ["omits the owner", "refused"])
+async def test_a_witness_leaving_the_owners_copy_out_is_blamed_alone(inventory: str) -> None:
+    """Before: a witness that took the owner's copy but left it out of its inventory (or
+    refused the inventory), even after the owner sent it again, then answered checks
+    "missing", got the honest owner flagged with it. Now the witness signs a receipt when
+    it takes its owner's copy, and the result carries it next to the inventory's."""
+    names, _, signing = keyed(4)
+    network, owner, witness = _network(names, signing), names[0], names[1]
+    kind = OmittingWitness if inventory == "omits the owner" else RefusingInventory
+    network.responders[witness] = kind(
+        network.responders[witness].book, owner, verify=verify, sign=signing[witness].sign
+    )
+    values = values_for(names, seed=23)
+    outs = await _mix(values, network=network, signing=signing)
+    lo, hi = span_bounds(NUMEL, len(names), 64)[0]
+    for p in names[2:]:
+        stats = outs[p].stats
+        assert stats.mismatch_witnesses == {witness} and not stats.mismatched, stats.rejected
+        assert stats.rejected["witness denies its receipt"] == 1
+        assert torch.equal(outs[p].value[lo:hi], values[p][lo:hi])  # not adopted
+
+
+class RefusingInventory(DenyingWitness):
+    """Takes the owner's copies, refuses its inventory, denies the owner's part in checks."""
+
+    async def on_inventory(self, sender, header, members):  # noqa: ANN001, ANN201
+        return rejected("busy")
 
 
 async def test_a_receipt_the_owner_made_up_blames_no_witness() -> None:

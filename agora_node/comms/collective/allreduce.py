@@ -70,6 +70,7 @@ from agora_node.comms.collective.payload import (
     encode_result,
 )
 from agora_node.comms.collective.proofs import (
+    MAX_RECEIPT_BYTES,
     Signing,
     pack_proofs,
     sign_part,
@@ -140,6 +141,8 @@ class AllReduce(Checking):
         self.fallback: dict[int, Tensor] = {}
         self.flat = torch.zeros(0)
         self._to_owners: list[asyncio.Task] = []
+        self._own_copy_receipt = b""
+        """The witness's receipt for this member's own copy of its span (checking.py)."""
         self._taken = False
         """An owner accepted one of this member's parts: it was still reducing, waiting on
         this member, so the group had not gone on without it (_reduce_own)."""
@@ -276,6 +279,8 @@ class AllReduce(Checking):
             self.stats.reject(f"ours refused: {reply.reason.split(':')[0]}")
         elif reply is not None and reply.code is Code.ACCEPTED and not witness:
             self._taken = True
+        if reply is not None and reply.receipt and witness and span == self.state.my_index:
+            self._own_copy_receipt = reply.receipt[:MAX_RECEIPT_BYTES]
         self.state.changed.fire()  # _keep_deferred_promise waits on the pushes
         return reply
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 
-from agora_node.comms.collective.proofs import attribute, held_alike, read_receipt
+from agora_node.comms.collective.proofs import attribute, held_alike, read_receipt, read_receipts
 from agora_node.comms.collective.state import Contribution, Final, WitnessBusy, Witnessed
 from agora_node.comms.collective.verify import (
     NONCE_BYTES,
@@ -56,7 +56,7 @@ class Checking:
         reply = await self._inventory(j, [me, *parts])
         held = mask_members(self.plan.members, reply.members) if reply is not None else None
         if reply is None or held is None or not set(held) <= {me, *parts}:
-            return parts, b""
+            return parts, await self._copy_receipt()
         own = self.state.own_part(j)
         if me not in held and own is not None:  # its copy was lost: once more, before naming it
             budget = self._before_fetches_end()
@@ -86,7 +86,20 @@ class Checking:
                 self.stats.equivocated.update(two_parts)
         for _ in parts.keys() - keep - two_parts:
             self.stats.reject("part its witness lacks")
+        if me not in held:
+            receipt += await self._copy_receipt()
         return {m: c for m, c in parts.items() if m in keep}, receipt
+
+    async def _copy_receipt(self) -> bytes:
+        """The witness's signed receipt for this owner's own copy (handlers.on_push), if
+        it gave one (b"" if not, or not a valid one): what the result carries when the
+        inventory's receipt lacks the owner's part."""
+        copy, me, j = self._own_copy_receipt, self.state.me, self.state.my_index
+        if self.signing is None or not copy:
+            return b""
+        verify, witness, group = self.signing.verify, self.plan.owner(j, 1), self.plan.group_id
+        mask = await asyncio.to_thread(read_receipt, verify, witness, group, j, copy)
+        return copy if mask == members_mask(self.plan.members, [me]) else b""
 
     def _before_fetches_end(self) -> float:
         """Seconds an owner may still spend with its witness before publishing: a frozen
@@ -219,7 +232,10 @@ class Checking:
         witness = self.plan.owner(j, 1)
         if missing and self.signing is not None and witness != self.state.me:
             verify, group = self.signing.verify, self.plan.group_id
-            signed = await asyncio.to_thread(read_receipt, verify, witness, group, j, final.receipt)
+            mask_len = len(members_mask(self.plan.members, []))
+            signed = await asyncio.to_thread(
+                read_receipts, verify, witness, group, j, final.receipt, mask_len
+            )
             held = mask_members(self.plan.members, signed) if signed is not None else None
             if held is not None and set(missing) <= set(held):
                 # it signed that it held these parts, and parts are never dropped: it lies

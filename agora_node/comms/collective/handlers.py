@@ -14,6 +14,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from torch import Tensor
 
@@ -154,8 +155,23 @@ class Responder:
             reason = state.add_part(sender, contribution)
         if reason is not None:
             stats.reject(reason)
-            return rejected(reason)
-        return Reply(Code.ACCEPTED)
+        reply = Reply(Code.ACCEPTED) if reason is None else rejected(reason)
+        if header.attempt == 1 and reason in (None, "duplicate"):
+            reply = await self._owners_copy_receipt(state, sender, header.span, reply)
+        return reply
+
+    async def _owners_copy_receipt(
+        self, state: RoundState, sender: str, span: int, reply: Reply
+    ) -> Reply:
+        """As the witness, the span owner's own copy held: say so, signed. The owner's
+        result carries it if an inventory then leaves the part out, so a witness that does
+        that and answers checks "missing" is blamed alone (checking._blame)."""
+        if self.sign is None or sender != state.plan.owner(span, 0):
+            return reply
+        mask = members_mask(state.plan.members, [sender])
+        receipt = await asyncio.to_thread(sign_receipt, self.sign, state.plan.group_id, span, mask)
+        state.stats.bytes_sent += len(receipt)
+        return replace(reply, receipt=receipt)
 
     async def on_fetch(self, sender: str, header: Header) -> Reply:
         try:

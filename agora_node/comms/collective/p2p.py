@@ -29,7 +29,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 
 from agora_node.comms import streams
 from agora_node.comms.collective.handlers import MAX_WAIT, MEMBER_REFUSALS, Responder
-from agora_node.comms.collective.proofs import MAX_PROOFS_BYTES, MAX_RECEIPT_BYTES
+from agora_node.comms.collective.proofs import MAX_PROOFS_BYTES, MAX_RECEIPT_BYTES, MAX_RECEIPTS
 from agora_node.comms.collective.verify import NONCE_BYTES
 from agora_node.comms.collective.wire import Code, Header, Reply, rejected
 from agora_node.comms.guard import Guard, Limits
@@ -124,7 +124,7 @@ def _reply(head: CollectiveMessage, payload: bytes) -> Reply:
     """The reply a head message (and its payload) carries, its signed fields bounded."""
     if len(head.proofs) > MAX_PROOFS_BYTES:
         raise ValueError("reply carries too many proofs")
-    if len(head.receipt) > MAX_RECEIPT_BYTES:
+    if len(head.receipt) > MAX_RECEIPTS * MAX_RECEIPT_BYTES:
         raise ValueError("reply carries too long a receipt")
     return Reply(
         Code(head.code),
@@ -170,7 +170,7 @@ LIMITS = Limits(
     drain_deadline_s=30.0,
     deadline_s=MAX_WAIT + 180.0,  # the longest wait a request may ask, then its transfer
 )
-MAX_MESSAGE_BYTES = CHUNK_BYTES + MAX_PROOFS_BYTES + MAX_RECEIPT_BYTES + (16 << 10)
+MAX_MESSAGE_BYTES = CHUNK_BYTES + MAX_PROOFS_BYTES + MAX_RECEIPTS * MAX_RECEIPT_BYTES + (16 << 10)
 """One message: a chunk, the signed entries a reply may carry, and the other fields."""
 
 

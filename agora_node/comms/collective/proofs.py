@@ -37,6 +37,9 @@ MAX_PROOFS_BYTES = PROOF_BYTES * 1024
 """What a reply may carry in proofs at most (a group of 1024); plans check the exact count."""
 MAX_RECEIPT_BYTES = 128 + SIGNATURE_BYTES
 """A receipt: a members mask (a group of 1024 at most) and the witness's signature."""
+MAX_RECEIPTS = 2
+"""A result carries its inventory's receipt and, if that lacks the owner's part, the
+witness's receipt for the owner's own copy (`read_receipts`)."""
 
 Verify = Callable[[str, bytes, bytes], bool]
 """(peer id, message, signature) -> whether the peer signed it (protocol.identity.verify)."""
@@ -111,6 +114,24 @@ def read_receipt(
         return None
     mask, sig = receipt[:-SIGNATURE_BYTES], receipt[-SIGNATURE_BYTES:]
     return mask if verify(witness, receipt_statement(group_id, span, mask), sig) else None
+
+
+def read_receipts(
+    verify: Verify, witness: str, group_id: bytes, span: int, receipts: bytes, mask_len: int
+) -> bytes | None:
+    """The union of the masks of the receipts `witness` signed for `span` that `receipts`
+    holds back to back (the inventory's, and the one for the owner's own copy when the
+    inventory lacks it: at most MAX_RECEIPTS), or None if any is not its."""
+    size = mask_len + SIGNATURE_BYTES
+    if not receipts or len(receipts) % size or len(receipts) > MAX_RECEIPTS * size:
+        return None
+    union = 0
+    for i in range(0, len(receipts), size):
+        mask = read_receipt(verify, witness, group_id, span, receipts[i : i + size])
+        if mask is None:
+            return None
+        union |= int.from_bytes(mask, "little")
+    return union.to_bytes(mask_len, "little")
 
 
 def pack_proofs(proofs: list[Proof | None]) -> bytes:

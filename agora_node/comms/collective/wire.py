@@ -1,6 +1,7 @@
 """The conversation of a collective: three requests, their answers, and the transport seam.
 
-    push(PART)   member -> span owner      ACCEPTED | REJECTED(reason)
+    push(PART)   member -> span owner      ACCEPTED | REJECTED(reason)  (a witness taking its
+                                           span owner's copy adds its signed receipt)
     fetch(FETCH) member -> span owner      FINAL(frame, attempt) | NOT_READY | REJECTED
     query(QUERY) backup owner -> member    FINAL(frame, attempt) | CONTRIBUTION(frame, weight)
                                            | NOTHING | REJECTED
@@ -75,8 +76,9 @@ class Reply:
     """FINAL and SKETCH: the signed entries of the parts aggregated, in plan order
     (proofs.py)."""
     receipt: bytes = b""
-    """HOLDS: the witness's signed receipt for the parts it holds; FINAL: that receipt,
-    passed on by the span's owner (proofs.sign_receipt; b"" none)."""
+    """HOLDS: the witness's signed receipt for the parts it holds; ACCEPTED (or REJECTED
+    "duplicate") to the span owner's own copy: one for that part; FINAL: the inventory's,
+    then the copy's if the inventory lacks the owner (proofs.read_receipts; b"" none)."""
 
 
 class Transport(Protocol):

@@ -40,7 +40,11 @@ async def main() -> None:
     if args.relay:
         options["initial_peers"] = [args.relay]
     if args.role == "relay":
-        options["auto_nat"] = True
+        # Public from the start: the bundled p2pd accepts reservations while AutoNAT has not
+        # decided, and when a peer's dial-back then finds it public it starts its relay
+        # service anew, forgetting them (the relay's debug log: "reserving relay slot",
+        # then "NAT status is public", then NO_RESERVATION for the stranger's call).
+        options.update(auto_nat=True, force_reachability="public")
     elif args.role == "natted":  # private forced; daemons let AutoNAT find it (test_netlab.py)
         options.update(
             use_auto_relay=True, force_reachability="private", trusted_relays=[args.relay]

@@ -59,6 +59,12 @@ class HostConfig:
     nat: bool = False
     """Let libp2p ask the local router for a port mapping (UPnP/NAT-PMP); off, it talks to
     nothing but peers."""
+    public: bool = False
+    """Known to be dialable (a bootstrap: its joiners dial it), so libp2p takes it as public
+    from the start instead of waiting for AutoNAT. The bundled p2pd takes relay
+    reservations while AutoNAT is undecided, and when a peer's dial-back then finds it
+    public it starts its relay service anew, forgetting them: callers of a NATed peer got
+    NO_RESERVATION until that peer reserved again (the network lab, tests/netlab.py)."""
 
 
 def _one_line(exc: BaseException) -> str:
@@ -97,6 +103,7 @@ class Host:
                 # relayed connection after 128 KiB each way: small calls only, no training
                 # (docs/operating.md).
                 auto_nat=True,
+                force_reachability="public" if config.public else None,
                 use_relay=True,
                 use_auto_relay=True,
                 trusted_relays=relay_candidates(config.initial_peers) or None,

@@ -43,6 +43,7 @@ async def run_bootstrap(
             host_maddrs=host_maddrs,
             announce_maddrs=announce_maddrs,
             initial_peers=initial_peers,
+            public=True,  # its joiners dial it: their relay reservations must not be dropped
         )
     )
     dialback = DialBack()

@@ -379,3 +379,17 @@ async def test_a_span_reduces_to_the_same_bits_whatever_order_its_parts_arrived_
         final = await run._aggregate_final(0, [parts[p] for p in order], 0, order, count=False)
         results.append(final.value)
     assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_a_backup_re_issues_the_value_most_members_hold_not_the_latest_claimed() -> None:
+    """Members answer a backup's query with the finals they hold; one claiming a later
+    attempt for a made-up value decided the span before (it took the highest attempt)."""
+    from agora_node.comms.collective.allreduce import most_held
+    from agora_node.comms.collective.state import Final
+
+    honest = Final(b"a", 0, torch.zeros(1))
+    liar = Final(b"b", 7, torch.ones(1))
+    assert most_held([honest, liar, honest]).frame == b"a"
+    assert most_held([liar, honest, Final(b"a", 1, torch.zeros(1))]).frame == b"a"
+    later = Final(b"c", 2, torch.ones(1))
+    assert most_held([honest, later]) is later  # a tie goes to the later attempt, as before

@@ -500,7 +500,7 @@ class AllReduce(Checking):
             wait = max(0.0, self._left(self._attempt_deadline(attempt)) - base / 2)
             finals = await self._matching_own_reduction(finals, wait)
         if finals:  # someone already holds the span's value: re-issue exactly that
-            best = max(finals, key=lambda f: f.attempt)
+            best = most_held(finals)
             final = Final(best.frame, attempt, best.value, best.members, best.proofs)
         elif contributions:
             final = await self._aggregate_final(j, contributions, attempt, senders)
@@ -522,3 +522,11 @@ class AllReduce(Checking):
             self.plan.phase,
             self.plan.round,
         )
+
+
+def most_held(finals: list[Final]) -> Final:
+    """The value most of the members asked hold, then the latest attempt among those. Under
+    crash failures they all hold one value; choosing by the attempt alone let one member
+    answering a made-up final with a high attempt decide a span past its witness."""
+    holders = Counter(f.frame for f in finals)
+    return max(finals, key=lambda f: (holders[f.frame], f.attempt))

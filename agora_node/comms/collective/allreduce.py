@@ -46,7 +46,10 @@ values of earlier attempts. So under crash failures, with live members answering
 within the deadlines, at most one value per span survives among live members, and
 all of them hold the same decoded frame bytes. A member that misses its own
 deadlines (frozen, partitioned) may end differently; the next round's anchor mix
-pulls it back.
+pulls it back. So may a member that started late (a backup asked it before it ran):
+its promise is deferred (state.SpanState.deferred), so that a witness asking early
+cannot take a span over, and a late owner whose part another late member took keeps
+its own result while the others adopt the backup's.
 """
 
 from __future__ import annotations
@@ -437,11 +440,17 @@ class AllReduce(Checking):
         # the attempt is the one asked of this owner, not what it claims: a claimed later
         # attempt would pass a promise made to that attempt's (other) owner
         final = replace(final, attempt=min(final.attempt, attempt))
-        if self.verify and attempt == 0 and not await self._matches_witness(j, final, owner):
-            self._fall_back(j)  # neither the owner's value nor a takeover by the witness
-            return
-        if not self.state.try_finalize(j, final):
-            self.stats.reject("stale result")
+        span = self.state.spans[j]
+        span.checking = self.verify and attempt == 0
+        try:
+            if span.checking and not await self._matches_witness(j, final, owner):
+                self._fall_back(j)  # neither the owner's value nor a takeover by the witness
+                return
+            if not self.state.try_finalize(j, final):
+                self.stats.reject("stale result")
+        finally:
+            span.checking = False
+            self.state.changed.fire()
 
     async def _unless_superseded(self, j: int, attempt: int, call) -> Reply | None:
         """Run a fetch, abandoning it if a later attempt is promised meanwhile."""

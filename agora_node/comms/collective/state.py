@@ -103,6 +103,11 @@ class SpanState:
     given_up: int = -1
     """The last attempt this member gave up on for this span (its owner failed or was late;
     handlers.on_query promises a later one only then, or after `RoundState.opens`)."""
+    checking: bool = False
+    """The attempt-0 owner's result is in hand and being checked with the witness: this
+    member will adopt it or fall back, never move on, so it promises no later attempt
+    meanwhile (a witness answering the check late would otherwise get the checked result
+    refused as stale and its own unchecked one adopted)."""
     deferred: int = 0
     """An attempt promised before this member ran the collective (its backup asked while
     this member had not registered or started): kept only once this member would move on
@@ -284,6 +289,8 @@ class RoundState:
         """Would this member move on to `attempt` of `span` by now itself? A backup asking
         for a promise earlier may be a witness grabbing the span before its owner's result
         could be checked (results of later attempts are not)."""
+        if self.spans[span].checking:
+            return False
         if self.spans[span].given_up >= attempt - 1:
             return True
         return self.opens is not None and time.monotonic() >= self.opens(attempt)

@@ -144,6 +144,7 @@ class AllReduce(Checking):
         self.fallback: dict[int, Tensor] = {}
         self.flat = torch.zeros(0)
         self._to_owners: list[asyncio.Task] = []
+        self._own_copy: asyncio.Task | None = None
         self._own_copy_receipt = b""
         """The witness's receipt for this member's own copy of its span (checking.py)."""
         self._taken = False
@@ -168,6 +169,8 @@ class AllReduce(Checking):
             copy = None
             if self.verify and self.plan.owner(j, 1) != self.state.me:
                 copy = asyncio.create_task(self._push(j, frames[j], witness=True))
+                if j == me:
+                    self._own_copy = copy
                 pushes.append(copy)
             if j != me:
                 self._to_owners.append(asyncio.create_task(self._push(j, frames[j], after=copy)))
@@ -500,8 +503,8 @@ class AllReduce(Checking):
             decoded = await self._decode_final(reply, j)
             if decoded is None:
                 continue
-            if reply.code is Code.FINAL:
-                finals.append(decoded)
+            if reply.code is Code.FINAL:  # of an earlier attempt, whatever it claims
+                finals.append(replace(decoded, attempt=min(decoded.attempt, attempt - 1)))
             elif reply.weight >= 0:
                 contributions.append(Contribution(reply.weight, decoded.value, reply.payload))
                 senders.append(member)

@@ -77,7 +77,7 @@ class Checking:
             read = await asyncio.to_thread(held_alike, verify, group, j, held, reply.proofs, ours)
             if read is None:
                 self.stats.reject("forged inventory")
-                return parts, b""
+                return parts, await self._copy_receipt()
             keep, two_parts = read
             signed = await asyncio.to_thread(read_receipt, verify, witness, group, j, reply.receipt)
             receipt = reply.receipt if signed == reply.members else b""
@@ -86,17 +86,28 @@ class Checking:
                 self.stats.equivocated.update(two_parts)
         for _ in parts.keys() - keep - two_parts:
             self.stats.reject("part its witness lacks")
-        if me not in held:
+        if not receipt or me not in held:  # no signed word yet that the witness holds ours
             receipt += await self._copy_receipt()
         return {m: c for m, c in parts.items() if m in keep}, receipt
 
     async def _copy_receipt(self) -> bytes:
-        """The witness's signed receipt for this owner's own copy (handlers.on_push), if
-        it gave one (b"" if not, or not a valid one): what the result carries when the
-        inventory's receipt lacks the owner's part."""
-        copy, me, j = self._own_copy_receipt, self.state.me, self.state.my_index
-        if self.signing is None or not copy:
+        """The witness's signed receipt for this owner's own copy (handlers.on_push), b""
+        if it gives none: what the result carries when no valid inventory receipt lists
+        the owner's part. A copy not yet answered is waited for, and one answered without
+        a receipt is sent once more (a "duplicate" answer signs one too), a quarter base each
+        at most, within the time before the members' fetches end."""
+        me, j = self.state.me, self.state.my_index
+        own = self.state.own_part(j)
+        if self.signing is None or own is None:
             return b""
+        # as long as an inventory may take, each: a frozen witness delays the result little
+        wait = min(self.deadlines.base / 4, self._before_fetches_end())
+        if not self._own_copy_receipt and self._own_copy is not None:
+            await asyncio.wait({self._own_copy}, timeout=max(0.0, wait))
+        if not self._own_copy_receipt and wait > 0:
+            wait = min(self.deadlines.base / 4, self._before_fetches_end())
+            await self._push(j, own.frame, witness=True, wait=wait, record=False)
+        copy = self._own_copy_receipt
         verify, witness, group = self.signing.verify, self.plan.owner(j, 1), self.plan.group_id
         mask = await asyncio.to_thread(read_receipt, verify, witness, group, j, copy)
         return copy if mask == members_mask(self.plan.members, [me]) else b""

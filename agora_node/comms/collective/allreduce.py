@@ -260,10 +260,12 @@ class AllReduce(Checking):
         after: asyncio.Task | None = None,
         wait: float | None = None,
         record: bool = True,
+        budget: float | None = None,
     ) -> Reply | None:
         """Push this member's part of `span` to its owner (or, `witness`, to its witness),
         asking the owner to wait `wait` s (default: until the reduce deadline); `record`:
-        a failed push marks the owner failed."""
+        a failed push marks the owner failed; `budget`: give up on the answer after that
+        many seconds, however long the wait asked."""
         if after is not None:
             # The witness's copy first: if this member dies in the middle of its pushes, an
             # owner then holds its part only if the span's witness does too, so the owner's
@@ -278,9 +280,8 @@ class AllReduce(Checking):
         signature = own.proof.signature if own is not None and own.proof is not None else b""
         header = self._header(span, attempt, self.state.my_weight or 0.0, wait, signature)
         self.stats.bytes_sent += len(frame) + len(signature)
-        reply = await self._call(
-            owner, self.transport.push(owner, header, frame), wait + NETWORK_SLACK, record
-        )
+        limit = wait + NETWORK_SLACK if budget is None else min(wait + NETWORK_SLACK, budget)
+        reply = await self._call(owner, self.transport.push(owner, header, frame), limit, record)
         if reply is not None and reply.code is Code.REJECTED:
             self.stats.reject(f"ours refused: {reply.reason.split(':')[0]}")
         elif reply is not None and reply.code is Code.ACCEPTED and not witness:

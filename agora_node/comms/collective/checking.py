@@ -60,7 +60,9 @@ class Checking:
         own = self.state.own_part(j)
         if me not in held and own is not None:  # its copy was lost: once more, before naming it
             budget = self._before_fetches_end()
-            again = await self._push(j, own.frame, witness=True, wait=budget, record=False)
+            again = await self._push(
+                j, own.frame, witness=True, wait=budget, record=False, budget=budget
+            )
             if again is not None and (
                 again.code is Code.ACCEPTED or again.reason.startswith("duplicate")
             ):
@@ -100,15 +102,16 @@ class Checking:
         own = self.state.own_part(j)
         if self.signing is None or own is None:
             return b""
-        # as long as an inventory may take, each: a frozen witness delays the result little
+        # a quarter base each at most, within the budget: a frozen witness delays it little
         wait = min(self.deadlines.base / 4, self._before_fetches_end())
-        if not self._own_copy_receipt and self._own_copy is not None:
-            await asyncio.wait({self._own_copy}, timeout=max(0.0, wait))
-        if not self._own_copy_receipt and wait > 0:
-            wait = min(self.deadlines.base / 4, self._before_fetches_end())
-            await self._push(j, own.frame, witness=True, wait=wait, record=False)
+        if not self._own_copy_receipt and self._own_copy is not None and wait > 0:
+            await asyncio.wait({self._own_copy}, timeout=wait)
+        witness = self.plan.owner(j, 1)
+        wait = min(self.deadlines.base / 4, self._before_fetches_end())
+        if not self._own_copy_receipt and wait > 0 and witness not in self.stats.failed_peers:
+            await self._push(j, own.frame, witness=True, wait=wait, record=False, budget=wait)
         copy = self._own_copy_receipt
-        verify, witness, group = self.signing.verify, self.plan.owner(j, 1), self.plan.group_id
+        verify, group = self.signing.verify, self.plan.group_id
         mask = await asyncio.to_thread(read_receipt, verify, witness, group, j, copy)
         return copy if mask == members_mask(self.plan.members, [me]) else b""
 

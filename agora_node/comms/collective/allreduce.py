@@ -64,7 +64,7 @@ import torch
 from torch import Tensor
 
 from agora_node.comms.collective.aggregate import AggregationSpec, aggregate
-from agora_node.comms.collective.checking import NETWORK_SLACK, Checking
+from agora_node.comms.collective.checking import NETWORK_SLACK, Checking, answered
 from agora_node.comms.collective.deadlines import Deadlines
 from agora_node.comms.collective.payload import (
     PartEncoder,
@@ -73,7 +73,6 @@ from agora_node.comms.collective.payload import (
     encode_result,
 )
 from agora_node.comms.collective.proofs import (
-    MAX_RECEIPT_BYTES,
     Signing,
     pack_proofs,
     sign_part,
@@ -144,12 +143,9 @@ class AllReduce(Checking):
         self.fallback: dict[int, Tensor] = {}
         self.flat = torch.zeros(0)
         self._to_owners: list[asyncio.Task] = []
+        """Pushes of this member's parts to the spans' owners."""
         self._own_copy: asyncio.Task | None = None
-        self._own_copy_receipt = b""
-        """The witness's receipt for this member's own copy of its span (checking.py)."""
-        self._taken = False
-        """An owner accepted one of this member's parts: it was still reducing, waiting on
-        this member, so the group had not gone on without it (_reduce_own)."""
+        """The push of its own span's copy to its witness (checking._copy_receipt)."""
 
     # ---- the whole run ----------------------------------------------------------------
     async def run(self, flat: Tensor, weight: float) -> Outcome:
@@ -284,10 +280,6 @@ class AllReduce(Checking):
         reply = await self._call(owner, self.transport.push(owner, header, frame), limit, record)
         if reply is not None and reply.code is Code.REJECTED:
             self.stats.reject(f"ours refused: {reply.reason.split(':')[0]}")
-        elif reply is not None and reply.code is Code.ACCEPTED and not witness:
-            self._taken = True
-        if reply is not None and reply.receipt and witness and span == self.state.my_index:
-            self._own_copy_receipt = reply.receipt[:MAX_RECEIPT_BYTES]
         self.state.changed.fire()  # _keep_deferred_promise waits on the pushes
         return reply
 
@@ -340,11 +332,16 @@ class AllReduce(Checking):
         me, span = self.state.my_index, self.state.spans[self.state.my_index]
         pushes = self._to_owners
 
+        def taken() -> bool:
+            return any(
+                (reply := answered(t)) is not None and reply.code is Code.ACCEPTED for t in pushes
+            )
+
         def heard() -> bool:
-            return self._taken or all(t.done() for t in pushes)
+            return taken() or all(t.done() for t in pushes)
 
         await self.state.changed.wait_for(heard, self._left(self._reduce_deadline()))
-        if self._taken:
+        if taken():
             self.stats.reject("promise asked early")
             span.deferred = 0
         else:

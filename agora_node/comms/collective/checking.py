@@ -37,6 +37,13 @@ per member, plus one per result it re-issues as the backup (one per member at mo
 span's owner never checks its own span and may ask none."""
 
 
+def answered(push: asyncio.Task | None) -> Reply | None:
+    """The answer a finished push got (None: none, or not finished)."""
+    if push is None or not push.done() or push.cancelled():
+        return None
+    return push.result()
+
+
 class Checking:
     """Verification for AllReduce (see the module docstring); only AllReduce uses it."""
 
@@ -57,7 +64,7 @@ class Checking:
         held = mask_members(self.plan.members, reply.members) if reply is not None else None
         if reply is None or held is None or not set(held) <= {me, *parts}:
             return parts, await self._copy_receipt()
-        own = self.state.own_part(j)
+        own, again = self.state.own_part(j), None
         if me not in held and own is not None:  # its copy was lost: once more, before naming it
             budget = self._before_fetches_end()
             again = await self._push(
@@ -89,28 +96,35 @@ class Checking:
         for _ in parts.keys() - keep - two_parts:
             self.stats.reject("part its witness lacks")
         if not receipt or me not in held:  # no signed word yet that the witness holds ours
-            receipt += await self._copy_receipt()
+            receipt += await self._copy_receipt(again)
         return {m: c for m, c in parts.items() if m in keep}, receipt
 
-    async def _copy_receipt(self) -> bytes:
+    async def _copy_receipt(self, resent: Reply | None = None) -> bytes:
         """The witness's signed receipt for this owner's own copy (handlers.on_push), b""
         if it gives none: what the result carries when no valid inventory receipt lists
-        the owner's part. A copy not yet answered is waited for, and one answered without
-        a receipt is sent once more (a "duplicate" answer signs one too), a quarter base each
-        at most, within the time before the members' fetches end."""
+        the owner's part. Taken from the answer to the copy sent again (`resent`), else to
+        the first copy, waited for if not answered yet; with none, the copy is sent once
+        more (a "duplicate" answer signs one too). A quarter base each at most, within the
+        time before the members' fetches end."""
         me, j = self.state.me, self.state.my_index
         own = self.state.own_part(j)
         if self.signing is None or own is None:
             return b""
-        # a quarter base each at most, within the budget: a frozen witness delays it little
-        wait = min(self.deadlines.base / 4, self._before_fetches_end())
-        if not self._own_copy_receipt and self._own_copy is not None and wait > 0:
-            await asyncio.wait({self._own_copy}, timeout=wait)
-        witness = self.plan.owner(j, 1)
-        wait = min(self.deadlines.base / 4, self._before_fetches_end())
-        if not self._own_copy_receipt and wait > 0 and witness not in self.stats.failed_peers:
-            await self._push(j, own.frame, witness=True, wait=wait, record=False, budget=wait)
-        copy = self._own_copy_receipt
+        witness, reply = self.plan.owner(j, 1), resent
+        if (reply is None or not reply.receipt) and self._own_copy is not None:
+            if (wait := self._witness_wait()) > 0:
+                await asyncio.wait({self._own_copy}, timeout=wait)
+            reply = answered(self._own_copy) or reply
+        wait = self._witness_wait()
+        if (
+            (reply is None or not reply.receipt)
+            and wait > 0
+            and witness not in self.stats.failed_peers
+        ):
+            reply = await self._push(
+                j, own.frame, witness=True, wait=wait, record=False, budget=wait
+            )
+        copy = reply.receipt if reply is not None else b""
         verify, group = self.signing.verify, self.plan.group_id
         mask = await asyncio.to_thread(read_receipt, verify, witness, group, j, copy)
         return copy if mask == members_mask(self.plan.members, [me]) else b""
@@ -120,11 +134,16 @@ class Checking:
         witness must not hold its result past the members' attempt-0 fetches."""
         return self._left(self._attempt_deadline(0)) - self.deadlines.base / 2
 
+    def _witness_wait(self) -> float:
+        """How long one more exchange with the witness may take: a quarter base, within the
+        time before the members' fetches end (<= 0: none left)."""
+        return min(self.deadlines.base / 4, self._before_fetches_end())
+
     async def _inventory(self, j: int, named: list[str]) -> Reply | None:
         """Ask span j's witness which of the parts of `named` it holds (HOLDS, or None)."""
         witness = self.plan.owner(j, 1)
         budget = self._before_fetches_end()
-        wait = min(self.deadlines.base / 4, max(0.0, budget))
+        wait = max(0.0, self._witness_wait())
         mask = members_mask(self.plan.members, named)
         call = self.transport.inventory(witness, self._header(j, wait=wait), mask)
         # not recorded as a failure: the witness's own span is still fetched from it

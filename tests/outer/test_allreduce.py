@@ -384,7 +384,7 @@ async def test_a_span_reduces_to_the_same_bits_whatever_order_its_parts_arrived_
 def test_a_backup_re_issues_the_value_most_members_hold_not_the_latest_claimed() -> None:
     """Members answer a backup's query with the finals they hold; one claiming a later
     attempt for a made-up value decided the span before (it took the highest attempt)."""
-    from agora_node.comms.collective.allreduce import most_held
+    from agora_node.comms.collective.backup import most_held
     from agora_node.comms.collective.state import Final
 
     honest = Final(b"a", 0, torch.zeros(1))

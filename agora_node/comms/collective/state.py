@@ -111,9 +111,9 @@ class SpanState:
     deferred: int = 0
     """An attempt promised before this member ran the collective (its backup asked while
     this member had not registered or started): kept only once this member would move on
-    to it by itself (`RoundState.settle`); for its own span, only if no other member's
-    part reached it (backup.Backup._keep_deferred_promise). Applied at once, a witness asking early could
-    take its span over with an unchecked attempt-1 result."""
+    to it by itself (`RoundState.settle`); for its own span, only if no other owner accepts
+    this member's parts (backup.Backup._keep_deferred_promise). Applied at once, a witness
+    asking early could take its span over with an unchecked attempt-1 result."""
 
 
 @dataclass

@@ -1,13 +1,15 @@
 """What the subspace costs in quality and saves on the wire: dense versus k-dim boundaries.
 
     python bench/subspace_quality.py --manifest bench --json \
-        [--tokens N] [--eval-every STEPS] [--variants dense,8,16:int8,32:int4] [--threads 1]
+        [--tokens N] [--eval-every STEPS] [--variants dense,8,16:int8,32:int4,32:int4:stochastic] [--threads 1]
 
 Each variant is the manifest with model.subspace_rank replaced (0 = dense), trained by
 LocalTrainer on the same data order for the same token budget (rounded up to whole steps).
 A variant `k:mode` trains with the wire in the loop: every boundary goes through the
 activation codec `mode` forward and its gradient through it backward, as in a swarm (also
-when validating); a plain `k` keeps the boundaries exact. `wire_bytes_per_token` is then
+when validating); a plain `k` keeps the boundaries exact. `k:mode:rounding` also says how
+the int modes round the gradients (`nearest`, the default; `stochastic`; `feedback`:
+compression.GradientSender). `wire_bytes_per_token` is then
 what that mode carries per token and boundary, forward (with the token id) plus backward,
 and `x_fewer_than_dense_bf16` the dense bf16 figure over it.
 Reported per variant: the validation-loss curve [(tokens, loss)], the final loss and its ratio
@@ -34,12 +36,14 @@ import torch
 from common import drive, log_stderr, peak_rss_mb, set_threads
 
 from agora_node.compression import ActivationCodec
+from agora_node.compression.activations import GRAD_ROUNDINGS
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer
 from agora_node.protocol.manifest import Manifest, ManifestError
 from agora_node.stages.manifest_files import check_data_available, load_manifest
 from agora_node.stages.model import lm_loss
 
 WIRE_MODES = ("bf16", "int8", "int4")
+INT_MODES = ("int8", "int4")
 DEFAULT_VARIANTS = "dense,8,16,32,64"
 DEFAULT_TOKENS = 98_304
 WITHIN = 0.02  # "as good as dense": final validation loss at most 2% above dense
@@ -70,26 +74,34 @@ class Variant:
     """0: dense."""
     wire: str | None = None
     """The activation codec in the loop; None: exact boundaries."""
+    grad: str = "nearest"
+    """How that codec rounds the gradients (compression.GradientSender)."""
 
     @property
     def name(self) -> str:
         base = "dense" if self.rank == 0 else str(self.rank)
-        return base if self.wire is None else f"{base}:{self.wire}"
+        if self.wire is None:
+            return base
+        return f"{base}:{self.wire}" + ("" if self.grad == "nearest" else f":{self.grad}")
 
 
 def parse_variants(text: str, d_model: int) -> list[Variant]:
-    """'dense,8,16:int8' -> dense, k=8 exact, k=16 through int8 on the wire."""
+    """'dense,8,16:int8,16:int4:stochastic' -> dense, k=8 exact, k=16 through int8 on the
+    wire, k=16 through int4 with its gradients rounded at random."""
     variants = []
     for item in text.split(","):
         item = item.strip()
-        base, _, wire = item.partition(":")
+        base, _, rest = item.partition(":")
+        wire, _, grad = rest.partition(":")
         rank = 0 if base == "dense" else int(base) if base.isdigit() else -1
-        if not 0 <= rank <= d_model or (wire and wire not in WIRE_MODES):
+        ok_grad = not grad or (grad in GRAD_ROUNDINGS and (grad == "nearest" or wire in INT_MODES))
+        if not 0 <= rank <= d_model or (wire and wire not in WIRE_MODES) or not ok_grad:
             raise ManifestError(
                 f"--variants item {item!r} is invalid: 'dense' or k in 1..{d_model}, "
-                f"optionally ':' and one of {', '.join(WIRE_MODES)}"
+                f"optionally ':' and one of {', '.join(WIRE_MODES)}, then optionally ':' "
+                f"and how gradients round ({', '.join(GRAD_ROUNDINGS)}; int modes only)"
             )
-        variants.append(Variant(rank, wire or None))
+        variants.append(Variant(rank, wire or None, grad or "nearest"))
     return variants
 
 
@@ -142,7 +154,9 @@ def tail_rel_drop(curve: list[tuple[int, float]]) -> float:
 def run_variant(base: Manifest, variant: Variant, steps: int, eval_every: int) -> dict[str, Any]:
     rank = variant.rank
     manifest = with_rank(base, rank)
-    trainer = LocalTrainer(manifest, LocalTrainConfig(steps=steps, wire=variant.wire))
+    trainer = LocalTrainer(
+        manifest, LocalTrainConfig(steps=steps, wire=variant.wire, wire_grad=variant.grad)
+    )
     result = drive(
         trainer,
         max_steps=steps,
@@ -169,6 +183,7 @@ def run_variant(base: Manifest, variant: Variant, steps: int, eval_every: int) -
         "variant": variant.name,
         "k": rank,
         "wire": variant.wire,
+        "grad_rounding": variant.grad,
         "wire_bytes_per_token": in_loop,
         "x_fewer_than_dense_bf16": None if in_loop is None else round(dense_bf16 / in_loop, 1),
         "boundary_width": forward.shape[-1],

@@ -7,6 +7,8 @@ and bytes; imports only torch, numpy, zstandard, the standard library and the co
 from agora_node.compression.activations import (
     ActivationCodec,
     ActivationMode,
+    GradientSender,
+    GradRounding,
     bytes_per_token,
     through_wire,
 )
@@ -47,4 +49,6 @@ __all__ = [
     "quantize_with_fallback",
     "relative_error",
     "through_wire",
+    "GradientSender",
+    "GradRounding",
 ]

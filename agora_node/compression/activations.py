@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -53,13 +54,15 @@ class ActivationCodec:
             return _INT4_BLOCK
         return k
 
-    def encode(self, x: torch.Tensor) -> bytes:
-        """Frame x ([batch, seq, k], finite) in this codec's mode."""
+    def encode(self, x: torch.Tensor, *, stochastic: torch.Generator | None = None) -> bytes:
+        """Frame x ([batch, seq, k], finite) in this codec's mode; `stochastic`: round the int
+        modes at random from this generator, unbiased (quant.quantize), not to nearest."""
         if x.dim() != 3:
             raise ValueError(f"expected [batch, seq, k], got shape {tuple(x.shape)}")
         codec = from_name(self.mode)
         if codec.is_quantized:
-            q = quantize(x, codec, block=self.block_for(x.shape[-1]), scale_dtype=torch.bfloat16)
+            block = self.block_for(x.shape[-1])
+            q = quantize(x, codec, block=block, scale_dtype=torch.bfloat16, stochastic=stochastic)
         else:
             q = quantize(x, codec)
         # Activations are near-incompressible noise; zstd would only cost latency.
@@ -92,22 +95,74 @@ class ActivationCodec:
         return self.decode(frame, tuple(x.shape)).to(x.dtype)
 
 
+GradRounding = Literal["nearest", "stochastic", "feedback"]
+GRAD_ROUNDINGS: tuple[GradRounding, ...] = ("nearest", "stochastic", "feedback")
+
+
+class GradientSender:
+    """Encodes the gradients one stage boundary sends upstream, micro-batch after micro-batch.
+
+    `rounding` says how the int modes round them:
+    - "nearest": as the activations forward (biased: a value below half a step is lost,
+      every time);
+    - "stochastic": up or down at random, unbiased, so the upstream stage's weight gradient
+      (linear in what it receives) is unbiased too, at a little more variance;
+    - "feedback": error feedback; what rounding left out of one gradient is added to the next
+      one of the same shape before it is rounded. The same positions of the next micro-batch
+      hold other tokens, so what is carried lands on other samples' weight gradients.
+    Chosen by bench/subspace_quality.py (docs/benchmarks.md). One sender per boundary, used
+    from one thread (the stage worker's)."""
+
+    def __init__(self, codec: ActivationCodec, rounding: GradRounding = "nearest") -> None:
+        if rounding not in GRAD_ROUNDINGS:
+            raise ValueError(f"gradient rounding {rounding!r}: one of {', '.join(GRAD_ROUNDINGS)}")
+        if rounding != "nearest" and not from_name(codec.mode).is_quantized:
+            raise ValueError(f"{rounding} rounding needs an int mode, not {codec.mode}")
+        self.codec, self.rounding = codec, rounding
+        self._rng = torch.Generator()
+        self._rng.seed()  # from the OS: the noise need not be reproducible
+        self._residual: torch.Tensor | None = None
+
+    def encode(self, grad: torch.Tensor) -> bytes:
+        """Frame a gradient ([batch, seq, k], finite) to send upstream."""
+        x = grad.float()
+        feedback = self.rounding == "feedback"
+        if feedback and self._residual is not None and self._residual.shape == x.shape:
+            x = x + self._residual
+        stochastic = self._rng if self.rounding == "stochastic" else None
+        frame = self.codec.encode(x, stochastic=stochastic)
+        if feedback:
+            self._residual = x - self.codec.decode(frame, tuple(x.shape))
+        return frame
+
+    def round_trip(self, grad: torch.Tensor) -> torch.Tensor:
+        """What the upstream stage decodes of `grad`, in its dtype."""
+        frame = self.encode(grad.detach().float().contiguous())
+        return self.codec.decode(frame, tuple(grad.shape)).to(grad.dtype)
+
+
 class _Wire(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, codec: ActivationCodec) -> torch.Tensor:  # type: ignore[override]
-        ctx.codec = codec
+    def forward(
+        ctx, x: torch.Tensor, codec: ActivationCodec, grad: GradientSender | None
+    ) -> torch.Tensor:  # type: ignore[override]  # noqa: E501
+        ctx.codec, ctx.grad = codec, grad
         return codec.round_trip(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return ctx.codec.round_trip(grad), None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        sender = ctx.grad if ctx.grad is not None else ctx.codec
+        return sender.round_trip(grad), None, None
 
 
-def through_wire(x: torch.Tensor, codec: ActivationCodec) -> torch.Tensor:
+def through_wire(
+    x: torch.Tensor, codec: ActivationCodec, grad: GradientSender | None = None
+) -> torch.Tensor:
     """x as a stage boundary leaves it both ways: forward, the receiver's decoding of x; in
-    backward, the sender's decoding of the gradient the receiver sends back. For trainers
-    that chain stages in one process and want the wire's rounding in the loop."""
-    return _Wire.apply(x, codec)
+    backward, the sender's decoding of the gradient the receiver sends back (through `grad`,
+    or `codec` rounding to nearest). For trainers that chain stages in one process and want
+    the wire's rounding in the loop."""
+    return _Wire.apply(x, codec, grad)
 
 
 def bytes_per_token(mode: ActivationMode, k: int, *, tokens: int = 1024) -> float:

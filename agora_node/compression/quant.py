@@ -87,14 +87,21 @@ def quantize(
     block: int = DEFAULT_BLOCK,
     seed: int | None = None,
     scale_dtype: torch.dtype | None = None,
+    stochastic: torch.Generator | None = None,
 ) -> QuantizedTensor:
     """Encode `x` with exactly `codec`. `seed` (quantized codecs only) enables rotation.
+
+    `stochastic` (dense int codecs only): round each value up or down at random from this
+    generator, with the probability that makes the decoded value's expectation x
+    (unbiased, at up to twice the error of rounding to nearest); None: to nearest.
 
     `scale_dtype` None: bfloat16 for sparse codecs, whose scale is most of a block's bytes
     (2 of 8 against 4 of 10: 1.25x fewer bytes for a scale rounded up by at most 2**-8),
     float32 otherwise."""
     _check_input(x)
     codec = Codec(codec)
+    if stochastic is not None and (codec.is_sparse or not codec.is_quantized):
+        raise ValueError(f"stochastic rounding is for dense int codecs, not {codec.value}")
     if scale_dtype is None:
         scale_dtype = torch.bfloat16 if codec.is_sparse else torch.float32
     shape, dtype = tuple(x.shape), x.dtype
@@ -110,7 +117,7 @@ def quantize(
     blocks = _to_blocks(flat.float(), block)
     if seed is not None:
         blocks = rotate(blocks, seed)
-    scales, q = _scale_and_round(blocks, codec.qmax, scale_dtype)
+    scales, q = _scale_and_round(blocks, codec.qmax, scale_dtype, stochastic)
     data = pack_int4(q.reshape(-1)) if codec is Codec.INT4 else q.reshape(-1)
     return QuantizedTensor(codec, shape, dtype, data, block, seed, scales)
 
@@ -286,15 +293,25 @@ def _to_blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def _scale_and_round(
-    rows: torch.Tensor, qmax: int, scale_dtype: torch.dtype
+    rows: torch.Tensor,
+    qmax: int,
+    scale_dtype: torch.dtype,
+    stochastic: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale per row (absmax / qmax) and the rows rounded to int8 on it."""
+    """One scale per row (absmax / qmax) and the rows rounded to int8 on it (to nearest, or
+    down after adding uniform noise in [0, 1) from `stochastic`: up with probability equal
+    to the fraction)."""
     scales = _block_scales(rows, qmax, scale_dtype)
     if not bool(torch.isfinite(scales).all()):
         raise NonFiniteError("values too large for a finite scale (after any rotation)")
     # Divide (not multiply by 1/s): 1/s overflows for subnormal scales. All-zero rows: s = 0.
     divisor = torch.where(scales > 0, scales.float(), torch.ones_like(scales, dtype=torch.float32))
-    return scales, torch.round(rows / divisor[:, None]).clamp_(-qmax, qmax).to(torch.int8)
+    scaled = rows / divisor[:, None]
+    if stochastic is None:
+        rounded = torch.round(scaled)
+    else:  # |scaled| <= qmax (the scale is rounded up), so the clamp only guards rounding
+        rounded = torch.floor(scaled.add_(torch.rand(scaled.shape, generator=stochastic)))
+    return scales, rounded.clamp_(-qmax, qmax).to(torch.int8)
 
 
 def _block_scales(blocks: torch.Tensor, qmax: int, scale_dtype: torch.dtype) -> torch.Tensor:

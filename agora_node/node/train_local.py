@@ -16,7 +16,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from agora_node.compression import ActivationCodec, ActivationMode, through_wire
+from agora_node.compression import (
+    ActivationCodec,
+    ActivationMode,
+    GradientSender,
+    GradRounding,
+    through_wire,
+)
 from agora_node.node.checkpoint import load_latest_checkpoint, save_checkpoint
 from agora_node.protocol.manifest import Manifest
 from agora_node.stages.data import TokenBatch, TokenWindows
@@ -44,6 +50,8 @@ class LocalTrainConfig:
     wire: ActivationMode | None = None
     """Pass every stage boundary through this activation codec both ways (the activations
     forward, their gradients backward), as a swarm's wire does; None: boundaries exact."""
+    wire_grad: GradRounding = "nearest"
+    """How the gradients are rounded on that wire (compression.GradientSender)."""
 
 
 @dataclass
@@ -65,17 +73,20 @@ def chain_forward(
     batch: TokenBatch,
     compute: Compute = CPU,
     wire: ActivationCodec | None = None,
+    grads: list[GradientSender] | None = None,
 ) -> torch.Tensor:
     """Logits of the whole model on the batch's inputs, running the stages in order.
 
     With `wire`, what crosses each boundary (the sender's `encode_boundary` of its output)
-    goes through that codec forward and its gradient through it backward."""
+    goes through that codec forward and its gradient through it backward (through
+    `grads[i]` at boundary i, when given)."""
     context = None if batch.docs is None else AttentionContext(doc_ids=batch.docs)
     h, sender = None, None
     with compute.autocast():
-        for stage in stages:
+        for i, stage in enumerate(stages):
             if wire is not None and sender is not None:
-                c = through_wire(sender.encode_boundary(h, batch.inputs), wire)
+                grad = None if grads is None else grads[i - 1]
+                c = through_wire(sender.encode_boundary(h, batch.inputs), wire, grad)
                 h = stage.decode_boundary(c, batch.inputs)
             h, sender = stage(h, batch.inputs, context), stage
     return h
@@ -117,6 +128,10 @@ class LocalTrainer:
         torch.manual_seed(manifest.run.seed)
         self.compute = config.compute
         self.wire = None if config.wire is None else ActivationCodec(mode=config.wire)
+        self.grads = None
+        if self.wire is not None:  # one per boundary: a feedback residual is the boundary's
+            count = manifest.num_stages - 1
+            self.grads = [GradientSender(self.wire, config.wire_grad) for _ in range(count)]
         self.stages = [stage.to(self.compute.device) for stage in build_stages(manifest)]
         self.model = nn.ModuleList(self.stages)
         self.optimizer = InnerOptimizer(
@@ -156,7 +171,8 @@ class LocalTrainer:
 
     def backward_micro_batch(self, batch: TokenBatch, n_micro: int) -> float:
         """Forward and backward of one micro-batch (its gradient divided by n_micro); its loss."""
-        loss = lm_loss(chain_forward(self.stages, batch, self.compute, self.wire), batch.targets)
+        logits = chain_forward(self.stages, batch, self.compute, self.wire, self.grads)
+        loss = lm_loss(logits, batch.targets)
         (loss / n_micro).backward()
         return loss.item()
 

@@ -13,10 +13,12 @@ from agora_node.compression import (
     ActivationCodec,
     Codec,
     CodecError,
+    GradientSender,
     NonFiniteError,
     QuantizedTensor,
     bytes_per_token,
     encode_frame,
+    quantize,
     relative_error,
     through_wire,
 )
@@ -140,3 +142,73 @@ def test_through_wire_rounds_both_ways_like_the_wire() -> None:
     assert torch.equal(y.detach(), round_trip("int4", x.detach()))
     assert torch.equal(x.grad, round_trip("int4", g))
     assert not torch.equal(x.grad, g)  # int4 does round
+
+
+# ---- the gradient path: how gradients sent upstream are rounded (GradientSender) ----------
+
+
+def _steady_gradient() -> torch.Tensor:
+    """One token of k=32 whose absmax is 7 (the int4 step is 1, up to the scale's rounding
+    up) and whose other values sit 0.3 of a step above a grid point: rounding to nearest
+    drops those 0.3 every time."""
+    g = torch.full((1, 1, 32), 2.3)
+    g[0, 0, 0] = 7.0
+    return g
+
+
+def test_stochastic_rounding_is_unbiased_where_nearest_is_not() -> None:
+    g = _steady_gradient()
+    nearest = GradientSender(ActivationCodec(mode="int4"), "nearest").round_trip(g)
+    sender = GradientSender(ActivationCodec(mode="int4"), "stochastic")
+    sender._rng.manual_seed(0)  # noqa: SLF001 - a fixed draw, so the test cannot flake
+    draws = torch.stack([sender.round_trip(g) for _ in range(2000)])
+    step = 7.0 / 7 * (1 + 2**-7)
+    assert float((nearest - g)[0, 0, 1:].mean()) < -0.25 * step  # biased by about -0.3
+    # Unbiased: the mean of 2000 draws is within 0.02 of a step (its std is ~0.01 of one).
+    assert float((draws.mean(0) - g).abs().max()) < 0.02 * step
+    # Every draw is on the grid next to its value: never more than one step away.
+    assert float((draws - g).abs().max()) <= step
+    assert torch.equal(draws[:, 0, 0, 0], torch.full((2000,), 7.0))  # the absmax is exact
+
+
+def test_error_feedback_sends_what_rounding_left_out_later() -> None:
+    g = _steady_gradient()
+    sender = GradientSender(ActivationCodec(mode="int4"), "feedback")
+    sent = sum(sender.round_trip(g) for _ in range(10))
+    # Each send carries the last one's rounding error: the sum is off by at most one step,
+    # where rounding to nearest is off by 10 x 0.3 steps.
+    assert float((sent - 10 * g).abs().max()) <= 7.0 / 7 * (1 + 2**-7)
+    # A gradient of another shape (the last, shorter micro-batch) starts afresh.
+    short = activation((1, 3, 32))
+    assert torch.equal(sender.round_trip(short), round_trip("int4", short))
+
+
+def test_gradient_frames_decode_with_the_plain_codec() -> None:
+    """The rounding is the sender's business: the frame format does not change."""
+    g = activation()
+    for rounding in ("stochastic", "feedback"):
+        frame = GradientSender(ActivationCodec(mode="int8"), rounding).encode(g)
+        y = ActivationCodec(mode="bf16").decode(frame, tuple(g.shape))
+        assert float((y - g).abs().max()) <= float(g.abs().amax(-1).max()) / 127 * 1.01
+
+
+def test_random_rounding_needs_an_int_mode() -> None:
+    for mode in ("fp32", "bf16"):
+        with pytest.raises(ValueError, match="int mode"):
+            GradientSender(ActivationCodec(mode=mode), "stochastic")
+        GradientSender(ActivationCodec(mode=mode), "nearest")  # fine
+    with pytest.raises(ValueError, match="one of"):
+        GradientSender(ActivationCodec(mode="int8"), "sometimes")
+    with pytest.raises(ValueError, match="dense int codecs"):
+        quantize(activation(), Codec.TOPK4, stochastic=torch.Generator())
+
+
+def test_through_wire_sends_gradients_through_the_boundarys_sender() -> None:
+    codec = ActivationCodec(mode="int4")
+    sender = GradientSender(codec, "feedback")
+    g = activation(seed=1)
+    for _ in range(2):
+        x = activation().requires_grad_(True)
+        through_wire(x, codec, sender).backward(g)
+    # The second backward carried the first one's residual: not what plain rounding sends.
+    assert not torch.equal(x.grad, round_trip("int4", g))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
@@ -383,6 +384,8 @@ def _check_type(name: str, value: Any, annotation: str) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, expect):
         _fail(name, value, f"must be of type {annotation}")
+    if isinstance(value, float) and not math.isfinite(value):  # TOML and JSON both allow them
+        _fail(name, value, "must be a finite number")
     if annotation == "tuple[int, ...]" and not all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
     ):

@@ -55,6 +55,12 @@ INVALID = [
     ("n_kv_heads = 4", "n_kv_heads = 3", "model.n_kv_heads"),
     ("lr = 0.7", 'lr = "fast"', "outer.lr"),
     ("[outer]", "[outer]\nspeed = 3", "outer.speed"),
+    # TOML has nan and inf; a run that trains on them diverges or crashes every joiner
+    ("lr = 0.003", "lr = nan", "inner.lr"),
+    ("lr = 0.7", "lr = inf", "outer.lr"),
+    ("grad_clip = 1.0", "grad_clip = nan", "inner.grad_clip"),
+    ("weight_decay = 0.1", "weight_decay = -nan", "inner.weight_decay"),
+    ("norm_eps = 1e-05", "norm_eps = inf", "model.norm_eps"),
 ]
 
 
@@ -64,6 +70,14 @@ def test_invalid_field_is_named_in_one_line(old, new, field):
         parse_manifest(_edit(old, new))
     message = str(info.value)
     assert field in message and "\n" not in message
+
+
+def test_a_manifest_from_the_swarm_with_nan_is_refused():
+    """JSON as Python reads it has NaN too: a bootstrap's canonical bytes are checked the same."""
+    raw = load_manifest("tiny").canonical_bytes().replace(b'"lr":0.7', b'"lr":NaN')
+    assert b"NaN" in raw
+    with pytest.raises(ManifestError, match="outer.lr.*finite"):
+        manifest_from_canonical(raw)
 
 
 def test_malformed_toml_is_one_line():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -64,12 +65,14 @@ def prepare_identity(path: str) -> None:
 
 def cmd_join(args: argparse.Namespace) -> int:
     config = resolve_config(args, NodeConfig)
-    with datadir.lock_data_dir(config.data_dir):  # first: a second daemon fails at once
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(datadir.lock_data_dir(config.data_dir))  # a second daemon fails at once
         # Probing the device imports torch (about a second): after the lock, before the key.
         compute = _resolve_compute(config)
         if compute is None:
             return EXIT_USAGE
         prepare_identity(config.identity_path)
+        stack.enter_context(datadir.lock_identity(config.identity_path))
         if config.emulate_link:
             from agora_node.comms import linkemu
 

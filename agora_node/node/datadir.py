@@ -10,7 +10,9 @@ Lock: `lock_data_dir` takes an exclusive flock on `DATA_DIR/lock` and writes thi
 process's pid into it. The daemon holds it for its whole life; the kernel drops
 it when the process dies, however it dies, so a SIGKILLed node never blocks its
 own restart. hivemind forks its DHT process without exec: the child closes its
-copy of the descriptor at once, so a straggling child cannot keep the lock.
+copy of the descriptor at once, so a straggling child cannot keep the lock. A joining
+node holds its identity key the same way (`lock_identity`), so two daemons with one key
+(say a second data dir given the first one's `--identity-path`) cannot both run.
 """
 
 from __future__ import annotations
@@ -93,6 +95,28 @@ def lock_data_dir(data_dir: str | os.PathLike, name: str = LOCK_NAME) -> DataDir
         raise unusable(directory, exc) from None
     _held[fd] = path
     return DataDirLock(path, fd)
+
+
+def lock_identity(path: str | os.PathLike) -> DataDirLock:
+    """Hold the identity key file itself (an flock, nothing written), or raise DataDirInUse:
+    two daemons of one machine with one key would be one peer id to the swarm, each taking
+    the other's connections and records. (A copy of the key on another machine is not
+    seen here.)"""
+    key = Path(path).expanduser()
+    try:
+        fd = os.open(key, os.O_RDONLY)  # close-on-exec: not in exec'd children
+    except OSError as exc:
+        raise unusable(key, exc, "identity key", "--identity-path") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DataDirInUse(
+            f"identity key {key} is in use by another agora-node daemon on this machine; "
+            "give each daemon its own --identity-path"
+        ) from None
+    _held[fd] = key
+    return DataDirLock(key, fd)
 
 
 def unusable(

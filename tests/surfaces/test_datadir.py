@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from agora_node.node.datadir import DataDirInUse, lock_data_dir
+from agora_node.node.commands import prepare_identity
+from agora_node.node.datadir import DataDirInUse, lock_data_dir, lock_identity
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -124,4 +125,25 @@ def test_one_process_cannot_take_its_own_data_dir_twice(tmp_path):
         with lock_data_dir(tmp_path, "bootstrap.lock"):
             pass
     with lock_data_dir(tmp_path):
+        pass
+
+
+def test_a_second_join_with_the_same_identity_key_fails_naming_the_fix(tmp_path):
+    """Two daemons of one machine with one key would be one peer id in the swarm (found by a
+    review: the second ran, and the first lost its peers when it left)."""
+    key = tmp_path / "first" / "identity.key"
+    prepare_identity(str(key))
+    with lock_identity(key):  # the first daemon, in this process
+        second = subprocess.run(
+            [sys.executable, "-m", "agora_node", "join", "--initial-peers", PEER]
+            + ["--data-dir", str(tmp_path / "second"), "--identity-path", str(key)]
+            + ["--status-port", "0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert second.stderr.count("\n") == 1, second.stderr
+    assert "identity key" in second.stderr and "--identity-path" in second.stderr
+    with lock_identity(key):  # released with the first daemon
         pass

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import glob
 import logging
 import math
@@ -22,6 +23,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -85,6 +87,8 @@ class Host:
             list(config.initial_peers) + list(config.host_maddrs) + list(config.announce_maddrs)
         ):
             _check_maddr(maddr)
+        for maddr in config.host_maddrs:
+            _check_port_free(maddr)
         reaper = Reaper.start()
         try:
             p2p = await create_p2p(
@@ -93,7 +97,8 @@ class Host:
                 announce_maddrs=list(config.announce_maddrs) or None,
                 identity_path=config.identity_path,
                 # hivemind's identity check parses RSA keys only; ours are Ed25519
-                # (HIVEMIND_NOTES.md). The node checks for a duplicate itself.
+                # (HIVEMIND_NOTES.md). `join` holds its key file (datadir.lock_identity), so
+                # a second daemon of this machine with the same key never gets here.
                 check_if_identity_free=False,
                 nat_port_map=config.nat,
                 # Peers tell each other whether they can be dialed (AutoNAT, over their own
@@ -387,6 +392,29 @@ def _check_maddr(maddr: str) -> None:
         Multiaddr(maddr)
     except Exception as exc:
         raise HostError(f"invalid multiaddr {maddr!r}: {_one_line(exc)}") from None
+
+
+def _check_port_free(maddr: str) -> None:
+    """A fixed TCP port someone listens on is refused here: p2pd binds with SO_REUSEPORT,
+    so beside another libp2p daemon it would start and share the port, each taking some of
+    the connections dialed to it."""
+    parts = str(maddr).split("/")
+    if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
+        return
+    if not parts[4].isdigit() or int(parts[4]) == 0:
+        return
+    family = socket.AF_INET if parts[1] == "ip4" else socket.AF_INET6
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no user
+        try:
+            probe.bind((parts[2], int(parts[4])))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return  # not ours to judge (say an address this host lacks): p2pd will say
+            raise HostError(
+                f"a listen address is already in use ({maddr}): stop what uses it or pass "
+                "--host-maddrs with another port"
+            ) from None
 
 
 _CLOCK = re.compile(r"local time must be within (\S+) seconds.*local: ([\d.]+), peer: ([\d.]+)")

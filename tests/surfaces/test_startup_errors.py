@@ -122,8 +122,13 @@ def test_a_data_dir_or_identity_problem_is_one_line_and_exit_1(case, tmp_path):
     assert result.returncode == 1
 
 
-def test_a_busy_libp2p_port_is_one_line_naming_the_flag(tmp_path):
+@pytest.mark.parametrize("reuse_port", [False, True], ids=["plain", "another-libp2p-daemon"])
+def test_a_busy_libp2p_port_is_one_line_naming_the_flag(tmp_path, reuse_port):
+    """A listener with SO_REUSEPORT is what another p2pd holds: this one would have shared
+    the port with it (found by a review), not failed."""
     with socket.socket() as busy:
+        if reuse_port:
+            busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]

@@ -25,7 +25,7 @@ def _add_manifest_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--manifest",
         default="tiny",
-        help="builtin manifest name (tiny, demo, bench, gpu-1b, long) or path to a TOML file (default: tiny)",
+        help="builtin manifest name (tiny, demo, bench, gpu-1b, long, cells) or path to a TOML file (default: tiny)",
     )
 
 
@@ -125,6 +125,11 @@ def _positive_int_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if getattr(args, "threads", 0) < 0:
+        raise UsageError(f"--threads must be positive (0: torch's choice), got {args.threads}")
+    checkpoints = getattr(args, "checkpoint_dir", None)
+    if checkpoints and Path(checkpoints).exists() and not Path(checkpoints).is_dir():
+        raise UsageError(f"--checkpoint-dir {checkpoints} is a file: pass a directory")
 
 
 def main(argv: list[str] | None = None) -> int:

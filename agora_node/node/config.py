@@ -91,6 +91,9 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "max_in_flight", "canary_every")
+        _positive(self, "hop_timeout_s")
+        if not math.isfinite(self.hop_timeout_s):
+            raise UsageError("--hop-timeout must be a finite number of seconds")
         if self.canary_replicas < 3:
             raise UsageError("canary_replicas must be at least 3 (a strict majority of 2 is both)")
         _check_codec(self.activation_codec)
@@ -217,13 +220,18 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if not self.initial_peers:
             raise UsageError("join needs --initial-peers (the line `agora-node bootstrap` printed)")
-        if self.stage != "auto" and not self.stage.isdigit():
+        if self.stage != "auto" and not (self.stage.isascii() and self.stage.isdigit()):
             raise UsageError(f"--stage must be 'auto' or a stage number, not {self.stage!r}")
         _positive(self, "record_ttl_s", "refresh_s", "checkpoint_every_s", "eval_every_s")
         if self.record_ttl_s > MAX_RECORD_TTL_S:
             raise UsageError(
                 f"--record-ttl must be at most {MAX_RECORD_TTL_S:g} (longer records are refused "
                 f"by other nodes), not {self.record_ttl_s}"
+            )
+        if self.refresh_s >= self.record_ttl_s:
+            raise UsageError(
+                f"--refresh {self.refresh_s:g} must be shorter than --record-ttl "
+                f"{self.record_ttl_s:g}: the record would lapse between refreshes"
             )
         if self.run and self.manifest is not None and self.run != self.manifest.run_id:
             raise UsageError(

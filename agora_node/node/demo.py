@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agora_node.comms.reaper import set_parent_death_signal
+from agora_node.node import datadir
 from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, UsageError
 from agora_node.stages.manifest_files import load_manifest
 
@@ -200,12 +201,20 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 def cmd_demo(args: argparse.Namespace) -> int:
     manifest = load_manifest(args.manifest)
     nodes = args.nodes or 2 * manifest.num_stages
+    for flag in ("fault_after", "minutes", "interval", "eval_every"):
+        if not getattr(args, flag) >= 0:  # nan too
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    if not args.interval > 0 or not args.eval_every > 0:
+        raise UsageError("--interval and --eval-every must be positive")
     if nodes < manifest.num_stages:
         raise UsageError(
             f"--nodes {nodes} cannot cover {manifest.num_stages} stages: use at least that many"
         )
     workdir = Path(args.data_dir or tempfile.mkdtemp(prefix="agora-demo-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise datadir.unusable(workdir, exc) from None
     extra = ["--eval-every", str(args.eval_every)]
     print(
         f"demo: run {manifest.run_id} ({manifest.run.name}), {nodes} nodes on 127.0.0.1 "
@@ -387,15 +396,26 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="SIGKILL a node mid-run and restart it: shows failover and a state copy",
     )
     p.add_argument(
-        "--fault-after", type=float, default=90.0, help="seconds into the run for --faults"
+        "--fault-after",
+        type=float,
+        default=90.0,
+        help="seconds into the run for --faults (default: 90)",
     )
     p.add_argument("--nodes", type=int, default=0, help="daemons to start (default: two per stage)")
     p.add_argument(
-        "--minutes", type=float, default=10.0, help="how long to train (0: until Ctrl-C)"
+        "--minutes",
+        type=float,
+        default=10.0,
+        help="how long to train (0: until Ctrl-C; default: 10)",
     )
-    p.add_argument("--interval", type=float, default=10.0, help="seconds between progress lines")
     p.add_argument(
-        "--eval-every", type=float, default=30.0, help="seconds between validation losses"
+        "--interval", type=float, default=10.0, help="seconds between progress lines (default: 10)"
+    )
+    p.add_argument(
+        "--eval-every",
+        type=float,
+        default=30.0,
+        help="seconds between validation losses (default: 30)",
     )
     p.add_argument(
         "--base-port",

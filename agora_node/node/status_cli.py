@@ -12,8 +12,11 @@ returns an exit code: 0 ok, 1 when the daemon cannot be reached or refuses
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
+import socket
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -50,8 +53,10 @@ def fetch_json(url: str, timeout: float) -> Any:
         raise StatusUnavailable(f"no agora-node status endpoint at {url} ({reason})") from None
     except TimeoutError:
         raise StatusUnavailable(f"{url} did not answer within {timeout:g} s") from None
-    except (ValueError, OSError) as exc:  # not JSON, or the connection broke mid-body
-        raise StatusUnavailable(f"{url} did not return agora-node status ({exc})") from None
+    except (ValueError, OSError, http.client.HTTPException) as exc:
+        # not JSON, the connection broke mid-body, or not HTTP at all (say a libp2p port)
+        said = "".join(c for c in " ".join(str(exc).split()) if c.isprintable())[:120]
+        raise StatusUnavailable(f"{url} did not return agora-node status ({said})") from None
 
 
 def fetch_status(base_url: str, timeout: float = 5.0) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -153,16 +158,51 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_leave(args: argparse.Namespace) -> int:
-    path = Path(args.control_socket or Path(args.data_dir or datadir.HOME) / "control.sock")
+    data_dir = Path(args.data_dir or datadir.HOME).expanduser()
+    path = Path(args.control_socket or data_dir / "control.sock")
     path = path.expanduser()  # the daemon's own default: DATA_DIR/control.sock
     print(f"asking the daemon on {path} to leave (drain, checkpoint, exit)...", flush=True)
+    started = time.monotonic()
     try:
         result = control_call_sync(path, "Leave", timeout=args.timeout)
     except ControlError as exc:
         return _fail(str(exc))
     details = ", ".join(f"{k} {v}" for k, v in result.items())
+    # The answer only says it began: wait for the drain, the checkpoint and the exit, which
+    # a script that powers the machine off next must not cut short.
+    holder = None if args.control_socket and not args.data_dir else data_dir
+    if not _wait_gone(path, holder, started + args.timeout):
+        return _fail(
+            f"the daemon began to leave ({details}) but still ran after {args.timeout:g} s"
+        )
     print(f"the daemon left{': ' + details if details else ''}")
     return EXIT_OK
+
+
+def _wait_gone(control: Path, data_dir: Path | None, deadline: float) -> bool:
+    """Until `deadline`: has the daemon exited (its data dir's lock free) or, without a data
+    dir, stopped its control socket (which it does after its checkpoint)?"""
+    while True:
+        if data_dir is not None:
+            try:
+                datadir.lock_data_dir(data_dir).release()
+                return True
+            except datadir.DataDirError:
+                pass  # held: still running
+        elif not _answers(control):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)  # a CLI waiting on another process: nothing to wake it
+
+
+def _answers(control: Path) -> bool:
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(control))
+            return True
+        except OSError:
+            return False
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -184,6 +224,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--data-dir", help=f"the daemon's data dir, for its control socket (default {datadir.HOME})"
     )
     p.add_argument(
-        "--timeout", type=float, default=120.0, help="seconds to wait for the drain (default 120)"
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the daemon to drain, checkpoint and exit (default 120)",
     )
     p.set_defaults(func=cmd_leave)

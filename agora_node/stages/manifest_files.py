@@ -19,12 +19,12 @@ from agora_node.protocol.manifest import (
 
 
 def builtin_manifest_text(name: str) -> str:
-    """The TOML text of a builtin manifest (`tiny`, `demo`, `bench`, `gpu-1b`, `long`)."""
+    """The TOML text of a builtin manifest (`tiny`, `demo`, `bench`, `gpu-1b`, `long`, `cells`)."""
     return resources.files("agora_node.stages").joinpath(f"manifests/{name}.toml").read_text()
 
 
 def load_manifest(name_or_path: str) -> Manifest:
-    """Load a builtin manifest by name (`tiny`, `demo`, `bench`, `gpu-1b`, `long`) or a TOML file by path."""
+    """Load a builtin manifest by name (`tiny`, `demo`, `bench`, `gpu-1b`, `long`, `cells`) or a TOML file by path."""
     if name_or_path in BUILTIN_MANIFESTS:
         return parse_manifest(builtin_manifest_text(name_or_path), origin=name_or_path)
     path = Path(name_or_path)
@@ -33,7 +33,12 @@ def load_manifest(name_or_path: str) -> Manifest:
             f"manifest {name_or_path!r} not found: give a path to a TOML file "
             f"or one of {', '.join(BUILTIN_MANIFESTS)}"
         )
-    return parse_manifest(path.read_text(), origin=str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = "it is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else exc.strerror
+        raise ManifestError(f"manifest {name_or_path!r} cannot be read: {reason}") from None
+    return parse_manifest(text, origin=str(path))
 
 
 def check_data_available(manifest: Manifest) -> None:

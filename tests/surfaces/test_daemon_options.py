@@ -37,6 +37,9 @@ SAMPLES = {
     "optimizer_states": ["8bit", "fp32", "8bit", "fp32"],  # two formats: file and cli share one
     "optimizer_step": ["in-backward", "after-backward", "in-backward", "after-backward"],
     "relay_for_others": ["off", "on", "off", "on"],
+    # each longer than the default --refresh (3 s), as a record must outlive a refresh
+    "record_ttl": [5.5, 6.5, 7.5, 8.5],
+    "refresh": [0.5, 1.5, 2.5, 3.5],
 }
 JOIN_OPTIONS = options_of(NodeConfig)
 
@@ -154,6 +157,11 @@ INVALID = [
     ("status_port", "8421.5", "is not an integer"),
     ("max_in_flight", "-1", "--max-in-flight must be at least 0"),
     ("stage", "two", "--stage must be 'auto' or a stage number"),
+    ("stage", "²", "--stage must be 'auto' or a stage number"),  # str.isdigit() says yes
+    ("hop_timeout", "0", "--hop-timeout must be positive"),
+    ("hop_timeout", "nan", "--hop-timeout must be positive"),
+    ("hop_timeout", "inf", "--hop-timeout must be a finite number"),
+    ("refresh", "100", "must be shorter than --record-ttl"),
     ("activation_codec", "int3", "--activation-codec must be one of"),
     ("checkpoint_every", "0", "--checkpoint-every must be positive"),
     ("emulate_link", "fast", "--emulate-link"),
@@ -257,3 +265,25 @@ def test_dry_run_of_a_context_parallel_run_shows_memory_per_peer_with_and_withou
     in_cell = re.findall(r"cell of 2 .*activation_bytes ([\d.]+) MiB", out)
     assert len(alone) == len(in_cell) == 4  # one line each per stage
     assert all(float(c) < 0.6 * float(a) for a, c in zip(alone, in_cell, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["train-local", "--threads", "-1"], "--threads must be positive"),
+        (["train-local", "--checkpoint-dir", "{file}"], "is a file: pass a directory"),
+        (["manifest", "check", "--manifest", "{latin1}"], "is not UTF-8 text"),
+        (["demo", "--interval", "-1"], "--interval must be >= 0"),
+        (["demo", "--minutes", "nan"], "--minutes must be >= 0"),
+        (["demo", "--eval-every", "0"], "must be positive"),
+    ],
+    ids=["threads", "checkpoint-dir", "manifest-encoding", "interval", "minutes", "eval-every"],
+)
+def test_other_commands_refuse_bad_values_in_one_line(argv, says, tmp_path, capsys):
+    """Each was a traceback (found by a review), raised after torch had loaded or later."""
+    (tmp_path / "file").write_text("")
+    (tmp_path / "latin1.toml").write_bytes("[run]\nname = 'caf\xe9'\n".encode("latin-1"))
+    paths = {"{file}": str(tmp_path / "file"), "{latin1}": str(tmp_path / "latin1.toml")}
+    assert main([paths.get(a, a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err and "Traceback" not in err, err

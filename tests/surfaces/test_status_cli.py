@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from agora_node.node.control import ControlServer
+from agora_node.node.datadir import lock_data_dir
 from agora_node.node.status_cli import register
 
 from .test_control import FakeHandlers
@@ -65,11 +66,38 @@ async def test_status_unreachable(status_server, capsys):
     assert "Traceback" not in captured.err
 
 
+class Leaving(FakeHandlers):
+    """A daemon that, asked to leave, stops its control API and frees its data dir a
+    moment later (its drain and checkpoint)."""
+
+    def __init__(self, data_dir: Path | None = None) -> None:
+        super().__init__()
+        self.server: ControlServer | None = None
+        self.lock = None if data_dir is None else lock_data_dir(data_dir)
+        self.stopped: asyncio.Task | None = None
+
+    async def leave(self) -> dict:
+        result = await super().leave()
+        asyncio.get_running_loop().call_later(0.3, self._exit)
+        return result
+
+    def _exit(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+        self.stopped = asyncio.ensure_future(self.server.stop())
+
+
+async def serve(handlers: FakeHandlers, sock: Path) -> ControlServer:
+    server = ControlServer(sock, handlers)
+    handlers.server = server
+    await server.start()
+    return server
+
+
 async def test_leave(tmp_path: Path, capsys):
     sock = tmp_path / "control.sock"
-    handlers = FakeHandlers()
-    server = ControlServer(sock, handlers)
-    await server.start()
+    handlers = Leaving()
+    server = await serve(handlers, sock)
     try:
         assert await run(["leave", "--control-socket", str(sock)]) == 0
     finally:
@@ -77,6 +105,28 @@ async def test_leave(tmp_path: Path, capsys):
     assert handlers.calls == [("leave", None)]
     out = capsys.readouterr().out
     assert out.splitlines()[-1] == "the daemon left: state leaving, checkpoint /ckpt/step-120.pt"
+
+
+async def test_leave_waits_until_the_daemon_has_exited(tmp_path: Path, capsys):
+    """The answer to Leave only says it began (found by a review: `leave` returned while the
+    daemon still drained, so `leave && poweroff` could cut off the checkpoint)."""
+    handlers = Leaving(tmp_path)
+    server = await serve(handlers, tmp_path / "control.sock")
+    try:
+        assert await run(["leave", "--data-dir", str(tmp_path)]) == 0
+        assert handlers.lock._fd is None  # it returned only once the data dir was free
+    finally:
+        await server.stop()
+    # a daemon that does not exit within --timeout is an error, not "left"
+    handlers = FakeHandlers()
+    stuck = lock_data_dir(tmp_path)
+    server = await serve(handlers, tmp_path / "control.sock")
+    try:
+        assert await run(["leave", "--data-dir", str(tmp_path), "--timeout", "1"]) == 1
+    finally:
+        await server.stop()
+        stuck.release()
+    assert "but still ran after 1 s" in capsys.readouterr().err
 
 
 async def test_leave_finds_the_daemons_default_socket_in_its_data_dir(
@@ -87,8 +137,7 @@ async def test_leave_finds_the_daemons_default_socket_in_its_data_dir(
     named = tmp_path / ".agora-node" / "nodes" / "a"
     for argv, sock in (([], tmp_path / ".agora-node"), (["--data-dir", str(named)], named)):
         sock.mkdir(parents=True, exist_ok=True)
-        server = ControlServer(sock / "control.sock", FakeHandlers())
-        await server.start()
+        server = await serve(Leaving(sock), sock / "control.sock")
         try:
             assert await run(["leave", *argv]) == 0, capsys.readouterr()
         finally:
@@ -130,3 +179,24 @@ def test_the_node_line_names_the_other_members_of_its_cell():
     assert "CELL helper with 12D3KooWbb...her002" in format_node({"peer_id": me, "cell": cell})
     assert "CELL" not in format_node({"peer_id": me, "cell": {"role": "alone", "members": [me]}})
     assert "CELL" not in format_node({"peer_id": me, "cell": None})
+
+
+async def test_status_of_a_port_that_is_not_http_is_one_line(capsys):
+    """A libp2p port answers with multistream-select, not HTTP (was a BadStatusLine traceback)."""
+
+    async def libp2p_like(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"\x13/multistream/1.0.0\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(libp2p_like, "127.0.0.1", 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        assert await run(["status", "--url", url, "--timeout", "5"]) == 1
+    finally:
+        server.close()
+        await server.wait_closed()
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1, captured.err
+    assert "did not return agora-node status" in captured.err

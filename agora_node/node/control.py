@@ -22,6 +22,7 @@ argument", anything else as "failed".
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -106,11 +107,21 @@ class ControlServer:
             raise ControlError(
                 f"control socket path is too long (>{MAX_SOCKET_PATH} bytes): {path}"
             )
-        self._prepare_path(path)
+        try:
+            self._prepare_path(path)
+        except OSError as exc:  # its directory under a file, not writable, ...
+            raise ControlError(
+                f"control socket {path} is not usable ({exc.strerror or exc}): "
+                "pass --control-socket"
+            ) from None
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((self._generic_handler(),))
-        if server.add_insecure_port(f"unix:{path}") == 0:
-            raise ControlError(f"cannot listen on control socket {path}")
+        try:
+            bound = server.add_insecure_port(f"unix:{path}")
+        except RuntimeError:  # grpc raises where it once returned 0
+            bound = 0
+        if bound == 0:
+            raise ControlError(f"cannot listen on control socket {path}: pass --control-socket")
         # grpc creates the file with the umask's mode; tighten it before serving.
         os.chmod(path, 0o600)
         await server.start()
@@ -121,6 +132,8 @@ class ControlServer:
     def _prepare_path(path: Path) -> None:
         if not path.parent.exists():
             path.parent.mkdir(mode=0o700, parents=True)
+        elif not path.parent.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "a file is in the way of its directory")
         if not path.exists() and not path.is_symlink():
             return
         if not stat.S_ISSOCK(path.lstat().st_mode):

@@ -144,6 +144,11 @@ class Node:
         cfg = self.config
         self._status = StatusServer(self, self.metrics, host=cfg.status_host, port=cfg.status_port)
         await self._status.start()  # first: a port clash fails fast, before touching the swarm
+        if cfg.control_socket:  # likewise another daemon's socket (`leave` while joining: stop)
+            from agora_node.node.control import ControlServer
+
+            self._control = ControlServer(cfg.control_socket, _ControlHandlers(self))
+            await self._control.start()
         self.host = await Host.start(
             HostConfig(
                 identity_path=cfg.identity_path,
@@ -216,11 +221,6 @@ class Node:
         self._loops.spawn(self._admission_loop())
         if cfg.stage == "auto" and cfg.rebalance_every_s > 0:
             self._loops.spawn(self._rebalance_loop())
-        if cfg.control_socket:
-            from agora_node.node.control import ControlServer
-
-            self._control = ControlServer(cfg.control_socket, _ControlHandlers(self))
-            await self._control.start()
         self.state = NodeState.ACTIVE
         meta = MemberMeta(stage=stage, state=self.state.value)
         await self.liveness.start(
@@ -399,7 +399,7 @@ class Node:
             raise ValueError(
                 f"stage {stage} does not exist: this run has stages 0..{self.manifest.num_stages - 1}"
             )
-        if stage == self.service.index or self.state != NodeState.ACTIVE:
+        if self.state != NodeState.ACTIVE or stage == self.service.index:
             return
         log.info("switching from stage %d to stage %d: %s", self.service.index, stage, reason)
         self._note_stage_change(self.service.index, stage, reason)

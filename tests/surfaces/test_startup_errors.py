@@ -103,7 +103,14 @@ def _own_id_not_listed(tmp: Path) -> list[str]:
     return _join(tmp / "node", "--allow-keys", str(tmp / "keys.txt"))
 
 
+def _control_socket_under_a_file(tmp: Path) -> list[str]:
+    (tmp / "file").write_text("")
+    return _join(tmp / "node", "--control-socket", str(tmp / "file" / "c.sock"))
+
+
 CASES = {
+    # before the swarm (whose DEAD initial peer would be the error otherwise)
+    "control socket under a file": (_control_socket_under_a_file, "pass --control-socket"),
     "data dir is a file": (_data_dir_is_a_file, "a file is in the way"),
     "data dir under a file": (_data_dir_under_a_file, "pass a --data-dir whose directory"),
     "read-only data dir": (_read_only_data_dir, "pass a --data-dir this user can write"),
@@ -136,6 +143,17 @@ def test_a_busy_libp2p_port_is_one_line_naming_the_flag(tmp_path, reuse_port):
         result = _run([*argv, "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}"])
     _one_clear_line(result, "already in use")
     assert "pass --host-maddrs with another port" in result.stdout + result.stderr
+    assert result.returncode == 1
+
+
+def test_another_daemons_control_socket_fails_before_joining_the_swarm(tmp_path):
+    """It failed after the node had chosen a stage and published a record (found by a
+    review): other nodes listed a phantom peer. Now it is checked before libp2p starts."""
+    with socket.socket(socket.AF_UNIX) as live:
+        live.bind(str(tmp_path / "c.sock"))
+        live.listen()
+        result = _run(_join(tmp_path / "node", "--control-socket", str(tmp_path / "c.sock")))
+    _one_clear_line(result, "another agora-node daemon is listening")
     assert result.returncode == 1
 
 

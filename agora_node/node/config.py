@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,23 @@ from agora_node.stages.manifest_files import load_manifest
 
 LISTEN = "/ip4/127.0.0.1/tcp/0"
 _LISTEN_HELP = "listen multiaddrs (use /ip4/0.0.0.0/tcp/PORT to be reachable)"
+
+
+_PEER_ADDR = re.compile(
+    r"/(ip4|ip6|dns|dns4|dns6)/[^/]+/(tcp|udp)/\d+(/[^/]+)*/p2p/[1-9A-HJ-NP-Za-km-z]{32,}"
+)
+
+
+def _check_peer_addrs(flag: str, addrs: list[str]) -> None:
+    """Peer addresses as `agora-node bootstrap` prints them, checked before anything
+    starts (libp2p would say it later, in its own words, and a missing /p2p/ part not at
+    all clearly)."""
+    for addr in addrs:
+        if not _PEER_ADDR.fullmatch(addr):
+            raise UsageError(
+                f"{flag} {addr!r} is not a peer address: expected "
+                "/ip4/HOST/tcp/PORT/p2p/PEER_ID, as `agora-node bootstrap` prints it"
+            )
 
 
 def _check_codec(name: str) -> None:
@@ -220,6 +238,7 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if not self.initial_peers:
             raise UsageError("join needs --initial-peers (the line `agora-node bootstrap` printed)")
+        _check_peer_addrs("--initial-peers", self.initial_peers)
         if self.stage != "auto" and not (self.stage.isascii() and self.stage.isdigit()):
             raise UsageError(f"--stage must be 'auto' or a stage number, not {self.stage!r}")
         _positive(self, "record_ttl_s", "refresh_s", "checkpoint_every_s", "eval_every_s")
@@ -313,6 +332,7 @@ class BootstrapConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_peer_addrs("--initial-peers", self.initial_peers)
         data_dir = _data_dir(self.data_dir, self.identity_path, "bootstrap.key")
         self.data_dir = str(data_dir)
         self.identity_path = _path_or(self.identity_path, data_dir / "bootstrap.key")

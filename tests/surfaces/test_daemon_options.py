@@ -40,6 +40,7 @@ SAMPLES = {
     # each longer than the default --refresh (3 s), as a record must outlive a refresh
     "record_ttl": [5.5, 6.5, 7.5, 8.5],
     "refresh": [0.5, 1.5, 2.5, 3.5],
+    "initial_peers": [[PEER.replace("127.0.0.1", f"10.0.0.{i}")] for i in range(1, 5)],
 }
 JOIN_OPTIONS = options_of(NodeConfig)
 
@@ -211,6 +212,16 @@ def test_toml_type_and_unknown_key_errors_are_one_line(tmp_path, capsys):
         assert main(["join", "--initial-peers", PEER, "--config", str(path)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and says in err, err
+
+
+@pytest.mark.parametrize("command", ["join", "bootstrap"])
+@pytest.mark.parametrize("bad", ["notamultiaddr", "/ip4/127.0.0.1/tcp/9"])  # no /p2p/ part
+def test_an_initial_peer_that_is_no_peer_address_is_one_line(command, bad, tmp_path, capsys):
+    """Checked before anything starts (it was libp2p's raw log line, after 3 s, exit 1)."""
+    assert main([command, "--initial-peers", bad, "--data-dir", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a peer address: expected /ip4/" in err, err
+    assert not (tmp_path / "d").exists()
 
 
 def test_join_without_initial_peers_is_one_line(capsys):

@@ -110,8 +110,9 @@ class GradientSender:
     - "feedback": error feedback; what rounding left out of one gradient is added to the next
       one of the same shape before it is rounded. The same positions of the next micro-batch
       hold other tokens, so what is carried lands on other samples' weight gradients.
-    Chosen by bench/subspace_quality.py (docs/benchmarks.md). One sender per boundary, used
-    from one thread (the stage worker's)."""
+    Measured with bench/subspace_quality.py (docs/benchmarks.md, "Rounding the gradients"):
+    on `tiny` the three end within the evaluations' own noise of each other, so the daemons
+    send as the codec rounds (nearest). One sender per boundary, used from one thread."""
 
     def __init__(self, codec: ActivationCodec, rounding: GradRounding = "nearest") -> None:
         if rounding not in GRAD_ROUNDINGS:

@@ -88,9 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train-local", help="train the whole model in one process (the reference)")
     _add_manifest_arg(p)
     p.add_argument("--steps", type=int, default=200, help="inner steps (default 200)")
-    p.add_argument("--eval-every", type=int, default=50, help="steps between validation losses")
+    p.add_argument(
+        "--eval-every", type=int, default=50, help="steps between validation losses (default 50)"
+    )
     p.add_argument("--checkpoint-dir", help="save checkpoints here and resume from the newest")
-    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=100,
+        help="steps between checkpoints in --checkpoint-dir (default 100; join's counts seconds)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (as join's)")
     p.add_argument("--precision", default="auto", help="auto, fp32 or bf16 (as join's)")

@@ -177,7 +177,10 @@ def convert(opt: Option, raw: Any, source: str) -> Any:
     if opt.parse is not None:
         if not isinstance(raw, str):
             raise bad
-        return opt.parse(raw)  # raises its own one-line error
+        try:
+            return opt.parse(raw)
+        except UsageError as exc:  # its own one line, which does not say where the text was
+            raise UsageError(f"{source}: {exc}") from None
     try:
         if opt.kind is int and not isinstance(raw, float):
             return int(raw)

@@ -159,6 +159,7 @@ INVALID = [
     ("max_in_flight", "-1", "--max-in-flight must be at least 0"),
     ("stage", "two", "--stage must be 'auto' or a stage number"),
     ("stage", "²", "--stage must be 'auto' or a stage number"),  # str.isdigit() says yes
+    ("relay_for_others", "maybe", "expected on or off, not 'maybe'"),
     ("hop_timeout", "0", "--hop-timeout must be positive"),
     ("hop_timeout", "nan", "--hop-timeout must be positive"),
     ("hop_timeout", "inf", "--hop-timeout must be a finite number"),
@@ -195,7 +196,7 @@ def test_invalid_value_in_each_source_is_one_line_and_exit_2(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("agora-node: error: "), err
     assert says in err and "Traceback" not in err
-    if "is not" in says:  # a conversion error names where the text came from
+    if "is not" in says or "expected" in says:  # a conversion error names where the text was
         assert {"cli": opt.flag, "env": opt.env, "toml": f"a.toml: {name}"}[source] in err
     assert not (tmp_path / "d").exists()  # refused before anything was created
 

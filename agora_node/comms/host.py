@@ -440,7 +440,8 @@ def _explain_start_failure(exc: BaseException, config: HostConfig) -> HostError:
     if "bootstrap" in text.lower() or "connect" in text.lower():
         peers = ", ".join(config.initial_peers)
         return HostError(
-            f"could not reach any initial peer ({peers}): check the address and that it runs"
+            f"could not reach any initial peer ({peers}): check the address, its /p2p/ peer "
+            "id (a peer that answers with another id is refused), and that it runs"
         )
     if "address already in use" in text.lower():
         return HostError(

@@ -241,15 +241,27 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         )
 
 
+_SOURCES = (
+    "Every option can also come from an environment variable (AGORA_ and the option's name "
+    "in capitals, - as _: AGORA_STAGE=2, AGORA_INITIAL_PEERS) or from a TOML file (--config; "
+    "keys are the long options without --). A flag wins over a variable, a variable over "
+    "the file, the file over the default."
+)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("join", help="join a swarm and serve the stage it needs most")
+    p = sub.add_parser(
+        "join", help="join a swarm and serve the stage it needs most", epilog=_SOURCES
+    )
     add_daemon_options(p, NodeConfig)
     p.add_argument(
         "--dry-run", action="store_true", help="print the chosen stage, its memory and why; exit"
     )
     p.set_defaults(func=cmd_join)
     p = sub.add_parser(
-        "bootstrap", help="an entry point: publish a run's manifest, print the join line"
+        "bootstrap",
+        help="an entry point: publish a run's manifest, print the join line",
+        epilog=_SOURCES,
     )
     add_daemon_options(p, BootstrapConfig)
     p.add_argument(

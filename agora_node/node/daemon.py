@@ -168,6 +168,9 @@ class Node:
             limits=RecordLimits.for_manifest(m),
             admit=self._admit("record"),
         )
+        await joining.check_identity_unused(
+            self.directory, self.peer_id, self.started_at, cfg.refresh_s
+        )
         self.can_hold = joining.stages_fitting(m, self.compute)
         if cfg.stage == "auto":
             choice = await joining.settle_stage(

@@ -60,6 +60,40 @@ async def discover_manifest(
             await asyncio.sleep(0.5)  # the DHT may not have replicated the manifest yet
 
 
+async def check_identity_unused(
+    directory: Directory, peer_id: str, since: float, refresh_s: float
+) -> None:
+    """Before this node announces itself: JoinError if another daemon serves with its
+    identity key (a key copied to a second machine: two peers with one id, each taking the
+    other's connections and records; one machine's daemons hold their key file, datadir.py).
+
+    Only the key's holder can sign records of its peer id, so the evidence is a record of
+    ours we did not write: issued after this process started (`since`), and issued again a
+    refresh later, which a predecessor that died before we started cannot do. Without a
+    fresh record of our id (the common case, and a restart some seconds after a crash)
+    there is nothing to wait for; with one, this waits up to 2.5 refresh intervals."""
+    deadline = time.monotonic() + 2.5 * refresh_s + 2.0
+    issued: set[float] = set()
+    while True:
+        view = await directory.fetch()
+        stale = time.time() - 2 * refresh_s - 2.0  # a live daemon refreshes more often
+        mine = [r for records in view.values() for r in records if r.peer_id == peer_id]
+        if all(r.issued_at < stale for r in mine):  # none, or a dead predecessor's
+            return
+        issued |= {r.issued_at for r in mine if r.issued_at > since}
+        if len(issued) >= 2:
+            other = max(mine, key=lambda r: r.issued_at)
+            where = ", ".join(other.addrs[:2]) or "an unknown address"
+            raise JoinError(
+                f"another daemon serves stage {other.stage} with this identity key (peer id "
+                f"{peer_id}, at {where}): give each machine its own key (a new "
+                "--identity-path makes a new peer)"
+            )
+        if time.monotonic() >= deadline:
+            return
+        await asyncio.sleep(refresh_s / 2)  # the other daemon's refresh interval, roughly
+
+
 async def settle_stage(
     directory: Directory,
     manifest: Manifest,

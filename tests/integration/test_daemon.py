@@ -326,6 +326,20 @@ def test_daemons_with_own_identities_get_own_data_dirs_and_a_clash_fails_at_once
     assert cpu < 1.0, cpu
     assert all(node.proc.poll() is None for node in nodes)
 
+    # a copy of a's key (a restored backup, a second machine) in a data dir of its own: the
+    # key file is another file, so only the swarm can tell; it refuses before announcing
+    copy = tmp_path / "copy" / "identity.key"
+    copy.parent.mkdir()
+    copy.write_bytes((tmp_path / "a.key").read_bytes())
+    twin = _cli(
+        "join", "--initial-peers", *peers, "--data-dir", str(copy.parent), "--status-port", "0",
+        timeout=90,
+    )  # fmt: skip
+    _one_clear_line(twin, "another daemon serves stage")
+    assert "with this identity key" in twin.stderr and twin.returncode == 1
+    assert all(node.proc.poll() is None for node in nodes)
+    assert swarm.status(nodes[0])["state"] == "active"
+
 
 @pytest.mark.slow  # 45-65 s; the switch decision is tests/policy/test_should_switch.py
 def test_auto_node_moves_to_a_stage_that_lost_its_last_replica(swarm):

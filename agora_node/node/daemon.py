@@ -434,6 +434,7 @@ class Node:
         self.state = NodeState.LEAVING
         self.stop_event.set()
         self._loops.cancel()  # bookkeeping loops: nothing in them is worth waiting for
+        self._show()  # the status loop is gone: /readyz and the page say "leaving" now
         cfg = self.config
         if self.service is not None:
             withdraw = self.directory.withdraw(node_record(self), ttl=cfg.record_ttl_s)
@@ -442,8 +443,17 @@ class Node:
             await bounded(
                 "draining", self.service.drain(cfg.drain_timeout_s), 2 * cfg.drain_timeout_s
             )
+            self._show()
             await bounded("the checkpoint", self.checkpoint(), CHECKPOINT_S)
+            self._show()  # with the checkpoint just written
         await bounded("the SWIM leave", self.liveness.leave(linger_s=1.0), STEP_S)
+
+    def _show(self) -> None:
+        """Rebuild the status snapshot now (while leaving, no loop does it)."""
+        try:
+            self._snapshot = build_snapshot(self)
+        except Exception:  # a half-closed part must not stop the leave
+            log.debug("status snapshot while leaving failed", exc_info=True)
 
     async def close(self) -> None:
         await bounded("stopping telemetry", self.telemetry.stop(), STEP_S)

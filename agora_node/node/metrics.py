@@ -199,7 +199,11 @@ class Metrics:
             "cell_failed_microbatches",
             "Micro-batches this node's cell could not finish (then trained whole; total).",
         )
-        self.peers_alive = gauge("peers_alive", "Non-leaving peers seen per stage.", ("stage",))
+        self.peers_alive = gauge(
+            "peers_alive",
+            "Peers per stage in the directory, less those leaving or declared dead or gone by membership.",
+            ("stage",),
+        )
         self.loss = gauge("loss", "Last training loss reported to this node.")
         self.val_loss = gauge("val_loss", "Last validation loss.")
 
@@ -319,7 +323,11 @@ class Metrics:
         val = node.get("val_loss")
         self.val_loss.set(float("nan") if val is None else val)
         for entry in snapshot.get("stages", []):
-            alive = sum(1 for p in entry.get("peers", []) if p.get("state") != "leaving")
+            alive = sum(
+                1
+                for p in entry.get("peers", [])
+                if p.get("state") != "leaving" and p.get("swim") not in ("dead", "left")
+            )
             self.peers_alive.labels(stage=str(entry["stage"])).set(alive)
         self._kept.update(
             node.get("outer") or {},

@@ -38,12 +38,19 @@ def progress_line(node: Node) -> str:
         + (f"| head {stats.events.completed_tokens_per_s():.0f} tok/s " if w.index == 0 else "")
         + f"| in-flight {w.in_flight} "
         f"| ok {stats.results['ok']} dropped {stats.results['dropped']} "
-        f"rejected {stats.results['rejected']} | peers {sum(len(v) for v in node.view.values())} "
+        f"rejected {stats.results['rejected']} | peers {live_peers(node)} "
         f"| outer round {service.rounds.round}, blocked {service.rounds.outer.totals['seconds_blocked']:.0f}s "
         f"| rss {rss_bytes() / 2**20:.0f} MiB"
         + (f" | time {describe(node.waits.last, w.index)}" if node.waits.last else "")
         + (f" | waiting on {waiting}" if (waiting := node_waiting_on(node)) else "")
     )
+
+
+def live_peers(node: Node) -> int:
+    """Peers in the directory that membership has not declared dead or gone (SWIM says so
+    within seconds; a record lives on until it expires)."""
+    gone = node.liveness.gone()
+    return sum(1 for records in node.view.values() for r in records if r.peer_id not in gone)
 
 
 def waiting_on(stage: int, num_stages: int, live: Mapping[int, int]) -> str | None:
@@ -87,7 +94,10 @@ def node_record(node: Node) -> NodeRecord:
         state=node.state.value,
         throughput=w.stats.throughput if w else 0.0,
         utilization=w.stats.utilization if w else 0.0,
-        queue=w.in_flight if w else 0,
+        # a request being answered (waiting for the worker, or for downstream after its
+        # forward) or a micro-batch of its own in flight: the last stage has only the first
+        # kind, the head only the second; one micro-batch counts once
+        queue=max(w.in_flight, service.pipeline.active_requests) if w else 0,
         version=__version__,
         inner_step=w.optimizer.steps if w else 0,
         outer_step=service.rounds.round if service else 0,

@@ -115,6 +115,9 @@ def test_sigkill_drops_record_sigterm_leaves_cleanly_and_restart_resumes(swarm, 
     leaver = nodes[2]
     step_before = swarm.status(leaver)["inner_step"]
     swarm.kill(leaver, signal.SIGTERM)
+    # while it drains and checkpoints, /readyz says so (it said "active" to the end before)
+    ready = poll(lambda: _readiness(leaver.status_port), 30, "/readyz while leaving")
+    assert ready == {"ready": False, "state": "leaving"}
     assert leaver.proc.wait(timeout=60) == 0
     log = swarm.log(leaver)
     assert "checkpoint saved" in log
@@ -144,6 +147,21 @@ def test_sigkill_drops_record_sigterm_leaves_cleanly_and_restart_resumes(swarm, 
     assert again["peer_id"] == ids[2]
     assert again["state_origin"]["kind"] == "checkpoint"
     assert again["state_origin"]["param_checksum"] == _checksum(state["model"])
+
+
+def _readiness(port: int) -> dict | None:
+    """/readyz's answer once it is not "active" (503 while leaving); None before."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2):
+            return None  # 200: still active
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read())
+    except OSError:
+        return None
 
 
 def _checksum(model_state: dict) -> str:

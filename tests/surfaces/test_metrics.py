@@ -77,6 +77,11 @@ def test_levels_come_from_the_snapshot():
     assert s[("agora_loss", ())] == pytest.approx(3.812)
     assert s[("agora_peers_alive", (("stage", "1"),))] == 1  # the leaving peer does not count
     assert s[("agora_peers_alive", (("stage", "2"),))] == 0
+    # a peer membership declared dead counts no more, though its record lives on a while
+    snapshot = make_snapshot()
+    snapshot["stages"][0]["peers"][0]["swim"] = "dead"
+    m.update_from_snapshot(snapshot)
+    assert samples(m)[("agora_peers_alive", (("stage", "0"),))] == 0
     info = next(labels for name, labels in s if name == "agora_node_info")
     assert ("device", "cuda:1") in info and ("precision", "bf16") in info
 

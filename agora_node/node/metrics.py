@@ -37,11 +37,15 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from agora_node.comms.routing import FailureKind
 from agora_node.node.rates import RateWindow
 from agora_node.node.suspects import Reason
 
 STATES = ("joining", "warming", "active", "leaving")
 MICROBATCH_RESULTS = ("ok", "dropped", "rejected")
+HOP_FAILURES = (*(kind.value for kind in FailureKind), "refused")
+"""How a request to a next-stage replica fails: its answers (busy, rejected), none (timeout,
+error), or one this node refused (malformed, non-finite, an outlier: the peer is flagged)."""
 MAX_REASONS = 16
 MAX_PEERS = 64
 OTHER = "other"
@@ -70,6 +74,7 @@ class Metrics:
         # Own tallies, because reading a Counter back needs prometheus_client internals.
         self._outcomes = dict.fromkeys(MICROBATCH_RESULTS, 0)
         self._rejected_codes: dict[str, int] = {}
+        self._hop_failures = dict.fromkeys(HOP_FAILURES, 0)
         self._refused: dict[str, dict[str, int]] = {}
         self.injected_tokens = 0
         """Tokens this node (a head) put into the pipeline."""
@@ -117,6 +122,15 @@ class Metrics:
             ["code"],
             registry=r,
         )
+        self.hop_failures = Counter(
+            "agora_hop_failures",
+            "Requests to a next-stage replica that failed, by kind (the micro-batch then went "
+            "to another replica, or was dropped): a flaky replica shows here first.",
+            ["kind"],
+            registry=r,
+        )
+        for kind in HOP_FAILURES:
+            self.hop_failures.labels(kind=kind)
         self.bytes_sent = Counter(
             "agora_bytes_sent", "Pipeline payload bytes sent to peers.", registry=r
         )
@@ -175,29 +189,8 @@ class Metrics:
             "relayed_addrs",
             "Relayed addresses this node announces (0: dialed directly or not at all).",
         )
-        self.relay_via_bytes = gauge(
-            "relay_via_bytes",
-            "Bytes of this node's streams (requests and answers) that went through relays of "
-            "ours to peers behind NAT, since start.",
-        )
-        self.relay_forwarded_bytes = gauge(
-            "relay_forwarded_bytes",
-            "Bytes this node passed on as a relay for other peers' streams, since start.",
-        )
         self.cell_members = gauge(
             "cell_members", "Members of this node's context-parallel cell (1: none, alone)."
-        )
-        self.cell_kv_bytes = gauge(
-            "cell_kv_bytes_sent",
-            "K/V frame bytes this node sent to its cell's other members (total).",
-        )
-        self.cell_wait = gauge(
-            "cell_exchange_wait_seconds",
-            "Seconds this node's compute waited on its cell's K/V frames (total).",
-        )
-        self.cell_failed = gauge(
-            "cell_failed_microbatches",
-            "Micro-batches this node's cell could not finish (then trained whole; total).",
         )
         self.peers_alive = gauge(
             "peers_alive",
@@ -243,6 +236,17 @@ class Metrics:
             self.microbatches_rejected.labels(code=code).inc()
         if latency_s is not None:
             self.microbatch_latency.observe(latency_s)
+
+    def count_hop_failure(self, kind: str) -> None:
+        """A request to a next-stage replica failed (`kind`: one of HOP_FAILURES)."""
+        if kind not in HOP_FAILURES:
+            raise ValueError(f"hop failure kind must be one of {HOP_FAILURES}: {kind!r}")
+        self.hop_failures.labels(kind=kind).inc()
+        self._hop_failures[kind] += 1
+
+    def hop_failure_counts(self) -> dict[str, int]:
+        """Failed requests to next-stage replicas by kind, for the status snapshot."""
+        return dict(self._hop_failures)
 
     def add_bytes(self, peer: str, sent: int = 0, received: int = 0) -> None:
         """Count payload bytes exchanged with `peer` (totals in prometheus, per peer in JSON)."""
@@ -311,13 +315,8 @@ class Metrics:
         self.relayed_peers.set(len(relay.get("relayed_peers") or ()))
         self.relayed_addrs.set(len(relay.get("addrs") or ()))
         streams = relay.get("streams") or {}
-        self.relay_via_bytes.set(sum((streams.get("bytes_via") or {}).values()))
-        self.relay_forwarded_bytes.set(streams.get("forwarded_bytes", 0))
         cell = node.get("cell") or {}
         self.cell_members.set(len(cell.get("members") or ()) or 1)
-        self.cell_kv_bytes.set(cell.get("kv_bytes_sent", 0))
-        self.cell_wait.set(cell.get("exchange_wait_s", 0.0))
-        self.cell_failed.set(cell.get("failed", 0))
         losses = node.get("last_losses") or []
         self.loss.set(losses[-1] if losses else float("nan"))
         val = node.get("val_loss")
@@ -333,12 +332,31 @@ class Metrics:
             node.get("outer") or {},
             (node.get("members") or {}).get("counters", {}),
             node.get("suspects") or {},
+            {
+                "relay_via_bytes": sum((streams.get("bytes_via") or {}).values()),
+                "relay_forwarded_bytes": streams.get("forwarded_bytes", 0),
+                "cell_kv_bytes_sent": cell.get("kv_bytes_sent", 0),
+                "cell_exchange_wait_seconds": cell.get("exchange_wait_s", 0.0),
+                "cell_failed_microbatches": cell.get("failed", 0),
+            },
         )
 
     def render(self) -> bytes:
         """The prometheus text exposition of this registry."""
         self.completed_rate.set(self.completed_tokens_per_s())
         return generate_latest(self.registry)
+
+
+_TOTALS = {
+    "relay_via_bytes": "Bytes of this node's streams (requests and answers) that went through "
+    "relays of ours to peers behind NAT.",
+    "relay_forwarded_bytes": "Bytes this node passed on as a relay for other peers' streams.",
+    "cell_kv_bytes_sent": "K/V frame bytes this node sent to its cell's other members.",
+    "cell_exchange_wait_seconds": "Seconds this node's compute waited on its cell's K/V frames.",
+    "cell_failed_microbatches": "Micro-batches this node's cell could not finish (then "
+    "trained whole).",
+}
+"""Running totals other objects keep, exported as counters (`agora_<name>_total`)."""
 
 
 class _KeptCounters:
@@ -350,15 +368,19 @@ class _KeptCounters:
         self._members: Mapping[str, int] = {}
         self._events: set[str] = set()
         self._suspects: Mapping[str, Any] = {}
+        self._totals: Mapping[str, float] = {}
 
     def update(
         self,
         outer: Mapping[str, Any],
         members: Mapping[str, int],
         suspects: Mapping[str, Any] | None = None,
+        totals: Mapping[str, float] | None = None,
     ) -> None:
+        """`totals`: running totals by name (`_TOTALS`), as counters."""
         self._outer, self._members = dict(outer), dict(members)
         self._suspects = dict(suspects or {})
+        self._totals = dict(totals or {})
 
     def collect(self) -> Iterator[Metric]:
         outer = self._outer
@@ -378,6 +400,8 @@ class _KeptCounters:
             "Seconds inner steps waited on outer rounds.",
             outer.get("seconds_blocked", 0.0),
         )
+        for name, doc in _TOTALS.items():
+            yield counter(name, doc, self._totals.get(name, 0))
         yield from self._membership()
         yield from self._flags()
 

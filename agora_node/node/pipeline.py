@@ -392,7 +392,7 @@ class Pipeline:
         except streams.StreamError as exc:
             silent = isinstance(exc, streams.SilentPeerError)
             kind = FailureKind.TIMEOUT if silent else FailureKind.ERROR
-            self._router.on_failure(peer, time.monotonic(), kind)
+            self._hop_failed(peer, kind)
             log.info("stage %d replica %s failed: %s", header.stage, peer[-8:], exc)
             return None
         self._count_bytes(peer, received=len(data))
@@ -415,7 +415,7 @@ class Pipeline:
                     return self._refuse(peer, Reason.PIPELINE_OUTLIER, "gradient: norm outlier")
             return (loss, grad)
         if reply.status == Status.REJECTED.value:
-            self._router.on_failure(peer, time.monotonic(), FailureKind.REJECTED)
+            self._hop_failed(peer, FailureKind.REJECTED)
             log.warning(
                 "stage %d replica %s rejected our micro-batch: %s",
                 header.stage,
@@ -424,8 +424,13 @@ class Pipeline:
             )
             return "rejected"
         kind = FailureKind.BUSY if reply.status == Status.BUSY.value else FailureKind.ERROR
-        self._router.on_failure(peer, time.monotonic(), kind)
+        self._hop_failed(peer, kind)
         return None
+
+    def _hop_failed(self, peer: str, kind: FailureKind, counted_as: str | None = None) -> None:
+        """A request to `peer` (next stage) failed: the router avoids it a while; counted."""
+        self._router.on_failure(peer, time.monotonic(), kind)
+        self.events.count_hop_failure(counted_as or kind.value)
 
     async def _decode_grad(
         self, peer: str, payload: memoryview, header: ForwardHeader
@@ -434,7 +439,7 @@ class Pipeline:
         try:
             return await self.worker.call(self._decode, payload, shape)
         except CodecError as exc:
-            self._router.on_failure(peer, time.monotonic(), FailureKind.ERROR)
+            self._hop_failed(peer, FailureKind.ERROR, counted_as="refused")
             log.warning("bad gradient from %s: %s", peer[-8:], exc)
             if isinstance(exc, NonFiniteError):
                 self.suspects.flag(peer, Reason.NONFINITE, "returned a non-finite gradient")
@@ -442,7 +447,7 @@ class Pipeline:
 
     def _refuse(self, peer: str, reason: Reason, evidence: str) -> None:
         """A reply that must not be used: ban its sender, try another replica."""
-        self._router.on_failure(peer, time.monotonic(), FailureKind.ERROR)
+        self._hop_failed(peer, FailureKind.ERROR, counted_as="refused")
         self.suspects.flag(peer, reason, evidence)
         log.warning("refused the reply of %s: %s", peer[-8:], evidence)
 

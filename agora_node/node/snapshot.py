@@ -224,6 +224,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "in_flight": w.in_flight if w else 0,
             "gradient_lag": round(w.lag, 3) if w else 0.0,
             "microbatches": dict(stats.results),
+            "hop_failures": node.metrics.hop_failure_counts(),
             "bytes_sent": sent,
             "bytes_received": received,
             "last_losses": list(stats.losses)[-20:],

@@ -61,7 +61,9 @@ class PeerView(TypedDict):
     updated_at: float  # unix time (this node's clock) the entry was last refreshed
     is_self: bool
     swim: str | None  # SWIM's verdict here: alive | suspect | dead | left | self | None (unknown)
-    rounds_together: int  # of this node's recent outer rounds, those it mixed in
+    rtt_ms: float | None  # this node's SWIM probes' round trip to it; None until one answered
+    # (and age_s, added by the server: seconds since updated_at)
+    rounds_together: int  # of this node's recent outer rounds (the last 20), those it mixed in
     bytes_sent: int  # micro-batch bytes this node sent it (outer rounds: `outer`)
     bytes_received: int
     flags: dict[str, int]  # {"failed" | "outlier" | "direction_outlier" | "replayed" |
@@ -93,6 +95,8 @@ class NodeStatus(TypedDict):
     gradient_lag: float  # steps a gradient lands after the step its forward's weights came
     # from (moving average; 0 when every forward sees the latest step): the staleness
     microbatches: dict[str, int]  # {"ok", "dropped", "rejected"} totals
+    hop_failures: dict[str, int]  # failed requests to next-stage replicas by kind ("busy",
+    # "timeout", "error", "rejected", "refused"); the micro-batch went elsewhere or was dropped
     bytes_sent: dict[str, int]  # per peer id (bounded; "other" beyond the cap)
     bytes_received: dict[str, int]
     last_losses: list[float]  # most recent last, a few at most
@@ -109,7 +113,13 @@ class NodeStatus(TypedDict):
     time_split: dict[str, float]  # the last progress interval's shares of wall time: "compute",
     # "downstream" (forwards awaiting gradients), "idle" (beyond stage 0: waiting on
     # upstream), "outer" (blocked in outer rounds); node/waits.py. {} before the first
-    # Also: records_rejected ({reason: count}, run_pointer_* for run pointer entries),
+    # Also, per node: compute_rate (tokens per compute-second), compute_s, utilization,
+    # rss_bytes, device, precision, dropped, stage_choice (why this stage), last_checkpoint
+    # (path or None), addrs, reachability, relay, state_origin (where its weights came from),
+    # states_served, final_val_loss, injected_tokens, completed_tokens (a head's),
+    # completed_tokens_per_s, rejected_codes ({wire code: count}), and from the server
+    # uptime_s and snapshot_age_s; history ({series: [[unix time, value]]}).
+    # And: records_rejected ({reason: count}, run_pointer_* for run pointer entries),
     # unlisted_refused ({what: count}: inputs from peers not on --allow-keys; {} in an open swarm)
     # runs_seen ([{"run_id", "name"}]: the runs the swarm's signed run pointer announces)
     # and requests_refused ({protocol: {reason: count}}: what handlers' guards refused or cut).
@@ -137,7 +147,7 @@ class SnapshotProvider(Protocol):
 class History:
     """Bounded time series for the dashboard plots (the snapshot's `history`)."""
 
-    def __init__(self, maxlen: int = 720) -> None:  # 720 points = 24 min at one per 2 s
+    def __init__(self, maxlen: int = 720) -> None:  # 720 points = 12 min at one a second
         self._series = {name: deque(maxlen=maxlen) for name in HISTORY_SERIES}
 
     def add(self, name: str, value: float, at: float | None = None) -> None:

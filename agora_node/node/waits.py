@@ -45,7 +45,9 @@ class Waits:
 
 
 def describe(split: dict[str, float], stage: int) -> str:
-    """ "compute 42% downstream 51% upstream 7% outer 3%" (stage 0's idle is "idle")."""
+    """ "compute 42% downstream 51% upstream 7%, outer rounds blocked 3%" (stage 0's idle is
+    "idle"). The first three add up to the interval; the blocked share overlaps them."""
     idle = "idle" if stage == 0 else "upstream"
-    names = {"compute": "compute", "downstream": "downstream", "idle": idle, "outer": "outer"}
-    return " ".join(f"{names[k]} {v:.0%}" for k, v in split.items() if k in names)
+    names = {"compute": "compute", "downstream": "downstream", "idle": idle}
+    text = " ".join(f"{names[k]} {v:.0%}" for k, v in split.items() if k in names)
+    return text + (f", outer rounds blocked {split['outer']:.0%}" if "outer" in split else "")

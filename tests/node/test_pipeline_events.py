@@ -107,3 +107,29 @@ def test_a_head_that_helps_a_cell_injects_nothing_and_counts_what_it_helped(monk
     assert cell.looks == 3  # it waited while helping, and stopped once its budget was met
     assert head.injected_tokens == 0 and head.trained_tokens == 2 * per_mb
     assert pipeline.stats.results == {"ok": 0, "dropped": 0, "rejected": 0}
+
+
+def test_failed_requests_to_the_next_stage_are_counted_by_kind():
+    """A flaky replica was invisible: its micro-batches went elsewhere and only the log said so
+    (found by a review)."""
+    from agora_node.comms.routing import FailureKind
+    from agora_node.node.suspects import Reason
+
+    m = one_stage_manifest()
+    events = Metrics()
+    worker = StageWorker(m, 0)
+    try:
+        pipeline = Pipeline(
+            m, worker, None, "me", lambda s: [], PipelineConfig(), stats=PipelineStats(events)
+        )
+        pipeline._hop_failed("peer", FailureKind.TIMEOUT)
+        pipeline._hop_failed("peer", FailureKind.BUSY)
+        pipeline._refuse("peer", Reason.NONFINITE, "loss nan")
+    finally:
+        worker.close()
+    assert events.hop_failure_counts() == {
+        "busy": 1, "timeout": 1, "error": 0, "rejected": 0, "refused": 1
+    }  # fmt: skip
+    v = values(events)
+    assert v[("agora_hop_failures_total", (("kind", "refused"),))] == 1
+    assert v[("agora_hop_failures_total", (("kind", "error"),))] == 0  # exported from the start

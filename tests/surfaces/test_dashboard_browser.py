@@ -32,6 +32,6 @@ async def test_dashboard_renders_in_chromium(status_server, daemon: FakeDaemon, 
     assert 'class="ev-joined"' in dom and 'class="ev-left"' in dom
     assert f'title="{OTHER_ID}"' in dom  # contribution and rounds name peers in full on hover
     assert "waiting on stage 2 (no replica downstream)" in dom
-    assert "compute 40% · downstream 50% · upstream 10% · outer 3%" in dom
+    assert "compute 40% · downstream 50% · upstream 10% (outer rounds blocked 3%)" in dom
     assert "NO: 1 peer(s) could not dial /ip4/192.168.1.20/tcp/31337" in dom
     assert dom.count("<polyline") == 2

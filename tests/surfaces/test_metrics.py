@@ -126,9 +126,9 @@ def test_compute_rate_utilization_and_gradient_lag_are_levels():
     assert s[("agora_utilization_ratio", ())] == 0.25
     assert s[("agora_gradient_lag_steps", ())] == 0.42
     assert s[("agora_relayed_peers", ())] == 1 and s[("agora_relayed_addrs", ())] == 1
-    assert s[("agora_cell_members", ())] == 2 and s[("agora_cell_kv_bytes_sent", ())] == 1968
-    assert s[("agora_cell_exchange_wait_seconds", ())] == 3.5
-    assert s[("agora_cell_failed_microbatches", ())] == 1
+    assert s[("agora_cell_members", ())] == 2 and s[("agora_cell_kv_bytes_sent_total", ())] == 1968
+    assert s[("agora_cell_exchange_wait_seconds_total", ())] == 3.5
+    assert s[("agora_cell_failed_microbatches_total", ())] == 1  # totals are counters
 
 
 def test_refused_requests_are_counted_by_protocol_and_reason():

@@ -357,16 +357,21 @@ class Summary:
             1 for o in outer if len((o.get("last_round") or {}).get("delta_group", [])) > 1
         )
         outer_mb = sum(o.get("bytes_sent", 0) for o in outer) / 1e6
-        mbs = {
-            k: sum(n.get("microbatches", {}).get(k, 0) for n in nodes)
-            for k in ("ok", "dropped", "rejected")
-        }
+
+        def total(group: list[dict], kind: str) -> int:
+            return sum(n.get("microbatches", {}).get(kind, 0) for n in group)
+
+        # a head counts its micro-batches' outcomes; a later stage the requests it answered
+        heads = [n for n in nodes if n.get("stage") == 0]
+        served_by = [n for n in nodes if n.get("stage") not in (0, None)]
         served = sum(len(n.get("states_served", [])) for n in nodes)
         val = f"{self.first_val:.3f} -> {self.last_val:.3f}" if self.first_val is not None else "-"
         return (
             f"demo: summary: {rounds} outer rounds ({grouped} of {len(nodes)} nodes mixed in a "
-            f"group of 2+ last round, {outer_mb:.1f} MB sent); micro-batch hops ok "
-            f"{mbs['ok']}, dropped {mbs['dropped']}, rejected {mbs['rejected']}; "
+            f"group of 2+ last round, {outer_mb:.1f} MB sent); micro-batches ok "
+            f"{total(heads, 'ok')}, dropped {total(heads, 'dropped')}, rejected "
+            f"{total(heads, 'rejected')}; requests answered by later stages ok "
+            f"{total(served_by, 'ok')}, refused {total(served_by, 'rejected')}; "
             f"{served} state copies served; val_loss {val}" + cells_text(nodes)
         )
 

@@ -97,8 +97,9 @@ class Host:
                 announce_maddrs=list(config.announce_maddrs) or None,
                 identity_path=config.identity_path,
                 # hivemind's identity check parses RSA keys only; ours are Ed25519
-                # (HIVEMIND_NOTES.md). `join` holds its key file (datadir.lock_identity), so
-                # a second daemon of this machine with the same key never gets here.
+                # (HIVEMIND_NOTES.md). `join` and `bootstrap` hold their key file
+                # (datadir.lock_identity), so a second daemon of this machine with the same
+                # key never gets here; `join` also asks the swarm (check_identity_unused).
                 check_if_identity_free=False,
                 nat_port_map=config.nat,
                 # Peers tell each other whether they can be dialed (AutoNAT, over their own
@@ -404,8 +405,14 @@ def _check_port_free(maddr: str) -> None:
     if not parts[4].isdigit() or int(parts[4]) == 0:
         return
     family = socket.AF_INET if parts[1] == "ip4" else socket.AF_INET6
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
+    try:
+        probe = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:  # no IPv6 in this kernel: p2pd will say
+        return
+    with probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no user
+        if family == socket.AF_INET6:  # as p2pd's tcp6 listener: an IPv4 one does not clash
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         try:
             probe.bind((parts[2], int(parts[4])))
         except OSError as exc:

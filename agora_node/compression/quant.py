@@ -309,7 +309,7 @@ def _scale_and_round(
     scaled = rows / divisor[:, None]
     if stochastic is None:
         rounded = torch.round(scaled)
-    else:  # |scaled| <= qmax (the scale is rounded up), so the clamp only guards rounding
+    else:  # |scaled| <= qmax up to float rounding (exactly, with bf16 scales rounded up)
         rounded = torch.floor(scaled.add_(torch.rand(scaled.shape, generator=stochastic)))
     return scales, rounded.clamp_(-qmax, qmax).to(torch.int8)
 

@@ -63,6 +63,13 @@ def prepare_identity(path: str) -> None:
         raise datadir.unusable(Path(path), exc, "identity key", "--identity-path") from None
 
 
+def _hold_identity(stack: contextlib.ExitStack, path: str) -> None:
+    """Hold the key file while this daemon runs (datadir.lock_identity), where it can be."""
+    lock = datadir.lock_identity(path)
+    if lock is not None:
+        stack.enter_context(lock)
+
+
 def cmd_join(args: argparse.Namespace) -> int:
     config = resolve_config(args, NodeConfig)
     with contextlib.ExitStack() as stack:
@@ -72,7 +79,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         if compute is None:
             return EXIT_USAGE
         prepare_identity(config.identity_path)
-        stack.enter_context(datadir.lock_identity(config.identity_path))
+        _hold_identity(stack, config.identity_path)
         if config.emulate_link:
             from agora_node.comms import linkemu
 
@@ -226,8 +233,10 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     from agora_node.node.bootstrap import run_bootstrap
 
     # Its own lock name: a bootstrap and the default node may share ~/.agora-node.
-    with datadir.lock_data_dir(config.data_dir, "bootstrap.lock"):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(datadir.lock_data_dir(config.data_dir, "bootstrap.lock"))
         prepare_identity(config.identity_path)
+        _hold_identity(stack, config.identity_path)
         log.info("config: %s", config_json(config))
         return _run_daemon(
             run_bootstrap(

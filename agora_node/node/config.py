@@ -40,7 +40,8 @@ _LISTEN_HELP = "listen multiaddrs (use /ip4/0.0.0.0/tcp/PORT to be reachable)"
 
 
 _PEER_ADDR = re.compile(
-    r"/(ip4|ip6|dns|dns4|dns6)/[^/]+/(tcp|udp)/\d+(/[^/]+)*/p2p/[1-9A-HJ-NP-Za-km-z]{32,}"
+    r"/((ip4|ip6|dns|dns4|dns6)/[^/]+/(tcp|udp)/\d+(/[^/]+)*|dnsaddr/[^/]+)"
+    r"/(p2p|ipfs)/[1-9A-HJ-NP-Za-km-z]{32,}/?"
 )
 
 

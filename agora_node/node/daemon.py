@@ -498,10 +498,16 @@ class _ControlHandlers:
         self.node.stop_event.set()
         return {"leaving": True, "peer_id": self.node.peer_id}
 
+    def _serving(self) -> None:
+        if self.node.service is None or self.node.manifest is None:  # the socket opens first
+            raise ValueError(f"this node is {self.node.state.value}: it serves no stage yet")
+
     async def checkpoint(self) -> str:
+        self._serving()
         return await self.node.checkpoint()
 
     async def switch_stage(self, stage: int) -> dict:
+        self._serving()
         await self.node.switch_stage(int(stage), "requested through the control API")
         return {"stage": self.node.service.index, "state": self.node.state.value}
 

@@ -20,9 +20,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import time
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 HOME = "~/.agora-node"
 LOCK_NAME = "lock"
@@ -97,14 +100,17 @@ def lock_data_dir(data_dir: str | os.PathLike, name: str = LOCK_NAME) -> DataDir
     return DataDirLock(path, fd)
 
 
-def lock_identity(path: str | os.PathLike) -> DataDirLock:
+def lock_identity(path: str | os.PathLike) -> DataDirLock | None:
     """Hold the identity key file itself (an flock, nothing written), or raise DataDirInUse:
     two daemons of one machine with one key would be one peer id to the swarm, each taking
-    the other's connections and records. (A copy of the key on another machine is not
-    seen here.)"""
+    the other's connections and records. (A copy of the key on another machine is found by
+    the swarm: joining.check_identity_unused.) None where the file system cannot lock it
+    (some network file systems): then only that check guards."""
     key = Path(path).expanduser()
-    try:
-        fd = os.open(key, os.O_RDONLY)  # close-on-exec: not in exec'd children
+    try:  # for writing where allowed: NFS emulates flock with locks that need it
+        fd = os.open(key, os.O_RDWR)  # close-on-exec: not in exec'd children
+    except PermissionError:
+        fd = os.open(key, os.O_RDONLY)
     except OSError as exc:
         raise unusable(key, exc, "identity key", "--identity-path") from None
     try:
@@ -115,8 +121,40 @@ def lock_identity(path: str | os.PathLike) -> DataDirLock:
             f"identity key {key} is in use by another agora-node daemon on this machine; "
             "give each daemon its own --identity-path"
         ) from None
+    except OSError as exc:
+        os.close(fd)
+        log.warning("cannot lock identity key %s (%s): not guarded on this machine", key, exc)
+        return None
     _held[fd] = key
     return DataDirLock(key, fd)
+
+
+def holder_pid(data_dir: str | os.PathLike) -> int | None:
+    """The pid written in `data_dir`'s lock file if that process is alive (the daemon
+    holding it, or None). Reads only: it never takes the lock, so a daemon starting
+    meanwhile cannot fail on it."""
+    try:
+        text = (Path(data_dir).expanduser() / LOCK_NAME).read_text(errors="replace").strip()
+    except OSError:
+        return None
+    if not text.isdigit():
+        return None
+    return int(text) if alive(int(text)) else None
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (an exited one its parent has not reaped yet does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        pass
+    try:  # "pid (comm) S ...": Z is a zombie, X dead
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc here: kill(0) said it exists
+    return state not in ("Z", "X")
 
 
 def unusable(

@@ -70,24 +70,29 @@ async def check_identity_unused(
     Only the key's holder can sign records of its peer id, so the evidence is a record of
     ours we did not write: issued after this process started (`since`), and issued again a
     refresh later, which a predecessor that died before we started cannot do. Without a
-    fresh record of our id (the common case, and a restart some seconds after a crash)
-    there is nothing to wait for; with one, this waits up to 2.5 refresh intervals."""
+    fresh record of our id (the common case, and a restart more than 2 refresh intervals
+    after a crash) there is nothing to wait for; with one, this waits up to 2.5 refresh
+    intervals. Two holders that start within a refresh of each other both pass."""
     deadline = time.monotonic() + 2.5 * refresh_s + 2.0
     issued: set[float] = set()
+    first = True
     while True:
         view = await directory.fetch()
         stale = time.time() - 2 * refresh_s - 2.0  # a live daemon refreshes more often
         mine = [r for records in view.values() for r in records if r.peer_id == peer_id]
-        if all(r.issued_at < stale for r in mine):  # none, or a dead predecessor's
+        # none, or a dead predecessor's; once a fresh one was seen, an empty read (a DHT
+        # read that timed out, the other switching stages) is no answer: go on to the end
+        if first and all(r.issued_at < stale for r in mine):
             return
+        first = False
         issued |= {r.issued_at for r in mine if r.issued_at > since}
         if len(issued) >= 2:
             other = max(mine, key=lambda r: r.issued_at)
             where = ", ".join(other.addrs[:2]) or "an unknown address"
             raise JoinError(
                 f"another daemon serves stage {other.stage} with this identity key (peer id "
-                f"{peer_id}, at {where}): give each machine its own key (a new "
-                "--identity-path makes a new peer)"
+                f"{peer_id}, at {where}): stop that daemon first, or give each machine its "
+                "own key (a new --identity-path makes a new peer)"
             )
         if time.monotonic() >= deadline:
             return

@@ -163,6 +163,8 @@ def cmd_leave(args: argparse.Namespace) -> int:
     path = path.expanduser()  # the daemon's own default: DATA_DIR/control.sock
     print(f"asking the daemon on {path} to leave (drain, checkpoint, exit)...", flush=True)
     started = time.monotonic()
+    # its pid, from its data dir's lock file, when we know the data dir
+    pid = None if args.control_socket and not args.data_dir else datadir.holder_pid(data_dir)
     try:
         result = control_call_sync(path, "Leave", timeout=args.timeout)
     except ControlError as exc:
@@ -170,8 +172,7 @@ def cmd_leave(args: argparse.Namespace) -> int:
     details = ", ".join(f"{k} {v}" for k, v in result.items())
     # The answer only says it began: wait for the drain, the checkpoint and the exit, which
     # a script that powers the machine off next must not cut short.
-    holder = None if args.control_socket and not args.data_dir else data_dir
-    if not _wait_gone(path, holder, started + args.timeout):
+    if not _wait_gone(path, pid, started + args.timeout):
         return _fail(
             f"the daemon began to leave ({details}) but still ran after {args.timeout:g} s"
         )
@@ -179,17 +180,11 @@ def cmd_leave(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _wait_gone(control: Path, data_dir: Path | None, deadline: float) -> bool:
-    """Until `deadline`: has the daemon exited (its data dir's lock free) or, without a data
-    dir, stopped its control socket (which it does after its checkpoint)?"""
+def _wait_gone(control: Path, pid: int | None, deadline: float) -> bool:
+    """Until `deadline`: has the daemon's process `pid` exited or, without its pid, has its
+    control socket stopped answering (which it does after its checkpoint)?"""
     while True:
-        if data_dir is not None:
-            try:
-                datadir.lock_data_dir(data_dir).release()
-                return True
-            except datadir.DataDirError:
-                pass  # held: still running
-        elif not _answers(control):
+        if (not datadir.alive(pid)) if pid is not None else not _answers(control):
             return True
         if time.monotonic() >= deadline:
             return False

@@ -164,8 +164,11 @@ def test_stochastic_rounding_is_unbiased_where_nearest_is_not() -> None:
     draws = torch.stack([sender.round_trip(g) for _ in range(2000)])
     step = 7.0 / 7 * (1 + 2**-7)
     assert float((nearest - g)[0, 0, 1:].mean()) < -0.25 * step  # biased by about -0.3
-    # Unbiased: the mean of 2000 draws is within 0.02 of a step (its std is ~0.01 of one).
-    assert float((draws.mean(0) - g).abs().max()) < 0.02 * step
+    # Unbiased: over 31 values x 2000 draws the mean error is ~0.002 of a step (std), each
+    # value's own mean ~0.01: bounds at 5 standard deviations, whatever the draw.
+    bias = draws.mean(0) - g
+    assert abs(float(bias[0, 0, 1:].mean())) < 0.01 * step
+    assert float(bias.abs().max()) < 0.05 * step
     # Every draw is on the grid next to its value: never more than one step away.
     assert float((draws - g).abs().max()) <= step
     assert torch.equal(draws[:, 0, 0, 0], torch.full((2000,), 7.0))  # the absmax is exact

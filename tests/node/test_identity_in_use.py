@@ -63,3 +63,16 @@ async def test_a_fresh_record_never_issued_again_is_a_predecessor_and_waits_boun
     # one record issued after our start (a skewed clock) is not yet evidence either
     directory = Directory([record(ME, started + 0.5)])
     await check_identity_unused(directory, ME, since=started, refresh_s=0.1)
+
+
+async def test_an_empty_read_after_a_fresh_record_is_no_answer() -> None:
+    """A DHT read that timed out, or the other daemon between stages, reads empty: the check
+    goes on instead of letting the twin through (found by a review)."""
+    started = time.time()
+    directory = Directory(
+        [record(ME, started + 0.1)],
+        [],
+        [record(ME, started + 0.2)],  # fresh, empty, again
+    )
+    with pytest.raises(JoinError, match="stop that daemon first"):
+        await check_identity_unused(directory, ME, since=started, refresh_s=0.05)

@@ -147,3 +147,18 @@ def test_a_second_join_with_the_same_identity_key_fails_naming_the_fix(tmp_path)
     assert "identity key" in second.stderr and "--identity-path" in second.stderr
     with lock_identity(key):  # released with the first daemon
         pass
+
+
+def test_a_bootstrap_holds_its_identity_key_too(tmp_path):
+    key = tmp_path / "boot.key"
+    prepare_identity(str(key))
+    with lock_identity(key):
+        second = subprocess.run(
+            [sys.executable, "-m", "agora_node", "bootstrap", "--identity-path", str(key)]
+            + ["--data-dir", str(tmp_path / "b")],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert "identity key" in second.stderr and "in use" in second.stderr

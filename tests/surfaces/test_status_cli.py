@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from agora_node.node.control import ControlServer
-from agora_node.node.datadir import lock_data_dir
 from agora_node.node.status_cli import register
 
 from .test_control import FakeHandlers
@@ -66,14 +67,35 @@ async def test_status_unreachable(status_server, capsys):
     assert "Traceback" not in captured.err
 
 
-class Leaving(FakeHandlers):
-    """A daemon that, asked to leave, stops its control API and frees its data dir a
-    moment later (its drain and checkpoint)."""
+HOLDER = """
+import sys
+from agora_node.node.datadir import lock_data_dir
+lock = lock_data_dir(sys.argv[1])
+print("held", flush=True)
+sys.stdin.read()  # until the test closes stdin (the daemon's exit) or kills it
+"""
 
-    def __init__(self, data_dir: Path | None = None) -> None:
+
+def daemon_process(data_dir: Path) -> subprocess.Popen:
+    """A process holding `data_dir` as a daemon does (its pid in the lock file)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(data_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+class Leaving(FakeHandlers):
+    """A daemon that, asked to leave, stops its control API and exits a moment later (its
+    drain and checkpoint): the process holding its data dir, when given one."""
+
+    def __init__(self, process: subprocess.Popen | None = None) -> None:
         super().__init__()
         self.server: ControlServer | None = None
-        self.lock = None if data_dir is None else lock_data_dir(data_dir)
+        self.process = process
         self.stopped: asyncio.Task | None = None
 
     async def leave(self) -> dict:
@@ -82,8 +104,8 @@ class Leaving(FakeHandlers):
         return result
 
     def _exit(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
+        if self.process is not None:
+            self.process.stdin.close()  # it exits
         self.stopped = asyncio.ensure_future(self.server.stop())
 
 
@@ -110,22 +132,26 @@ async def test_leave(tmp_path: Path, capsys):
 async def test_leave_waits_until_the_daemon_has_exited(tmp_path: Path, capsys):
     """The answer to Leave only says it began (found by a review: `leave` returned while the
     daemon still drained, so `leave && poweroff` could cut off the checkpoint)."""
-    handlers = Leaving(tmp_path)
-    server = await serve(handlers, tmp_path / "control.sock")
+    daemon = daemon_process(tmp_path)
     try:
-        assert await run(["leave", "--data-dir", str(tmp_path)]) == 0
-        assert handlers.lock._fd is None  # it returned only once the data dir was free
+        server = await serve(Leaving(daemon), tmp_path / "control.sock")
+        try:
+            assert await run(["leave", "--data-dir", str(tmp_path)]) == 0
+            assert daemon.poll() is not None  # it returned only once the daemon had exited
+        finally:
+            await server.stop()
+        # a daemon that does not exit within --timeout is an error, not "left"
+        stuck = daemon_process(tmp_path)
+        server = await serve(FakeHandlers(), tmp_path / "control.sock")
+        try:
+            assert await run(["leave", "--data-dir", str(tmp_path), "--timeout", "1"]) == 1
+        finally:
+            await server.stop()
+            stuck.kill()
+            stuck.wait(timeout=10)
     finally:
-        await server.stop()
-    # a daemon that does not exit within --timeout is an error, not "left"
-    handlers = FakeHandlers()
-    stuck = lock_data_dir(tmp_path)
-    server = await serve(handlers, tmp_path / "control.sock")
-    try:
-        assert await run(["leave", "--data-dir", str(tmp_path), "--timeout", "1"]) == 1
-    finally:
-        await server.stop()
-        stuck.release()
+        daemon.kill()
+        daemon.wait(timeout=10)
     assert "but still ran after 1 s" in capsys.readouterr().err
 
 
@@ -137,7 +163,7 @@ async def test_leave_finds_the_daemons_default_socket_in_its_data_dir(
     named = tmp_path / ".agora-node" / "nodes" / "a"
     for argv, sock in (([], tmp_path / ".agora-node"), (["--data-dir", str(named)], named)):
         sock.mkdir(parents=True, exist_ok=True)
-        server = await serve(Leaving(sock), sock / "control.sock")
+        server = await serve(Leaving(), sock / "control.sock")
         try:
             assert await run(["leave", *argv]) == 0, capsys.readouterr()
         finally:

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import glob
 import logging
 import math
 import os
-import re
 import secrets
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +35,14 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from agora_node.comms.dht_validator import SignedSubkeys
+from agora_node.comms.host_checks import (
+    HostError,
+    check_maddr,
+    check_port_free,
+    clock_error,
+    explain_start_failure,
+    one_line,
+)
 from agora_node.comms.reaper import Reaper, remove_socket
 
 log = logging.getLogger(__name__)
@@ -46,10 +51,6 @@ DHT_TIMEOUT_S = 10.0
 SHUTDOWN_STEP_S = 5.0
 MAX_RELAYS = 8
 """Initial peers offered to AutoRelay as relays, at most."""
-
-
-class HostError(RuntimeError):
-    """The node's network host could not start (message is one line for the operator)."""
 
 
 @dataclass(kw_only=True)
@@ -69,11 +70,6 @@ class HostConfig:
     NO_RESERVATION until that peer reserved again (the network lab, tests/netlab.py)."""
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text[:300] or type(exc).__name__
-
-
 class Host:
     """A started libp2p daemon + hivemind DHT; use `await Host.start(config)`."""
 
@@ -86,9 +82,9 @@ class Host:
         for maddr in (
             list(config.initial_peers) + list(config.host_maddrs) + list(config.announce_maddrs)
         ):
-            _check_maddr(maddr)
+            check_maddr(maddr)
         for maddr in config.host_maddrs:
-            _check_port_free(maddr)
+            check_port_free(maddr)
         reaper = Reaper.start()
         try:
             p2p = await create_p2p(
@@ -116,7 +112,7 @@ class Host:
             )
         except Exception as exc:  # hivemind raises bare P2PDaemonError / RuntimeError
             reaper.stop()
-            raise _explain_start_failure(exc, config) from None
+            raise explain_start_failure(exc, config.initial_peers, config.host_maddrs) from None
         watch_p2p(reaper, p2p)
         try:
             dht = OwnSessionDHT(
@@ -129,7 +125,7 @@ class Host:
         except Exception as exc:
             await shutdown_p2p(p2p, SHUTDOWN_STEP_S)
             reaper.stop()
-            raise _clock_error(exc) or HostError(f"DHT failed to start: {_one_line(exc)}") from None
+            raise clock_error(exc) or HostError(f"DHT failed to start: {one_line(exc)}") from None
         reaper.watch(dht.pid)
         return cls(p2p, dht, reaper)
 
@@ -386,73 +382,3 @@ def is_valid_maddr(maddr: str) -> bool:
     except Exception:  # the multiaddr parser raises several unrelated types
         return False
     return True
-
-
-def _check_maddr(maddr: str) -> None:
-    try:
-        Multiaddr(maddr)
-    except Exception as exc:
-        raise HostError(f"invalid multiaddr {maddr!r}: {_one_line(exc)}") from None
-
-
-def _check_port_free(maddr: str) -> None:
-    """A fixed TCP port someone listens on is refused here: p2pd binds with SO_REUSEPORT,
-    so beside another libp2p daemon it would start and share the port, each taking some of
-    the connections dialed to it."""
-    parts = str(maddr).split("/")
-    if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
-        return
-    if not parts[4].isdigit() or int(parts[4]) == 0:
-        return
-    family = socket.AF_INET if parts[1] == "ip4" else socket.AF_INET6
-    try:
-        probe = socket.socket(family, socket.SOCK_STREAM)
-    except OSError:  # no IPv6 in this kernel: p2pd will say
-        return
-    with probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no user
-        if family == socket.AF_INET6:  # as p2pd's tcp6 listener: an IPv4 one does not clash
-            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        try:
-            probe.bind((parts[2], int(parts[4])))
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                return  # not ours to judge (say an address this host lacks): p2pd will say
-            raise HostError(
-                f"a listen address is already in use ({maddr}): stop what uses it or pass "
-                "--host-maddrs with another port"
-            ) from None
-
-
-_CLOCK = re.compile(r"local time must be within (\S+) seconds.*local: ([\d.]+), peer: ([\d.]+)")
-
-
-def _clock_error(exc: BaseException) -> HostError | None:
-    """hivemind's clock check, which it raises as text only: the offset and the fix."""
-    clock = _CLOCK.search(str(exc))
-    if clock is None:
-        return None
-    allowed, local, peer = (float(x) for x in clock.groups())
-    return HostError(
-        f"this machine's clock is {local - peer:+.1f}s off the swarm's (hivemind allows "
-        f"{allowed:g}s): enable time synchronization (e.g. `timedatectl set-ntp true`) and retry"
-    )
-
-
-def _explain_start_failure(exc: BaseException, config: HostConfig) -> HostError:
-    text = _one_line(exc)
-    clock = _clock_error(exc)
-    if clock is not None:
-        return clock
-    if "bootstrap" in text.lower() or "connect" in text.lower():
-        peers = ", ".join(config.initial_peers)
-        return HostError(
-            f"could not reach any initial peer ({peers}): check the address, its /p2p/ peer "
-            "id (a peer that answers with another id is refused), and that it runs"
-        )
-    if "address already in use" in text.lower():
-        return HostError(
-            f"a listen address is already in use ({', '.join(config.host_maddrs)}): stop what "
-            "uses it or pass --host-maddrs with another port"
-        )
-    return HostError(f"libp2p daemon failed to start: {text}")

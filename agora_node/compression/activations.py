@@ -120,8 +120,10 @@ class GradientSender:
         if rounding != "nearest" and not from_name(codec.mode).is_quantized:
             raise ValueError(f"{rounding} rounding needs an int mode, not {codec.mode}")
         self.codec, self.rounding = codec, rounding
-        self._rng = torch.Generator()
-        self._rng.seed()  # from the OS: the noise need not be reproducible
+        self._rng: torch.Generator | None = None
+        if rounding == "stochastic":
+            self._rng = torch.Generator()
+            self._rng.seed()  # from the OS: the noise need not be reproducible
         self._residual: torch.Tensor | None = None
 
     def encode(self, grad: torch.Tensor) -> bytes:
@@ -130,8 +132,7 @@ class GradientSender:
         feedback = self.rounding == "feedback"
         if feedback and self._residual is not None and self._residual.shape == x.shape:
             x = x + self._residual
-        stochastic = self._rng if self.rounding == "stochastic" else None
-        frame = self.codec.encode(x, stochastic=stochastic)
+        frame = self.codec.encode(x, stochastic=self._rng)
         if feedback:
             self._residual = x - self.codec.decode(frame, tuple(x.shape))
         return frame

@@ -77,7 +77,7 @@ def _decode(data: bytes) -> Any:
     return json.loads(data) if data else {}
 
 
-def _someone_listens(path: Path) -> bool:
+def someone_listens(path: Path) -> bool:
     """True if a process accepts connections on the Unix socket at `path`."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(1.0)
@@ -138,7 +138,7 @@ class ControlServer:
             return
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise ControlError(f"{path} exists and is not a socket: pass --control-socket")
-        if _someone_listens(path):
+        if someone_listens(path):
             raise ControlError(
                 f"another agora-node daemon is listening on {path}: pass --control-socket"
             )

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import socket
 import sys
 import time
 import urllib.error
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from agora_node.node import datadir
-from agora_node.node.control import ControlError, control_call_sync
+from agora_node.node.control import ControlError, control_call_sync, someone_listens
 from agora_node.node.status_server import DEFAULT_HOST, DEFAULT_PORT
 
 EXIT_OK, EXIT_UNREACHABLE = 0, 1
@@ -184,20 +183,12 @@ def _wait_gone(control: Path, pid: int | None, deadline: float) -> bool:
     """Until `deadline`: has the daemon's process `pid` exited or, without its pid, has its
     control socket stopped answering (which it does after its checkpoint)?"""
     while True:
-        if (not datadir.alive(pid)) if pid is not None else not _answers(control):
+        running = datadir.alive(pid) if pid is not None else someone_listens(control)
+        if not running:
             return True
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.2)  # a CLI waiting on another process: nothing to wake it
-
-
-def _answers(control: Path) -> bool:
-    with socket.socket(socket.AF_UNIX) as probe:
-        try:
-            probe.connect(str(control))
-            return True
-        except OSError:
-            return False
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

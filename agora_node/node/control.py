@@ -30,9 +30,12 @@ import socket
 import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
+
+if TYPE_CHECKING:
+    from agora_node.node.daemon import Node
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,33 @@ class ControlHandlers(Protocol):
     async def checkpoint(self) -> str: ...
     async def switch_stage(self, stage: int) -> dict[str, Any]: ...
     async def status(self) -> dict[str, Any]: ...
+
+
+class NodeControl:
+    """What the control API may ask of the node (daemon.Node): ControlHandlers for it."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    async def leave(self) -> dict:
+        self.node.stop_event.set()
+        return {"leaving": True, "peer_id": self.node.peer_id}
+
+    def _serving(self) -> None:
+        if self.node.service is None or self.node.manifest is None:  # the socket opens first
+            raise ValueError(f"this node is {self.node.state.value}: it serves no stage yet")
+
+    async def checkpoint(self) -> str:
+        self._serving()
+        return await self.node.checkpoint()
+
+    async def switch_stage(self, stage: int) -> dict:
+        self._serving()
+        await self.node.switch_stage(int(stage), "requested through the control API")
+        return {"stage": self.node.service.index, "state": self.node.state.value}
+
+    async def status(self) -> dict:
+        return self.node.snapshot()
 
 
 class ControlError(Exception):

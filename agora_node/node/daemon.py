@@ -145,9 +145,9 @@ class Node:
         self._status = StatusServer(self, self.metrics, host=cfg.status_host, port=cfg.status_port)
         await self._status.start()  # first: a port clash fails fast, before touching the swarm
         if cfg.control_socket:  # likewise another daemon's socket (`leave` while joining: stop)
-            from agora_node.node.control import ControlServer
+            from agora_node.node.control import ControlServer, NodeControl
 
-            self._control = ControlServer(cfg.control_socket, _ControlHandlers(self))
+            self._control = ControlServer(cfg.control_socket, NodeControl(self))
             await self._control.start()
         self.host = await Host.start(
             HostConfig(
@@ -486,30 +486,3 @@ class Node:
             self._snapshot = build_snapshot(self)
             record_history(self)
             await self._wait_stop(1.0)
-
-
-class _ControlHandlers:
-    """What the control API (control.py) may ask of the node."""
-
-    def __init__(self, node: Node) -> None:
-        self.node = node
-
-    async def leave(self) -> dict:
-        self.node.stop_event.set()
-        return {"leaving": True, "peer_id": self.node.peer_id}
-
-    def _serving(self) -> None:
-        if self.node.service is None or self.node.manifest is None:  # the socket opens first
-            raise ValueError(f"this node is {self.node.state.value}: it serves no stage yet")
-
-    async def checkpoint(self) -> str:
-        self._serving()
-        return await self.node.checkpoint()
-
-    async def switch_stage(self, stage: int) -> dict:
-        self._serving()
-        await self.node.switch_stage(int(stage), "requested through the control API")
-        return {"stage": self.node.service.index, "state": self.node.state.value}
-
-    async def status(self) -> dict:
-        return self.node.snapshot()

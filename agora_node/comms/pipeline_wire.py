@@ -61,6 +61,9 @@ class Code(StrEnum):
     OVERLOADED = "overloaded"
     LEAVING = "leaving"
     NOT_READY = "not_ready"
+    UNKNOWN_SENDER = "unknown_sender"
+    """The sender has no record at the stage before the receiver's (yet: a fresh one is
+    read within the receiver's refresh interval)."""
     DOWNSTREAM = "downstream"
     INTERNAL = "internal"
 

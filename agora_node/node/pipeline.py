@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -100,6 +100,16 @@ class PipelineStats:
         return self.events.rejected_codes()
 
 
+MAX_REJECTIONS = 2
+"""Replicas that must reject a micro-batch before its sender drops it (`Pipeline.send`)."""
+
+_UNCOUNTED = frozenset({Code.OVERLOADED, Code.LEAVING, Code.NOT_READY, Code.WRONG_STAGE})
+"""Refusals that say nothing about the micro-batch: answered busy, not counted."""
+_BUSY = _UNCOUNTED | {Code.UNKNOWN_SENDER}
+"""Answered busy, so an honest sender tries another replica: a sender whose fresh record
+this node has not read yet is refused by it for one refresh interval at most."""
+
+
 class Pipeline:
     """Serves `worker`'s stage (the node routes its forward protocol to `handle`) and sends
     over `p2p`; `peers_of(stage)` names live replicas of a stage.
@@ -120,9 +130,13 @@ class Pipeline:
         stats: PipelineStats | None = None,
         suspects: Suspects | None = None,
         rtt_of: Callable[[str], float | None] | None = None,
+        senders: Callable[[], Collection[str]] | None = None,
     ) -> None:
         self.manifest, self.worker, self.p2p, self.peer_id = manifest, worker, p2p, peer_id
         self.peers_of, self.config = peers_of, config
+        self.senders = senders
+        """Who may send this stage requests: the peers with a record at the stage before
+        it (the daemon passes them); None, anyone (unit tests of the handler)."""
         self.codec = ActivationCodec(mode=config.activation_codec)
         self.stats = stats if stats is not None else PipelineStats()
         """Shared by the node's successive pipelines, so totals survive a stage switch."""
@@ -187,15 +201,15 @@ class Pipeline:
     async def _answer(self, remote: str, data: bytes) -> bytes:
         started = time.monotonic()
         try:
-            header, tokens, c_in = await self._admit(data)
+            header, tokens, c_in = await self._admit(remote, data)
             if header.train and not await self._plausible(c_in, self._activation_norms, remote):
                 self.suspects.flag(remote, Reason.PIPELINE_OUTLIER, "activations: norm outlier")
                 raise WireError(Code.BAD_PAYLOAD, "activation norm far above the recent ones")
         except WireError as exc:
             if exc.code == Code.NON_FINITE:
                 self.suspects.flag(remote, Reason.NONFINITE, "sent non-finite activations")
-            busy = exc.code in (Code.OVERLOADED, Code.LEAVING, Code.NOT_READY, Code.WRONG_STAGE)
-            if not busy:
+            busy = exc.code in _BUSY
+            if exc.code not in _UNCOUNTED:
                 self.events.count_microbatch("rejected", code=exc.code.value)
                 log.info("rejected micro-batch from %s: %s (%s)", remote[-8:], exc.code.value, exc)
             return error_response(Status.BUSY if busy else Status.REJECTED, exc.code, str(exc))
@@ -245,21 +259,32 @@ class Pipeline:
         self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
         return answer
 
-    async def _admit(self, data: bytes) -> tuple[ForwardHeader, TokenBatch, torch.Tensor]:
+    async def _admit(
+        self, remote: str, data: bytes
+    ) -> tuple[ForwardHeader, TokenBatch, torch.Tensor]:
         header, raw_tokens, raw_docs, payload = decode_forward(data)
         m = self.manifest
         if header.run_id != m.run_id:
             raise WireError(
                 Code.UNKNOWN_RUN, f"this node serves run {m.run_id}, not {header.run_id!r}"
             )
-        if header.stage != self.stage:
+        if header.stage != self.stage or self.is_head:  # nobody sends stage 0 micro-batches
             raise WireError(
                 Code.WRONG_STAGE, f"this node serves stage {self.stage}, not {header.stage}"
+            )
+        if self.senders is not None and remote not in self.senders():
+            raise WireError(
+                Code.UNKNOWN_SENDER, f"{remote[-8:]} has no record at stage {self.stage - 1}"
             )
         if not self.accepting:
             raise WireError(Code.LEAVING, "this node is leaving")
         if self.worker.in_flight + self.active_requests > self.config.max_queue:
             raise WireError(Code.OVERLOADED, "queue is full")
+        if header.train and header.loss_scale > m.inner.micro_batch / m.inner.local_batch:
+            raise WireError(  # a head's is exactly this: more would outweigh its peers
+                Code.BAD_HEADER,
+                f"loss_scale {header.loss_scale} > {m.inner.micro_batch}/{m.inner.local_batch}",
+            )
         width = self.worker.stage.boundary_width
         if not (
             0 < header.batch <= m.inner.micro_batch
@@ -345,22 +370,27 @@ class Pipeline:
             self.canaries.sent(header, tokens, encoded)
         deadline = time.monotonic() + self.config.deadline_s
         tried: set[str] = set()
+        rejected = 0
         while time.monotonic() < deadline:
             candidates = [p for p in self._replicas(header.stage) if p != self.peer_id]
             trusted = [p for p in candidates if not self.suspects.is_banned(p)]
             # banned replicas only when the stage has nobody else (their replies are checked)
             peer = self._router.choose(trusted or candidates, time.monotonic(), exclude=tried)
             if peer is None:
-                if not self.accepting:  # leaving: finish what can finish, don't wait for new peers
-                    return None
+                if not self.accepting or rejected:
+                    return None  # leaving, or every replica tried refused or rejected it
                 tried.clear()  # everyone failed once or nobody is there: wait for the swarm to change
                 await asyncio.sleep(0.25)
                 continue
             result = await self._try_peer(peer, header, payload)
-            if result == "rejected":
-                return None
             if isinstance(result, tuple):
                 return result
+            if result == "rejected":
+                # one replica's word does not drop a micro-batch (a stranger could say it
+                # of every one); two replicas' does: an honest sender's is not malformed
+                rejected += 1
+                if rejected >= MAX_REJECTIONS:
+                    return None
             tried.add(peer)
         return None
 
@@ -405,9 +435,9 @@ class Pipeline:
             self._router.on_success(peer, latency, time.monotonic())
             grad = None
             loss = reply.loss_value()
+            if not (math.isfinite(loss) and loss >= 0):  # a cross-entropy, training or not
+                return self._refuse(peer, Reason.NONFINITE, f"loss {loss}")
             if header.train:
-                if not math.isfinite(loss):
-                    return self._refuse(peer, Reason.NONFINITE, f"loss {loss}")
                 grad = await self._decode_grad(peer, grad_payload, header)
                 if grad is None:
                     return None

@@ -110,6 +110,7 @@ class StageService:
             stats=ctx.stats,
             suspects=ctx.suspects,
             rtt_of=ctx.rtt_of,
+            senders=lambda: {r.peer_id for r in ctx.records_of(worker.index - 1)},
         )
         self.final_val_loss: float | None = None
         self._stop = asyncio.Event()

@@ -12,6 +12,7 @@ import torch
 from agora_node.compression import ActivationCodec, Codec, QuantizedTensor, encode_frame
 from agora_node.node.config import PipelineConfig
 from agora_node.node.pipeline import forward_limits
+from agora_node.protocol.names import forward_protocol
 from agora_node.stages.manifest_files import load_manifest
 from tests.integration.harness import TestSwarm, poll, small_manifest
 
@@ -175,22 +176,39 @@ async def _send_raw(
     key_path,
     silent: int = 0,
     expect_refused: int = 0,
-) -> tuple[list[bytes], int]:
-    """Send each payload as one request; then open `silent` streams that send nothing
-    (closed once `expect_refused` of them were answered, or after 10 s): (replies,
-    refusals seen)."""
+    probe: bytes = b"",
+) -> tuple[list[bytes], int, bytes]:
+    """Send `probe` as a stranger, then publish a stage-0 record and wait until the target
+    reads it (its answer to `probe` changes); then send each payload as one request, and
+    open `silent` streams that send nothing (closed once `expect_refused` of them were
+    answered, or after 10 s): (replies, refusals seen, the stranger's answer)."""
     from hivemind.p2p import PeerID
 
     from agora_node.comms import streams
+    from agora_node.comms.directory import Directory
     from agora_node.comms.host import Host, HostConfig
+    from agora_node.comms.pipeline_wire import decode_response
     from agora_node.protocol.identity import Identity
-    from agora_node.protocol.names import forward_protocol
+    from agora_node.protocol.records import NodeRecord
 
-    Identity.load_or_create(key_path)
+    manifest = load_manifest("tiny")
+    identity = Identity.load_or_create(key_path)
     host = await Host.start(HostConfig(identity_path=str(key_path), initial_peers=initial_peers))
     writers = []
     try:
-        name = forward_protocol(load_manifest("tiny").run_id)
+        name = forward_protocol(manifest.run_id)
+        as_stranger = await streams.request(host.p2p, target, name, probe, timeout=30)
+        directory = Directory(host, identity, manifest.run_id, manifest.num_stages)
+        record = NodeRecord(
+            run_id=manifest.run_id, peer_id=identity.peer_id, stage=0, state="active"
+        )
+        assert await directory.publish(record)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            answer = await streams.request(host.p2p, target, name, probe, timeout=30)
+            if decode_response(answer)[0].code != "unknown_sender":
+                break
+            await asyncio.sleep(0.2)
         replies = [await streams.request(host.p2p, target, name, p, timeout=30) for p in payloads]
         readers = []
         for _ in range(silent):
@@ -220,7 +238,7 @@ async def _send_raw(
         refused = refusals()
         for t in reads:
             t.cancel()
-        return replies, refused
+        return replies, refused, as_stranger
     finally:
         for writer in writers:
             writer.close()
@@ -236,6 +254,7 @@ def _malformed_payloads(run_id: str) -> dict[str, bytes]:
 
     def header(**kw):
         base = dict(run_id=run_id, mb_id="x", stage=1, batch=8, seq=128, width=32, origin="test")
+        base["loss_scale"] = 0.5  # a head's: micro_batch / local_batch
         return ForwardHeader(**{**base, **kw})
 
     def hostile_frame(value: float) -> bytes:
@@ -274,7 +293,7 @@ def test_malformed_microbatches_are_rejected_counted_and_harmless(swarm, tmp_pat
     steps_before = status["inner_step"]
     payloads = _malformed_payloads(run_id)
     cap = forward_limits(PipelineConfig()).max_streams_per_peer
-    replies, refused = asyncio.run(
+    replies, refused, as_stranger = asyncio.run(
         _send_raw(
             swarm.initial_peers,
             target,
@@ -282,8 +301,11 @@ def test_malformed_microbatches_are_rejected_counted_and_harmless(swarm, tmp_pat
             tmp_path / "sender.key",
             silent=cap + 4,
             expect_refused=4,
+            probe=payloads["bad_shape"],
         )
     )
+    # a peer with no record at stage 0 is not served at all (docs/security.md)
+    assert decode_response(as_stranger)[0].code == "unknown_sender"
     codes = {}
     for name, data in zip(payloads, replies, strict=True):
         header, _ = decode_response(data)

@@ -64,6 +64,7 @@ def test_a_hop_carries_the_documents_and_the_next_stage_keeps_them_apart(manifes
         header = ForwardHeader(
             run_id=manifest.run_id, mb_id="mb", stage=1, batch=2, seq=m.seq_len,
             width=workers[0].stage.boundary_width,
+            loss_scale=manifest.inner.micro_batch / manifest.inner.local_batch,
         )  # fmt: skip
         c = workers[0].forward("mb", None, batch)
         reply = asyncio.run(first.send(header, batch, c))

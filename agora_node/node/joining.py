@@ -253,11 +253,16 @@ async def _from_replicas(
             return None  # no majority attests a round newer than the own checkpoint's
         if plan.majority is not None and not plan.sources and not stale:
             return None  # every attester of the majority was rejected
-        for source in plan.sources:
+        # who could not send before is asked last, and no source may spend more than its
+        # share of the time left: a liar that claims to be idle and then trickles bytes
+        # would otherwise be asked first every pass and hold the whole search
+        sources = sorted(plan.sources, key=lambda p: p in search.unavailable)
+        for i, source in enumerate(sources):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            verdict, got = await _try_source(ctx, stage, numel, source, plan, remaining)
+            share = remaining / (len(sources) - i)
+            verdict, got = await _try_source(ctx, stage, numel, source, plan, share)
             if verdict == attestation.Verdict.ADOPT:
                 return await _adopt(worker, source, plan, got, search.rejected, search.unavailable)
             if verdict == attestation.Verdict.STALE:
@@ -359,7 +364,7 @@ async def _try_source(
             del blob
             anchor_digest, _ = await asyncio.to_thread(got.digests)
     except (state_transfer.StateTransferError, TimeoutError) as exc:
-        reason = f"transfer: {exc or 'deadline'}"[:300]
+        reason = f"transfer: {str(exc) or 'deadline'}"[:300]
         log.warning("state from %s failed (%s); trying another replica", source[-8:], reason)
         return attestation.Verdict.UNAVAILABLE, reason
     except state_blob.StateFormatError as exc:

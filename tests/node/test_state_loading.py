@@ -340,3 +340,45 @@ async def test_a_banned_replica_is_never_asked_for_state(worker, tmp_path, monke
     ctx.suspects.flag("banned", Reason.MISMATCH, "test")
     loaded = await joining.load_state(ctx, worker)
     assert "banned" not in asked and loaded.origin["source"].startswith("honest")
+
+
+async def test_a_liar_that_claims_to_be_idle_and_then_stalls_costs_only_its_share(
+    worker, tmp_path, monkeypatch
+):
+    # It attests the (public) majority digest and claims an empty queue, so it is asked
+    # first; it then sends nothing. The search goes on to the honest replicas within its
+    # share of the deadline instead of spending the whole deadline on it.
+    honest = _honest(worker)
+    good = state_blob.encode(*honest)
+    asked = _serve(monkeypatch, {"staller": "hang", "p1": good, "p2": good})
+    records = [_record("staller", honest, queue=0), _record("p1", honest, queue=2)]
+    records.append(_record("p2", honest, queue=2))
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, records, deadline_s=3.0)
+    loaded = await joining.load_state(ctx, worker)
+    assert asked == ["staller", "p1"]
+    assert loaded.origin["kind"] == "replica" and loaded.origin["source"] == "p1"
+    assert "staller" in loaded.origin["unavailable"]
+
+
+async def test_a_source_that_could_not_send_is_asked_after_the_others_next_pass(
+    worker, tmp_path, monkeypatch
+):
+    honest = _honest(worker)
+    good = state_blob.encode(*honest)
+    records = [_record("first", honest, queue=0)]
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, records)
+    asked: list[str] = []
+
+    async def fetch_state(p2p, run_id, peer_id, stage, *, max_bytes, timeout, **_):
+        asked.append(peer_id)
+        if peer_id == "first":  # claims to be idle, never sends; meanwhile a replica joins
+            ctx.records.append(_record("joined", honest, queue=1))
+            raise state_transfer.StateTransferError("busy")
+        return {"bytes": len(good)}, good
+
+    monkeypatch.setattr(state_transfer, "fetch_state", fetch_state)
+    monkeypatch.setattr(joining, "STATE_POLL_S", 0.01)
+    loaded = await joining.load_state(ctx, worker)
+    # pass 2: the replica not yet asked before the one that failed, whatever it claims
+    assert asked == ["first", "joined"]
+    assert loaded.origin["source"] == "joined"

@@ -1,11 +1,14 @@
 """A stranger outside a collective's group cannot register anything in it, and a member
 owning a span cannot forge its result (issue 10); transport-free (LocalNetwork)."""
 
+import asyncio
+import time
+
 import pytest
 import torch
 
 from agora_node.comms.collective import GroupPlan, LocalNetwork, RoundBook
-from agora_node.comms.collective.handlers import Responder
+from agora_node.comms.collective.handlers import MAX_WAITING_PER_PEER, Responder
 from agora_node.comms.collective.payload import decode_span, encode_result, plain_format
 from agora_node.comms.collective.plan import span_bounds
 from agora_node.comms.collective.state import MAX_PENDING
@@ -68,6 +71,39 @@ async def test_round_bookkeeping_stays_bounded_whatever_strangers_send() -> None
     far = Header(10**9, "anchor", b"x" * 16, 0, 1)
     await responder.on_query("stranger", far)
     assert all(r != 10**9 for r, _, _ in book.pending)
+
+
+async def test_a_stranger_cannot_hold_handlers_waiting_for_rounds() -> None:
+    """A request about a round not registered yet holds its handler (and a stream slot)
+    until the round is registered, up to its wait: only for rounds near this member's, and
+    only MAX_WAITING_PER_PEER of one peer's at once (else a few keys held every slot for
+    two minutes with a handful of requests)."""
+    book = RoundBook("peer0")
+    book.register(_plan(peers(3), round_no=10))
+    responder = Responder(book)
+    far = Header(10**9, "delta", b"x" * 16, 0, 0, wait=60.0)
+    reply = await asyncio.wait_for(responder.on_fetch("stranger", far), 1.0)
+    assert reply.code is Code.REJECTED and book.unknown_rejections["distant round"] == 1
+    near = Header(11, "delta", b"x" * 16, 0, 0, wait=60.0)
+    waits = [
+        asyncio.create_task(responder.on_fetch("stranger", near))
+        for _ in range(MAX_WAITING_PER_PEER)
+    ]
+    honest = asyncio.create_task(responder.on_fetch("peer1", near))
+    try:
+        deadline = time.monotonic() + 5
+        while responder._waiting["stranger"] < MAX_WAITING_PER_PEER:
+            assert time.monotonic() < deadline, "the waits did not start"
+            await asyncio.sleep(0.01)
+        extra = await asyncio.wait_for(responder.on_fetch("stranger", near), 1.0)
+        assert extra.code is Code.REJECTED
+        assert book.unknown_rejections["too many waits"] == 1
+        assert not honest.done()  # another peer's request still waits for the round
+    finally:
+        for task in [*waits, honest]:
+            task.cancel()
+        await asyncio.gather(*waits, honest, return_exceptions=True)
+    assert not responder._waiting  # released when the requests ended
 
 
 async def test_a_stranger_filling_the_promise_table_leaves_room_for_the_backup() -> None:

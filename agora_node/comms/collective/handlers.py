@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -44,6 +45,11 @@ from agora_node.comms.collective.wire import Code, Header, Reply, rejected
 from agora_node.compression import CodecError
 
 MAX_WAIT = 120.0  # a request never holds a handler longer than this, whatever it asks
+MAX_WAITING_PER_PEER = 16
+"""Requests one peer may have waiting for a round this member has not registered: an
+honest member late by a round has a few per phase (push, fetch, check, query), a
+stranger could otherwise hold every stream slot for MAX_WAIT (and only near rounds wait:
+RoundBook.lookup)."""
 MEMBER_REFUSALS = ("not my span", "bad weight", "late")
 """Refusals of a push from a member of the group (anything else: the sender is not one)."""
 
@@ -73,13 +79,27 @@ class Responder:
         (in-process tests and simulations)."""
         self.sign = sign
         """Signs this member's inventory receipts as a witness (proofs.sign_receipt)."""
+        self._waiting: Counter[str] = Counter()
+        """Requests of each peer waiting for their round to be registered."""
 
     async def _state(self, sender: str, header: Header) -> RoundState:
         if self.admit is not None and not self.admit(sender):
             raise LookupError(NOT_LISTED)  # before any lookup: nothing is registered for it
-        state = await self.book.lookup(
-            header.round, header.phase, header.group_id, min(header.wait, MAX_WAIT)
-        )
+        if (header.round, header.phase) in self.book.states:
+            state = await self.book.lookup(header.round, header.phase, header.group_id, 0.0)
+        elif self._waiting[sender] >= MAX_WAITING_PER_PEER:
+            self.book.unknown_rejections["too many waits"] += 1
+            raise LookupError("too many requests waiting for unregistered rounds")
+        else:  # waits for the round to be registered: a slot held, so a few per peer
+            self._waiting[sender] += 1
+            try:
+                state = await self.book.lookup(
+                    header.round, header.phase, header.group_id, min(header.wait, MAX_WAIT)
+                )
+            finally:
+                self._waiting[sender] -= 1
+                if not self._waiting[sender]:
+                    del self._waiting[sender]
         if sender not in state.plan.members or sender == state.me:
             state.stats.reject("not a member")
             raise LookupError("not a member")

@@ -353,14 +353,18 @@ class RoundBook:
         for old in [k for k in self.pending if not lo <= k[0] <= hi]:
             del self.pending[old]
 
+    def near(self, round_no: int) -> bool:
+        """Whether `round_no` is within LINGER_ROUNDS behind and AHEAD_ROUNDS ahead of the
+        latest round registered (any round before the first)."""
+        latest = self.latest
+        return latest is None or latest - LINGER_ROUNDS <= round_no <= latest + AHEAD_ROUNDS
+
     def promise_unregistered(
         self, round_no: int, phase: str, group_id: bytes, span: int, attempt: int, asker: str
     ) -> bool:
         """Remember a promise for a collective this member has not registered yet (False:
         refused, the round is far from ours or the table is full)."""
-        if self.latest is not None and not (
-            self.latest - LINGER_ROUNDS <= round_no <= self.latest + AHEAD_ROUNDS
-        ):
+        if not self.near(round_no):
             self.unknown_rejections["promise for a distant round"] += 1
             return False
         spans = self.pending.get((round_no, phase, group_id))
@@ -383,6 +387,10 @@ class RoundBook:
         when nothing is registered for the round and phase.
         """
         key = (round_no, phase)
+        if key not in self.states and not self.near(round_no):
+            # nobody honest waits for a round this member will not register soon
+            self.unknown_rejections["distant round"] += 1
+            raise UnknownRoundError("distant round")
         await self.registered.wait_for(lambda: key in self.states, wait)
         state = self.states.get(key)
         if state is None:

@@ -413,6 +413,8 @@ class Node:
         await self.checkpoint()
         old, self.service = self.service, None  # requests meanwhile: "not ready", retry elsewhere
         await old.close()
+        del old  # the new stage measures free memory: the old one must be gone by then
+        await asyncio.to_thread(self.compute.release_memory)
         await self._open_service(stage)
         self.stage_choice_reason = reason
         self.state = NodeState.ACTIVE

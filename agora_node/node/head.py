@@ -16,6 +16,8 @@ import time
 import uuid
 from collections.abc import Callable
 
+import torch
+
 from agora_node.comms.pipeline_wire import ForwardHeader
 from agora_node.node.pipeline import Pipeline
 from agora_node.protocol.manifest import InnerSpec
@@ -105,6 +107,9 @@ class Head:
                 loss, _ = await self.pipeline.compute.last(None, batch, scale)
             else:
                 loss = await self._pipeline_microbatch(batch, scale)
+        except torch.OutOfMemoryError:
+            await self.pipeline.out_of_memory()
+            loss = None
         except Exception:
             log.exception("micro-batch failed")
             loss = None

@@ -182,6 +182,15 @@ class Metrics:
             "gradient_lag_steps",
             "Steps a gradient lands after the step its forward's weights came from (average).",
         )
+        self.device_memory = gauge(
+            "device_memory_bytes",
+            "Accelerator memory this process holds: allocated (tensors), reserved (the "
+            "allocator's), peak_allocated; absent on the CPU.",
+            ("kind",),
+        )
+        self.max_graphs = gauge(
+            "max_graphs", "Micro-batch graphs this node keeps open (beyond: recomputed)."
+        )
         self.relayed_peers = gauge(
             "relayed_peers", "Peers connected to this node only through a relay circuit."
         )
@@ -311,6 +320,11 @@ class Metrics:
         self.queue_length.set(node.get("queue", 0))
         self.in_flight.set(node.get("in_flight", 0))
         self.gradient_lag.set(node.get("gradient_lag", 0.0))
+        memory = node.get("memory") or {}
+        for kind in ("allocated", "reserved", "peak_allocated"):
+            if kind in memory:
+                self.device_memory.labels(kind=kind).set(memory[kind])
+        self.max_graphs.set(memory.get("max_graphs", 0))
         relay = node.get("relay") or {}
         self.relayed_peers.set(len(relay.get("relayed_peers") or ()))
         self.relayed_addrs.set(len(relay.get("addrs") or ()))
@@ -338,6 +352,8 @@ class Metrics:
                 "cell_kv_bytes_sent": cell.get("kv_bytes_sent", 0),
                 "cell_exchange_wait_seconds": cell.get("exchange_wait_s", 0.0),
                 "cell_failed_microbatches": cell.get("failed", 0),
+                "recomputed_microbatches": memory.get("recomputed", 0),
+                "out_of_memory_microbatches": memory.get("out_of_memory", 0),
             },
         )
 
@@ -355,6 +371,10 @@ _TOTALS = {
     "cell_exchange_wait_seconds": "Seconds this node's compute waited on its cell's K/V frames.",
     "cell_failed_microbatches": "Micro-batches this node's cell could not finish (then "
     "trained whole).",
+    "recomputed_microbatches": "Backwards that recomputed their forward (more micro-batches "
+    "in flight than graphs kept open).",
+    "out_of_memory_microbatches": "Micro-batches refused because the device ran out of memory "
+    "(each halves the graphs kept open).",
 }
 """Running totals other objects keep, exported as counters (`agora_<name>_total`)."""
 

@@ -224,6 +224,21 @@ class Pipeline:
             self.events.count_microbatch("rejected", code=Code.NON_FINITE.value)
             log.info("micro-batch from %s overflowed this stage: %s", remote[-8:], exc)
             return error_response(Status.REJECTED, Code.NON_FINITE, str(exc))
+        except torch.OutOfMemoryError:
+            await self.out_of_memory()
+            return error_response(Status.BUSY, Code.OVERLOADED, "out of device memory")
+
+    async def out_of_memory(self) -> None:
+        """A micro-batch ran this node's device out of memory: counted, logged, fewer
+        graphs kept from now on; the sender is answered busy and tries another replica."""
+        self.events.count_microbatch("rejected", code="out_of_memory")
+        await self.worker.call(self.worker.out_of_memory)
+        log.warning(
+            "out of device memory on a micro-batch (%d so far): now keeping at most %d "
+            "graph(s) open, the rest recomputed at backward",
+            self.worker.stats.out_of_memory,
+            self.worker.max_graphs,
+        )
 
     async def _answer_train(
         self,

@@ -84,7 +84,10 @@ class WorkerStats:
     compute_s: float = 0.0
     """Seconds the worker spent computing (training and validation, wasted forwards too)."""
     recomputed: int = 0
+    """Backwards that recomputed their forward (more micro-batches in flight than graphs)."""
     expired: int = 0
+    out_of_memory: int = 0
+    """Micro-batches refused because the device ran out of memory (`StageWorker.out_of_memory`)."""
     steps: int = 0
     stale_grads: int = 0
     """Micro-batches whose gradient was computed on an older weight version than the step used."""

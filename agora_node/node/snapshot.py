@@ -22,6 +22,8 @@ from agora_node.protocol.records import NodeRecord
 if TYPE_CHECKING:
     from agora_node.node.config import NodeConfig
     from agora_node.node.daemon import Node
+    from agora_node.node.worker import StageWorker
+    from agora_node.stages.device import Compute
 
 
 def progress_line(node: Node) -> str:
@@ -222,6 +224,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "precision": node.compute.precision,
             "queue": p.active_requests if p else 0,
             "in_flight": w.in_flight if w else 0,
+            "memory": memory_status(node.compute, w),
             "gradient_lag": round(w.lag, 3) if w else 0.0,
             "microbatches": dict(stats.results),
             "hop_failures": node.metrics.hop_failure_counts(),
@@ -258,4 +261,17 @@ def build_snapshot(node: Node) -> dict[str, Any]:
 def config_dict(config: NodeConfig) -> dict[str, Any]:
     out = asdict(config)
     out["manifest"] = config.manifest.run_id if config.manifest else None
+    return out
+
+
+def memory_status(compute: Compute, worker: StageWorker | None) -> dict:
+    """How the stage's graphs fit: the most kept open, backwards that recomputed their
+    forward, micro-batches refused for lack of device memory; on CUDA the bytes held."""
+    out: dict = compute.memory_status() or {}
+    if worker is not None:
+        out.update(
+            max_graphs=worker.max_graphs,
+            recomputed=worker.stats.recomputed,
+            out_of_memory=worker.stats.out_of_memory,
+        )
     return out

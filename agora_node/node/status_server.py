@@ -113,6 +113,10 @@ class NodeStatus(TypedDict):
     time_split: dict[str, float]  # the last progress interval's shares of wall time: "compute",
     # "downstream" (forwards awaiting gradients), "idle" (beyond stage 0: waiting on
     # upstream), "outer" (blocked in outer rounds); node/waits.py. {} before the first
+    # interval.
+    memory: dict[str, int]  # "max_graphs" (graphs kept open), "recomputed" (backwards that
+    # recomputed their forward), "out_of_memory" (micro-batches refused for lack of device
+    # memory); on CUDA also "allocated", "reserved", "peak_allocated" bytes
     # Also, per node: compute_rate (tokens per compute-second), compute_s, utilization,
     # rss_bytes, device, precision, dropped, stage_choice (why this stage), last_checkpoint
     # (path or None), addrs, reachability, relay, state_origin (where its weights came from),

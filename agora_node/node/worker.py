@@ -319,6 +319,13 @@ class StageWorker:
     def discard(self, mb_id: str) -> None:
         self._pending.pop(mb_id, None)
 
+    def out_of_memory(self) -> None:
+        """An allocation on the device failed: keep half as many graphs open from now on
+        (the rest are recomputed at backward) and hand the allocator's cache back."""
+        self.stats.out_of_memory += 1
+        self.max_graphs //= 2
+        self.compute.release_memory()
+
     def _expire(self) -> None:
         deadline = time.monotonic() - self.pending_ttl_s
         for mb_id in [k for k, p in self._pending.items() if p.created < deadline]:

@@ -75,9 +75,15 @@ def resolve_device(name: str) -> str:
     return f"cuda:{index}"
 
 
+BF16_NATIVE = (8, 0)
+"""CUDA compute capability from which bfloat16 matmuls and fused attention are native
+(Ampere). Older cards (T4, V100, RTX 20xx) run bf16 emulated: slower than fp32, and
+attention falls back to a kernel that holds the whole score matrix."""
+
+
 def resolve_precision(device: str, precision: str) -> str:
     """`fp32` or `bf16` (autocast) for a resolved device; `auto`: bf16 on a CUDA device
-    that supports it, fp32 elsewhere."""
+    that computes it natively (compute capability 8.0 or newer), fp32 elsewhere."""
     import torch
 
     check_names("auto", precision)
@@ -86,7 +92,8 @@ def resolve_precision(device: str, precision: str) -> str:
     if precision == "bf16" and not bf16_ok:
         raise DeviceError(f"--precision bf16: {device} does not support bfloat16 autocast")
     if precision == "auto":
-        return "bf16" if kind == "cuda" and bf16_ok else "fp32"
+        native = kind == "cuda" and torch.cuda.get_device_capability(device) >= BF16_NATIVE
+        return "bf16" if native else "fp32"
     return precision
 
 
@@ -164,12 +171,41 @@ class Compute:
         return f"{name}, {self.precision}{states}{when}"
 
     def free_bytes(self) -> int | None:
-        """Free accelerator memory now; None on the CPU and MPS (not probed)."""
+        """Accelerator memory free now, counting what torch's allocator holds cached but
+        unused (free for this process's tensors); None on the CPU and MPS (not probed)."""
         if self.kind == "cuda":
             import torch
 
-            return int(torch.cuda.mem_get_info(self.device)[0])
+            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(
+                self.device
+            )
+            return int(torch.cuda.mem_get_info(self.device)[0]) + max(0, int(cached))
         return None
+
+    def release_memory(self) -> None:
+        """Collect unreachable objects (a closed stage's optimizer and pipeline sit in
+        reference cycles) and, on CUDA, hand the allocator's cached blocks back: before
+        a new stage measures free memory. Blocks for a moment: call it off the loop."""
+        import gc
+
+        gc.collect()
+        if self.kind == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+
+    def memory_status(self) -> dict[str, int] | None:
+        """Bytes this process holds on the accelerator (tensors, allocator, peak tensors),
+        for the status page; None on the CPU and MPS."""
+        if self.kind != "cuda":
+            return None
+        import torch
+
+        return {
+            "allocated": int(torch.cuda.memory_allocated(self.device)),
+            "reserved": int(torch.cuda.memory_reserved(self.device)),
+            "peak_allocated": int(torch.cuda.max_memory_allocated(self.device)),
+        }
 
 
 CPU = Compute()

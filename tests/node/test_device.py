@@ -60,6 +60,75 @@ def test_precision_follows_the_device():
     assert not CPU.autocast()._enabled
 
 
+def _simulated_cuda(monkeypatch, capabilities: dict[str, tuple[int, int]]) -> None:
+    """torch.cuda as a machine with these cards would answer (no GPU needed): bf16 works
+    everywhere, emulated below 8.0, as torch 2.13's is_bf16_supported() says by default."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_capability", lambda device=None: capabilities[str(device)]
+    )
+
+
+def test_auto_precision_is_bf16_only_where_the_card_computes_it_natively(monkeypatch):
+    # a T4 (7.5) emulates bf16: slower than fp32, and attention then falls back to a
+    # kernel that holds the whole score matrix; an A100 (8.0) computes it natively
+    _simulated_cuda(monkeypatch, {"cuda:0": (8, 0), "cuda:1": (7, 5)})
+    assert Compute.resolve("cuda:0", "auto").precision == "bf16"
+    assert Compute.resolve("cuda:1", "auto").precision == "fp32"  # the card asked about
+    assert Compute.resolve("cuda:1", "bf16").precision == "bf16"  # asked for: allowed
+
+
+def test_free_memory_counts_what_the_allocator_holds_cached(monkeypatch):
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 24 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 7 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 9 * gib)
+    gpu = Compute("cuda:0", "bf16")
+    assert gpu.free_bytes() == 5 * gib  # 2 free on the card + 3 cached, unused
+    assert gpu.memory_status() == {
+        "allocated": 7 * gib, "reserved": 10 * gib, "peak_allocated": 9 * gib
+    }  # fmt: skip
+    assert CPU.free_bytes() is None and CPU.memory_status() is None
+
+
+def test_releasing_memory_collects_cycles_and_empties_the_cuda_cache(monkeypatch):
+    import gc
+    import weakref
+
+    emptied: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+
+    class Held:  # what a closed stage leaves: an optimizer in a reference cycle
+        pass
+
+    held = Held()
+    held.me = held
+    gone = weakref.ref(held)
+    del held
+    gc.disable()
+    try:
+        assert gone() is not None  # only the cycle collector frees it
+        Compute("cuda:0", "bf16").release_memory()
+        assert gone() is None and emptied == [True]
+        CPU.release_memory()
+        assert emptied == [True]  # no CUDA call on the CPU
+    finally:
+        gc.enable()
+
+
+def test_out_of_memory_halves_the_graphs_kept_and_is_counted():
+    worker = StageWorker(load_manifest("tiny"), 1, max_graphs=8)
+    try:
+        worker.out_of_memory()
+        worker.out_of_memory()
+        assert worker.max_graphs == 2 and worker.stats.out_of_memory == 2
+    finally:
+        worker.close()
+
+
 def _one_micro_batch(workers, tokens):
     """Forward through every stage, loss and backward; the host tensors each hop returned."""
     c, sent = None, []
@@ -178,3 +247,45 @@ def test_a_device_keeps_as_many_graphs_as_its_free_memory_holds_and_recomputes_t
     assert memory.does_not_fit(m, 1, "cuda:0", card) is None
     assert 0 < memory.graph_budget(m, 1, card, most=16) < 16
     assert memory.stage_device_bytes(m, 1, in_flight=16) > card
+
+
+def test_a_micro_batch_that_runs_the_device_out_of_memory_is_answered_busy(monkeypatch):
+    import asyncio
+
+    from agora_node.comms.pipeline_wire import (
+        ForwardHeader,
+        Status,
+        decode_response,
+        encode_forward,
+    )
+    from agora_node.compression import ActivationCodec
+    from agora_node.node.config import PipelineConfig
+    from agora_node.node.pipeline import Pipeline
+
+    m = load_manifest("tiny")
+    worker = StageWorker(m, m.num_stages - 1, max_graphs=8)
+
+    def out_of_memory(*_args):  # noqa: ANN202
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(worker, "forward_backward_last", out_of_memory)
+    p = Pipeline(m, worker, None, "me", lambda s: [], PipelineConfig())
+    b, s, w = m.inner.micro_batch, m.model.seq_len, worker.stage.boundary_width
+    header = ForwardHeader(
+        run_id=m.run_id, mb_id="x", stage=worker.index, batch=b, seq=s, width=w,
+        loss_scale=m.inner.micro_batch / m.inner.local_batch,
+    )  # fmt: skip
+    tokens = torch.zeros(b, s + 1, dtype=torch.long)
+    data = encode_forward(header, tokens, ActivationCodec().encode(torch.zeros(b, s, w)))
+
+    async def ask() -> bytes:
+        return b"".join([chunk async for chunk in p.handle("upstream", data)])
+
+    try:
+        reply, _ = decode_response(asyncio.run(ask()))
+        # busy: the sender tries another replica; this node keeps fewer graphs from now on
+        assert reply.status == Status.BUSY.value and "out of device memory" in reply.message
+        assert p.stats.rejected_codes == {"out_of_memory": 1}
+        assert worker.max_graphs == 4 and worker.stats.out_of_memory == 1
+    finally:
+        worker.close()

@@ -45,6 +45,7 @@ from agora_node.node.worker import StageWorker
 from agora_node.protocol.names import cell_work_protocol
 from agora_node.stages.context_parallel import ChunkLayout
 from agora_node.stages.data import TokenBatch
+from agora_node.stages.flat import host_flat
 from agora_node.stages.kv_frames import KVFrameError
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def _plausible(results: list) -> None:
 
 def _flatten(params: dict[str, Tensor]) -> Tensor:
     """All of a version's weights, float32, in named_parameters order (what a helper gets)."""
-    return torch.cat([p.detach().reshape(-1).float().cpu() for p in params.values()])
+    return host_flat(params.values())
 
 
 def exchange_id(mb_id: str) -> bytes:

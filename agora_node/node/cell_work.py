@@ -30,6 +30,7 @@ from agora_node.node.worker import StageWorker
 from agora_node.protocol.names import cell_work_protocol
 from agora_node.stages.context_parallel import CellContext, ChunkLayout
 from agora_node.stages.data import TokenBatch, check_documents
+from agora_node.stages.flat import host_flat
 from agora_node.stages.kv_frames import FramedExchange, KVFrameError
 from agora_node.stages.model import AttentionContext, lm_loss
 
@@ -187,7 +188,7 @@ def gradients(
 
 
 def _flat(grads: dict[str, Tensor]) -> Tensor:
-    return torch.cat([g.reshape(-1).float().cpu() for g in grads.values()])
+    return host_flat(grads.values())
 
 
 def unflat(flat: Tensor, like: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -357,7 +358,7 @@ class CellHelper:
         self._versions[version] = params
         while len(self._versions) > KEPT_VERSIONS:
             self._versions.popitem(last=False)
-        w.mirror(torch.cat([params[n].detach().reshape(-1).cpu() for n in w._master_of]))
+        w.mirror(host_flat(params[n] for n in w._master_of))
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from agora_node.comms.collective import AggregationSpec, Deadlines, MatchmakingConfig, WireFormat
 from agora_node.protocol.codecs import CODEC_NAMES, DENSE_CODEC_NAMES, Codec, from_name
 from agora_node.protocol.manifest import Manifest
+from agora_node.stages.flat import host_flat, write_flat
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,7 +147,7 @@ class OuterState:
     def weights(self) -> Tensor:
         """The parameters as one flat float32 vector on the host, where the outer state
         lives whatever the stage's device."""
-        return torch.cat([p.detach().reshape(-1).float() for p in self.params]).cpu()
+        return host_flat(self.params)
 
     def pseudo_gradient(self) -> Tensor:
         """delta = anchor - weights: how far the inner steps moved (a descent direction)."""
@@ -199,11 +200,7 @@ class OuterState:
 
     @torch.no_grad()
     def load_weights(self, flat: Tensor) -> None:
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
+        write_flat(self.params, flat)
 
     def mixed_state(self, with_momentum: bool) -> Tensor:
         """What the anchor mix averages: the anchor, and the momentum after it if asked."""

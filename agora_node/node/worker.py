@@ -41,6 +41,7 @@ from agora_node.node.versions import WeightVersions
 from agora_node.protocol.manifest import Manifest
 from agora_node.stages.data import TokenBatch
 from agora_node.stages.device import CPU, Compute
+from agora_node.stages.flat import host_flat, write_flat
 from agora_node.stages.model import AttentionContext, Stage, lm_loss
 from agora_node.stages.optim import InnerOptimizer, lag_beta1
 
@@ -311,10 +312,7 @@ class StageWorker:
 
     def _write_masters(self, flat: Tensor) -> None:
         """The trainable weights := `flat` (their values in order); caller holds the lock."""
-        offset = 0
-        for p in self.masters:
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        write_flat(self.masters, flat)
 
     def discard(self, mb_id: str) -> None:
         self._pending.pop(mb_id, None)
@@ -470,7 +468,7 @@ class WorkerWeights:
         self.replaced = True
 
     def _flat(self) -> Tensor:
-        return torch.cat([p.detach().reshape(-1).float() for p in self._params]).cpu()
+        return host_flat(self._params)
 
     @torch.no_grad()
     def _load(self, flat: Tensor) -> None:

@@ -78,7 +78,7 @@ class PipelineConfig:
         "when the manifest turns on weight prediction)",
     )
     """Micro-batches a head keeps in the pipeline; 0: the micro-batches of one inner
-    step, or of two when the manifest asks for weight prediction (head.default_in_flight).
+    step, or of two when the manifest asks for weight prediction (stages/memory.py, heads_in_flight).
     More hides more latency but makes gradients staler (measured in
     docs/benchmarks.md: 4 in flight cost tiny 4.7% validation loss at 98k tokens; the
     manifest's `inner.weight_prediction` wins back part of it, and with the Muon inner

@@ -83,22 +83,6 @@ class ControlError(Exception):
     """A control call or the control server failed; the message is one line."""
 
 
-def default_control_socket(home_dir: Path | None = None, env: dict[str, str] | None = None) -> Path:
-    """Where the daemon listens and `agora-node leave` calls by default.
-
-    `$XDG_RUNTIME_DIR/agora-node/control.sock` when XDG_RUNTIME_DIR is set (a
-    per-user tmpfs on systemd hosts, cleaned at logout), else
-    `<home_dir>/control.sock` with `home_dir` defaulting to `~/.agora-node`.
-    Two daemons of one user on one host need distinct `--control-socket` paths.
-    """
-    env = os.environ if env is None else env
-    runtime = env.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return Path(runtime) / "agora-node" / "control.sock"
-    base = home_dir if home_dir is not None else Path.home() / ".agora-node"
-    return Path(base) / "control.sock"
-
-
 def _encode(obj: Any) -> bytes:
     return json.dumps({} if obj is None else obj).encode()
 

@@ -9,8 +9,8 @@ Lifecycle (DESIGN.md "Joining, stage choice, leaving"):
      publish a signed record every few seconds; SWIM decides who is alive;
      now and then re-evaluate the stage (placement.should_switch) and move by
      closing the service and opening the next;
-  5. on a stop signal (run.py) or `agora-node leave`: announce leaving, drain the
-     service, checkpoint, withdraw the record, exit 0.
+  5. on a stop signal (run.py) or `agora-node leave`: withdraw the record (which
+     announces leaving), drain the service, checkpoint, exit 0.
 A private swarm (`--allow-keys`): everything from unlisted peers is refused and
 counted; a node that the swarm's peers refuse stops with their one-line refusal
 (comms/admission.py) and exit code 1. SIGUSR1 re-reads the allow list.

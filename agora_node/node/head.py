@@ -20,22 +20,13 @@ import torch
 
 from agora_node.comms.pipeline_wire import ForwardHeader
 from agora_node.node.pipeline import Pipeline
-from agora_node.protocol.manifest import InnerSpec
 from agora_node.stages.data import TokenBatch, TokenWindows
+from agora_node.stages.memory import heads_in_flight
 
 log = logging.getLogger(__name__)
 
 HELPER_RECHECK_S = 1.0
 """How often a head that helps a cell (and so injects nothing) looks whether it still does."""
-
-
-def default_in_flight(spec: InnerSpec) -> int:
-    """Micro-batches a head keeps in flight unless told (`--max-in-flight 0`): one inner
-    step's worth, so no gradient lands more than a step late; two steps' worth when the
-    manifest turns on weight prediction, which is there to correct that staleness (with
-    the Muon optimizer 4 in flight ended within 0.4% of 2 on tiny: docs/benchmarks.md)."""
-    per_step = spec.local_batch // spec.micro_batch
-    return 2 * per_step if spec.weight_prediction else per_step
 
 
 class Head:
@@ -66,7 +57,7 @@ class Head:
         (or, with max_tokens, until `trained_tokens` reaches it)."""
         limit, why = self.config.max_in_flight, "--max-in-flight"
         if not limit:
-            limit = default_in_flight(self.manifest.inner)
+            limit = heads_in_flight(self.manifest.inner)
             why = "one inner step's worth"
             if self.manifest.inner.weight_prediction:
                 why = "two inner steps' worth: the manifest predicts weights"

@@ -6,7 +6,7 @@ idea): the stage worker (weights, optimizer, compute thread), its data plane
 that injects micro-batches and validates. Switching stage is "close this
 service, open the next"; leaving is "drain, checkpoint, close".
 
-    service = await StageService.open(ctx, stage)   # load state, start loops
+    service = await StageService.open(ctx, stage, on_failure)   # load state, start loops
     ...                                              # node routes requests to it
     await service.drain(timeout)                     # stop taking work, finish it
     await service.close()

@@ -11,16 +11,15 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agora_node import __version__
+from agora_node.node.config import config_dict
 from agora_node.node.waits import describe
 from agora_node.protocol.records import NodeRecord
 
 if TYPE_CHECKING:
-    from agora_node.node.config import NodeConfig
     from agora_node.node.daemon import Node
     from agora_node.node.worker import StageWorker
     from agora_node.stages.device import Compute
@@ -256,12 +255,6 @@ def build_snapshot(node: Node) -> dict[str, Any]:
         "config": config_dict(node.config),
         "history": node.history.as_dict(),
     }
-
-
-def config_dict(config: NodeConfig) -> dict[str, Any]:
-    out = asdict(config)
-    out["manifest"] = config.manifest.run_id if config.manifest else None
-    return out
 
 
 def memory_status(compute: Compute, worker: StageWorker | None) -> dict:

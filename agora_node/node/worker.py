@@ -62,7 +62,6 @@ class _Pending:
     """Leaf input (requires grad) for stages > 0; None at stage 0."""
     out: Tensor | None
     """Boundary output with its graph, or None when only the input was kept."""
-    samples: int
     compute_s: float = 0.0
     """Seconds the forward took; the backward adds its own."""
     created: float = field(default_factory=time.monotonic)
@@ -207,7 +206,6 @@ class StageWorker:
             tokens,
             x_in,
             c_out if keep_graph else None,
-            samples=len(tokens),
             compute_s=self._busy(started),
         )
         return c_out.detach().cpu()
@@ -299,7 +297,7 @@ class StageWorker:
         """Hold a micro-batch whose forward ran elsewhere (a cell that broke) so that
         `backward` recomputes it whole on the same weight version."""
         x_in, tokens = self._inputs(c_in, tokens)
-        self._pending[mb_id] = _Pending(version, params, tokens, x_in, None, len(tokens))
+        self._pending[mb_id] = _Pending(version, params, tokens, x_in, None)
 
     @torch.no_grad()
     def mirror(self, flat: Tensor) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from agora_node.protocol.manifest import Manifest, ModelSpec
+from agora_node.protocol.manifest import InnerSpec, Manifest, ModelSpec
 from agora_node.stages.device import PLAIN, OptimizerMode
 
 
@@ -221,12 +221,21 @@ def graph_budget(
     return max(0, min(most, int(room // per_graph)))
 
 
+def heads_in_flight(spec: InnerSpec) -> int:
+    """Micro-batches a head keeps in flight unless told (`--max-in-flight 0`): one inner
+    step's worth, so no gradient lands more than a step late; two steps' worth when the
+    manifest turns on weight prediction, which is there to correct that staleness (with
+    the Muon optimizer 4 in flight ended within 0.4% of 2 on tiny: docs/benchmarks.md)."""
+    per_step = spec.local_batch // spec.micro_batch
+    return 2 * per_step if spec.weight_prediction else per_step
+
+
 def default_in_flight(manifest: Manifest, stage: int) -> int:
-    """Micro-batches whose graphs a stage keeps at once with the daemons' defaults: one
-    inner step's worth (`--max-in-flight 0`); the last stage keeps none past its backward."""
+    """Micro-batches whose graphs a stage keeps at once with the daemons' defaults: what a
+    head keeps in flight (`heads_in_flight`); the last stage keeps none past its backward."""
     if stage == manifest.num_stages - 1:
         return 1
-    return manifest.inner.local_batch // manifest.inner.micro_batch
+    return heads_in_flight(manifest.inner)
 
 
 def adam_state_bytes(values: int, states: str = "fp32", dtype_bytes: int = 4) -> int:

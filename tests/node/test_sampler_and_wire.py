@@ -19,9 +19,10 @@ from agora_node.comms.pipeline_wire import (
     encode_forward,
     encode_tokens,
 )
-from agora_node.node.head import Sampler, default_in_flight
+from agora_node.node.head import Sampler
 from agora_node.stages.data import TokenWindows, document_ids
 from agora_node.stages.manifest_files import load_manifest
+from agora_node.stages.memory import default_in_flight, heads_in_flight
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,9 +30,11 @@ pytestmark = pytest.mark.timeout(60)
 def test_a_head_keeps_one_steps_worth_in_flight_or_two_with_weight_prediction():
     tiny = load_manifest("tiny").inner
     assert (tiny.local_batch, tiny.micro_batch, tiny.weight_prediction) == (16, 8, False)
-    assert default_in_flight(tiny) == 2
+    assert heads_in_flight(tiny) == 2
     slow_links = Path(__file__).resolve().parents[2] / "bench/manifests/tiny-async.toml"
-    assert default_in_flight(load_manifest(str(slow_links)).inner) == 4
+    slow = load_manifest(str(slow_links))
+    assert heads_in_flight(slow.inner) == 4
+    assert default_in_flight(slow, 0) == 4  # what --dry-run's memory plan counts, too
 
 
 def test_two_heads_never_train_the_same_sample_in_an_epoch():

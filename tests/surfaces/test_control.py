@@ -15,7 +15,6 @@ from agora_node.node.control import (
     ControlServer,
     control_call,
     control_call_sync,
-    default_control_socket,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -145,10 +144,3 @@ async def test_sync_wrapper(control, sock: Path):
     # that this test's loop keeps serving.
     result = await asyncio.to_thread(control_call_sync, sock, "Checkpoint")
     assert result == {"path": "/ckpt/step-121.pt"}
-
-
-def test_default_socket_path(tmp_path: Path):
-    env = {"XDG_RUNTIME_DIR": "/run/user/1000"}
-    assert default_control_socket(env=env) == Path("/run/user/1000/agora-node/control.sock")
-    assert default_control_socket(tmp_path, env={}) == tmp_path / "control.sock"
-    assert default_control_socket(env={}).parent == Path.home() / ".agora-node"

@@ -298,9 +298,6 @@ class RoundState:
     def final(self, span: int) -> Final | None:
         return self.spans[span].final
 
-    def complete(self) -> bool:
-        return all(s.final is not None for s in self.spans)
-
 
 class RoundBook:
     """The states of recent collectives of this member, looked up by RPC handlers.

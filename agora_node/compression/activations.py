@@ -90,9 +90,10 @@ class ActivationCodec:
         return y
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        """What the receiver of x decodes: x through encode and decode, in x's dtype."""
-        frame = self.encode(x.detach().float().contiguous())
-        return self.decode(frame, tuple(x.shape)).to(x.dtype)
+        """What the receiver of x decodes: x through encode and decode (on the host, as on
+        the wire), back on x's device in x's dtype."""
+        frame = self.encode(x.detach().float().cpu().contiguous())
+        return self.decode(frame, tuple(x.shape)).to(x.device, x.dtype)
 
 
 GradRounding = Literal["nearest", "stochastic", "feedback"]
@@ -138,9 +139,9 @@ class GradientSender:
         return frame
 
     def round_trip(self, grad: torch.Tensor) -> torch.Tensor:
-        """What the upstream stage decodes of `grad`, in its dtype."""
-        frame = self.encode(grad.detach().float().contiguous())
-        return self.codec.decode(frame, tuple(grad.shape)).to(grad.dtype)
+        """What the upstream stage decodes of `grad`, on its device in its dtype."""
+        frame = self.encode(grad.detach().float().cpu().contiguous())
+        return self.codec.decode(frame, tuple(grad.shape)).to(grad.device, grad.dtype)
 
 
 class _Wire(torch.autograd.Function):

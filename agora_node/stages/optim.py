@@ -91,6 +91,17 @@ class AdamW8bit(torch.optim.Optimizer):
     def __init__(self, params, lr: float, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):  # noqa: ANN001
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch casts floating-point state to its parameter's dtype on load: the float8
+        codes would come back as float32, four times the memory this optimizer is chosen
+        to save (until the next step re-quantized them). Cast back (exact: every value
+        is a float8 one)."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("m_codes", "r_codes"):
+                if key in state:
+                    state[key] = state[key].to(torch.float8_e4m3fn)
+
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch signature
         for group in self.param_groups:

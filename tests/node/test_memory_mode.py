@@ -236,3 +236,20 @@ def test_the_local_trainer_steps_in_backward_to_the_same_weights():
     assert trainers[1].optimizer.steps == 3
     for name, p in plain.items():
         torch.testing.assert_close(fused[name], p, rtol=1e-5, atol=1e-7)
+
+
+def test_8bit_moments_stay_8bit_through_a_checkpoint():
+    # torch casts floating state to the parameter's dtype on load: float32 codes would
+    # hold the moments in four times the memory the option is chosen to save
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = AdamW8bit([p], lr=1e-2)
+    p.grad = torch.randn(300)
+    opt.step()
+    saved = {k: v for k, v in opt.state[p].items()}
+    restored = AdamW8bit([p], lr=1e-2)
+    restored.load_state_dict(opt.state_dict())
+    state = restored.state[p]
+    assert state["m_codes"].dtype == state["r_codes"].dtype == torch.float8_e4m3fn
+    assert torch.equal(state["m_codes"].float(), saved["m_codes"].float())
+    assert torch.equal(state["r_scale"], saved["r_scale"])

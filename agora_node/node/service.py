@@ -15,6 +15,7 @@ service, open the next"; leaving is "drain, checkpoint, close".
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -129,8 +130,9 @@ class StageService:
     ) -> StageService:
         """Load the stage's state (replica, checkpoint or init) and start serving it."""
         compute = ctx.compute
+        free = await asyncio.to_thread(compute.free_bytes)  # CUDA calls: never on the loop
         graphs = memory.graph_budget(
-            ctx.manifest, stage, compute.free_bytes(), compute.optimizer_mode, most=MAX_GRAPHS
+            ctx.manifest, stage, free, compute.optimizer_mode, most=MAX_GRAPHS
         )
         if graphs < MAX_GRAPHS:
             log.info(
@@ -139,12 +141,17 @@ class StageService:
                 compute.device,
                 graphs,
             )
-        worker = StageWorker(
-            ctx.manifest,
-            stage,
-            max_graphs=graphs,
-            compute=compute,
-            predict_weights=ctx.manifest.inner.weight_prediction,
+        # building the stage and moving it to its device takes seconds on a GPU: off the
+        # loop, which keeps serving SWIM, the directory and the control API meanwhile
+        worker = await asyncio.to_thread(
+            functools.partial(
+                StageWorker,
+                ctx.manifest,
+                stage,
+                max_graphs=graphs,
+                compute=compute,
+                predict_weights=ctx.manifest.inner.weight_prediction,
+            )
         )
         try:
             loaded = await joining.load_state(ctx, worker)
@@ -162,7 +169,7 @@ class StageService:
             if loaded.outer is not None:
                 outer.load_state_dict(loaded.outer, warming=loaded.warming)
             else:
-                outer.reset_to_weights()
+                await worker.call(outer.reset_to_weights)
         except BaseException:
             worker.close()
             raise

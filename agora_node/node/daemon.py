@@ -27,7 +27,7 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 
 from agora_node.comms import admission, reachability
 from agora_node.comms.directory import (
@@ -202,6 +202,7 @@ class Node:
             me=self.peer_id,
             config=cfg.pipeline,
             on_refuse=self.metrics.count_refused,
+            joiners=lambda: {r.peer_id for r in self.view.get(self.stage, [])},
         )
         refuse = admission.refuser(self.admittance.allow, self.peer_id, "reachability")
         await self.dialback.serve(self.host, m.run_id, cfg.host_maddrs, refuse)
@@ -215,7 +216,8 @@ class Node:
         )
         # routes before the state is fetched: it may come from a replica behind NAT
         await self._refresh_relay([a for a in self.addrs if not is_relayed(a)])
-        await self._open_service(stage)
+        async with self._kept_announced():  # replicas send state only to announced peers
+            await self._open_service(stage)
         self._loops.spawn(self._refresh_loop())
         self._loops.spawn(self._reachability_loop())
         self._loops.spawn(self._status_loop())
@@ -250,7 +252,9 @@ class Node:
 
     # ---- serving --------------------------------------------------------------------------
     async def _open_service(self, stage: int) -> None:
-        self.state, self.stage = NodeState.WARMING, stage
+        # joining until it serves: a joiner's record (kept fresh while it loads, so that
+        # replicas send it their state) must not count as a replica that attests nothing
+        self.state, self.stage = NodeState.JOINING, stage
         ctx = ServiceContext(
             manifest=self.manifest,
             config=self.config,
@@ -347,6 +351,25 @@ class Node:
         addrs_of = {r.peer_id: r.addrs for records in self.view.values() for r in records}
         self.addrs = (await self.dialback.refresh_relay(self.host, direct, addrs_of))[:MAX_ADDRS]
 
+    @contextlib.asynccontextmanager
+    async def _kept_announced(self) -> AsyncIterator[None]:
+        """Our record refreshed every refresh_s inside (the refresh loop starts once the
+        first stage is open): a joiner's record must stay fresh while it loads its state."""
+
+        async def refresh() -> None:
+            while not self.stop_event.is_set():
+                await self._wait_stop(self.config.refresh_s)
+                if not self.stop_event.is_set():
+                    await self._publish()
+
+        task = asyncio.create_task(refresh())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
     async def _wait_stop(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.stop_event.wait(), seconds)
@@ -412,6 +435,8 @@ class Node:
         await self.service.drain(self.config.drain_timeout_s)
         await self.checkpoint()
         old, self.service = self.service, None  # requests meanwhile: "not ready", retry elsewhere
+        self.state, self.stage = NodeState.JOINING, stage
+        await self._publish()  # the new stage's replicas send their state only to its peers
         await old.close()
         del old  # the new stage measures free memory: the old one must be gone by then
         await asyncio.to_thread(self.compute.release_memory)

@@ -18,7 +18,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -336,12 +336,16 @@ async def serve_endpoints(
     me: str = "",
     config: PipelineConfig,
     on_refuse: Callable[[str, str], None] | None = None,
+    joiners: Callable[[], Collection[str]] | None = None,
 ) -> None:
     """Register the run's protocols once per node; each request goes to the service of the
     moment: `serving()` takes micro-batches, `offering_state()` sends its state to joiners
     (None while joining, switching or leaving). `served` logs the states sent (last 20).
     Both protocols sit behind a Guard (comms/guard.py) whose refusals go to `on_refuse`.
-    With `allow` (a private swarm), streams of unlisted peers get `me`'s refusal."""
+    With `allow` (a private swarm), streams of unlisted peers get `me`'s refusal.
+    `joiners()`: the peers with a record at the stage this node serves; only they are
+    sent its state (a joiner announces itself there first), so strangers cannot hold the
+    few transfer slots a replica has."""
 
     async def forward(remote: str, data: bytes):  # noqa: ANN202 - async generator
         service = serving()
@@ -377,5 +381,24 @@ async def serve_endpoints(
         guard=Guard("forward", forward_limits(config), on_refuse=on_refuse),
         refuse=refuse,
     )
-    await state_transfer.serve_state(host.p2p, run_id, state, refuse=refuse, on_refuse=on_refuse)
+    await state_transfer.serve_state(
+        host.p2p, run_id, state, refuse=state_refuser(refuse, joiners), on_refuse=on_refuse
+    )
     await admission.serve_admission(host.p2p, run_id, admission.refuser(allow, me, "admission"))
+
+
+def state_refuser(
+    refuse: Callable[[str], str | None] | None, joiners: Callable[[], Collection[str]] | None
+) -> Callable[[str], str | None] | None:
+    """Who may ask this node for its stage's state: `refuse`'s (a private swarm's allow
+    list), and then only peers with a record at its stage (`joiners()`)."""
+    if joiners is None:
+        return refuse
+
+    def refuse_state(remote: str) -> str | None:
+        refusal = refuse(remote) if refuse is not None else None
+        if refusal is None and remote not in joiners():
+            refusal = f"no record of {remote[-8:]} at this node's stage: announce one first"
+        return refusal
+
+    return refuse_state

@@ -184,7 +184,7 @@ async def _send_raw(
     answered, or after 10 s): (replies, refusals seen, the stranger's answer)."""
     from hivemind.p2p import PeerID
 
-    from agora_node.comms import streams
+    from agora_node.comms import state_transfer, streams
     from agora_node.comms.directory import Directory
     from agora_node.comms.host import Host, HostConfig
     from agora_node.comms.pipeline_wire import decode_response
@@ -198,6 +198,9 @@ async def _send_raw(
     try:
         name = forward_protocol(manifest.run_id)
         as_stranger = await streams.request(host.p2p, target, name, probe, timeout=30)
+        # nor is a stranger sent the stage's state (its record is at no stage)
+        with pytest.raises(state_transfer.StateTransferError, match="no record of"):
+            await state_transfer.fetch_state(host.p2p, manifest.run_id, target, 1, timeout=30)
         directory = Directory(host, identity, manifest.run_id, manifest.num_stages)
         record = NodeRecord(
             run_id=manifest.run_id, peer_id=identity.peer_id, stage=0, state="active"

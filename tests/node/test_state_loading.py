@@ -382,3 +382,15 @@ async def test_a_source_that_could_not_send_is_asked_after_the_others_next_pass(
     # pass 2: the replica not yet asked before the one that failed, whatever it claims
     assert asked == ["first", "joined"]
     assert loaded.origin["source"] == "joined"
+
+
+def test_a_replica_sends_its_state_only_to_peers_with_a_record_at_its_stage():
+    from agora_node.node.service import state_refuser
+
+    joiners = {"joiner"}
+    refuse = state_refuser(None, lambda: joiners)
+    assert refuse("joiner") is None
+    assert "no record of" in refuse("stranger")  # refused before anything is read
+    listed = state_refuser(lambda peer: None if peer == "listed" else "not listed", lambda: joiners)
+    assert listed("joiner") == "not listed"  # a private swarm's refusal comes first
+    assert state_refuser(None, None) is None  # nothing to check: served as before

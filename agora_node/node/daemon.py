@@ -171,22 +171,7 @@ class Node:
         await joining.check_identity_unused(
             self.directory, self.peer_id, self.started_at, cfg.refresh_s
         )
-        self.can_hold = joining.stages_fitting(m, self.compute)
-        if cfg.stage == "auto":
-            choice = await joining.settle_stage(
-                self.directory,
-                m,
-                self.peer_id,
-                self._announce_joining,
-                settle_s=cfg.settle_s,
-                rounds=cfg.settle_rounds,
-                can_hold=self.can_hold,
-            )
-            stage, self.stage_choice_reason = choice.stage, choice.reason
-        else:
-            stage, self.stage_choice_reason = joining.fixed_stage(m, cfg.stage), "fixed by --stage"
-            await self._announce_joining(stage)
-        joining.check_fits(m, stage, self.compute)
+        stage = await self._choose_stage()
         self.view = await self.directory.fetch()
         refusal = await self._ask_admission()
         if refusal is not None:  # an unlisted node: say so now, not after waiting for state
@@ -240,6 +225,29 @@ class Node:
         await self._publish()
         log.info("stage %d active after %.1fs", stage, time.time() - self.started_at)
         self.telemetry.start()
+
+    async def _choose_stage(self) -> int:
+        """The stage to serve (`--stage auto`: settled with the other joiners; or the one
+        asked for), announced as joining there; JoinError if this device cannot hold it."""
+        cfg, m = self.config, self.manifest
+        # probes the device's free memory (a CUDA call): off the loop
+        self.can_hold = await asyncio.to_thread(joining.stages_fitting, m, self.compute)
+        if cfg.stage == "auto":
+            choice = await joining.settle_stage(
+                self.directory,
+                m,
+                self.peer_id,
+                self._announce_joining,
+                settle_s=cfg.settle_s,
+                rounds=cfg.settle_rounds,
+                can_hold=self.can_hold,
+            )
+            stage, self.stage_choice_reason = choice.stage, choice.reason
+        else:
+            stage, self.stage_choice_reason = joining.fixed_stage(m, cfg.stage), "fixed by --stage"
+            await self._announce_joining(stage)
+        await asyncio.to_thread(joining.check_fits, m, stage, self.compute)
+        return stage
 
     async def _announce_joining(self, stage: int) -> None:
         if self.stage is not None and self.stage != stage:
@@ -512,4 +520,6 @@ class Node:
         while not self.stop_event.is_set():
             self._snapshot = build_snapshot(self)
             record_history(self)
+            if self.service is not None:  # what rounds.outvoted judges this replica's anchor by
+                self.service.rounds.note_replica_anchors(self.view.get(self.service.index, []))
             await self._wait_stop(1.0)

@@ -112,13 +112,11 @@ def node_record(node: Node) -> NodeRecord:
 
 
 def record_history(node: Node) -> None:
-    """One point per status refresh for the dashboard's plots; the anchors the stage's
-    other replicas attest, for the rounds' agreement."""
+    """One point per status refresh for the dashboard's plots."""
     if node.stats.losses:
         node.history.add("loss", node.stats.losses[-1])
     if node.service is not None:
         node.history.add("throughput", node.service.worker.stats.throughput)
-        node.service.rounds.note_replica_anchors(node.view.get(node.service.index, []))
 
 
 def flags_by_peer(rounds: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, int]]:

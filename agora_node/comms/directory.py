@@ -130,6 +130,32 @@ class Directory:
         return newest_per_peer(by_stage, include_leaving=include_leaving)
 
 
+class RecentPeers:
+    """The peers whose records were read at each stage within the last `keep_s` seconds.
+
+    Who may send a stage micro-batches, or ask it for its state: a leaving peer's record
+    drops out of the view at once (it still drains), and a failed directory read empties
+    the view for one refresh. Bounded: what `keep_s` of reads kept (256 per stage each)."""
+
+    def __init__(self, keep_s: float) -> None:
+        self.keep_s = keep_s
+        self._seen: dict[tuple[int, str], float] = {}
+
+    def note(self, view: Snapshot, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for stage, records in view.items():
+            for r in records:
+                self._seen[(stage, r.peer_id)] = now
+        for key in [k for k, at in self._seen.items() if now - at > self.keep_s]:
+            del self._seen[key]
+
+    def at(self, stage: int, now: float | None = None) -> set[str]:
+        now = time.monotonic() if now is None else now
+        return {
+            peer for (s, peer), at in self._seen.items() if s == stage and now - at <= self.keep_s
+        }
+
+
 def newest_per_peer(by_stage: Snapshot, *, include_leaving: bool = False) -> Snapshot:
     """One record per peer, its newest (a node that moved left an older one behind,
     and an older one may be replayed while still fresh); leaving ones dropped unless asked."""

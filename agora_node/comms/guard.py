@@ -50,6 +50,8 @@ class Reason(StrEnum):
     DEADLINE = "deadline"
     OVERSIZED = "oversized"
     """A message announced more bytes than the protocol's cap (refused before reading it)."""
+    NO_RECORD = "no_record"
+    """The peer asked for a stage's state without a record at that stage (node/service.py)."""
 
 
 ADMISSION = (Reason.BUSY, Reason.PEER_STREAMS, Reason.RATE)

@@ -5,9 +5,10 @@ two digests: the anchor's, and the anchor's with the outer momentum
 (`anchor_round`, `anchor_digest`, `outer_digest`). Replicas that finished the
 same round with the same group hold equal anchors, so honest replicas attest
 the same triple. A joiner adopts an anchor only when a strict majority of the
-stage's live replicas (every ACTIVE or WARMING record but its own, attesting or
-not) attest its (round, digest); the momentum only when a strict majority also
-attest the joint digest, else it starts from zero momentum. One peer's claims
+stage's live replicas (every ACTIVE record but its own, attesting or not, and the
+WARMING ones that attest an anchor) attest its (round, digest); the momentum only
+when a strict majority also attest the joint digest, else it starts from zero
+momentum. One peer's claims
 (inner_step, queue, anything) decide nothing.
 
 Pure functions, tested without a network.
@@ -67,15 +68,15 @@ def _is_digest(value: object) -> bool:
 
 
 def live_replicas(records: Iterable[NodeRecord], stage: int, me: str) -> list[NodeRecord]:
-    """The records that count: this stage's ACTIVE or WARMING replicas other than `me`,
-    one per peer id."""
+    """The records that count: this stage's ACTIVE replicas other than `me`, and its
+    WARMING ones that attest an anchor (one without is a node still loading its state,
+    which neither backs nor blocks a majority), one per peer id."""
     by_peer: dict[str, NodeRecord] = {}
     for r in records:
-        if (
-            r.stage == stage
-            and r.peer_id != me
-            and r.state in (NodeState.ACTIVE, NodeState.WARMING)
-        ):
+        counts = r.state == NodeState.ACTIVE or (
+            r.state == NodeState.WARMING and bool(r.anchor_digest)
+        )
+        if r.stage == stage and r.peer_id != me and counts:
             by_peer.setdefault(r.peer_id, r)
     return list(by_peer.values())
 

@@ -33,6 +33,7 @@ from agora_node.comms import admission, reachability
 from agora_node.comms.directory import (
     MANIFEST_TTL_S,
     Directory,
+    RecentPeers,
     Snapshot,
     list_runs,
     publish_manifest,
@@ -109,6 +110,9 @@ class Node:
         self.host: Host | None = None
         self.directory: Directory | None = None
         self.view: Snapshot = {}
+        self.recent = RecentPeers(keep_s=max(60.0, 2 * config.record_ttl_s))
+        """Peers read at each stage lately (leaving ones too): who may send this node
+        micro-batches or ask it for state."""
         self.addrs: list[str] = []
         self.peerbook = PeerBook(config.data_dir)
         """Peers seen, remembered in the data dir: a restart rejoins without the bootstrap."""
@@ -173,6 +177,7 @@ class Node:
         )
         stage = await self._choose_stage()
         self.view = await self.directory.fetch()
+        self.recent.note(self.view)
         refusal = await self._ask_admission()
         if refusal is not None:  # an unlisted node: say so now, not after waiting for state
             raise JoinError(refusal)
@@ -187,7 +192,7 @@ class Node:
             me=self.peer_id,
             config=cfg.pipeline,
             on_refuse=self.metrics.count_refused,
-            joiners=lambda: {r.peer_id for r in self.view.get(self.stage, [])},
+            joiners=lambda: self.recent.at(self.stage),
         )
         refuse = admission.refuser(self.admittance.allow, self.peer_id, "reachability")
         await self.dialback.serve(self.host, m.run_id, cfg.host_maddrs, refuse)
@@ -260,9 +265,9 @@ class Node:
 
     # ---- serving --------------------------------------------------------------------------
     async def _open_service(self, stage: int) -> None:
-        # joining until it serves: a joiner's record (kept fresh while it loads, so that
-        # replicas send it their state) must not count as a replica that attests nothing
-        self.state, self.stage = NodeState.JOINING, stage
+        # warming while it loads (placement counts it where it is); its record attests no
+        # anchor yet, so joiners do not count it as a replica (attestation.live_replicas)
+        self.state, self.stage = NodeState.WARMING, stage
         ctx = ServiceContext(
             manifest=self.manifest,
             config=self.config,
@@ -270,6 +275,7 @@ class Node:
             identity=self.identity,
             peers_of=self._peers_of,
             records_of=lambda s: self.view.get(s, []),
+            recent_at=self.recent.at,
             fetch_records=self.directory.fetch,
             rtt_of=self.liveness.rtt,
             stats=self.stats,
@@ -307,6 +313,7 @@ class Node:
                 runs = await list_runs(self.host, self.directory.rejected)
                 self.runs_seen = [{"run_id": r.run_id, "name": r.name} for r in runs]
             self.view = await self.directory.fetch()
+            self.recent.note(self.view)
             if self.service is not None:
                 self.service.pipeline.update_view([r for rs in self.view.values() for r in rs])
                 self.service.regroup()
@@ -368,7 +375,10 @@ class Node:
             while not self.stop_event.is_set():
                 await self._wait_stop(self.config.refresh_s)
                 if not self.stop_event.is_set():
-                    await self._publish()
+                    try:
+                        await self._publish()
+                    except Exception as exc:  # the next refresh tries again; never the open's error
+                        log.warning("could not refresh our record while joining: %r", exc)
 
         task = asyncio.create_task(refresh())
         try:
@@ -443,7 +453,7 @@ class Node:
         await self.service.drain(self.config.drain_timeout_s)
         await self.checkpoint()
         old, self.service = self.service, None  # requests meanwhile: "not ready", retry elsewhere
-        self.state, self.stage = NodeState.JOINING, stage
+        self.state, self.stage = NodeState.WARMING, stage
         await self._publish()  # the new stage's replicas send their state only to its peers
         await old.close()
         del old  # the new stage measures free memory: the old one must be gone by then

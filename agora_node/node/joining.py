@@ -203,6 +203,9 @@ RESYNC_DEADLINE_S = 30.0
 """A running replica's search for its stage's majority state gives up after this: its outer
 rounds wait meanwhile, and a later round's anchor mix may still bring it back."""
 STATE_POLL_S = 1.0
+GOOD_STATE_RATE = 4 << 20
+"""Bytes per second (32 Mbit/s) at which a source always gets the time its stage's state
+needs, within the search's time left, however many sources are left to ask."""
 """Between directory reads while no strict majority attests a state."""
 
 
@@ -254,15 +257,17 @@ async def _from_replicas(
         if plan.majority is not None and not plan.sources and not stale:
             return None  # every attester of the majority was rejected
         # who could not send before is asked last, and no source may spend more than its
-        # share of the time left: a liar that claims to be idle and then trickles bytes
-        # would otherwise be asked first every pass and hold the whole search
+        # share of the time left, or what the state takes at GOOD_STATE_RATE when that is
+        # more: a liar that claims to be idle and then trickles bytes would otherwise be
+        # asked first every pass and hold the whole search
         sources = sorted(plan.sources, key=lambda p: p in search.unavailable)
         for i, source in enumerate(sources):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            share = remaining / (len(sources) - i)
-            verdict, got = await _try_source(ctx, stage, numel, source, plan, share)
+            needs = state_blob.max_bytes(numel) / GOOD_STATE_RATE
+            budget = min(remaining, max(remaining / (len(sources) - i), needs))
+            verdict, got = await _try_source(ctx, stage, numel, source, plan, budget)
             if verdict == attestation.Verdict.ADOPT:
                 return await _adopt(worker, source, plan, got, search.rejected, search.unavailable)
             if verdict == attestation.Verdict.STALE:

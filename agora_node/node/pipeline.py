@@ -211,7 +211,9 @@ class Pipeline:
             busy = exc.code in _BUSY
             if exc.code not in _UNCOUNTED:
                 self.events.count_microbatch("rejected", code=exc.code.value)
-                log.info("rejected micro-batch from %s: %s (%s)", remote[-8:], exc.code.value, exc)
+                # strangers cause unknown_sender by the thousand: counted, logged at debug
+                level = logging.DEBUG if exc.code == Code.UNKNOWN_SENDER else logging.INFO
+                log.log(level, "rejected micro-batch from %s: %s (%s)", remote[-8:], exc.code, exc)
             return error_response(Status.BUSY if busy else Status.REJECTED, exc.code, str(exc))
         try:
             if header.probe:
@@ -385,15 +387,21 @@ class Pipeline:
             self.canaries.sent(header, tokens, encoded)
         deadline = time.monotonic() + self.config.deadline_s
         tried: set[str] = set()
-        rejected = 0
+        rejected_by: set[str] = set()
+        """One replica's REJECTED does not drop a micro-batch (a stranger could say it of
+        every one); MAX_REJECTIONS replicas' does: an honest sender's is not malformed."""
         while time.monotonic() < deadline:
             candidates = [p for p in self._replicas(header.stage) if p != self.peer_id]
             trusted = [p for p in candidates if not self.suspects.is_banned(p)]
             # banned replicas only when the stage has nobody else (their replies are checked)
-            peer = self._router.choose(trusted or candidates, time.monotonic(), exclude=tried)
+            peer = self._router.choose(
+                trusted or candidates, time.monotonic(), exclude=tried | rejected_by
+            )
             if peer is None:
-                if not self.accepting or rejected:
-                    return None  # leaving, or every replica tried refused or rejected it
+                if not self.accepting:  # leaving: finish what can finish, don't wait for new peers
+                    return None
+                if rejected_by and set(candidates) <= rejected_by:
+                    return None  # nobody left but those who rejected it
                 tried.clear()  # everyone failed once or nobody is there: wait for the swarm to change
                 await asyncio.sleep(0.25)
                 continue
@@ -401,12 +409,11 @@ class Pipeline:
             if isinstance(result, tuple):
                 return result
             if result == "rejected":
-                # one replica's word does not drop a micro-batch (a stranger could say it
-                # of every one); two replicas' does: an honest sender's is not malformed
-                rejected += 1
-                if rejected >= MAX_REJECTIONS:
+                rejected_by.add(peer)
+                if len(rejected_by) >= MAX_REJECTIONS:
                     return None
-            tried.add(peer)
+            else:
+                tried.add(peer)
         return None
 
     def _replicas(self, stage: int) -> list[str]:

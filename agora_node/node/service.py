@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from agora_node.comms import admission, state_transfer, streams
-from agora_node.comms.guard import Guard
+from agora_node.comms.guard import Guard, Reason
 from agora_node.comms.host import Host
 from agora_node.comms.pipeline_wire import Code, Status, error_response
 from agora_node.node import joining
@@ -68,6 +68,9 @@ class ServiceContext:
     """Live, active replicas of a stage (directory minus what SWIM declared gone)."""
     records_of: Callable[[int], list[NodeRecord]]
     """The directory's records of a stage, as last read."""
+    recent_at: Callable[[int], set[str]]
+    """Peers whose records were read at a stage lately, leaving ones included
+    (directory.RecentPeers): who may send a stage micro-batches."""
     fetch_records: Callable[[], Any]
     """Read the directory now (async): {stage: [NodeRecord]}."""
     rtt_of: Callable[[str], float | None] = lambda _peer: None
@@ -111,7 +114,7 @@ class StageService:
             stats=ctx.stats,
             suspects=ctx.suspects,
             rtt_of=ctx.rtt_of,
-            senders=lambda: {r.peer_id for r in ctx.records_of(worker.index - 1)},
+            senders=lambda: ctx.recent_at(worker.index - 1),
         )
         self.final_val_loss: float | None = None
         self._stop = asyncio.Event()
@@ -382,16 +385,23 @@ async def serve_endpoints(
         refuse=refuse,
     )
     await state_transfer.serve_state(
-        host.p2p, run_id, state, refuse=state_refuser(refuse, joiners), on_refuse=on_refuse
+        host.p2p,
+        run_id,
+        state,
+        refuse=state_refuser(refuse, joiners, on_refuse),
+        on_refuse=on_refuse,
     )
     await admission.serve_admission(host.p2p, run_id, admission.refuser(allow, me, "admission"))
 
 
 def state_refuser(
-    refuse: Callable[[str], str | None] | None, joiners: Callable[[], Collection[str]] | None
+    refuse: Callable[[str], str | None] | None,
+    joiners: Callable[[], Collection[str]] | None,
+    on_refuse: Callable[[str, str], None] | None = None,
 ) -> Callable[[str], str | None] | None:
     """Who may ask this node for its stage's state: `refuse`'s (a private swarm's allow
-    list), and then only peers with a record at its stage (`joiners()`)."""
+    list), and then only peers with a record at its stage (`joiners()`); those refusals
+    are counted as ("state", "no_record")."""
     if joiners is None:
         return refuse
 
@@ -399,6 +409,8 @@ def state_refuser(
         refusal = refuse(remote) if refuse is not None else None
         if refusal is None and remote not in joiners():
             refusal = f"no record of {remote[-8:]} at this node's stage: announce one first"
+            if on_refuse is not None:
+                on_refuse("state", Reason.NO_RECORD.value)
         return refusal
 
     return refuse_state

@@ -65,12 +65,15 @@ def test_live_replicas_are_the_stage_active_or_warming_once_per_peer_and_not_me(
         rec("p1"),
         rec("p1", OTHER),  # a second record of the same peer counts once
         rec("p2", state="warming"),
+        rec("loading", "", state="warming"),  # still loading its state: attests nothing
         rec("p3", state="joining"),
         rec("p4", state="leaving"),
         rec("me"),
         NodeRecord(run_id="r", peer_id="p5", stage=2, state="active"),
     ]
     assert [r.peer_id for r in live_replicas(records, 1, "me")] == ["p1", "p2"]
+    # an active replica that attests nothing still counts (against any majority)
+    assert [r.peer_id for r in live_replicas([rec("old", "")], 1, "me")] == ["old"]
 
 
 def test_momentum_needs_its_own_strict_majority():

@@ -172,3 +172,45 @@ def test_a_reply_whose_loss_is_no_loss_is_refused(head, monkeypatch, loss, train
     assert asked[0] == "liar" and head.suspects.is_banned("liar")
     (row,) = head.suspects.status()["banned"]
     assert row["reason"] == Reason.NONFINITE.value
+
+
+def test_recent_peers_remember_a_stage_s_senders_a_while_after_their_record_leaves_the_view():
+    from agora_node.comms.directory import RecentPeers
+    from agora_node.protocol.records import NodeRecord
+
+    def record(peer: str, stage: int) -> NodeRecord:
+        return NodeRecord(run_id="r", peer_id=peer, stage=stage, state="active")
+
+    recent = RecentPeers(keep_s=60)
+    recent.note({0: [record("head", 0)], 1: [record("mid", 1)]}, now=0.0)
+    recent.note({0: [], 1: [record("mid", 1)]}, now=10.0)  # the head left (or a read failed)
+    assert recent.at(0, now=10.0) == {"head"}  # still served while it drains
+    assert recent.at(1, now=10.0) == {"mid"}
+    recent.note({}, now=61.0)
+    assert recent.at(0, now=61.0) == set() and recent.at(1, now=61.0) == {"mid"}
+    recent.note({}, now=71.0)
+    assert recent.at(1, now=71.0) == set()
+    assert not recent._seen  # forgotten, not just hidden: bounded
+
+
+def test_a_rejection_waits_for_a_briefly_busy_replica_instead_of_dropping(head, monkeypatch):
+    _liar_first(head)
+    head.peers_of = lambda s: ["liar", "honest"]
+    answers = {"liar": "reject", "honest": "busy"}
+    asked: list[str] = []
+    shape = (M.inner.micro_batch, M.model.seq_len, head.worker.stage.boundary_width)
+
+    async def request(p2p, peer, protocol, payload, *, timeout):  # noqa: ANN001, ANN202
+        asked.append(peer)
+        if answers[peer] == "reject":
+            return error_response(Status.REJECTED, Code.BAD_SHAPE, "no")
+        if answers[peer] == "busy":
+            answers[peer] = 2.5  # busy once, then it answers
+            return error_response(Status.BUSY, Code.OVERLOADED, "full")
+        grad = head.codec.encode(torch.ones(shape))
+        return encode_response(ResponseHeader(status=Status.OK.value, loss=answers[peer]), grad)
+
+    monkeypatch.setattr(streams, "request", request)
+    reply = _send(head)
+    assert reply is not None and reply[0] == 2.5
+    assert asked.count("liar") == 1  # never asked again after it rejected

@@ -353,8 +353,12 @@ async def test_a_liar_that_claims_to_be_idle_and_then_stalls_costs_only_its_shar
     asked = _serve(monkeypatch, {"staller": "hang", "p1": good, "p2": good})
     records = [_record("staller", honest, queue=0), _record("p1", honest, queue=2)]
     records.append(_record("p2", honest, queue=2))
-    ctx = _Ctx(load_manifest("tiny"), tmp_path, records, deadline_s=3.0)
+    # tiny's stage-1 state at GOOD_STATE_RATE: 2 s; a third of the deadline is more
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, records, deadline_s=12.0)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     loaded = await joining.load_state(ctx, worker)
+    assert loop.time() - started < 6  # its share (4 s), not the 12 s deadline
     assert asked == ["staller", "p1"]
     assert loaded.origin["kind"] == "replica" and loaded.origin["source"] == "p1"
     assert "staller" in loaded.origin["unavailable"]
@@ -387,10 +391,33 @@ async def test_a_source_that_could_not_send_is_asked_after_the_others_next_pass(
 def test_a_replica_sends_its_state_only_to_peers_with_a_record_at_its_stage():
     from agora_node.node.service import state_refuser
 
-    joiners = {"joiner"}
-    refuse = state_refuser(None, lambda: joiners)
+    joiners, counted = {"joiner"}, []
+    refuse = state_refuser(None, lambda: joiners, lambda *labels: counted.append(labels))
     assert refuse("joiner") is None
     assert "no record of" in refuse("stranger")  # refused before anything is read
+    assert counted == [("state", "no_record")]
     listed = state_refuser(lambda peer: None if peer == "listed" else "not listed", lambda: joiners)
     assert listed("joiner") == "not listed"  # a private swarm's refusal comes first
     assert state_refuser(None, None) is None  # nothing to check: served as before
+
+
+async def test_a_slow_honest_source_gets_the_time_its_state_takes_at_a_good_rate(
+    worker, tmp_path, monkeypatch
+):
+    # Two sources, a 3 s deadline: a share is 1.5 s, but tiny's stage-1 state at
+    # GOOD_STATE_RATE takes 2 s, and the first source (1.75 s) is given that, not cut off.
+    honest = _honest(worker)
+    good = state_blob.encode(*honest)
+    asked: list[str] = []
+
+    async def fetch_state(p2p, run_id, peer_id, stage, *, max_bytes, timeout, **_):
+        asked.append(peer_id)
+        await asyncio.sleep(1.75)
+        return {"bytes": len(good)}, good
+
+    monkeypatch.setattr(state_transfer, "fetch_state", fetch_state)
+    records = [_record("p1", honest, queue=0), _record("p2", honest, queue=1)]
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, records, deadline_s=3.0)
+    assert 1.8 < state_blob.max_bytes(worker.trainable_numel()) / joining.GOOD_STATE_RATE < 3.0
+    loaded = await joining.load_state(ctx, worker)
+    assert asked == ["p1"] and loaded.origin["source"] == "p1"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from agora_node.comms.collective import GroupPlan, LocalNetwork, RoundBook
-from agora_node.comms.collective.handlers import MAX_WAITING_PER_PEER, Responder
+from agora_node.comms.collective.handlers import MAX_WAITING, MAX_WAITING_PER_PEER, Responder
 from agora_node.comms.collective.payload import decode_span, encode_result, plain_format
 from agora_node.comms.collective.plan import span_bounds
 from agora_node.comms.collective.state import MAX_PENDING
@@ -104,6 +104,40 @@ async def test_a_stranger_cannot_hold_handlers_waiting_for_rounds() -> None:
             task.cancel()
         await asyncio.gather(*waits, honest, return_exceptions=True)
     assert not responder._waiting  # released when the requests ended
+
+
+async def test_fresh_keys_together_cannot_hold_more_than_max_waiting_handlers() -> None:
+    book = RoundBook("peer0")
+    book.register(_plan(peers(3), round_no=10))
+    responder = Responder(book)
+    near = Header(11, "delta", b"x" * 16, 0, 0, wait=60.0)
+    keys = [f"key{i}" for i in range(MAX_WAITING // MAX_WAITING_PER_PEER)]
+    waits = [
+        asyncio.create_task(responder.on_fetch(key, near))
+        for key in keys
+        for _ in range(MAX_WAITING_PER_PEER)
+    ]
+    try:
+        deadline = time.monotonic() + 5
+        while sum(responder._waiting.values()) < MAX_WAITING:
+            assert time.monotonic() < deadline, "the waits did not start"
+            await asyncio.sleep(0.01)
+        fresh = await asyncio.wait_for(responder.on_fetch("fresh-key", near), 1.0)
+        assert fresh.code is Code.REJECTED
+    finally:
+        for task in waits:
+            task.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+
+def test_a_member_s_current_round_is_near_though_it_registered_nothing_near_it() -> None:
+    # it mixed alone, or caught up from round 5 to 9: peers' pushes for round 9 are
+    # expected, not refused as distant
+    book = RoundBook("peer0")
+    book.register(_plan(peers(3), round_no=5))
+    assert not book.near(9)
+    book.current = lambda: 9
+    assert book.near(9) and book.near(10) and book.near(5) and not book.near(20)
 
 
 async def test_a_stranger_filling_the_promise_table_leaves_room_for_the_backup() -> None:

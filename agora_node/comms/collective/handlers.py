@@ -50,6 +50,10 @@ MAX_WAITING_PER_PEER = 16
 honest member late by a round has a few per phase (push, fetch, check, query), a
 stranger could otherwise hold every stream slot for MAX_WAIT (and only near rounds wait:
 RoundBook.lookup)."""
+MAX_WAITING = 64
+"""Requests of all peers waiting for unregistered rounds at once: the collective's guard
+admits 256 streams, so requests about registered rounds always keep most of them (fresh
+keys cost nothing: the per-peer cap alone would let 16 of them hold every slot)."""
 MEMBER_REFUSALS = ("not my span", "bad weight", "late")
 """Refusals of a push from a member of the group (anything else: the sender is not one)."""
 
@@ -87,7 +91,10 @@ class Responder:
             raise LookupError(NOT_LISTED)  # before any lookup: nothing is registered for it
         if (header.round, header.phase) in self.book.states:
             state = await self.book.lookup(header.round, header.phase, header.group_id, 0.0)
-        elif self._waiting[sender] >= MAX_WAITING_PER_PEER:
+        elif (
+            self._waiting[sender] >= MAX_WAITING_PER_PEER
+            or sum(self._waiting.values()) >= MAX_WAITING
+        ):
             self.book.unknown_rejections["too many waits"] += 1
             raise LookupError("too many requests waiting for unregistered rounds")
         else:  # waits for the round to be registered: a slot held, so a few per peer

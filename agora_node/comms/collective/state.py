@@ -319,6 +319,10 @@ class RoundBook:
         self.pending: dict[tuple[int, str, bytes], dict[tuple[int, str], int]] = {}
         self.latest: int | None = None
         """The latest round registered."""
+        self.current: Callable[[], int] | None = None
+        """The round this member is in now (its outer loop's), when known: a member that
+        mixed alone or caught up registered nothing near it, yet its peers' messages about
+        it are expected."""
 
     def register(self, plan: GroupPlan) -> RoundState:
         key = (plan.round, plan.phase)
@@ -352,9 +356,11 @@ class RoundBook:
 
     def near(self, round_no: int) -> bool:
         """Whether `round_no` is within LINGER_ROUNDS behind and AHEAD_ROUNDS ahead of the
-        latest round registered (any round before the first)."""
-        latest = self.latest
-        return latest is None or latest - LINGER_ROUNDS <= round_no <= latest + AHEAD_ROUNDS
+        latest round registered or the member's current round (any round before either
+        is known)."""
+        refs = [self.latest, self.current() if self.current is not None else None]
+        refs = [r for r in refs if r is not None]
+        return not refs or any(r - LINGER_ROUNDS <= round_no <= r + AHEAD_ROUNDS for r in refs)
 
     def promise_unregistered(
         self, round_no: int, phase: str, group_id: bytes, span: int, attempt: int, asker: str

@@ -115,7 +115,8 @@ def head():
 
 
 def _replicas(monkeypatch, p: Pipeline, answers: dict) -> list[str]:
-    """answers[peer]: 'reject', or a loss (the gradient is ones)."""
+    """answers[peer]: 'reject', ('busy', loss): busy once and then that loss, or a loss
+    (the gradient is ones)."""
     asked: list[str] = []
     shape = (M.inner.micro_batch, M.model.seq_len, p.worker.stage.boundary_width)
 
@@ -123,6 +124,9 @@ def _replicas(monkeypatch, p: Pipeline, answers: dict) -> list[str]:
         asked.append(peer)
         if answers[peer] == "reject":
             return error_response(Status.REJECTED, Code.BAD_SHAPE, "no")
+        if isinstance(answers[peer], tuple):
+            answers[peer] = answers[peer][1]
+            return error_response(Status.BUSY, Code.OVERLOADED, "full")
         grad = p.codec.encode(torch.ones(shape))
         return encode_response(ResponseHeader(status=Status.OK.value, loss=answers[peer]), grad)
 
@@ -196,21 +200,7 @@ def test_recent_peers_remember_a_stage_s_senders_a_while_after_their_record_leav
 def test_a_rejection_waits_for_a_briefly_busy_replica_instead_of_dropping(head, monkeypatch):
     _liar_first(head)
     head.peers_of = lambda s: ["liar", "honest"]
-    answers = {"liar": "reject", "honest": "busy"}
-    asked: list[str] = []
-    shape = (M.inner.micro_batch, M.model.seq_len, head.worker.stage.boundary_width)
-
-    async def request(p2p, peer, protocol, payload, *, timeout):  # noqa: ANN001, ANN202
-        asked.append(peer)
-        if answers[peer] == "reject":
-            return error_response(Status.REJECTED, Code.BAD_SHAPE, "no")
-        if answers[peer] == "busy":
-            answers[peer] = 2.5  # busy once, then it answers
-            return error_response(Status.BUSY, Code.OVERLOADED, "full")
-        grad = head.codec.encode(torch.ones(shape))
-        return encode_response(ResponseHeader(status=Status.OK.value, loss=answers[peer]), grad)
-
-    monkeypatch.setattr(streams, "request", request)
+    asked = _replicas(monkeypatch, head, {"liar": "reject", "honest": ("busy", 2.5)})
     reply = _send(head)
     assert reply is not None and reply[0] == 2.5
     assert asked.count("liar") == 1  # never asked again after it rejected

@@ -332,6 +332,7 @@ def test_malformed_microbatches_are_rejected_counted_and_harmless(swarm, tmp_pat
     assert after["state"] == "active" and node.proc.poll() is None  # still serving
     # streams beyond the per-peer cap were refused, counted and shown (comms/guard.py)
     assert refused == 4
-    assert after["requests_refused"] == {"forward": {"peer_streams": 4}}
+    # and the stranger's state request, refused for having no record at stage 1
+    assert after["requests_refused"] == {"forward": {"peer_streams": 4}, "state": {"no_record": 1}}
     # Weights untouched: they change only in an inner step, and none ran.
     assert after["inner_step"] == steps_before == 0

@@ -149,11 +149,12 @@ class RecentPeers:
         for key in [k for k, at in self._seen.items() if now - at > self.keep_s]:
             del self._seen[key]
 
-    def at(self, stage: int, now: float | None = None) -> set[str]:
+    def seen(self, stage: int, peer: str, now: float | None = None) -> bool:
+        """Whether `peer`'s record was read at `stage` within the last `keep_s` seconds
+        (asked on every request: one lookup)."""
+        at = self._seen.get((stage, peer))
         now = time.monotonic() if now is None else now
-        return {
-            peer for (s, peer), at in self._seen.items() if s == stage and now - at <= self.keep_s
-        }
+        return at is not None and now - at <= self.keep_s
 
 
 def newest_per_peer(by_stage: Snapshot, *, include_leaving: bool = False) -> Snapshot:

@@ -192,7 +192,7 @@ class Node:
             me=self.peer_id,
             config=cfg.pipeline,
             on_refuse=self.metrics.count_refused,
-            joiners=lambda: self.recent.at(self.stage),
+            joiner=lambda peer: self.recent.seen(self.stage, peer),
         )
         refuse = admission.refuser(self.admittance.allow, self.peer_id, "reachability")
         await self.dialback.serve(self.host, m.run_id, cfg.host_maddrs, refuse)
@@ -266,8 +266,10 @@ class Node:
     # ---- serving --------------------------------------------------------------------------
     async def _open_service(self, stage: int) -> None:
         # warming while it loads (placement counts it where it is); its record attests no
-        # anchor yet, so joiners do not count it as a replica (attestation.live_replicas)
+        # anchor yet, so joiners do not count it as a replica (attestation.live_replicas).
+        # Announced now: the stage's replicas send their state only to its peers.
         self.state, self.stage = NodeState.WARMING, stage
+        await self._publish()
         ctx = ServiceContext(
             manifest=self.manifest,
             config=self.config,
@@ -275,7 +277,7 @@ class Node:
             identity=self.identity,
             peers_of=self._peers_of,
             records_of=lambda s: self.view.get(s, []),
-            recent_at=self.recent.at,
+            seen_at=self.recent.seen,
             fetch_records=self.directory.fetch,
             rtt_of=self.liveness.rtt,
             stats=self.stats,
@@ -453,8 +455,6 @@ class Node:
         await self.service.drain(self.config.drain_timeout_s)
         await self.checkpoint()
         old, self.service = self.service, None  # requests meanwhile: "not ready", retry elsewhere
-        self.state, self.stage = NodeState.WARMING, stage
-        await self._publish()  # the new stage's replicas send their state only to its peers
         await old.close()
         del old  # the new stage measures free memory: the old one must be gone by then
         await asyncio.to_thread(self.compute.release_memory)

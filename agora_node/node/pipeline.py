@@ -20,12 +20,11 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 import torch
 
 from agora_node.comms import streams
-from agora_node.comms.guard import Limits
 from agora_node.comms.pipeline_wire import (
     Code,
     ForwardHeader,
@@ -54,31 +53,6 @@ from agora_node.protocol.names import forward_protocol
 from agora_node.stages.data import TokenBatch
 
 log = logging.getLogger(__name__)
-
-
-def forward_limits(config: PipelineConfig) -> Limits:
-    """What the forward protocol allows (comms/guard.py). Honest senders never reach these:
-    a node holds `max_queue` micro-batches and answers BUSY beyond, so stream caps only
-    replace that answer by a refusal; a stream legitimately lasts as long as this hop's
-    retries downstream (`deadline_s`) plus the last try (opening it and waiting for its
-    answer: up to twice `hop_timeout_s`). A micro-batch cut there is forgotten by the
-    worker after its pending ttl, like any other that never completed."""
-    return Limits(
-        max_streams=max(64, 4 * config.max_queue),
-        max_streams_per_peer=max(8, 2 * config.max_queue),
-        rate_per_s=200.0,
-        burst=400.0,
-        read_deadline_s=10.0,
-        drain_deadline_s=30.0,
-        deadline_s=config.deadline_s + 2 * config.hop_timeout_s,
-    )
-
-
-def max_request_bytes(manifest: Manifest) -> int:
-    """The largest forward request a node of this run accepts (checked before reading it)."""
-    m = manifest.model
-    per_token = 4 * (m.d_model + 1) + 4  # activation, token id, a document start at most
-    return 4096 + m.seq_len * manifest.inner.micro_batch * per_token
 
 
 class PipelineStats:
@@ -130,13 +104,13 @@ class Pipeline:
         stats: PipelineStats | None = None,
         suspects: Suspects | None = None,
         rtt_of: Callable[[str], float | None] | None = None,
-        senders: Callable[[], Collection[str]] | None = None,
+        may_send: Callable[[str], bool] | None = None,
     ) -> None:
         self.manifest, self.worker, self.p2p, self.peer_id = manifest, worker, p2p, peer_id
         self.peers_of, self.config = peers_of, config
-        self.senders = senders
-        """Who may send this stage requests: the peers with a record at the stage before
-        it (the daemon passes them); None, anyone (unit tests of the handler)."""
+        self.may_send = may_send
+        """Whether a peer may send this stage requests: it has a record at the stage
+        before it (the daemon's RecentPeers); None, anyone (unit tests of the handler)."""
         self.codec = ActivationCodec(mode=config.activation_codec)
         self.stats = stats if stats is not None else PipelineStats()
         """Shared by the node's successive pipelines, so totals survive a stage switch."""
@@ -289,7 +263,7 @@ class Pipeline:
             raise WireError(
                 Code.WRONG_STAGE, f"this node serves stage {self.stage}, not {header.stage}"
             )
-        if self.senders is not None and remote not in self.senders():
+        if self.may_send is not None and not self.may_send(remote):
             raise WireError(
                 Code.UNKNOWN_SENDER, f"{remote[-8:]} has no record at stage {self.stage - 1}"
             )

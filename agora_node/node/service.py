@@ -18,13 +18,13 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agora_node.comms import admission, state_transfer, streams
-from agora_node.comms.guard import Guard, Reason
+from agora_node.comms.guard import Guard, Limits, Reason
 from agora_node.comms.host import Host
 from agora_node.comms.pipeline_wire import Code, Status, error_response
 from agora_node.node import joining
@@ -34,12 +34,7 @@ from agora_node.node.config import NodeConfig, PipelineConfig
 from agora_node.node.head import Head, Sampler
 from agora_node.node.loops import Loops
 from agora_node.node.outer import OuterLoop
-from agora_node.node.pipeline import (
-    Pipeline,
-    PipelineStats,
-    forward_limits,
-    max_request_bytes,
-)
+from agora_node.node.pipeline import Pipeline, PipelineStats
 from agora_node.node.rounds import OuterRounds
 from agora_node.node.status_server import History
 from agora_node.node.suspects import Suspects
@@ -68,9 +63,9 @@ class ServiceContext:
     """Live, active replicas of a stage (directory minus what SWIM declared gone)."""
     records_of: Callable[[int], list[NodeRecord]]
     """The directory's records of a stage, as last read."""
-    recent_at: Callable[[int], set[str]]
-    """Peers whose records were read at a stage lately, leaving ones included
-    (directory.RecentPeers): who may send a stage micro-batches."""
+    seen_at: Callable[[int, str], bool]
+    """Whether a peer's record was read at a stage lately, leaving ones included
+    (directory.RecentPeers.seen): who may send a stage micro-batches."""
     fetch_records: Callable[[], Any]
     """Read the directory now (async): {stage: [NodeRecord]}."""
     rtt_of: Callable[[str], float | None] = lambda _peer: None
@@ -114,7 +109,7 @@ class StageService:
             stats=ctx.stats,
             suspects=ctx.suspects,
             rtt_of=ctx.rtt_of,
-            senders=lambda: ctx.recent_at(worker.index - 1),
+            may_send=lambda peer: ctx.seen_at(worker.index - 1, peer),
         )
         self.final_val_loss: float | None = None
         self._stop = asyncio.Event()
@@ -328,6 +323,31 @@ class StageService:
             await inject
 
 
+def forward_limits(config: PipelineConfig) -> Limits:
+    """What the forward protocol allows (comms/guard.py). Honest senders never reach these:
+    a node holds `max_queue` micro-batches and answers BUSY beyond, so stream caps only
+    replace that answer by a refusal; a stream legitimately lasts as long as this hop's
+    retries downstream (`deadline_s`) plus the last try (opening it and waiting for its
+    answer: up to twice `hop_timeout_s`). A micro-batch cut there is forgotten by the
+    worker after its pending ttl, like any other that never completed."""
+    return Limits(
+        max_streams=max(64, 4 * config.max_queue),
+        max_streams_per_peer=max(8, 2 * config.max_queue),
+        rate_per_s=200.0,
+        burst=400.0,
+        read_deadline_s=10.0,
+        drain_deadline_s=30.0,
+        deadline_s=config.deadline_s + 2 * config.hop_timeout_s,
+    )
+
+
+def max_request_bytes(manifest: Manifest) -> int:
+    """The largest forward request a node of this run accepts (checked before reading it)."""
+    m = manifest.model
+    per_token = 4 * (m.d_model + 1) + 4  # activation, token id, a document start at most
+    return 4096 + m.seq_len * manifest.inner.micro_batch * per_token
+
+
 async def serve_endpoints(
     host: Host,
     manifest: Manifest,
@@ -339,16 +359,16 @@ async def serve_endpoints(
     me: str = "",
     config: PipelineConfig,
     on_refuse: Callable[[str, str], None] | None = None,
-    joiners: Callable[[], Collection[str]] | None = None,
+    joiner: Callable[[str], bool] | None = None,
 ) -> None:
     """Register the run's protocols once per node; each request goes to the service of the
     moment: `serving()` takes micro-batches, `offering_state()` sends its state to joiners
     (None while joining, switching or leaving). `served` logs the states sent (last 20).
     Both protocols sit behind a Guard (comms/guard.py) whose refusals go to `on_refuse`.
     With `allow` (a private swarm), streams of unlisted peers get `me`'s refusal.
-    `joiners()`: the peers with a record at the stage this node serves; only they are
-    sent its state (a joiner announces itself there first), so strangers cannot hold the
-    few transfer slots a replica has."""
+    `joiner(peer)`: whether the peer has a record at the stage this node serves; only
+    such peers are sent its state (a joiner announces itself there first), so strangers
+    cannot hold the few transfer slots a replica has."""
 
     async def forward(remote: str, data: bytes):  # noqa: ANN202 - async generator
         service = serving()
@@ -388,7 +408,7 @@ async def serve_endpoints(
         host.p2p,
         run_id,
         state,
-        refuse=state_refuser(refuse, joiners, on_refuse),
+        refuse=state_refuser(refuse, joiner, on_refuse),
         on_refuse=on_refuse,
     )
     await admission.serve_admission(host.p2p, run_id, admission.refuser(allow, me, "admission"))
@@ -396,18 +416,18 @@ async def serve_endpoints(
 
 def state_refuser(
     refuse: Callable[[str], str | None] | None,
-    joiners: Callable[[], Collection[str]] | None,
+    joiner: Callable[[str], bool] | None,
     on_refuse: Callable[[str, str], None] | None = None,
 ) -> Callable[[str], str | None] | None:
     """Who may ask this node for its stage's state: `refuse`'s (a private swarm's allow
-    list), and then only peers with a record at its stage (`joiners()`); those refusals
-    are counted as ("state", "no_record")."""
-    if joiners is None:
+    list), and then only peers with a record at its stage (`joiner(peer)`); those
+    refusals are counted as ("state", "no_record")."""
+    if joiner is None:
         return refuse
 
     def refuse_state(remote: str) -> str | None:
         refusal = refuse(remote) if refuse is not None else None
-        if refusal is None and remote not in joiners():
+        if refusal is None and not joiner(remote):
             refusal = f"no record of {remote[-8:]} at this node's stage: announce one first"
             if on_refuse is not None:
                 on_refuse("state", Reason.NO_RECORD.value)

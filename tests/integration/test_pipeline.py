@@ -11,7 +11,7 @@ import torch
 
 from agora_node.compression import ActivationCodec, Codec, QuantizedTensor, encode_frame
 from agora_node.node.config import PipelineConfig
-from agora_node.node.pipeline import forward_limits
+from agora_node.node.service import forward_limits
 from agora_node.protocol.names import forward_protocol
 from agora_node.stages.manifest_files import load_manifest
 from tests.integration.harness import TestSwarm, poll, small_manifest

@@ -54,7 +54,9 @@ def _serve(p: Pipeline, remote: str, data: bytes) -> ResponseHeader:
 def last_stage():
     worker = StageWorker(M, M.num_stages - 1)
     heads = {"upstream"}
-    p = Pipeline(M, worker, None, "me", lambda s: [], PipelineConfig(), senders=lambda: heads)
+    p = Pipeline(
+        M, worker, None, "me", lambda s: [], PipelineConfig(), may_send=lambda p: p in heads
+    )
     try:
         yield p
     finally:
@@ -188,12 +190,12 @@ def test_recent_peers_remember_a_stage_s_senders_a_while_after_their_record_leav
     recent = RecentPeers(keep_s=60)
     recent.note({0: [record("head", 0)], 1: [record("mid", 1)]}, now=0.0)
     recent.note({0: [], 1: [record("mid", 1)]}, now=10.0)  # the head left (or a read failed)
-    assert recent.at(0, now=10.0) == {"head"}  # still served while it drains
-    assert recent.at(1, now=10.0) == {"mid"}
+    assert recent.seen(0, "head", now=10.0)  # still served while it drains
+    assert recent.seen(1, "mid", now=10.0) and not recent.seen(1, "head", now=10.0)
     recent.note({}, now=61.0)
-    assert recent.at(0, now=61.0) == set() and recent.at(1, now=61.0) == {"mid"}
+    assert not recent.seen(0, "head", now=61.0) and recent.seen(1, "mid", now=61.0)
     recent.note({}, now=71.0)
-    assert recent.at(1, now=71.0) == set()
+    assert not recent.seen(1, "mid", now=71.0)
     assert not recent._seen  # forgotten, not just hidden: bounded
 
 

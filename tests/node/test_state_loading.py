@@ -392,11 +392,13 @@ def test_a_replica_sends_its_state_only_to_peers_with_a_record_at_its_stage():
     from agora_node.node.service import state_refuser
 
     joiners, counted = {"joiner"}, []
-    refuse = state_refuser(None, lambda: joiners, lambda *labels: counted.append(labels))
+    refuse = state_refuser(None, joiners.__contains__, lambda *labels: counted.append(labels))
     assert refuse("joiner") is None
     assert "no record of" in refuse("stranger")  # refused before anything is read
     assert counted == [("state", "no_record")]
-    listed = state_refuser(lambda peer: None if peer == "listed" else "not listed", lambda: joiners)
+    listed = state_refuser(
+        lambda peer: None if peer == "listed" else "not listed", joiners.__contains__
+    )
     assert listed("joiner") == "not listed"  # a private swarm's refusal comes first
     assert state_refuser(None, None) is None  # nothing to check: served as before
 

@@ -13,8 +13,9 @@ A pushed frame carries the micro-batch's id and a sequence number (one per excha
 in the order every member runs them), so frames of different micro-batches or layers
 never mix. The receiving side accepts frames only from the cell's members (a stranger
 is refused before its request is read, and counted), holds at most `max_inbox`
-frames until the compute thread takes them, and drops frames nobody took within the
-deadline.
+frames and `max_inbox_bytes` until the compute thread takes them, each member at most
+its equal share of both (one member pushing frames nobody asks for fills only its own
+share), and drops frames nobody took within the deadline.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class CellLink:
     me: str
     timeout_s: float = 30.0
     max_inbox: int = 256
+    max_inbox_bytes: int = 1 << 30
     refused: Counter = field(default_factory=Counter)
     bytes_sent: int = 0
     retried: int = 0
@@ -135,14 +137,24 @@ class CellLink:
             yield b"ok"
             return
         now = time.monotonic()
+        frame = request[_HEADER.size :]
         with self._arrived:
             self._expire(now)
-            if len(self._inbox) >= self.max_inbox:
+            if not self._has_room(remote, len(frame)):
                 self.refused["full"] += 1
                 raise streams.StreamError("cell inbox full")
-            self._inbox[(remote, mb_id, seq)] = (request[_HEADER.size :], now)
+            self._inbox[(remote, mb_id, seq)] = (frame, now)
             self._arrived.notify_all()
         yield b"ok"
+
+    def _has_room(self, remote: str, nbytes: int) -> bool:
+        """Whether `remote`'s frames, with this one, stay within its share of the inbox."""
+        others = max(1, len(self.members) - 1)
+        held = [len(f) for (peer, _, _), (f, _) in self._inbox.items() if peer == remote]
+        return (
+            len(held) < max(1, self.max_inbox // others)
+            and sum(held) + nbytes <= self.max_inbox_bytes // others
+        )
 
     def _expire(self, now: float) -> None:
         for key in [k for k, (_, at) in self._inbox.items() if now - at > self.timeout_s]:

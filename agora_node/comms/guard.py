@@ -51,7 +51,8 @@ class Reason(StrEnum):
     OVERSIZED = "oversized"
     """A message announced more bytes than the protocol's cap (refused before reading it)."""
     NO_RECORD = "no_record"
-    """The peer asked for a stage's state without a record at that stage (node/service.py)."""
+    """The peer asked for a stage's state, or sent a whole collective request through a
+    relay, without a record at that stage (node/service.py, collective/p2p.py)."""
 
 
 ADMISSION = (Reason.BUSY, Reason.PEER_STREAMS, Reason.RATE)

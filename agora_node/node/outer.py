@@ -33,6 +33,7 @@ in the round, capped (by every reducer) at what H inner steps can process.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -160,10 +161,14 @@ class OuterLoop:
         allow: AllowList | None = None,
         on_refuse: Callable[[str, str], None] | None = None,
         suspects: Suspects | None = None,
+        known: Callable[[str], bool] | None = None,
     ) -> OuterLoop:
         """Serve the collective in the caller's event loop, on `p2p` (e.g. the node's Host.p2p)
         or else on a replica of the DHT's libp2p daemon. `allow`: a private swarm's allow
-        list (round entries and collective RPCs of other peers are refused)."""
+        list (round entries and collective RPCs of other peers are refused). `known`: the
+        peers with a record at this stage (whole requests through a relay are read only
+        from them or from members of registered collectives: CollectiveServicer.serve_streams).
+        The state (a host copy of the weights) is built off the loop."""
         from agora_node.comms.collective.groups import DHTBoard
         from agora_node.comms.collective.handlers import Responder
         from agora_node.comms.collective.p2p import LIMITS as COLLECTIVE_LIMITS
@@ -190,19 +195,23 @@ class OuterLoop:
         )
         servicer = CollectiveServicer(responder, limit, guard=guard)
         await servicer.add_p2p_handlers(p2p, namespace=namespace)
-        await servicer.serve_streams(p2p, namespace)
+        await servicer.serve_streams(p2p, namespace, known=known)
         transport = P2PTransport(p2p, namespace=namespace, max_frame_bytes=limit)
-        loop = cls(
-            module,
-            identity,
-            run_id=manifest.run_id,
-            stage=stage,
-            config=config,
-            book=book,
-            transport=transport,
-            board=DHTBoard(dht),
-            admit=allow.admit("round_entry") if allow is not None else None,
-            suspects=suspects,
+        # copies the weights to the host (and a momentum buffer): seconds on a large stage
+        loop = await asyncio.to_thread(
+            functools.partial(
+                cls,
+                module,
+                identity,
+                run_id=manifest.run_id,
+                stage=stage,
+                config=config,
+                book=book,
+                transport=transport,
+                board=DHTBoard(dht),
+                admit=allow.admit("round_entry") if allow is not None else None,
+                suspects=suspects,
+            )
         )
         loop._closers.append(lambda: servicer.remove_p2p_handlers(p2p, namespace=namespace))
         loop._closers.append(lambda: servicer.stop_streams(p2p, namespace))

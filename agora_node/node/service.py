@@ -163,6 +163,7 @@ class StageService:
                 allow=ctx.allow,
                 on_refuse=ctx.stats.events.count_refused,
                 suspects=ctx.suspects,
+                known=lambda peer: ctx.seen_at(stage, peer),
             )
             if loaded.outer is not None:
                 outer.load_state_dict(loaded.outer, warming=loaded.warming)

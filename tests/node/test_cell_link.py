@@ -111,3 +111,30 @@ async def test_a_stranger_is_refused_and_a_silent_member_fails_the_exchange_in_t
         assert time.monotonic() - started < 10
         with pytest.raises(RuntimeError, match="compute thread"):
             exchange.all_to_all([torch.zeros(4, dtype=torch.uint8)] * 2)
+
+
+async def test_one_member_pushing_frames_nobody_takes_fills_only_its_share() -> None:
+    """main held up to 256 frames of 64 MiB from any member (16 GiB); now each member may
+    hold its share of the frames and bytes, and the others' frames still get in."""
+    from agora_node.comms.cell_link import _HEADER
+
+    async with peers(3) as (a, b, c):
+        ids = [p.peer_id.to_base58() for p in (a, b, c)]
+        link = CellLink(a, RUN, members=ids, me=ids[0], max_inbox=8, max_inbox_bytes=8192)
+        await link.start()
+        mb_id = os.urandom(16)
+
+        async def push(p2p, seq: int, size: int) -> None:  # noqa: ANN001
+            payload = _HEADER.pack(mb_id, seq) + b"\0" * size
+            await streams.request(p2p, ids[0], cell_protocol(RUN), payload, timeout=10)
+
+        for seq in range(4):  # b's share: 8 // 2 frames
+            await push(b, seq, 16)
+        with pytest.raises(streams.StreamError):
+            await push(b, 4, 16)
+        await push(c, 0, 4000)  # c's share of bytes is 8192 // 2
+        with pytest.raises(streams.StreamError):
+            await push(c, 1, 100)
+        assert link.refused["full"] == 2
+        assert link._take(ids[1], mb_id, 0, time.monotonic() + 1) == b"\0" * 16
+        await push(b, 4, 16)  # room again once a frame is taken

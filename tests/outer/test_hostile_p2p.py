@@ -120,3 +120,53 @@ async def test_a_non_members_push_is_refused_before_it_is_buffered() -> None:
         for p2p in (stranger, owner):
             if p2p is not None:
                 await _stop(p2p)
+
+
+async def test_a_whole_request_through_a_relay_is_read_only_from_known_peers() -> None:
+    """Requests to a relayed member come whole (outer_stream_protocol) and are read into
+    memory before they can be parsed: main read a stranger's up to a frame's size first.
+    Now the sender must be one the daemon knows at the stage, or a member of a collective
+    this member registered; others are refused before anything is read, and counted."""
+    from hivemind.p2p import P2P
+
+    from agora_node.comms import streams
+    from agora_node.protocol.names import outer_stream_protocol
+
+    owner = stranger = None
+    try:
+        owner = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = await owner.get_visible_maddrs()
+        stranger = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        me, them = owner.peer_id.to_base58(), stranger.peer_id.to_base58()
+        book = RoundBook(me)
+        responder = Watching(book)
+        servicer = CollectiveServicer(responder, max_frame_bytes=64 << 20)
+        known: set[str] = set()
+        await servicer.serve_streams(owner, NAMESPACE, known=known.__contains__)
+        plan = GroupPlan(round=3, phase="delta", members=(me, them), numel=1 << 16, block=256)
+        header = Header(3, "delta", plan.group_id, 0, 0, weight=1.0, wait=0.0)
+        push = _request(Code.PART, header, b"\0" * 1024, total=1024).SerializeToString()
+
+        async def send() -> CollectiveMessage:
+            frame = await streams.request(
+                stranger, me, outer_stream_protocol(NAMESPACE), push, timeout=30
+            )
+            return CollectiveMessage.FromString(frame)
+
+        with pytest.raises(streams.RefusedError, match="announce a record"):
+            await send()
+        assert responder.asked == [] and servicer.guard.refused["no_record"] == 1
+
+        known.add(them)  # a record at the stage: read, and answered (no round registered)
+        reply = await send()
+        assert Code(reply.code) is Code.REJECTED and responder.asked == ["admit_push"]
+
+        known.clear()
+        book.register(plan)  # a member of a registered collective, record or not
+        reply = await send()  # read, admitted as a member, then its bytes parsed
+        assert responder.asked[1:] == ["admit_push", "on_push"], reply.reason
+        assert servicer.guard.refused["no_record"] == 1
+    finally:
+        for p2p in (stranger, owner):
+            if p2p is not None:
+                await _stop(p2p)

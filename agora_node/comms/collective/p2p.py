@@ -22,17 +22,24 @@ Run it beside a hivemind.DHT by sharing the DHT's daemon, in the caller's loop:
 from __future__ import annotations
 
 # typing.AsyncIterator, not collections.abc: hivemind detects streaming RPCs by `hint._name`
+import functools
+from collections.abc import Callable
 from typing import AsyncIterator  # noqa: UP035
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from hivemind.p2p import P2P, P2PContext, PeerID
 
 from agora_node.comms import streams
-from agora_node.comms.collective.handlers import MAX_WAIT, MEMBER_REFUSALS, Responder
+from agora_node.comms.collective.handlers import (
+    MAX_WAIT,
+    MEMBER_REFUSALS,
+    NOT_LISTED,
+    Responder,
+)
 from agora_node.comms.collective.proofs import MAX_PROOFS_BYTES, MAX_RECEIPT_BYTES, MAX_RECEIPTS
 from agora_node.comms.collective.verify import NONCE_BYTES
 from agora_node.comms.collective.wire import Code, Header, Reply, rejected
-from agora_node.comms.guard import Guard, Limits
+from agora_node.comms.guard import Guard, Limits, Reason
 from agora_node.comms.guarded_rpc import GuardedServicer
 from agora_node.protocol.names import outer_stream_protocol
 
@@ -211,16 +218,34 @@ class CollectiveServicer(GuardedServicer):
         reply = await self.responder.on_push(sender, _header(first), bytes(buf))
         return _reply_chunks(reply)[0]
 
-    async def serve_streams(self, p2p: P2P, namespace: str) -> None:
+    async def serve_streams(
+        self, p2p: P2P, namespace: str, *, known: Callable[[str], bool] | None = None
+    ) -> None:
         """Answer whole requests on `outer_stream_protocol` (those that came through a
-        relay), behind the same guard as the RPCs."""
+        relay), behind the same guard as the RPCs.
+
+        Such a request is read whole (up to a frame) before it can be parsed, so who may
+        send one is decided first, on the sender alone: a peer a private swarm's allow list
+        names, and then one `known` names (the daemon: a record read at this stage
+        recently) or a member of a collective this member registered. Others are refused
+        before anything is read, counted as `no_record`. known None: anyone (tests)."""
         await streams.serve(
             p2p,
             outer_stream_protocol(namespace),
             self._on_stream_request,
             max_request=self.max_frame_bytes + MAX_MESSAGE_BYTES,
             guard=self.guard,
+            refuse=functools.partial(self._stream_refusal, known),
         )
+
+    def _stream_refusal(self, known: Callable[[str], bool] | None, peer: str) -> str | None:
+        admit = self.responder.admit
+        if admit is not None and not admit(peer):
+            return NOT_LISTED
+        if known is None or known(peer) or self.responder.book.has_member(peer):
+            return None
+        self.guard.refuse(Reason.NO_RECORD, peer)  # counted; the refusal is the line below
+        return "not a replica of this stage: announce a record at it first"
 
     async def stop_streams(self, p2p: P2P, namespace: str) -> None:
         await streams.unserve(p2p, outer_stream_protocol(namespace))

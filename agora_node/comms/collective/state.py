@@ -347,6 +347,10 @@ class RoundBook:
         self.registered.fire()
         return state
 
+    def has_member(self, peer: str) -> bool:
+        """Whether `peer` is a member of a collective this member still keeps (another's)."""
+        return peer != self.me and any(peer in s.plan.members for s in self.states.values())
+
     def _prune_pending(self) -> None:
         if self.latest is None:
             return

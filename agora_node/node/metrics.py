@@ -22,7 +22,7 @@ JSON status through `bytes_by_peer`, itself capped at `MAX_PEERS`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import (
@@ -379,9 +379,34 @@ _TOTALS = {
 """Running totals other objects keep, exported as counters (`agora_<name>_total`)."""
 
 
+class _Continued:
+    """Running totals whose keeper is replaced at a stage switch (a new worker, outer loop
+    and cell link count from 0 again): a value below the last one seen means a new keeper,
+    and what the old one had reached is carried, so the exported counter never goes down
+    (Prometheus would take the drop for a restart of the node). Snapshots see the node
+    between its stages (every count 0) while it loads the new one's state."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._carried: dict[str, float] = {}
+
+    def __call__(self, values: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
+        out = dict(values)
+        for name in names:
+            value = values.get(name, 0)
+            if value < self._last.get(name, 0):
+                self._carried[name] = self._carried.get(name, 0) + self._last[name]
+            self._last[name] = value
+            out[name] = value + self._carried.get(name, 0)
+        return out
+
+
+_OUTER_TOTALS = ("rounds", "bytes_sent", "bytes_received", "seconds_blocked")
+
+
 class _KeptCounters:
     """Counters that other objects keep (the outer loop's totals, SWIM's counters),
-    exported as the last status snapshot showed them."""
+    exported as the last status snapshot showed them, continued across stage switches."""
 
     def __init__(self) -> None:
         self._outer: Mapping[str, Any] = {}
@@ -389,6 +414,7 @@ class _KeptCounters:
         self._events: set[str] = set()
         self._suspects: Mapping[str, Any] = {}
         self._totals: Mapping[str, float] = {}
+        self._continued = _Continued()
 
     def update(
         self,
@@ -398,9 +424,10 @@ class _KeptCounters:
         totals: Mapping[str, float] | None = None,
     ) -> None:
         """`totals`: running totals by name (`_TOTALS`), as counters."""
-        self._outer, self._members = dict(outer), dict(members)
+        self._outer = self._continued(outer, _OUTER_TOTALS)
+        self._members = dict(members)
         self._suspects = dict(suspects or {})
-        self._totals = dict(totals or {})
+        self._totals = self._continued(totals or {}, _TOTALS)
 
     def collect(self) -> Iterator[Metric]:
         outer = self._outer

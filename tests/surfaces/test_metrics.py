@@ -116,6 +116,22 @@ def test_outer_and_membership_counters_come_from_the_snapshot():
     assert s[("agora_membership_events_total", (("event", "probes"),))] == 4
 
 
+def test_counters_kept_by_a_stage_s_objects_continue_across_a_stage_switch():
+    """A switch builds a new outer loop and worker, whose counts start at 0 again: the
+    exported counters went down with them, which Prometheus reads as a restart."""
+    m = Metrics()
+    counts = [(3, 5), (0, 0), (1, 2)]  # before the switch, while loading, after it
+    for rounds, recomputed in counts:
+        snap = make_snapshot()
+        snap["node"]["outer"] = {"rounds": rounds, "bytes_sent": 100 * rounds}
+        snap["node"]["memory"] = {"recomputed": recomputed}
+        m.update_from_snapshot(snap)
+    s = samples(m)
+    assert s[("agora_outer_rounds_total", ())] == 4
+    assert s[("agora_outer_bytes_sent_total", ())] == 400
+    assert s[("agora_recomputed_microbatches_total", ())] == 7
+
+
 def test_compute_rate_utilization_and_gradient_lag_are_levels():
     m = Metrics()
     snap = make_snapshot()

@@ -26,7 +26,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,7 +218,8 @@ class StageWorker:
         if out is None:  # graph was not kept: recompute on the same weight version
             self.stats.recomputed += 1
             out = self._encode(self._forward(p.params, p.x_in, p.tokens), p.tokens.inputs)
-        out.backward(grad_c_out.to(self.device, out.dtype))
+        with self._whole_backward(p.version, p.params):
+            out.backward(grad_c_out.to(self.device, out.dtype))
         grad_in = self._input_grad(p.x_in)
         self._finish(p.version, p.params, p.tokens.inputs.numel())
         self._completed(p.tokens.inputs.numel(), p.compute_s + self._busy(started))
@@ -233,11 +234,33 @@ class StageWorker:
         x_in, tokens = self._inputs(c_in, tokens)
         inputs = tokens.inputs
         loss = lm_loss(self._forward(params, x_in, tokens), tokens.targets)
-        (loss * loss_scale).backward()
+        with self._whole_backward(self.version, params):
+            (loss * loss_scale).backward()
         grad_in = self._input_grad(x_in)
         self._finish(self.version, params, inputs.numel())
         self._completed(inputs.numel(), self._busy(started))
         return float(loss.detach()), grad_in
+
+    @contextlib.contextmanager
+    def _whole_backward(self, version: int, params: dict[str, Tensor]) -> Iterator[None]:
+        """A backward that runs out of device memory part way has left part of its
+        gradient on the version copy, mixed into those of micro-batches that finished on it
+        since the last step: that copy's gradients are dropped, so no step applies a partial
+        one (the finished ones are lost with it and the step waits for as many others; an
+        out-of-memory is rare and halves the graphs kept). With the optimizer step in backward, the parameters already stepped
+        stay stepped."""
+        try:
+            yield
+        except torch.OutOfMemoryError:
+            dropped = self.versions.drop(version, params)
+            self._finished_since_step = max(0, self._finished_since_step - dropped)
+            log.warning(
+                "a backward ran out of device memory part way: the gradients on weight "
+                "version %d are dropped (%d micro-batch(es) finished on it since the step)",
+                version,
+                dropped,
+            )
+            raise
 
     def _input_grad(self, x_in: Tensor | None) -> Tensor | None:
         return None if x_in is None else self.boundary_grad(x_in.grad)

@@ -230,3 +230,32 @@ def test_discarded_and_validation_work_is_busy_time_not_rate():
     w.discard("lost")  # downstream never answered
     w.forward_eval(None, tokens)
     assert w.stats.compute_s > 0 and w.stats.tokens == 0 and w.stats.compute_rate == 0
+
+
+def test_a_backward_out_of_memory_part_way_leaves_no_partial_gradient_for_the_step():
+    """A backward that failed part way left its later layers' gradients on the version
+    copy, and the next micro-batch finished on that copy handed them to the step."""
+    m = load_manifest("tiny")
+    failing, clean = StageWorker(m, 0), StageWorker(m, 0)
+    tokens = [torch.randint(0, 256, (4, m.model.seq_len + 1)) for _ in range(3)]
+    copy = failing.versions.current
+    first = next(iter(copy))  # forward's first parameter: its gradient comes last
+    armed = {"oom": False}
+
+    def fail_once(_param) -> None:  # noqa: ANN001
+        if armed.pop("oom", False):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    copy[first].register_post_accumulate_grad_hook(fail_once)
+    failing.backward("a", torch.ones_like(failing.forward("a", None, tokens[0])))
+    c = failing.forward("b", None, tokens[1])
+    armed["oom"] = True
+    with pytest.raises(torch.OutOfMemoryError):
+        failing.backward("b", torch.ones_like(c))
+    assert all(p.grad is None for p in copy.values())
+    for w in (failing, clean):
+        w.backward("c", torch.ones_like(w.forward("c", None, tokens[2])))
+    for name, p in clean.versions.held(0).items():
+        torch.testing.assert_close(failing.versions.held(0)[name].grad, p.grad, msg=name)
+    failing.close()
+    clean.close()

@@ -98,6 +98,8 @@ class Node:
         self.waits = Waits()
         """Where the stage's wall time went over the last progress interval."""
         self.refused: str | None = None
+        self.failure: BaseException | None = None
+        """What stopped a background loop of this node (it then leaves and exits 1)."""
         """Set when the swarm's peers refuse this node: the one line it stops with."""
         self.state = NodeState.JOINING
         self.started_at = time.time()
@@ -301,6 +303,8 @@ class Node:
 
     def _loop_failed(self, exc: BaseException) -> None:
         log.error("background task failed: %r", exc, exc_info=exc)
+        if self.failure is None:
+            self.failure = exc  # the exit code says so (run.py): a supervisor restarts it
         self.stop_event.set()  # a node that lost a loop is broken: leave cleanly
 
     async def _refresh_loop(self) -> None:
@@ -453,7 +457,10 @@ class Node:
         self.liveness.announce(self.service.index, self.state.value)
         await self.directory.withdraw(node_record(self), ttl=self.config.record_ttl_s)
         await self.service.drain(self.config.drain_timeout_s)
-        await self.checkpoint()
+        try:
+            await self.checkpoint()
+        except OSError as exc:  # a full disk: the new stage needs nothing of this one's
+            log.error("checkpoint before the switch failed (%s); switching anyway", exc)
         old, self.service = self.service, None  # requests meanwhile: "not ready", retry elsewhere
         await old.close()
         del old  # the new stage measures free memory: the old one must be gone by then

@@ -54,7 +54,7 @@ async def run_node(config: NodeConfig, compute: Compute | None = None) -> int:
         if not await _unless_stopped(node.start(), node.stop_event):
             log.info("stopped while joining")
             print("agora-node: stopped while joining", flush=True)
-            return 0
+            return _failed(node) if node.failure is not None else 0
         phase = "serving"
         print(f"agora-node: serving stage {node.service.index} as {node.peer_id}", flush=True)
         print(
@@ -66,7 +66,7 @@ async def run_node(config: NodeConfig, compute: Compute | None = None) -> int:
         phase = "leaving"
         if signals < 2:  # else both came before the leave could begin
             await node.leave()
-            return 0
+            return _failed(node) if node.failure is not None else 0
         return _forced()
     except asyncio.CancelledError:
         if phase != "leaving" or signals < 2:
@@ -77,6 +77,19 @@ async def run_node(config: NodeConfig, compute: Compute | None = None) -> int:
     finally:
         phase = "closing"
         await node.close()
+
+
+def _failed(node: Node) -> int:
+    print(
+        f"agora-node: stopped after a failure of the node: {node.failure!r} (see the log)",
+        flush=True,
+    )
+    return EXIT_FAILED
+
+
+EXIT_FAILED = 1
+"""Exit code after a background loop of the node failed (it left cleanly, then stopped):
+a supervisor that restarts on failure (deploy/agora-node.service) restarts it."""
 
 
 def _forced() -> int:

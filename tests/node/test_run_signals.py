@@ -44,6 +44,7 @@ class _Node:
         self.started = asyncio.Event()
         self.release = asyncio.Event()
         self.refused = None
+        self.failure = None
         self.peer_id = "me"
         self.service = type("S", (), {"index": 0})()
         self._status = type("P", (), {"port": 1})()
@@ -108,4 +109,15 @@ async def test_a_signal_after_a_leave_request_lets_the_leave_finish(monkeypatch)
     await asyncio.wait_for(node.stop_event.wait_calls(2), 5)  # the handler ran
     node.release.set()
     assert await asyncio.wait_for(task, 5) == 0
+    assert node.left and node.closed
+
+
+async def test_a_node_that_left_because_a_loop_failed_exits_1(monkeypatch) -> None:
+    """It exited 0 like a node told to leave, so `Restart=on-failure` never restarted it."""
+    task, node = await _started(monkeypatch)
+    node.failure = OSError(28, "No space left on device")  # what Node._loop_failed records
+    node.stop_event.set()
+    await asyncio.wait_for(node.leaving.wait(), 5)
+    node.release.set()
+    assert await asyncio.wait_for(task, 5) == run.EXIT_FAILED == 1
     assert node.left and node.closed

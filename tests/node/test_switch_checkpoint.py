@@ -1,0 +1,62 @@
+"""Node.switch_stage when the checkpoint before the switch fails (a full disk): it raised
+through the rebalance loop, so the node left; from the control API it left the node
+warming with its service closed and its record withdrawn, never to train again."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from agora_node.node import daemon
+from agora_node.node.daemon import Node
+from agora_node.protocol.records import NodeState
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Service:
+    def __init__(self, index: int) -> None:
+        self.index, self.closed = index, False
+
+    async def drain(self, timeout: float) -> None:
+        pass
+
+    async def checkpoint(self) -> str:
+        raise OSError(28, "No space left on device")
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_failed_checkpoint_before_a_switch_does_not_stop_the_switch(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(daemon, "node_record", lambda node: None)  # what withdraw is given
+    old = _Service(1)
+    opened: list[int] = []
+
+    async def nothing(*_args, **_kwargs) -> None:  # noqa: ANN002, ANN003
+        pass
+
+    node = types.SimpleNamespace(
+        manifest=types.SimpleNamespace(num_stages=3),
+        state=NodeState.ACTIVE,
+        service=old,
+        config=types.SimpleNamespace(record_ttl_s=30.0, drain_timeout_s=1.0),
+        liveness=types.SimpleNamespace(announce=lambda *a: None),
+        directory=types.SimpleNamespace(withdraw=nothing),
+        compute=types.SimpleNamespace(release_memory=lambda: None),
+        stage_changes=[],
+        last_checkpoint=None,
+        _publish=nothing,
+    )
+    node._note_stage_change = types.MethodType(Node._note_stage_change, node)
+    node.checkpoint = types.MethodType(Node.checkpoint, node)
+
+    async def open_service(stage: int) -> None:
+        opened.append(stage)
+        node.service = _Service(stage)
+
+    node._open_service = open_service
+    await Node.switch_stage(node, 2, "test")
+    assert old.closed and opened == [2]
+    assert node.state == NodeState.ACTIVE and node.service.index == 2

@@ -19,8 +19,17 @@ Under a subkey that is a run id (16 hex digits: the run pointers), likewise only
 signed run pointer for that run, signed by the publisher it names, not outliving its
 `ttl` (at most MAX_POINTER_TTL_S). A stranger may still publish its own pointer to a
 run (that is what an open DHT allows; it names the same, content-addressed run), but
-no longer junk that hides the run's pointers. Values under other subkeys and plain
-values (the manifest, whose key holds its own hash) are left to their readers' checks. What this does not replace: readers
+no longer junk that hides the run's pointers.
+
+A plain value (no subkey) is only ever a run's manifest, under the key named by its own
+bytes' hash (`manifest_key(run id)`, the run id being that hash): stored only there, at
+most MAX_PLAIN_BYTES, living at most MAX_PLAIN_LIFETIME_S. hivemind replaces a key's
+whole dictionary by a plain value with a later expiry, so one stranger's plain value
+under a stage's key had emptied that stage's directory (and refused every honest record
+after it) for as long as the expiry it chose. Subkeys of any other kind are refused:
+no agora value uses one, and junk under them only grows what readers must fetch.
+
+What this does not replace: readers
 still check everything (run, stage, ranges, freshness); a node of an older version
 without the check still stores junk, and a reader then discards that node's whole
 answer for the key (hivemind validates a dictionary as one).
@@ -30,8 +39,11 @@ Pure functions, tested without a network.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 from agora_node.protocol.identity import IdentityError, public_key_from_peer_id, verify
@@ -43,6 +55,10 @@ UNSTATED_LIFETIME_S = 900.0
 """The most a signed value that states no `ttl` may live past its time (round entries
 live 60 s; the matchmaker's retries stay within its window)."""
 RUN_ID_CHARS = 16
+MAX_PLAIN_BYTES = 64 << 10
+"""Above any manifest's canonical bytes (a few hundred)."""
+MAX_PLAIN_LIFETIME_S = 3600.0
+"""Manifests are stored for 2 minutes and re-stored while a node serves the run."""
 STORE_SLACK_S = MAX_CLOCK_SKEW_S + 5.0
 """Between signing and the store's expiry: the withdraw's extra second, a slow store."""
 
@@ -67,15 +83,26 @@ def is_run_subkey(subkey: Any) -> bool:
     )
 
 
-def refusal(subkey: Any, value: Any, expiration_time: float) -> str | None:
+def refusal(
+    subkey: Any,
+    value: Any,
+    expiration_time: float,
+    *,
+    key_of_run: Callable[[str], bool] | None = None,
+    now: float | None = None,
+) -> str | None:
     """Why a DHT node must not store `value` under `subkey` until `expiration_time`, or
-    None if it may (see the module docstring)."""
+    None if it may (see the module docstring). For a plain value (subkey None):
+    `key_of_run(run_id)`, whether the value's key is that run's manifest key (the DHT
+    knows keys only by their hash); `now`, the DHT's time."""
+    if subkey is None:
+        return _plain_refusal(value, expiration_time, key_of_run, now)
     if is_peer_subkey(subkey):
         signer, max_ttl = subkey, MAX_RECORD_TTL_S
     elif is_run_subkey(subkey):
         signer, max_ttl = None, MAX_POINTER_TTL_S  # the publisher it names
     else:
-        return None  # neither a peer's nor a run's subkey: its readers decide
+        return "a subkey no agora value uses"
     if (
         not isinstance(value, dict)
         or not isinstance(value.get("r"), bytes)
@@ -111,6 +138,23 @@ def refusal(subkey: Any, value: Any, expiration_time: float) -> str | None:
         return (
             "not signed by the subkey's peer" if signer == subkey else "not signed by its publisher"
         )
+    return None
+
+
+def _plain_refusal(
+    value: Any,
+    expiration_time: float,
+    key_of_run: Callable[[str], bool] | None,
+    now: float | None,
+) -> str | None:
+    if not isinstance(value, bytes) or len(value) > MAX_PLAIN_BYTES:
+        return "a plain value that is not a manifest's bytes"
+    now = time.time() if now is None else now
+    if not _number(expiration_time) or expiration_time > now + MAX_PLAIN_LIFETIME_S:
+        return "expiry beyond a manifest's lifetime"
+    run_id = hashlib.sha256(value).hexdigest()[:RUN_ID_CHARS]  # Manifest.run_id's hash
+    if key_of_run is None or not key_of_run(run_id):
+        return "a plain value away from its own manifest key"
     return None
 
 

@@ -85,7 +85,29 @@ def test_run_pointers_only_for_their_run_signed_by_their_publisher_within_their_
     assert refusal(run, forged, pointer.issued_at + 60) == "not signed by its publisher"
 
 
-def test_other_subkeys_and_plain_values_are_left_to_their_readers():
-    assert refusal("f" * 15, b"anything", 1e12) is None
-    assert refusal(None, b"manifest bytes", 1e12) is None
-    assert refusal("12D3KooWnot-a-peer-id-at-all-really-not-one-no", b"x", 1e12) is None
+def test_other_subkeys_are_refused():
+    """They were left to their readers, and a stranger's junk under them was kept."""
+    for subkey in ("f" * 15, "x", "12D3KooWnot-a-peer-id-at-all-really-not-one-no", 7):
+        assert refusal(subkey, b"anything", time.time() + 60) == "a subkey no agora value uses"
+
+
+def test_a_plain_value_is_stored_only_as_a_manifest_under_its_own_key():
+    """A plain value with a later expiry replaces a key's whole dictionary in hivemind: one
+    under a stage's key emptied its directory for as long as the stranger chose."""
+    from agora_node.stages.manifest_files import load_manifest
+
+    manifest = load_manifest("tiny")
+    raw, now = manifest.canonical_bytes(), time.time()
+    at_its_key = {manifest.run_id}.__contains__  # the DHT's key is this run's manifest key
+    elsewhere = {"0" * 16}.__contains__  # e.g. a stage's key
+    assert refusal(None, raw, now + 120, key_of_run=at_its_key, now=now) is None
+    assert refusal(None, raw, now + 120, key_of_run=elsewhere, now=now) == (
+        "a plain value away from its own manifest key"
+    )
+    assert refusal(None, raw, now + 1e7, key_of_run=at_its_key, now=now) == (
+        "expiry beyond a manifest's lifetime"
+    )
+    for junk in ({"r": b"x", "s": b"y"}, "text", b"\0" * (65 << 10)):
+        assert refusal(None, junk, now + 60, key_of_run=lambda _: True, now=now) == (
+            "a plain value that is not a manifest's bytes"
+        )

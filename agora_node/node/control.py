@@ -13,8 +13,10 @@ Service `agora.Control`:
 | `SwitchStage` | `{"stage": int}`  | what `handlers.switch_stage()` returned     |
 | `Status`      | `{}`              | the status snapshot                         |
 
-`Leave` is answered once the daemon has drained and checkpointed; the daemon
-then calls `ControlServer.stop()` (which lets the reply go out) and exits.
+`Leave` is answered at once: it only asks the daemon to stop (`NodeControl.leave`
+sets its stop event and answers `{"leaving": true, "peer_id": ...}`). The daemon
+then drains, checkpoints, calls `ControlServer.stop()` and exits; a client that
+must wait for that watches the daemon's pid or the socket (`agora-node leave` does).
 Handler errors reach the client as one line: a `ValueError` as "invalid
 argument", anything else as "failed".
 """

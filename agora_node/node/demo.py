@@ -20,6 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,7 +62,7 @@ class Swarm:
         `prefix` it runs under); `append` continues the log of an earlier run of the same
         name."""
         log_path = self.workdir / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        env = child_env(os.environ, env)
         proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", module, *argv],
             stdout=open(log_path, "a" if append else "w"),  # noqa: SIM115 - owned by the child
@@ -97,6 +98,19 @@ class Swarm:
         for child in self.children:
             _signal_group(child.proc, signal.SIGKILL)
             child.proc.wait()
+
+
+PASSED_ON = frozenset({"AGORA_MALLOC_TRIM"})
+"""AGORA_* variables a node still inherits: process tuning (heap.py), not node options."""
+
+
+def child_env(parent: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A node's environment: this process's, less the AGORA_* node options (the demo's
+    flags configure each node: the operator's AGORA_HOST_MADDRS, AGORA_IDENTITY_PATH,
+    AGORA_STAGE... would give every node one port, one key, one stage), plus `extra`
+    (what the caller sets explicitly, AGORA_* included)."""
+    env = {k: v for k, v in parent.items() if not k.startswith("AGORA_") or k in PASSED_ON}
+    return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(extra or {})}
 
 
 def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
@@ -200,7 +214,7 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 def cmd_demo(args: argparse.Namespace) -> int:
     manifest = load_manifest(args.manifest)
-    nodes = args.nodes or 2 * manifest.num_stages
+    nodes = args.nodes if args.nodes is not None else 2 * manifest.num_stages
     for flag in ("fault_after", "minutes", "interval", "eval_every"):
         if not getattr(args, flag) >= 0:  # nan too
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
@@ -388,6 +402,16 @@ def cells_text(nodes: list[dict]) -> str:
     return f"; {len(leaders)} cell(s): {mbs} micro-batches split, {failed} trained whole{kv}"
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="a local swarm on 127.0.0.1 training the embedded default")
     p.add_argument(
@@ -406,7 +430,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=90.0,
         help="seconds into the run for --faults (default: 90)",
     )
-    p.add_argument("--nodes", type=int, default=0, help="daemons to start (default: two per stage)")
+    p.add_argument(
+        "--nodes",
+        type=_at_least_one,
+        default=None,
+        help="daemons to start, at least the run's stages (default: two per stage)",
+    )
     p.add_argument(
         "--minutes",
         type=float,

@@ -29,7 +29,7 @@ from agora_node.comms.directory import Directory, RunChoiceError, Snapshot, fetc
 from agora_node.comms.host import Host
 from agora_node.node import attestation
 from agora_node.node.checkpoint import load_latest_checkpoint
-from agora_node.node.errors import JoinError
+from agora_node.node.errors import JoinError, UsageError
 from agora_node.node.worker import StageWorker
 from agora_node.protocol import state_blob
 from agora_node.protocol.manifest import Manifest
@@ -146,9 +146,11 @@ def better_stage(
 
 
 def fixed_stage(manifest: Manifest, wanted: str) -> int:
+    """`--stage N` checked against the run: a UsageError (exit 2, as under --dry-run)
+    when the run has no stage N."""
     stage = int(wanted)
     if not 0 <= stage < manifest.num_stages:
-        raise JoinError(
+        raise UsageError(
             f"--stage {stage} does not exist: this run has stages 0..{manifest.num_stages - 1}"
         )
     return stage

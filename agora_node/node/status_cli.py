@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -144,9 +146,45 @@ def format_table(status: dict[str, Any], peers: dict[str, Any]) -> str:
 # -- commands ------------------------------------------------------------------
 
 
+def default_url(env: Mapping[str, str]) -> str:
+    """The status endpoint of a daemon started in this environment: AGORA_STATUS_HOST and
+    AGORA_STATUS_PORT as the daemon reads them (an empty variable counts as unset), a
+    wildcard host reached on loopback."""
+    host = env.get("AGORA_STATUS_HOST") or DEFAULT_HOST
+    port = env.get("AGORA_STATUS_PORT") or str(DEFAULT_PORT)
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # noqa: S104 - a client
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port.strip()}"
+
+
+def leave_target(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Path, Path | None]:
+    """(the daemon's control socket, its data dir for its pid, or None when unknown), as
+    the daemon derives them: flags first, then AGORA_CONTROL_SOCKET, AGORA_DATA_DIR (and
+    AGORA_IDENTITY_PATH, which names the default data dir), then ~/.agora-node."""
+
+    def path(text: str) -> Path:
+        return Path(text).expanduser()
+
+    if args.control_socket:
+        return path(args.control_socket), path(args.data_dir) if args.data_dir else None
+    if args.data_dir:
+        return path(args.data_dir) / "control.sock", path(args.data_dir)
+    env_dir = env.get("AGORA_DATA_DIR")
+    if env.get("AGORA_CONTROL_SOCKET"):
+        return path(env["AGORA_CONTROL_SOCKET"]), path(env_dir) if env_dir else None
+    data_dir = (
+        path(env_dir)
+        if env_dir
+        else datadir.default_data_dir(env.get("AGORA_IDENTITY_PATH"), "identity.key")
+    )
+    return data_dir / "control.sock", data_dir
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    url = args.url or default_url(os.environ)
     try:
-        status, peers = fetch_status(args.url, args.timeout)
+        status, peers = fetch_status(url, args.timeout)
     except StatusUnavailable as exc:
         return _fail(f"{exc}: is the daemon running? pass --url")
     if args.json:
@@ -157,13 +195,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_leave(args: argparse.Namespace) -> int:
-    data_dir = Path(args.data_dir or datadir.HOME).expanduser()
-    path = Path(args.control_socket or data_dir / "control.sock")
-    path = path.expanduser()  # the daemon's own default: DATA_DIR/control.sock
+    path, data_dir = leave_target(args, os.environ)
     print(f"asking the daemon on {path} to leave (drain, checkpoint, exit)...", flush=True)
     started = time.monotonic()
     # its pid, from its data dir's lock file, when we know the data dir
-    pid = None if args.control_socket and not args.data_dir else datadir.holder_pid(data_dir)
+    pid = None if data_dir is None else datadir.holder_pid(data_dir)
     try:
         result = control_call_sync(path, "Leave", timeout=args.timeout)
     except ControlError as exc:
@@ -195,7 +231,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `status` and `leave` to the `agora-node` subcommands."""
     p = subparsers.add_parser("status", help="show a running daemon's view of the swarm")
     p.add_argument(
-        "--url", default=DEFAULT_URL, help=f"the daemon's status endpoint (default {DEFAULT_URL})"
+        "--url",
+        help=f"the daemon's status endpoint (default {DEFAULT_URL}, or the host and port "
+        "AGORA_STATUS_HOST and AGORA_STATUS_PORT give, as for the daemon)",
     )
     p.add_argument("--json", action="store_true", help="print the raw JSON of status and peers")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
@@ -204,10 +242,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("leave", help="ask a running daemon to drain, checkpoint and exit")
     p.add_argument(
         "--control-socket",
-        help="the daemon's control socket (default DATA_DIR/control.sock)",
+        help="the daemon's control socket (default AGORA_CONTROL_SOCKET, else "
+        "DATA_DIR/control.sock)",
     )
     p.add_argument(
-        "--data-dir", help=f"the daemon's data dir, for its control socket (default {datadir.HOME})"
+        "--data-dir",
+        help=f"the daemon's data dir, for its control socket (default AGORA_DATA_DIR, else "
+        f"{datadir.HOME})",
     )
     p.add_argument(
         "--timeout",

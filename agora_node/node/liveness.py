@@ -37,6 +37,9 @@ def membership_event(previous: Status | None, view: MemberView) -> str | None:
 
 MAX_INTRODUCED = 8192
 """Peers remembered as introduced (a forgotten one is merely introduced again)."""
+MAX_LAST = 2 * 8192
+"""Members whose last status is kept (twice SWIM's table): SWIM's table is bounded by
+eviction, this one was not (self-signed records of fresh keys grew it without end)."""
 
 
 class Liveness:
@@ -75,9 +78,11 @@ class Liveness:
 
     def note(self, view: MemberView) -> None:
         """SWIM's listener: keep status changes and stage moves as events."""
-        previous = self._last.get(view.peer_id)
+        previous = self._last.pop(view.peer_id, None)
         status, stage = previous or (None, None)
-        self._last[view.peer_id] = (view.status, view.meta.stage)
+        self._last[view.peer_id] = (view.status, view.meta.stage)  # newest last
+        if len(self._last) > MAX_LAST:  # fresh keys are free: forget the longest quiet
+            del self._last[next(iter(self._last))]
         event = membership_event(status, view)
         if event is None and stage is not None and stage >= 0 and view.meta.stage != stage:
             event = "moved"

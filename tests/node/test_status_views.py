@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from agora_node.comms.membership.members import MemberView
 from agora_node.comms.membership.messages import MemberMeta, Status
-from agora_node.node.liveness import RECENT_EVENTS, Liveness, membership_event
+from agora_node.node.liveness import MAX_LAST, RECENT_EVENTS, Liveness, membership_event
 from agora_node.node.round_report import round_summary
 from agora_node.node.rounds import anchor_agreement
 from agora_node.node.snapshot import flags_by_peer, waiting_on
@@ -44,6 +44,17 @@ def test_liveness_keeps_recent_events_with_times_and_stage_moves():
         len(live.events) == RECENT_EVENTS
         and live.events[-1]["peer_id"] == f"P{2 * RECENT_EVENTS - 1}"
     )
+
+
+def test_liveness_remembers_a_bounded_number_of_members():
+    """Self-signed records of fresh keys each reached `note`; its table never shrank."""
+    live = Liveness()
+    live.note(view(Status.ALIVE, peer="B"))
+    for i in range(MAX_LAST + 10):
+        live.note(view(Status.ALIVE, peer=f"P{i}"))
+        if i == MAX_LAST // 2:
+            live.note(view(Status.SUSPECT, peer="B"))  # a member heard from again is kept
+    assert len(live._last) == MAX_LAST and "B" in live._last and "P0" not in live._last
 
 
 def test_liveness_tells_its_listeners_of_each_death_and_leave_once():

@@ -171,7 +171,8 @@ class MemberTable:
 
 def precedence(member: Member | None, item: Item) -> str | None:
     """What an item about another member does: 'apply', 'confirm', or None (stale).
-    Higher incarnation wins; at equal incarnation LEFT > DEAD > SUSPECT > ALIVE."""
+    Higher incarnation wins; at equal incarnation LEFT > DEAD > SUSPECT > ALIVE. An
+    accusation is taken only at the incarnation we know the member at."""
     kind, inc = item.kind, item.incarnation
     if member is None:
         return "apply" if kind in (Status.ALIVE, Status.LEFT) else None
@@ -180,14 +181,19 @@ def precedence(member: Member | None, item: Item) -> str | None:
         return "apply" if inc > current else None
     if status == Status.LEFT or inc < current:
         return None
-    if kind == Status.LEFT:
+    if kind == Status.LEFT:  # signed by the member itself
         return "apply"
+    if inc > current:
+        # an accusation above the incarnation we know, which the member's own records set
+        # and at which accusers accuse: nobody's honest view (a stranger's, to push the
+        # member's incarnation out of reach; if we missed a refutation, our probes decide)
+        return None
     if status == Status.DEAD:
         return None
     if kind == Status.DEAD:
         return "apply"
     # SUSPECT about a live member
-    if status == Status.ALIVE or inc > current:
+    if status == Status.ALIVE:
         return "apply"
     suspicion = member.suspicion
     if (

@@ -123,6 +123,8 @@ class MembershipService:
             listener=self._notify,
             seq_start=time.time_ns() // 1000,  # grows across restarts: no false replays
             admit=self._admit,
+            # grows across restarts too: accusations above it are forged (swim.py)
+            incarnation_start=int(time.time()),
         )
         await self._servicer.add_p2p_handlers(self._p2p, namespace=self._namespace)
         logger.info("membership of %s starts with %s", self.peer_id, self.settings)

@@ -48,6 +48,8 @@ COUNTERS = (
     "dropped_table_full", "dropped_relays_full", "dropped_over_verify_budget",
     "probes", "probe_failures", "probes_inconclusive", "indirect_probes",
     "suspicions", "confirmations", "declared_dead", "refutations", "push_pulls",
+    "dropped_future_accusations", "dropped_unknown_confirmers", "dropped_replies",
+    "dropped_push_pulls", "dropped_relays_per_origin",
 )  # fmt: skip
 
 _KEPT_SEEDS = 8
@@ -56,6 +58,15 @@ _KEPT_SEEDS = 8
 # timer kinds
 _PROBE, _PROBE_TIMEOUT, _PROBE_END, _SUSPICION, _NACK, _GOSSIP, _PUSH_PULL, _RECONNECT = range(8)
 
+
+MAX_INCARNATION = 2**32 - 1
+"""Incarnations travel as u32: ours saturates there."""
+MAX_REPLY_ITEMS = 16
+"""Corrections one received message may earn its sender (stale news about us or others,
+sent back in one message): a message of 255 stale items once earned 255 signed sends."""
+MAX_RELAYS_PER_ORIGIN = 8
+"""Ping-reqs of one origin carried at once (an honest prober asks each helper once per
+probe); the relay table is shared by all."""
 
 VERIFY_BUDGET = 512
 """Item signatures checked per received message, at most (about 20 ms of the loop): a
@@ -103,9 +114,14 @@ class Membership:
         listener: Callable[[MemberView], None] | None = None,
         seq_start: int = 0,
         admit: Callable[[str], bool] | None = None,
+        incarnation_start: int = 0,
     ) -> None:
         """`seq_start` must grow across restarts of one identity (e.g. wall-clock
         microseconds), or peers drop the restarted member's messages as replays.
+        `incarnation_start` likewise (e.g. wall-clock seconds): a restarted member then
+        starts above every incarnation its earlier life reached, so an accusation above
+        its incarnation is nobody's honest view and is ignored (one signed SUSPECT at
+        2**32 - 1 had pushed the incarnation off the wire format and broke the member).
         `admit`, if given, says which peer ids may take part (a private swarm)."""
         self.peer_id = signer.peer_id
         self.settings = settings or MembershipSettings()
@@ -116,9 +132,14 @@ class Membership:
         """Signature checks left for the message being handled (None: not in one)."""
         self._rng, self._listener, self._admit = rng, listener, admit
         self._members = MemberTable(rng)
-        self._incarnation = 0
+        self._incarnation = min(max(0, incarnation_start), MAX_INCARNATION)
         self._meta = meta or MemberMeta()
-        self._record = self._sign_item(Status.ALIVE, self.peer_id, 0, meta=self._meta)
+        self._record = self._sign_item(
+            Status.ALIVE, self.peer_id, self._incarnation, meta=self._meta
+        )
+        self._replies: dict[str, dict[bytes, None]] | None = None
+        """Corrections owed to senders of the message being handled (None: not in one)."""
+        self._push_pull_answered: dict[str, float] = {}
         self._leaving = False
         self._gossip = GossipQueue()
         self._replay = ReplayGuard(max_senders=2 * self.settings.max_members)
@@ -244,11 +265,13 @@ class Membership:
         env = self._open(sender, data)
         if env is None:
             return
-        self._budget = VERIFY_BUDGET
+        self._budget, self._replies = VERIFY_BUDGET, {}
         try:
             self._handle(sender, env, now)
         finally:
-            self._budget = None
+            replies, self._budget, self._replies = self._replies, None, None
+            for peer, items in replies.items():
+                self._send(peer, MsgKind.GOSSIP, b"", list(items))
 
     def _handle(self, sender: str, env: wire.Envelope, now: float) -> None:
         for item in env.items:
@@ -266,7 +289,7 @@ class Membership:
             self._on_ping_req(sender, env, now)
         elif kind == MsgKind.PUSH_PULL:
             self._merge_state(sender, env.entries, now)
-            if not env.reply:
+            if not env.reply and self._may_answer_push_pull(sender, now):
                 self._send_push_pull(sender, reply=True)
 
     # ------------------------------------------------------------ message I/O
@@ -424,10 +447,16 @@ class Membership:
         if len(self._relays) >= self.settings.max_relays:
             self.counters["dropped_relays_full"] += 1
             return
+        if sum(r.origin == origin for r in self._relays.values()) >= MAX_RELAYS_PER_ORIGIN:
+            self.counters["dropped_relays_per_origin"] += 1
+            return
         seq = self._next_probe_seq()
         self._relays[seq] = _Relay(origin, env.probe_seq, target, now)
         self._send(target, MsgKind.PING, wire.probe_body(seq))
-        self._timers.add(now + env.nack_after_ms / 1000.0, _NACK, seq)
+        # an honest origin asks for a nack within its own indirect wait; a slot held longer
+        # (65 s at most on the wire, twice that with the late-ack wait) is a held slot
+        nack_after = min(env.nack_after_ms / 1000.0, 2 * self.settings.indirect_timeout_s)
+        self._timers.add(now + nack_after, _NACK, seq)
 
     def _on_nack_timer(self, seq: int, when: float, now: float) -> None:
         relay = self._relays.get(seq)
@@ -497,13 +526,15 @@ class Membership:
                 suspicion.regossiped = True
                 self._gossip.push(member.peer_id, member.accusation.raw)
             return
-        if suspicion.confirmations >= max(1, suspicion.expected):
+        own = self.peer_id in suspicion.accusers
+        if own and suspicion.confirmations >= max(1, suspicion.expected):
             self._accuse(member, Status.DEAD, now)
             return
         # Not confirmed by enough others (in a tiny cluster: by anyone else): it may
         # have refuted and the news missed us (gossip reaches everyone only with high
-        # probability). Probe it once more, with the suspicion attached; only a
-        # failed probe makes it dead.
+        # probability). Or we never probed it ourselves: others' word alone declares
+        # no death here (four fresh keys once did, in a second). Probe it once more,
+        # with the suspicion attached; only a failed probe makes it dead.
         self._request_verification(suspicion, now)
 
     def _request_verification(self, suspicion: Suspicion, now: float) -> None:
@@ -525,7 +556,7 @@ class Membership:
                 return
 
     def _set_incarnation(self, incarnation: int) -> None:
-        self._incarnation = incarnation
+        self._incarnation = min(incarnation, MAX_INCARNATION)
         if not self._leaving:
             self._record = self._sign_item(Status.ALIVE, self.peer_id, incarnation, meta=self._meta)
             self._gossip.push(self.peer_id, self._record)
@@ -569,6 +600,12 @@ class Membership:
             return
         if action == "confirm":
             assert member is not None and member.suspicion is not None
+            confirmer = self._members.get(item.signer)
+            if confirmer is None or confirmer.status != Status.ALIVE or confirmer.rtt() is None:
+                # not a live member that answered our own probe: keys cost nothing, and a
+                # self-signed ALIVE record makes one a member in one message
+                self.counters["dropped_unknown_confirmers"] += 1
+                return
             self._confirm(member.suspicion, item)
         elif item.kind == Status.SUSPECT:
             assert member is not None
@@ -603,7 +640,7 @@ class Membership:
             newer = member.accusation.raw
         else:
             return
-        self._send(sender, MsgKind.GOSSIP, b"", [newer])
+        self._reply(sender, newer)
 
     def _confirm(self, suspicion: Suspicion, item: Item) -> None:
         if suspicion.confirm(item.signer):
@@ -633,12 +670,16 @@ class Membership:
 
     def _about_me(self, item: Item, sender: str | None, count_stale: bool = True) -> None:
         accusation = item.kind in (Status.SUSPECT, Status.DEAD)
+        if accusation and item.incarnation > self._incarnation:
+            # above any incarnation we ever had (incarnation_start): forged, not refuted
+            self.counters["dropped_future_accusations"] += 1
+            return
         worse = item.kind != Status.ALIVE and item.incarnation >= self._incarnation
         newer = item.kind == Status.ALIVE and item.incarnation > self._incarnation
         if not (worse or newer) or self._leaving:
             self.counters["stale_items"] += count_stale
             if accusation and sender is not None and not self._leaving:
-                self._send_record(sender)  # it relays old news about us: update it
+                self._reply(sender, self._record)  # it relays old news about us: update it
             return
         if self._verified(item):
             self._refute(item.incarnation)
@@ -657,6 +698,33 @@ class Membership:
 
     def _send_record(self, peer: str) -> None:
         self._send(peer, MsgKind.GOSSIP, b"", [self._record])
+
+    def _reply(self, peer: str, raw: bytes) -> None:
+        """Send `peer` a correction: while handling its message, gathered into one reply
+        of at most MAX_REPLY_ITEMS distinct items (sent when the message is done)."""
+        if self._replies is None:
+            self._send(peer, MsgKind.GOSSIP, b"", [raw])
+            return
+        owed = self._replies.setdefault(peer, {})
+        if raw not in owed and len(owed) >= MAX_REPLY_ITEMS:
+            self.counters["dropped_replies"] += 1
+            return
+        owed[raw] = None
+
+    def _may_answer_push_pull(self, peer: str, now: float) -> bool:
+        """One full-table answer per peer per quarter push-pull interval (an honest member
+        starts one exchange per interval, with one member at a time)."""
+        window = self.settings.push_pull_interval_s / 4
+        answered = self._push_pull_answered
+        if len(answered) >= 2 * self.settings.max_members:
+            for old in [p for p, at in answered.items() if now - at >= window]:
+                del answered[old]
+        at = answered.get(peer)
+        if (at is not None and now - at < window) or len(answered) >= 2 * self.settings.max_members:
+            self.counters["dropped_push_pulls"] += 1
+            return False
+        answered[peer] = now
+        return True
 
     # -------------------------------------------------- push-pull, gossip timers
 

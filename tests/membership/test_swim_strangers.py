@@ -1,0 +1,120 @@
+"""What one stranger's signed messages can no longer do to a member (an adversarial
+review's findings): push an incarnation off the wire, get a live member declared dead
+with a few fresh keys, turn one message into hundreds of replies, or hold the relay
+table. Real Ed25519 identities and the daemon's verifier, one machine, no network."""
+
+from __future__ import annotations
+
+import pytest
+from swim_helpers import FAST, item, lone_machine, message
+
+from agora_node.comms.membership import messages as wire
+from agora_node.comms.membership.members import precedence
+from agora_node.comms.membership.messages import MemberMeta, MsgKind, Status
+from agora_node.comms.membership.swim import MAX_RELAYS_PER_ORIGIN, MAX_REPLY_ITEMS
+from agora_node.protocol.identity import Identity
+
+pytestmark = pytest.mark.timeout(60)
+TOP = 2**32 - 1
+
+
+def _alive(identity: Identity, inc: int = 0) -> bytes:
+    return item(identity, Status.ALIVE, identity.peer_id, inc, meta=MemberMeta(stage=0))
+
+
+def _gossip(sender: Identity, to: str, seq: int, items: list[bytes]) -> bytes:
+    return message(sender, to, MsgKind.GOSSIP, seq, items=items)
+
+
+def test_an_accusation_above_the_own_incarnation_is_ignored() -> None:
+    """A SUSPECT at 2**32 - 1 made the member refute to 2**32, which no u32 holds: every
+    message it sent after raised, and so did its stage switch and its leave."""
+    me, stranger = Identity.generate(), Identity.generate()
+    machine, out = lone_machine(me, incarnation_start=1000)
+    forged = item(stranger, Status.SUSPECT, me.peer_id, TOP)
+    machine.on_message(stranger.peer_id, _gossip(stranger, me.peer_id, 1, [forged]), 0.1)
+    assert machine.incarnation == 1000 and machine.counters["dropped_future_accusations"] == 1
+    honest = item(stranger, Status.SUSPECT, me.peer_id, 1000)  # at what it knows: refuted
+    machine.on_message(stranger.peer_id, _gossip(stranger, me.peer_id, 2, [honest]), 0.2)
+    assert machine.incarnation == 1001
+    machine.update_meta(MemberMeta(stage=1), 0.3)  # sends and signs as before
+
+
+def test_an_accusation_above_a_member_s_known_incarnation_is_not_taken() -> None:
+    me, alice, stranger = Identity.generate(), Identity.generate(), Identity.generate()
+    machine, _ = lone_machine(me)
+    machine.learn([_alive(alice, 5)], 0.0)
+    member = machine._members.get(alice.peer_id)
+    ahead = wire.decode_item(item(stranger, Status.SUSPECT, alice.peer_id, TOP))
+    assert precedence(member, ahead) is None
+    at = wire.decode_item(item(stranger, Status.SUSPECT, alice.peer_id, 5))
+    assert precedence(member, at) == "apply"
+    left = wire.decode_item(item(alice, Status.LEFT, alice.peer_id, 9))  # its own word
+    assert precedence(member, left) == "apply"
+
+
+def test_fresh_keys_cannot_get_a_live_member_declared_dead() -> None:
+    """Four fresh keys' SUSPECTs in one message made it DEAD a second later, with no probe
+    of our own: routing, rounds and cells dropped it."""
+    me, alice = Identity.generate(), Identity.generate()
+    machine, out = lone_machine(me)
+    machine.learn([_alive(alice)], 0.0)
+    keys = [Identity.generate() for _ in range(4)]
+    accusations = [item(k, Status.SUSPECT, alice.peer_id, 0) for k in keys]
+    alives = [_alive(k) for k in keys]  # members in one message: still unprobed
+    machine.on_message(keys[0].peer_id, _gossip(keys[0], me.peer_id, 1, alives), 0.1)
+    machine.on_message(keys[0].peer_id, _gossip(keys[0], me.peer_id, 2, accusations), 0.2)
+    assert machine.counters["dropped_unknown_confirmers"] == 3
+    answered: set[int] = set()
+    t = 0.2
+    while t < 0.2 + 2 * FAST.suspicion_bounds(machine.cluster_size())[1]:
+        t += 0.05
+        machine.tick(t)
+        for to, data in list(out.sent):  # alice is alive: she answers every ping
+            env = wire.decode_envelope(data)
+            if to == alice.peer_id and env.kind == MsgKind.PING and id(data) not in answered:
+                answered.add(id(data))
+                ack = message(alice, me.peer_id, MsgKind.ACK, 10 + len(answered),
+                              wire.probe_body(env.probe_seq))  # fmt: skip
+                machine.on_message(alice.peer_id, ack, t)
+        assert machine.get(alice.peer_id).status != Status.DEAD, t
+    # (still suspected: a real alice refutes the suspicion sent to her, this one only acks)
+
+
+def test_one_message_of_stale_news_earns_one_bounded_reply() -> None:
+    """Each stale accusation about us (or about others) was answered by a signed message
+    of its own: 255 in one message meant 255 sends."""
+    me, stranger = Identity.generate(), Identity.generate()
+    machine, out = lone_machine(me, incarnation_start=50)
+    stale = [item(Identity.generate(), Status.SUSPECT, me.peer_id, inc) for inc in range(40)]
+    machine.on_message(stranger.peer_id, _gossip(stranger, me.peer_id, 1, stale), 0.1)
+    replies = [d for to, d in out.sent if to == stranger.peer_id]
+    assert len(replies) == 1
+    assert len(wire.decode_envelope(replies[0]).items) <= MAX_REPLY_ITEMS + 8  # + piggyback
+
+
+def test_push_pulls_are_answered_once_per_window_per_peer() -> None:
+    me, stranger = Identity.generate(), Identity.generate()
+    machine, out = lone_machine(me)
+    body = wire.push_pull_body(False, [])
+    for seq in range(1, 6):
+        pp = message(stranger, me.peer_id, MsgKind.PUSH_PULL, seq, body)
+        machine.on_message(stranger.peer_id, pp, 0.1 * seq)
+    assert out.kinds_to(stranger.peer_id).count(MsgKind.PUSH_PULL) == 1
+    assert machine.counters["dropped_push_pulls"] == 4
+
+
+def test_one_origin_holds_few_relay_slots_and_only_briefly() -> None:
+    me, asker = Identity.generate(), Identity.generate()
+    machine, out = lone_machine(me)
+    for seq in range(1, 2 * MAX_RELAYS_PER_ORIGIN + 1):
+        body = wire.ping_req_body(seq, Identity.generate().peer_id, 65535)
+        machine.on_message(
+            asker.peer_id, message(asker, me.peer_id, MsgKind.PING_REQ, seq, body), 0.1
+        )
+    assert len(machine._relays) == MAX_RELAYS_PER_ORIGIN
+    assert machine.counters["dropped_relays_per_origin"] == MAX_RELAYS_PER_ORIGIN
+    nack = 0.1 + 2 * FAST.indirect_timeout_s  # the clamp, whatever the asker said
+    machine.tick(nack + 0.01)
+    machine.tick(nack + 2 * FAST.indirect_timeout_s + 0.02)  # then the late-ack wait
+    assert not machine._relays

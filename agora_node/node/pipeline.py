@@ -178,7 +178,7 @@ class Pipeline:
             header, tokens, c_in = await self._admit(remote, data)
             if header.train and not await self._plausible(c_in, self._activation_norms, remote):
                 self.suspects.flag(remote, Reason.PIPELINE_OUTLIER, "activations: norm outlier")
-                raise WireError(Code.BAD_PAYLOAD, "activation norm far above the recent ones")
+                raise WireError(Code.BAD_PAYLOAD, "activation norm far from the recent ones")
         except WireError as exc:
             if exc.code == Code.NON_FINITE:
                 self.suspects.flag(remote, Reason.NONFINITE, "sent non-finite activations")

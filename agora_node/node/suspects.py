@@ -4,9 +4,9 @@ A peer is flagged only on evidence this node saw itself (never on another peer's
 word): an outer-round contribution it refused as a reducer for its norm or its
 direction, or that replayed one of an earlier round, a span
 result that failed the witness check, a micro-batch whose activations, gradient
-or loss were not finite, or a gradient whose norm was far above the recent ones
-(`NormWatch`). A flag bans the peer for `ban_s` seconds (a new flag restarts the
-period). What a ban does is decided by its users (docs/security.md, "Flagging
+or loss were not finite, or activations or a gradient whose norm was far from the
+recent ones (`NormWatch`). A flag bans the peer for `ban_s` seconds (a new flag
+restarts the period). What a ban does is decided by its users (docs/security.md, "Flagging
 and bans"): the router skips the peer, the reducer drops its parts, catch-up and
 state transfer ignore its claims, and its id goes into this node's round entries,
 where a strict majority of a round's entrants naming it leaves it out of the round
@@ -54,8 +54,8 @@ class Reason(StrEnum):
     """It answered a micro-batch with a reply that does not decode (its header's types,
     its frames): streams are authenticated, so the bytes are the peer's own."""
     PIPELINE_OUTLIER = "pipeline_outlier"
-    """It sent activations or returned a gradient whose norm is far above the recent ones
-    (`NormWatch`)."""
+    """It sent activations or returned a gradient whose norm is far above or below the
+    recent ones (`NormWatch`)."""
 
 
 ROUND_EVIDENCE = (
@@ -168,54 +168,73 @@ class Suspects:
 class NormWatch:
     """Is a norm an outlier against the recent ones? (pipeline gradients, activations)
 
-    Keeps the last `window` norms it accepted; a norm above `factor` x their median
-    is an outlier (and is not added), once `min_samples` are known. Before that,
-    nothing is an outlier: a node cannot judge from a handful of micro-batches.
+    The level is the median, over the senders of the last `window` norms it took, of
+    each sender's median norm: one vote per sender, however often it sends, and at most
+    `per_sender` of the window's norms are one sender's (a fast sender cannot push the
+    others' norms out). A norm outside [level / `factor`, `factor` x level] is an outlier,
+    once `min_samples` norms were taken; before that, nothing is: a node cannot judge from
+    a handful of micro-batches. Too small counts as well as too large: a stranger that
+    sent tiny norms faster than the honest senders walked an upper-only bound down until
+    it refused (and flagged) every honest sender. A norm that is not an outlier is taken,
+    but it counts toward the level only within sqrt(`factor`) of it, and the median over
+    senders is taken in log scale (an even count gives the geometric mean of the middle
+    two): so where a stranger faces a single honest sender, it can move the level at
+    most sqrt(`factor`) away from the honest one's norms, which stay within the bound,
+    instead of walking it off by repeating norms near the bound.
 
-    The accepted norms go stale when training moves the level while this node gets
-    no traffic: early on `tiny`'s boundary activations grow about 400x in 40 steps,
-    and a replica that sat idle for a few steps then refused every sender for good
-    (seen in the lab's chaos run, and when a cell's helper was left alone). So the
-    senders count. Of the senders of the accepted norms, those heard from (accepted
-    or refused) within `active_s` are the active ones; when a strict majority of them
-    (at least 2) were refused since the last accepted norm, or the only active one was
-    refused `sole_refusals` times in a row, the level moved for the swarm, not for a
-    liar: the watch re-bases on those refused norms (`rebased` says whom it had
-    refused; they were right). Senders it never accepted, however many, and a minority
-    of the active ones cannot move it. And recent means recent: when it accepted
-    nothing for `max_age_s`, the watch starts over."""
+    The norms taken go stale when training moves the level while this node gets no
+    traffic: early on `tiny`'s boundary activations grow about 400x in 40 steps, and a
+    replica that sat idle for a few steps then refused every sender for good (seen in
+    the lab's chaos run, and when a cell's helper was left alone). So the senders count.
+    Of the senders of the window's norms, those heard from (taken or refused) within
+    `active_s` are the active ones; when a strict majority of them (at least 2) had their
+    latest norm refused, or the only active one was refused `sole_refusals` times in a
+    row, the level moved for the swarm, not for a liar: the watch re-bases on those
+    refused norms (`rebased` says whom it had refused; they were right). A sender's norm
+    taken clears only its own refusal, so a liar whose norms are taken cannot hold off a
+    re-base. Senders never in the window, however many, and a minority of the active
+    ones cannot move it. And recent means recent: when it took nothing for `max_age_s`,
+    the watch starts over."""
 
     def __init__(
         self,
         *,
         factor: float = 100.0,
         window: int = 64,
+        per_sender: int = 16,
         min_samples: int = 16,
         active_s: float = 60.0,
         sole_refusals: int = 4,
         max_age_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.factor, self.min_samples = factor, min_samples
+        self.factor, self.per_sender, self.min_samples = factor, per_sender, min_samples
         self.active_s, self.sole_refusals = active_s, sole_refusals
         self.max_age_s, self.clock = max_age_s, clock
         self._accepted_at = -math.inf
-        """When the newest accepted norm came (`clock`)."""
-        self._norms: deque[float] = deque(maxlen=window)
+        """When the newest norm was taken (`clock`)."""
+        self._norms: deque[tuple[str, float]] = deque(maxlen=window)
+        """The norms that count toward the level, with their senders ("" when not given)."""
+        self._taken = 0
+        """Norms taken since the start (or the last start-over)."""
         self._judging = False
-        """Set once `min_samples` norms were accepted; stays set across a re-base."""
-        self._accepted_from: deque[str] = deque(maxlen=window)
-        """The sender of each norm in `_norms` ("" when not given)."""
+        """Set once `min_samples` norms were taken; stays set across a re-base."""
         self._heard: dict[str, float] = {}
-        """When each sender of the accepted norms was last heard from (at most 2 x window
-        entries: only senders of accepted norms are noted)."""
-        self._refused: dict[str, float] = {}
-        """Since the last accepted norm: the latest refused norm of each sender of the
-        accepted norms (so at most `window` entries)."""
-        self._streak = 0
-        """Norms of senders of the accepted norms refused since the last accepted one."""
+        """When each sender of the window's norms was last heard from (at most 2 x window
+        entries: only senders of norms taken are noted)."""
+        self._refused: dict[str, tuple[float, int]] = {}
+        """The senders of the window's norms whose latest norm was refused: that norm, and
+        how many in a row were refused."""
         self.rebased: list[str] = []
         """The senders whose refused norms the last call re-based on (empty otherwise)."""
+
+    def level(self) -> float:
+        """The median over senders of each one's median norm in the window (log scale)."""
+        by_sender: dict[str, list[float]] = {}
+        for sender, norm in self._norms:
+            by_sender.setdefault(sender, []).append(norm)
+        logs = [math.log(max(statistics.median(n), 1e-12)) for n in by_sender.values()]
+        return math.exp(statistics.median(logs))
 
     def outlier(self, norm: float, sender: str = "") -> bool:
         self.rebased = []
@@ -223,50 +242,67 @@ class NormWatch:
             return True
         now = self.clock()
         if self._judging and now - self._accepted_at > self.max_age_s:
-            self._accept({}, now, keep=False)
+            self._rebase({}, now)
             self._heard.clear()
-            self._judging = False
+            self._taken, self._judging = 0, False
+        counts = True
         if self._judging:
-            median = statistics.median(self._norms)
-            if norm > self.factor * max(median, 1e-12):
-                if not sender or not self._level_moved(sender, norm, now):
+            level = self.level()
+            if not level / self.factor <= norm <= self.factor * level:
+                moved = self._level_moved(sender, norm, now) if sender else None
+                if moved is None:
                     return True
-                self.rebased = list(self._refused)
-                self._accept(self._refused, now, keep=False)
+                self.rebased = list(moved)
+                self._rebase(moved, now)
                 return False
-        self._accept({sender: norm}, now)
+            near = math.sqrt(self.factor)
+            counts = level / near <= norm <= near * level
+        self._accepted_at = now
+        self._refused.pop(sender, None)
+        if counts:
+            self._add(sender, norm)
+            self._taken += 1
         if sender:
             self._heard[sender] = now
             if len(self._heard) > 2 * self._norms.maxlen:
-                known = set(self._accepted_from)
+                known = {s for s, _ in self._norms}
                 self._heard = {p: t for p, t in self._heard.items() if p in known}
-        self._judging = self._judging or len(self._norms) >= self.min_samples
+        self._judging = self._judging or self._taken >= self.min_samples
         return False
 
-    def _accept(self, norms: dict[str, float], now: float, *, keep: bool = True) -> None:
-        """Take `norms` (sender -> norm) as accepted, after the ones kept (`keep`) or
-        instead of them; refusals since the last accepted norm are forgotten."""
-        if not keep:
-            self._norms.clear()
-            self._accepted_from.clear()
-        self._norms.extend(norms.values())
-        self._accepted_from.extend(norms)
-        self._refused, self._streak = {}, 0
+    def _add(self, sender: str, norm: float) -> None:
+        """Append `norm` to the window; a sender with `per_sender` norms there loses its
+        oldest instead of pushing out the window's oldest."""
+        mine = [i for i, (s, _) in enumerate(self._norms) if s == sender]
+        if len(mine) >= self.per_sender:
+            del self._norms[mine[0]]
+        self._norms.append((sender, norm))
+
+    def _rebase(self, norms: dict[str, float], now: float) -> None:
+        """Take `norms` (sender -> norm) instead of the window's; refusals are forgotten."""
+        self._norms.clear()
+        for sender, norm in norms.items():
+            self._add(sender, norm)
+        self._refused = {}
         if norms:
             self._accepted_at = now
 
-    def _level_moved(self, sender: str, norm: float, now: float) -> bool:
-        """Note a refused norm; True when the level moved for the active senders of the
-        accepted norms (see the class). Only senders whose norms this watch accepted are
-        noted or counted: fresh identities cannot move it, nor crowd the others out."""
-        accepted = set(self._accepted_from)
-        accepted.discard("")
-        if sender not in accepted:
-            return False
+    def _level_moved(self, sender: str, norm: float, now: float) -> dict[str, float] | None:
+        """Note a refused norm; when the level moved for the active senders of the window's
+        norms (see the class), their refused norms (sender -> norm) to re-base on, else
+        None. Only senders of the window's norms are noted or counted: fresh identities
+        cannot move it, nor crowd the others out."""
+        known = {s for s, _ in self._norms} - {""}
+        if sender not in known:
+            return None
         self._heard[sender] = now
-        self._refused[sender] = norm
-        self._streak += 1
-        active = {p for p in accepted if now - self._heard.get(p, -math.inf) <= self.active_s}
+        in_a_row = self._refused.get(sender, (norm, 0))[1] + 1
+        self._refused = {p: r for p, r in self._refused.items() if p in known}
+        self._refused[sender] = (norm, in_a_row)
+        active = {p for p in known if now - self._heard.get(p, -math.inf) <= self.active_s}
+        refused = {p: self._refused[p][0] for p in active if p in self._refused}
         if len(active) == 1:
-            return self._streak >= self.sole_refusals
-        return len(active & set(self._refused)) >= len(active) // 2 + 1
+            moved = in_a_row >= self.sole_refusals
+        else:
+            moved = len(refused) >= len(active) // 2 + 1
+        return refused if moved else None

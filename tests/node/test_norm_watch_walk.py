@@ -1,0 +1,109 @@
+"""A stranger with a record at the stage before cannot walk `NormWatch`'s level (the bound
+on the norms of the activations and gradients peers send) down or up, nor hold it still
+against the honest senders' drift, so it cannot get honest senders refused (and flagged
+`pipeline_outlier`); the watch still follows what most senders agree on."""
+
+import random
+
+import pytest
+
+from agora_node.node.suspects import NormWatch
+
+pytestmark = pytest.mark.timeout(60)
+
+HONEST = "abc"
+
+
+def _noisy(rng: random.Random, level: float) -> float:
+    return level * rng.uniform(0.9, 1.1)
+
+
+def _watch_fed_by(senders: str, rng: random.Random, rounds: int = 8) -> NormWatch:
+    """A watch that took norms near 1 from each of `senders`, in turn."""
+    w = NormWatch(factor=100, window=64, min_samples=16)
+    for _ in range(rounds):
+        for p in senders:
+            assert not w.outlier(_noisy(rng, 1.0), p)
+    return w
+
+
+def _walk(w: NormWatch, x: float, step: float) -> float:
+    """The attacker's move: `x` x `step` if the watch takes it, else `x` again (greedy,
+    always at the edge of what is taken); the attacker's norm afterwards."""
+    if not w.outlier(x * step, "x"):
+        return x * step
+    w.outlier(x, "x")
+    return x
+
+
+@pytest.mark.parametrize("step", [0.5, 2.0], ids=["down", "up"])
+def test_a_fast_walker_gets_no_honest_sender_refused_and_its_far_norms_are(step: float):
+    rng = random.Random(1)
+    w = _watch_fed_by(HONEST + "x", rng)
+    x, refused = 1.0, []
+    for i in range(500):  # the attacker sends 5 norms for each honest micro-batch
+        for _ in range(5):
+            x = _walk(w, x, step)
+        sender = HONEST[i % 3]
+        if w.outlier(_noisy(rng, 1.0), sender):
+            refused.append(sender)
+    assert refused == []
+    assert 1 / 100 / 1.1 <= x <= 100 * 1.1  # within the bound of the honest norms
+    assert w.outlier(step**20, "x")  # a millionth, or a million times, the honest ones
+
+
+@pytest.mark.parametrize("step", [0.5, 2.0], ids=["down", "up"])
+def test_a_stranger_facing_a_single_honest_sender_gets_it_refused_never(step: float):
+    rng = random.Random(2)
+    w = NormWatch(factor=100, window=64, min_samples=16)
+    for _ in range(16):
+        assert not w.outlier(_noisy(rng, 1.0), "a")
+    x = 1.0
+    for _ in range(400):
+        for _ in range(5):
+            x = _walk(w, x, step)
+        assert not w.outlier(_noisy(rng, 1.0), "a")
+    assert w.outlier(step**20, "x")
+
+
+def test_honest_drift_is_followed_while_a_fast_sender_holds_its_norms_still():
+    # norms move 10^4 up and then 10^8 down over thousands of micro-batches; the attacker
+    # repeats the starting level, 5 times for each honest micro-batch
+    rng = random.Random(3)
+    w = _watch_fed_by(HONEST + "x", rng)
+    levels = [10 ** (4 * i / 3000) for i in range(3000)]
+    levels += [10 ** (4 - 8 * i / 6000) for i in range(6000)]
+    refused = []
+    for i, level in enumerate(levels):
+        for _ in range(5):
+            w.outlier(1.0, "x")
+        sender = HONEST[i % 3]
+        if w.outlier(_noisy(rng, level), sender):
+            refused.append((i, sender))
+    assert refused == []
+    assert 1e-5 < w.level() < 1e-3
+    assert w.outlier(1.0, "x")  # 10^4 above where the honest senders are now
+
+
+def test_a_sender_whose_norms_are_taken_cannot_hold_off_a_rebase():
+    # the level moved 500x for the honest senders while this node was idle; the attacker
+    # keeps sending the old level in between their norms
+    rng = random.Random(4)
+    w = _watch_fed_by(HONEST + "x", rng)
+    assert not w.outlier(1.0, "x")
+    assert w.outlier(500.0, "a")
+    assert not w.outlier(1.0, "x")
+    assert w.outlier(510.0, "b")  # 2 of 4 active senders is no majority
+    assert not w.outlier(1.0, "x")
+    assert not w.outlier(490.0, "c")  # 3 of 4 are
+    assert sorted(w.rebased) == list(HONEST)
+    assert all(not w.outlier(_noisy(rng, 500.0), p) for p in HONEST * 5)
+    assert w.outlier(1.0, "x")
+
+
+def test_a_norm_far_below_the_level_is_an_outlier_too():
+    w = _watch_fed_by(HONEST, random.Random(5))
+    assert not w.outlier(0.02, "a") and not w.outlier(50.0, "b")
+    assert w.outlier(1e-3, "a") and not w.outlier(1.0, "a")
+    assert w.outlier(0.0, "b")
+    assert w.outlier(1e-3)  # without a sender

@@ -11,9 +11,11 @@ one line instead of waiting at step 0 for a pipeline that never answers. Refusal
 are not counted against admissions: in an open swarm a stranger can publish as
 many records as it likes and answer "refused" from each, so outnumbering proves
 nothing. `Admission` decides: the node is refused only when every peer it sees has
-been asked, at least one refused, and none admitted it. A stranger cannot stop
-a joiner that any honest peer admits. An admitted node asks again every minute,
-so one removed from every list while running stops too.
+answered, at least one refused, and none admitted it (a peer that gave no answer
+may be an honest one kept busy). A stranger cannot stop a joiner that any honest
+peer admits. An admitted node asks again every minute, so one removed from every
+list while running stops too; but only on the refusal of a peer that admitted it
+before, so strangers alone never stop a running node.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ async def ask(
     return (Verdict.ADMITTED if answer == ADMITTED else Verdict.UNKNOWN), ""
 
 
+MAX_ADMITTERS = 64
+
 RECHECK_S = 60.0
 """An admitted node asks again this often: one removed from the lists learns it too."""
 
@@ -97,6 +101,9 @@ class Admission:
     verdicts: dict[str, Verdict] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)
     asked_at: dict[str, float] = field(default_factory=dict)
+    admitted_by: dict[str, None] = field(default_factory=dict)
+    """Peers that admitted us, even after they left the directory (the newest
+    MAX_ADMITTERS): once there is one, only a refusal of one of them stops us."""
 
     def to_ask(self, peers: list[str], now: float, limit: int = 8) -> list[str]:
         """Of `peers` (the directory's now), those never asked, without an answer, or
@@ -121,16 +128,25 @@ class Admission:
             self.reasons[peer] = reason
         else:
             self.reasons.pop(peer, None)
+        if verdict == Verdict.ADMITTED:
+            self.admitted_by.pop(peer, None)
+            self.admitted_by[peer] = None  # newest last
+            while len(self.admitted_by) > MAX_ADMITTERS:
+                del self.admitted_by[next(iter(self.admitted_by))]
 
     def refusal(self) -> str | None:
-        """The line to stop with once every peer seen was asked, one refused and none
-        admitted us; else None (one admission outweighs any number of refusals)."""
-        verdicts = self.verdicts.values()
-        if Verdict.ADMITTED in verdicts or Verdict.REFUSED not in verdicts:
+        """The line to stop with, or None. Only once every peer seen has answered (one
+        that gave no answer may be an honest peer a stranger keeps busy), none admitted
+        us and some refused; and once a peer has admitted us, only when one that did now
+        refuses (a stranger with a fresh key refuses as easily as it publishes a record:
+        in an open swarm it made running nodes quit)."""
+        verdicts = [self.verdicts.get(p, Verdict.UNKNOWN) for p in self.seen]
+        if Verdict.ADMITTED in verdicts or Verdict.UNKNOWN in verdicts:
             return None
-        if self.seen - set(self.asked_at):
-            return None  # peers not asked yet may admit us
-        return self.reasons[min(self.reasons)]
+        refusers = sorted(p for p in self.seen if self.verdicts[p] == Verdict.REFUSED)
+        if self.admitted_by:
+            refusers = [p for p in refusers if p in self.admitted_by]
+        return self.reasons[refusers[0]] if refusers else None
 
 
 async def ask_all(

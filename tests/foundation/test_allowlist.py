@@ -103,8 +103,27 @@ def test_refused_only_when_every_peer_seen_was_asked_and_none_admitted():
     adm.note("p2", Verdict.REFUSED, "no from p2", now=0)
     assert adm.refusal() is None  # p3 not asked yet: it may admit us
     assert adm.to_ask(["p1", "p2", "p3"], now=1) == ["p3"]  # never asked first
-    adm.note("p3", Verdict.UNKNOWN, "", now=1)  # no answer counts for nothing
+    adm.note("p3", Verdict.UNKNOWN, "", now=1)  # no answer: maybe an honest peer kept busy
+    assert adm.refusal() is None
+    adm.note("p3", Verdict.REFUSED, "no from p3", now=2)
     assert adm.refusal() == "no from p1"
+
+
+def test_strangers_alone_never_stop_a_node_that_was_admitted():
+    """A stranger with a record answers "refused"; an honest peer that admitted the node
+    once gives no answer now (busy, or gone): the node quit, in an open swarm."""
+    adm = Admission(recheck_s=60)
+    adm.to_ask(["honest"], now=0)
+    adm.note("honest", Verdict.ADMITTED, "", now=0)
+    adm.to_ask(["honest", "stranger"], now=61)
+    adm.note("stranger", Verdict.REFUSED, "not on my list", now=61)
+    adm.note("honest", Verdict.UNKNOWN, "", now=61)
+    assert adm.refusal() is None
+    adm.to_ask(["stranger"], now=62)  # the honest peer left the directory
+    assert adm.refusal() is None
+    adm.to_ask(["stranger", "honest"], now=130)
+    adm.note("honest", Verdict.REFUSED, "removed from the list", now=130)
+    assert adm.refusal() == "removed from the list"
 
 
 def test_admitted_peers_are_asked_again_and_gone_peers_forgotten():

@@ -12,8 +12,12 @@ The asker sends the addresses it announces; the prober dials only those, after
 checking them (at most MAX_ADDRS, IP + TCP/UDP, no DNS names, no relay circuits,
 no other peer's id), so a stranger cannot aim it elsewhere: libp2p's handshake
 authenticates the asker's peer id, and a dial to anyone else fails at the
-handshake. A prober runs one dial at a time and answers each peer at most once
-per COOLDOWN_S; the rest are told "busy".
+handshake. Nor at this host's own networks: an address must be public, or in the
+scope (loopback, private) the asker is connected from, and never link-local,
+multicast or unspecified, so a stranger cannot use the prober to scan the
+volunteer's machine or home network (or a cloud's metadata address). A prober runs
+one dial at a time and answers each peer at most once per COOLDOWN_S; the rest are
+told "busy".
 
 `Reachability` keeps the answers: REACHABLE as soon as any peer dialed us back,
 UNREACHABLE when peers answered and none could, UNKNOWN without answers (a lone
@@ -28,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import ipaddress
 import json
 import logging
 import random
@@ -68,9 +73,26 @@ class Reach(enum.Enum):
     UNKNOWN = "unknown"
 
 
-def check_addrs(addrs: object, asker: str) -> list[str]:
+def address_scope(text: str) -> str:
+    """Where an /ip4 or /ip6 multiaddr points: "global", "private", "loopback",
+    "link-local", "multicast" or "unspecified" (and "other" for anything else)."""
+    parts = text.split("/")
+    if len(parts) < 3 or parts[1] not in _IPS:
+        return "other"
+    try:
+        ip = ipaddress.ip_address(parts[2])
+    except ValueError:
+        return "other"
+    for scope in ("unspecified", "loopback", "link_local", "multicast", "private"):
+        if getattr(ip, f"is_{scope}"):
+            return scope.replace("_", "-")
+    return "global"
+
+
+def check_addrs(addrs: object, asker: str, near: frozenset[str] = frozenset()) -> list[str]:
     """The addresses a prober may dial for `asker`, without /p2p/ suffixes; ValueError
-    (one line) for anything else."""
+    (one line) for anything else. `near`: the scopes besides "global" it may dial (those
+    the asker is connected from: "loopback", "private")."""
     if not isinstance(addrs, list) or not 0 < len(addrs) <= MAX_ADDRS:
         raise ValueError(f"expected 1 to {MAX_ADDRS} addresses")
     checked = []
@@ -90,6 +112,9 @@ def check_addrs(addrs: object, asker: str) -> list[str]:
             raise ValueError(f"only IP addresses with a TCP or UDP port: {text[:60]!r}")
         if "p2p-circuit" in parts:
             raise ValueError("relay circuits are not dialed back")
+        scope = address_scope(text)
+        if scope != "global" and scope not in near:
+            raise ValueError(f"a {scope} address is dialed back only from its own network")
         checked.append(text)
     return checked
 
@@ -125,10 +150,11 @@ class Prober:
             self._last.popitem(last=False)
         return True
 
-    async def answer(self, asker: str, request: bytes) -> bytes:
+    async def answer(self, asker: str, request: bytes, near: frozenset[str] = frozenset()) -> bytes:
+        """`near`: the non-global scopes the asker is connected from (`scopes_of`)."""
         try:
-            addrs = check_addrs(json.loads(request.decode()).get("addrs"), asker)
-        except (ValueError, UnicodeDecodeError, AttributeError) as exc:
+            addrs = check_addrs(json.loads(request.decode()).get("addrs"), asker, near)
+        except (ValueError, UnicodeDecodeError, AttributeError, RecursionError) as exc:
             self.dials["refused"] += 1
             return FAILED + f"bad request: {exc}".encode()[:200]
         if not self.admit(asker):
@@ -185,11 +211,23 @@ class Prober:
             self._p2p = None
 
 
+async def scopes_of(p2p: P2P, peer: str) -> frozenset[str]:
+    """The loopback and private scopes `peer` is connected to us from."""
+    try:
+        infos = await asyncio.wait_for(p2p.list_peers(), 5.0)
+    except Exception:  # noqa: BLE001 - p2pd's errors are generic: then public addresses only
+        return frozenset()
+    scopes = {
+        address_scope(str(a)) for i in infos if i.peer_id.to_base58() == peer for a in i.addrs
+    }
+    return frozenset(scopes & {"loopback", "private"})
+
+
 async def serve_reachability(
     p2p: P2P, run_id: str, prober: Prober, refuse: Callable[[str], str | None] | None
 ) -> None:
     async def handler(remote: str, request: bytes) -> AsyncIterator[bytes]:
-        yield await prober.answer(remote, request)
+        yield await prober.answer(remote, request, await scopes_of(p2p, remote))
 
     await streams.serve(
         p2p, reachability_protocol(run_id), handler, max_request=MAX_REQUEST, refuse=refuse

@@ -62,6 +62,10 @@ from agora_node.protocol.names import protocol_prefix, relay_protocol, relayed_p
 log = logging.getLogger(__name__)
 
 MAX_REQUEST = streams.DEFAULT_MAX_FRAME
+MAX_READING_BYTES = 256 << 20
+"""Bytes of relayed request bodies read at once, before their origin's signature is
+checked: anyone may open the relayed protocol and call itself a relay (256 streams of
+up to MAX_REQUEST each were 16 GiB)."""
 MAX_ANSWER = 4 << 30
 """Bytes of answer one relayed request may carry back through a relay (a stage's state
 included); they pass in chunks, never held."""
@@ -130,6 +134,8 @@ class Relaying:
         self.served = 0
         """Requests this node served that came through a relay."""
         self.refused: Counter[str] = Counter()
+        self._reading = 0
+        """Bytes of relayed request bodies being read now (before their signature check)."""
         self._connected: tuple[float, set[str]] = (-1.0, set())
 
     # ---- the caller's side ------------------------------------------------------------------
@@ -270,8 +276,18 @@ class Relaying:
         if served is None:
             raise RelayError("protocol", f"this node does not serve {header.proto}")
         size = length - HEADER_LEN_BYTES - size
-        guard.check_size(size, served.max_request, relay)
-        body = await guard.read(streams.read_exactly(reader, size, "closed mid-request"), size)
+        # an honest relay passes on at most MAX_REQUEST; anyone may claim to be a relay
+        guard.check_size(size, min(served.max_request, MAX_REQUEST), relay)
+        refusal = served.refuse(header.origin) if served.refuse is not None else None
+        if refusal is not None:  # before the body is read (as on a direct stream)
+            raise _OriginRefused(refusal)
+        if self._reading + size > MAX_READING_BYTES:
+            raise RelayError("busy", "too many relayed bytes waiting for their signature check")
+        self._reading += size
+        try:
+            body = await guard.read(streams.read_exactly(reader, size, "closed mid-request"), size)
+        finally:
+            self._reading -= size
         digest = hashlib.sha256(body).digest()
         message = request_message(header.to, header.proto, header.t_ms, header.nonce, digest)
         if not verify(header.origin, message, bytes.fromhex(header.sig)):
@@ -336,9 +352,16 @@ class Relaying:
                 await streams.write_frame(writer, streams.KIND_REFUSED, refusal.encode()[:1000])
                 return
             await work()
-        except RelayError as exc:
+        except _OriginRefused as exc:  # the protocol's own refusal of the request's origin
+            self.refused["origin"] += 1
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    streams.write_frame(writer, streams.KIND_REFUSED, str(exc).encode()[:1000]),
+                    5.0,
+                )
+        except RelayError as exc:  # counted; a stranger may send a thousand a second
             self.refused[exc.code] += 1
-            log.info("relay: refused a request from %s: %s", remote[-8:], exc)
+            log.debug("relay: refused a request from %s: %s", remote[-8:], exc)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(
                     streams.write_frame(writer, streams.KIND_ERROR, str(exc).encode()[:1000]), 5.0
@@ -367,6 +390,10 @@ class Relaying:
             "served_relayed": self.served,
             "refused": dict(self.refused),
         }
+
+
+class _OriginRefused(Exception):
+    """The relayed request's protocol refuses its origin (as `streams.Served.refuse`)."""
 
 
 def _const(body: bytes) -> Callable[[], Awaitable[bytes]]:

@@ -19,7 +19,7 @@ OTHER = Identity.generate().peer_id
 
 def test_only_ip_addresses_of_the_asker_itself_are_dialed():
     good = ["/ip4/127.0.0.1/tcp/4001", f"/ip4/10.0.0.2/tcp/4001/p2p/{ME}", "/ip6/::1/tcp/9"]
-    assert r.check_addrs(good, ME) == [
+    assert r.check_addrs(good, ME, frozenset({"loopback", "private"})) == [
         "/ip4/127.0.0.1/tcp/4001",
         "/ip4/10.0.0.2/tcp/4001",
         "/ip6/::1/tcp/9",
@@ -37,6 +37,27 @@ def test_only_ip_addresses_of_the_asker_itself_are_dialed():
     ]:
         with pytest.raises(ValueError, match=says):
             r.check_addrs(bad, ME)
+
+
+def test_the_prober_dials_no_address_of_its_own_networks_for_a_stranger_elsewhere():
+    """A stranger asked it to dial 127.0.0.1:22, the home LAN or a cloud's metadata
+    address, and read the answer (refused, timed out) back: a port scan by proxy."""
+    assert r.check_addrs(["/ip4/8.8.8.8/tcp/4001", "/ip6/2001:4860::8888/tcp/1"], ME)
+    for bad, scope in [
+        ("/ip4/127.0.0.1/tcp/22", "loopback"),
+        ("/ip4/192.168.1.1/tcp/80", "private"),
+        ("/ip4/10.0.0.2/udp/4001/quic-v1", "private"),
+        ("/ip4/169.254.169.254/tcp/80", "link-local"),
+        ("/ip6/fe80::1/tcp/80", "link-local"),
+        ("/ip4/0.0.0.0/tcp/80", "unspecified"),
+        ("/ip4/224.0.0.1/udp/80", "multicast"),
+    ]:
+        with pytest.raises(ValueError, match=f"a {scope} address"):
+            r.check_addrs([bad], ME)
+    # an asker connected from the same network may be dialed there (a LAN, a test)
+    assert r.check_addrs(["/ip4/192.168.1.7/tcp/4001"], ME, frozenset({"private"}))
+    with pytest.raises(ValueError, match="link-local"):
+        r.check_addrs(["/ip4/169.254.169.254/tcp/80"], ME, frozenset({"private", "loopback"}))
 
 
 def test_a_prober_dials_each_peer_at_most_once_per_cooldown_and_one_at_a_time():
@@ -57,10 +78,16 @@ def test_a_prober_dials_each_peer_at_most_once_per_cooldown_and_one_at_a_time():
 
 def test_a_bad_request_is_refused_before_anything_is_dialed():
     prober = r.Prober()
-    for request in (b"\xff", b"[]", json.dumps({"addrs": ["/dns4/x/tcp/1"]}).encode()):
+    requests = (
+        b"\xff",
+        b"[]",
+        json.dumps({"addrs": ["/dns4/x/tcp/1"]}).encode(),
+        b"[" * 5000,  # RecursionError in json: was logged with a traceback per request
+    )
+    for request in requests:
         answer = asyncio.run(prober.answer(ME, request))
         assert answer.startswith(r.FAILED + b"bad request")
-    assert prober.dials["refused"] == 3 and prober._p2p is None  # no probe daemon started
+    assert prober.dials["refused"] == 4 and prober._p2p is None  # no probe daemon started
 
 
 def test_one_dial_back_makes_a_node_reachable_and_silence_changes_nothing():

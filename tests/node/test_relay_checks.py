@@ -129,6 +129,43 @@ async def test_a_request_larger_than_its_protocol_takes_is_refused_before_its_bo
         await _take(target, data[: head + int.from_bytes(data[head - 4 : head], "big")])
 
 
+async def test_an_origin_its_protocol_refuses_is_refused_before_its_body() -> None:
+    """The body (up to the protocol's cap: a stage's weights for cell work) was read before
+    the protocol's own refusal of the origin, which a direct stream asks first."""
+    from agora_node.comms import relay as relay_module
+
+    daemon, identity = _Daemon(), Identity.generate()
+    caller, stranger = Identity.generate(), Identity.generate()
+
+    async def echo(remote: str, request: bytes):  # noqa: ANN202
+        yield request
+
+    def refuse(origin: str) -> str | None:
+        return None if origin == caller.peer_id else "not this cell's leader"
+
+    await streams.serve(daemon, ECHO, echo, max_request=1024, refuse=refuse)
+    relaying = Relaying(identity, RUN, clock=lambda: NOW)
+    data = _request(stranger, identity.peer_id, b"x" * 1000)
+    head = 1 + streams.LEN_BYTES + 4
+    header_only = data[: head + int.from_bytes(data[head - 4 : head], "big")]
+    with pytest.raises(relay_module._OriginRefused, match="leader"):  # not "closed mid-request"
+        await relaying.take(daemon, Guard("relayed"), "relay-peer", _reader(header_only))
+    relaying._reading = relay_module.MAX_READING_BYTES - 10  # others' bodies being read
+    with pytest.raises(RelayError) as err:
+        await relaying.take(
+            daemon,
+            Guard("relayed"),
+            "relay-peer",
+            _reader(_request(caller, identity.peer_id, b"y" * 100)),
+        )
+    assert err.value.code == "busy"
+    relaying._reading = 0
+    served, header, body = await relaying.take(
+        daemon, Guard("relayed"), "relay-peer", _reader(_request(caller, identity.peer_id, b"ok"))
+    )
+    assert (header.origin, body, relaying._reading) == (caller.peer_id, b"ok", 0)
+
+
 def test_nonces_are_forgotten_after_the_window_and_bounded() -> None:
     nonces = relay_wire.Nonces(window_s=10, kept=3)
     assert nonces.fresh("a", 0) and not nonces.fresh("a", 5)

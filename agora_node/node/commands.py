@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from agora_node.node import datadir, options
-from agora_node.node.config import BootstrapConfig, NodeConfig, config_dict
+from agora_node.node.config import BootstrapConfig, NodeConfig, check_maddrs, config_dict
 from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, UsageError
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     config = resolve_config(args, NodeConfig)
     with contextlib.ExitStack() as stack:
         stack.enter_context(datadir.lock_data_dir(config.data_dir))  # a second daemon fails at once
+        check_maddrs(config)  # imports hivemind: after the lock, before anything starts
         # Probing the device imports torch (about a second): after the lock, before the key.
         compute = _resolve_compute(config)
         if compute is None:
@@ -131,6 +132,7 @@ async def _dry_run(config, compute) -> int:  # noqa: ANN001
     from agora_node.protocol.identity import Identity
     from agora_node.protocol.records import RecordLimits
     from agora_node.stages import placement
+    from agora_node.stages.data import head_data_missing
 
     identity = Identity.load_or_create(config.identity_path)
     print(f"peer id: {identity.peer_id}", flush=True)  # what --allow-keys files list
@@ -149,13 +151,25 @@ async def _dry_run(config, compute) -> int:  # noqa: ANN001
             manifest.num_stages,
             limits=RecordLimits.for_manifest(manifest),
         ).fetch()
+        no_data = head_data_missing(manifest)  # as the daemon decides (Node._choose_stage)
         if config.stage == "auto":
             can_hold = stages_fitting(manifest, compute)
+            if no_data is not None:
+                held = range(manifest.num_stages) if can_hold is None else can_hold
+                can_hold = [s for s in held if s != 0]
+                if not can_hold:
+                    others = "run has no" if manifest.num_stages == 1 else "device holds no"
+                    raise JoinError(
+                        f"this node can serve no stage: {no_data}, and its {others} other stage"
+                    )
+                print(f"not serving stage 0: {no_data}")
             choice = placement.choose_stage(view, manifest, identity.peer_id, can_hold=can_hold)
             stage, reason = choice.stage, choice.reason
         else:
             stage, reason = int(config.stage), "fixed by --stage"
         print_stage_plan(manifest, stage, reason, view, compute)
+        if stage == 0 and no_data is not None:
+            print(f"cannot serve it: {no_data}")
     finally:
         await host.shutdown()
     return EXIT_OK
@@ -225,6 +239,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     config = resolve_config(args, BootstrapConfig)
     manifest = config.manifest
     if args.dry_run:
+        check_maddrs(config)
         print(f"config: {config_json(config)}")
         print(f"run {manifest.run_id} ({manifest.run.name}); identity {config.identity_path}")
         for stage in range(manifest.num_stages):
@@ -235,6 +250,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     # Its own lock name: a bootstrap and the default node may share ~/.agora-node.
     with contextlib.ExitStack() as stack:
         stack.enter_context(datadir.lock_data_dir(config.data_dir, "bootstrap.lock"))
+        check_maddrs(config)
         prepare_identity(config.identity_path)
         _hold_identity(stack, config.identity_path)
         log.info("config: %s", config_json(config))

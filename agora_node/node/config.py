@@ -137,7 +137,8 @@ class NodeConfig:
     )
     identity_path: str = option(
         "",
-        help="libp2p identity key file, created 0600 if missing (default DATA_DIR/identity.key)",
+        help="libp2p identity key file, created 0600 if missing (default DATA_DIR/identity.key; "
+        "a bare file name such as gpu0.key is a file in DATA_DIR)",
     )
     data_dir: str = option(
         "",
@@ -291,7 +292,7 @@ class NodeConfig:
                 raise UsageError(f"--allow-keys {exc}") from None
         data_dir = _data_dir(self.data_dir, self.identity_path, "identity.key")
         self.data_dir = str(data_dir)
-        self.identity_path = _path_or(self.identity_path, data_dir / "identity.key")
+        self.identity_path = _identity(data_dir, self.identity_path, "identity.key")
         self.control_socket = _path_or(self.control_socket, data_dir / "control.sock")
 
     def compute(self) -> Compute:
@@ -311,7 +312,9 @@ class BootstrapConfig:
         help="builtin manifest name or TOML path of the run to serve",
     )
     identity_path: str = option(
-        "", help="libp2p identity key file (default DATA_DIR/bootstrap.key): a stable peer id"
+        "",
+        help="libp2p identity key file (default DATA_DIR/bootstrap.key; a bare file name is a "
+        "file in DATA_DIR): a stable peer id",
     )
     data_dir: str = option(
         "",
@@ -336,7 +339,7 @@ class BootstrapConfig:
         _check_peer_addrs("--initial-peers", self.initial_peers)
         data_dir = _data_dir(self.data_dir, self.identity_path, "bootstrap.key")
         self.data_dir = str(data_dir)
-        self.identity_path = _path_or(self.identity_path, data_dir / "bootstrap.key")
+        self.identity_path = _identity(data_dir, self.identity_path, "bootstrap.key")
 
 
 def config_dict(config: Any) -> dict[str, Any]:
@@ -356,6 +359,37 @@ def _data_dir(data_dir: str, identity_path: str, default_identity: str) -> Path:
     if data_dir:
         return Path(data_dir).expanduser()
     return datadir.default_data_dir(identity_path, default_identity)
+
+
+def _identity(data_dir: Path, identity_path: str, default_name: str) -> str:
+    """The identity key's path (datadir.identity_file). A bare file name used to mean a
+    file in the current directory: when only that one exists, say where the key goes
+    now, rather than create a new key (a new peer id) beside the old one."""
+    key = datadir.identity_file(data_dir, identity_path, default_name)
+    old = Path(identity_path).absolute()
+    if datadir.is_bare_name(identity_path) and old != key and old.is_file() and not key.exists():
+        raise UsageError(
+            f"--identity-path {identity_path} names {key} (a bare file name is a key in the "
+            f"data dir), which does not exist, but {old} does: move that key there, or pass "
+            f"--identity-path ./{identity_path} to keep it where it is"
+        )
+    return str(key)
+
+
+def check_maddrs(config: NodeConfig | BootstrapConfig) -> None:
+    """--host-maddrs and --announce-maddrs, parsed as libp2p will parse them: a UsageError
+    (exit 2) naming the flag, before the status page, the control API or libp2p start.
+    Not in __post_init__: the parser imports hivemind and torch (over a second of CPU),
+    and a daemon must fail on a held data dir before that work (tests/surfaces/
+    test_datadir.py); `join` and `bootstrap` call it once they hold the lock."""
+    from agora_node.comms.host_checks import HostError, check_maddr
+
+    for name in ("host_maddrs", "announce_maddrs"):
+        for maddr in getattr(config, name):
+            try:
+                check_maddr(maddr)
+            except HostError as exc:
+                raise UsageError(f"{flag_of(type(config), name)}: {exc}") from None
 
 
 def _path_or(path: str | None, default: Path) -> str:

@@ -60,6 +60,7 @@ from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.records import MAX_ADDRS, NodeState, RecordLimits
 from agora_node.stages import placement
+from agora_node.stages.data import head_data_missing
 from agora_node.stages.device import Compute
 
 log = logging.getLogger(__name__)
@@ -239,6 +240,17 @@ class Node:
         cfg, m = self.config, self.manifest
         # probes the device's free memory (a CUDA call): off the loop
         self.can_hold = await asyncio.to_thread(joining.stages_fitting, m, self.compute)
+        # only stage 0 reads the run's data: a node without it serves (and moves to) others
+        no_data = await asyncio.to_thread(head_data_missing, m)  # the file system: off the loop
+        if no_data is not None and cfg.stage == "auto":
+            held = range(m.num_stages) if self.can_hold is None else self.can_hold
+            self.can_hold = [s for s in held if s != 0]
+            if not self.can_hold:
+                others = "run has no" if m.num_stages == 1 else "device holds no"
+                raise JoinError(
+                    f"this node can serve no stage: {no_data}, and its {others} other stage"
+                )
+            log.info("not serving stage 0: %s", no_data)
         if cfg.stage == "auto":
             choice = await joining.settle_stage(
                 self.directory,
@@ -252,6 +264,8 @@ class Node:
             stage, self.stage_choice_reason = choice.stage, choice.reason
         else:
             stage, self.stage_choice_reason = joining.fixed_stage(m, cfg.stage), "fixed by --stage"
+            if stage == 0 and no_data is not None:
+                raise JoinError(f"--stage 0: {no_data}; provide it, or pass another --stage")
             await self._announce_joining(stage)
         await asyncio.to_thread(joining.check_fits, m, stage, self.compute)
         return stage
@@ -448,6 +462,10 @@ class Node:
         if not 0 <= stage < self.manifest.num_stages:
             raise ValueError(
                 f"stage {stage} does not exist: this run has stages 0..{self.manifest.num_stages - 1}"
+            )
+        if self.can_hold is not None and stage not in self.can_hold:
+            raise ValueError(
+                f"this node cannot serve stage {stage} (its device, or the run's data)"
             )
         if self.state != NodeState.ACTIVE or stage == self.service.index:
             return

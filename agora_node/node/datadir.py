@@ -4,7 +4,9 @@ Default: a node given neither `--data-dir` nor `--identity-path` uses
 `~/.agora-node` (identity `~/.agora-node/identity.key`). A node given only
 `--identity-path KEY` uses `~/.agora-node/nodes/<KEY's file name without suffix>`,
 so several daemons on one machine, each with its own identity, never share
-checkpoints or a control socket.
+checkpoints or a control socket. A bare file name as `--identity-path` (`gpu0.key`,
+no directory part) is a key in the data dir (`identity_file`), so the same command
+run from any directory is the same peer; any other path is taken as given.
 
 Lock: `lock_data_dir` takes an exclusive flock on `DATA_DIR/lock` and writes this
 process's pid into it. The daemon holds it for its whole life; the kernel drops
@@ -46,10 +48,30 @@ def default_data_dir(identity_path: str | None, default_identity: str) -> Path:
     home = Path(HOME).expanduser()
     if not identity_path:
         return home
+    if is_bare_name(identity_path):  # a key in the data dir: identity_file
+        return (
+            home if identity_path == default_identity else home / "nodes" / Path(identity_path).stem
+        )
     identity = Path(identity_path).expanduser().absolute()
     if identity == home.absolute() / default_identity:
         return home
     return home / "nodes" / identity.stem
+
+
+def is_bare_name(path: str) -> bool:
+    """A file name without a directory part (`gpu0.key`; not `./gpu0.key`, `~/k`, `/k`)."""
+    return bool(path) and "/" not in path and not path.startswith("~") and path not in (".", "..")
+
+
+def identity_file(data_dir: Path, identity_path: str | None, default_name: str) -> Path:
+    """Where the identity key is: `data_dir/default_name` when no `--identity-path` is
+    given, `data_dir/NAME` for a bare file name NAME (so it does not depend on the
+    directory the command runs from), else the path given, made absolute."""
+    if not identity_path:
+        return data_dir / default_name
+    if is_bare_name(identity_path):
+        return data_dir / identity_path
+    return Path(identity_path).expanduser().absolute()
 
 
 class DataDirLock:

@@ -28,7 +28,8 @@ async def run_node(config: NodeConfig, compute: Compute | None = None) -> int:
 
     SIGTERM, SIGINT, SIGHUP and SIGQUIT all mean: leave cleanly (while joining: stop
     joining, close). A second stop signal while the leave runs skips the rest of it and
-    closes at once (a checkpoint being written is lost; the previous one stays); one
+    closes (a checkpoint being written is finished first, whole: Python joins the thread
+    writing it before the process exits); one
     while joining is cancelled or while closing changes nothing (both are short and
     bounded). `agora-node leave` and the node's own reasons to stop are not signals:
     the first signal after them still leaves cleanly."""

@@ -291,7 +291,10 @@ class StageService:
         """Inject micro-batches; validate every eval_every_s (one head does), and once
         more when the token budget (max_tokens) is spent."""
         ctx, cfg = self.ctx, self.ctx.config
-        train, val = TokenWindows(ctx.manifest, "train"), TokenWindows(ctx.manifest, "val")
+        # reading and tokenizing the corpus takes seconds on a large one: off the loop, which
+        # keeps serving SWIM, the directory and the status page meanwhile
+        train = await asyncio.to_thread(TokenWindows, ctx.manifest, "train")
+        val = await asyncio.to_thread(TokenWindows, ctx.manifest, "val")
         # A cell of heads samples as one head, its leader (a helper injects nothing).
         cp = ctx.manifest.model.cp_degree
         sampler = Sampler(train, ctx.peer_id, lambda: standing_replicas(ctx.peers_of(0), cp))

@@ -9,6 +9,7 @@ sample i is the same window on every peer and every call.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from agora_node.protocol.manifest import BUILTIN_DATA_PREFIX, DataSpec, Manifest, ManifestError
+from agora_node.stages.manifest_files import check_data_available
 
 
 class ByteTokenizer:
@@ -51,6 +53,24 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+
+def head_data_missing(manifest: Manifest) -> str | None:
+    """Why this machine cannot serve stage 0 of `manifest`, in one line; None if it can.
+
+    Only stage 0 reads the run's corpus (and tokenizes it): a node without the files the
+    manifest names, or without the `tokenizers` package its tokenizer needs, can serve
+    the other stages. Looks at the file system: call it off the event loop."""
+    try:
+        check_data_available(manifest)
+    except ManifestError as exc:
+        reason = str(exc)
+    else:
+        tokenizer = manifest.data.tokenizer
+        if tokenizer == "bytes" or importlib.util.find_spec("tokenizers") is not None:
+            return None
+        reason = f"data.tokenizer = {tokenizer!r} needs the 'tokenizers' package"
+    return f"stage 0 reads the run's data, which this machine lacks ({reason})"
 
 
 def load_tokenizer(spec: DataSpec) -> ByteTokenizer | HFTokenizer:

@@ -46,6 +46,7 @@ async def test_a_failed_checkpoint_before_a_switch_does_not_stop_the_switch(monk
         directory=types.SimpleNamespace(withdraw=nothing),
         compute=types.SimpleNamespace(release_memory=lambda: None),
         stage_changes=[],
+        can_hold=None,
         last_checkpoint=None,
         _publish=nothing,
     )
@@ -60,3 +61,10 @@ async def test_a_failed_checkpoint_before_a_switch_does_not_stop_the_switch(monk
     await Node.switch_stage(node, 2, "test")
     assert old.closed and opened == [2]
     assert node.state == NodeState.ACTIVE and node.service.index == 2
+
+
+async def test_a_stage_the_node_cannot_hold_is_refused_by_a_switch() -> None:
+    """Through the control API a node without the run's data could be moved to stage 0."""
+    node = types.SimpleNamespace(manifest=types.SimpleNamespace(num_stages=3), can_hold=[1, 2])
+    with pytest.raises(ValueError, match="cannot serve stage 0"):
+        await Node.switch_stage(node, 0, "asked")

@@ -25,6 +25,7 @@ Snapshot schema (what `snapshot()` returns; see the TypedDicts below):
 from __future__ import annotations
 
 import errno
+import ipaddress
 import json
 import logging
 import math
@@ -188,6 +189,23 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def _host_name(host: str | None) -> str:
+    """The name of a Host header, without its port ("[::1]:8421" -> "::1")."""
+    host = (host or "").strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _is_loopback(name: str) -> bool:
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 class StatusServer:
     """Serves the daemon's snapshot over HTTP on `host:port` (port 0: any free port)."""
 
@@ -218,7 +236,7 @@ class StatusServer:
         return f"http://{host}:{self.port}"
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[self._loopback_names_only])
         app.add_routes(
             [
                 web.get("/", self._index),
@@ -239,6 +257,15 @@ class StatusServer:
             raise self._bind_error(exc) from exc
         self._runner = runner
         log.info("status endpoint on %s", self.url)
+
+    @web.middleware
+    async def _loopback_names_only(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Bound to loopback, answer only requests that name a loopback host: a web page
+        whose own name was re-pointed at 127.0.0.1 (DNS rebinding) gets a 403, not the
+        node's peer id, addresses and config."""
+        if _is_loopback(self._host) and not _is_loopback(_host_name(request.host)):
+            return web.Response(status=403, text="this endpoint answers to localhost only\n")
+        return await handler(request)
 
     def _bind_error(self, exc: OSError) -> StatusServerError:
         where = f"{self._host}:{self._requested_port}"

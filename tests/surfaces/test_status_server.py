@@ -95,3 +95,19 @@ async def test_port_in_use(status_server, daemon: FakeDaemon):
     with pytest.raises(PortInUseError, match=rf"status port {status_server.port} is in use"):
         await second.start()
     await second.stop()  # a failed start leaves nothing to clean, stop is still safe
+
+
+async def test_a_rebound_name_gets_no_status(status_server):
+    """A web page whose name was re-pointed at 127.0.0.1 (DNS rebinding) read the node's
+    peer id, addresses and config: bound to loopback, only loopback names are answered."""
+    url = status_server.url + "/api/v1/status"
+    async with aiohttp.ClientSession() as session:
+        for host, code in [
+            ("evil.example:8421", 403),
+            ("127.0.0.1.evil.example", 403),
+            (f"localhost:{status_server.port}", 200),
+            (f"127.0.0.1:{status_server.port}", 200),
+            ("[::1]:8421", 200),
+        ]:
+            async with session.get(url, headers={"Host": host}) as r:
+                assert r.status == code, host

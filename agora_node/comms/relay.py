@@ -295,7 +295,7 @@ class Relaying:
         now = self._clock()
         if abs(now - header.t_ms / 1000) > WINDOW_S:
             raise RelayError("time", "a relayed request outside the time window (clock or replay)")
-        if not self.nonces.fresh(header.nonce, now):
+        if not self.nonces.fresh(header.nonce, now, header.t_ms / 1000):
             raise RelayError("replay", "a relayed request seen before")
         return served, header, body
 

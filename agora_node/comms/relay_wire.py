@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -59,7 +60,7 @@ class Header:
         """Strict: every field of its type and size, peer ids that are Ed25519 ids."""
         try:
             raw = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # a nesting bomb too
             raise RelayError("header", "relay header is not JSON") from None
         if not isinstance(raw, dict) or not {"to", "proto", "t", "nonce", "sig"} <= set(raw):
             raise RelayError("header", "relay header lacks a field")
@@ -115,21 +116,33 @@ class AnswerSigner(AnswerDigest):
 
 class Nonces:
     """Nonces of the requests served within the time window: a relay that sends one twice
-    is refused the second time. At most NONCES_KEPT, the oldest forgotten first."""
+    is refused the second time. At most NONCES_KEPT, the oldest forgotten first; and once
+    one still inside the window is forgotten, no request signed before it is taken any
+    more (`floor`): a relay that floods requests of its own to push a captured nonce out
+    cannot replay it then."""
 
     def __init__(self, window_s: float = WINDOW_S, kept: int = NONCES_KEPT) -> None:
         self.window_s, self.kept = window_s, kept
-        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._seen: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        """nonce -> (when it came, the time its request was signed), oldest first."""
+        self.floor = -math.inf
+        """Requests signed before this time are refused: their nonces may be forgotten."""
 
-    def fresh(self, nonce: str, now: float) -> bool:
-        """Record `nonce`; False if it was seen within the window."""
-        while self._seen and (
-            len(self._seen) >= self.kept or next(iter(self._seen.values())) < now - self.window_s
-        ):
+    def fresh(self, nonce: str, now: float, signed_at: float | None = None) -> bool:
+        """Record `nonce` (of a request signed at `signed_at`, default `now`); False if it
+        was seen within the window, or its request is older than a forgotten nonce's."""
+        signed_at = now if signed_at is None else signed_at
+        while self._seen:
+            came, signed = next(iter(self._seen.values()))
+            expired = came < now - self.window_s
+            if not expired and len(self._seen) < self.kept:
+                break
             self._seen.popitem(last=False)
-        if nonce in self._seen:
+            if not expired:
+                self.floor = max(self.floor, signed)
+        if nonce in self._seen or signed_at <= self.floor:
             return False
-        self._seen[nonce] = now
+        self._seen[nonce] = (now, signed_at)
         return True
 
 

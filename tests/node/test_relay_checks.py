@@ -84,6 +84,7 @@ async def test_an_honest_request_is_taken_as_its_callers(target) -> None:  # noq
         ("target", "target"),  # meant for another peer
         ("protocol", "protocol"),
         ("header", "header"),
+        ("nested", "header"),  # a JSON nesting bomb within the header's size
         ("nobody", "target"),  # no `from`: not a relayed request
     ],
 )
@@ -97,6 +98,7 @@ async def test_a_forged_request_is_refused_with_its_code(target, forge: str, cod
         "target": lambda: _request(caller, Identity.generate().peer_id, b"hello"),
         "protocol": lambda: _request(caller, me, b"x").replace(b"/echo/1", b"/ohce/1"),
         "header": lambda: _frame(streams.KIND_DATA, (5000).to_bytes(4, "big") + b"{" * 5000),
+        "nested": lambda: _frame(streams.KIND_DATA, (2000).to_bytes(4, "big") + b"[" * 2000),
         "nobody": lambda: _unsigned_origin(caller, me),
     }[forge]()
     with pytest.raises(RelayError) as err:
@@ -173,6 +175,18 @@ def test_nonces_are_forgotten_after_the_window_and_bounded() -> None:
     for n in "bcd":
         assert nonces.fresh(n, 12)
     assert len(nonces._seen) == 3
+
+
+def test_a_nonce_pushed_out_by_a_flood_cannot_be_replayed() -> None:
+    """A relay that captured a request flooded requests of its own until the nonce was
+    forgotten, then sent the captured one again inside the window: it was taken twice."""
+    nonces = relay_wire.Nonces(window_s=300, kept=4)
+    assert nonces.fresh("captured", now=100, signed_at=100)
+    for i in range(4):  # the flood, signed later
+        assert nonces.fresh(f"flood{i}", now=101, signed_at=101)
+    assert "captured" not in nonces._seen
+    assert not nonces.fresh("captured", now=102, signed_at=100)  # older than the floor
+    assert nonces.fresh("honest", now=102, signed_at=102)
 
 
 def _answer(identity: Identity, nonce: str, frames: list[bytes]) -> bytes:

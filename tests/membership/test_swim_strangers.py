@@ -118,3 +118,21 @@ def test_one_origin_holds_few_relay_slots_and_only_briefly() -> None:
     machine.tick(nack + 0.01)
     machine.tick(nack + 2 * FAST.indirect_timeout_s + 0.02)  # then the late-ack wait
     assert not machine._relays
+
+
+def test_one_sender_costs_a_bounded_number_of_signature_checks_a_second() -> None:
+    """512 checks a message, 50 messages a second from one key: a second of the event
+    loop's time every second."""
+    from agora_node.comms.membership.swim import VERIFY_RATE_PER_SENDER
+
+    me, stranger = Identity.generate(), Identity.generate()
+    machine, _ = lone_machine(me)
+    forged = [item(stranger, Status.ALIVE, Identity.generate().peer_id, 0) for _ in range(64)]
+    forged = [f[:-1] + bytes([f[-1] ^ 1]) for f in forged]  # bad signatures: never applied
+    checked = 0
+    for seq in range(1, 201):  # 200 messages of 64 forged items within one second
+        before = machine.counters["dropped_bad_item_signature"]
+        machine.on_message(stranger.peer_id, _gossip(stranger, me.peer_id, seq, forged), 0.5)
+        checked += machine.counters["dropped_bad_item_signature"] - before
+    assert checked <= 2 * VERIFY_RATE_PER_SENDER  # its burst, not 200 x 64
+    assert machine.counters["dropped_over_verify_budget"] >= 200 * 64 - checked

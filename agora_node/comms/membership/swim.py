@@ -19,6 +19,7 @@ reconnect timer pings dead members and seeds so that healed partitions merge.
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -72,6 +73,26 @@ VERIFY_BUDGET = 512
 """Item signatures checked per received message, at most (about 20 ms of the loop): a
 push-pull carries a whole table (8192 members), so a newcomer learns a big swarm over a
 few exchanges, and a stranger's forged entries cost the loop no more than that."""
+VERIFY_RATE_PER_SENDER = 512.0
+"""...and per sender per second (a burst of twice that): the guard lets a peer send 50
+messages a second, whose 512 checks each were a second of the loop's time per second."""
+VERIFY_RATE = 4096.0
+"""...and in all per second (a burst of twice that; about 15% of a core): fresh keys are
+free. Honest members' news costs far less (a thousand members: under a hundred a second)."""
+
+
+@dataclass(slots=True)
+class _Allowance:
+    """Signature checks a sender (or everyone) may still cost: a token bucket."""
+
+    rate: float
+    tokens: float
+    at: float
+
+    def left(self, now: float) -> int:
+        self.tokens = min(2 * self.rate, self.tokens + max(0.0, now - self.at) * self.rate)
+        self.at = now
+        return int(self.tokens)
 
 
 @dataclass(slots=True)
@@ -140,6 +161,9 @@ class Membership:
         self._replies: dict[str, dict[bytes, None]] | None = None
         """Corrections owed to senders of the message being handled (None: not in one)."""
         self._push_pull_answered: dict[str, float] = {}
+        self._allowances: OrderedDict[str, _Allowance] = OrderedDict()
+        """Per sender (the most recent 2 x max_members): signature checks it may cost."""
+        self._allowance = _Allowance(VERIFY_RATE, 2 * VERIFY_RATE, now)
         self._leaving = False
         self._gossip = GossipQueue()
         self._replay = ReplayGuard(max_senders=2 * self.settings.max_members)
@@ -265,13 +289,27 @@ class Membership:
         env = self._open(sender, data)
         if env is None:
             return
-        self._budget, self._replies = VERIFY_BUDGET, {}
+        mine = self._allowance_of(sender, now)
+        budget = min(VERIFY_BUDGET, mine.left(now), self._allowance.left(now))
+        self._budget, self._replies = budget, {}
         try:
             self._handle(sender, env, now)
         finally:
+            used = budget - (self._budget or 0)
+            mine.tokens -= used
+            self._allowance.tokens -= used
             replies, self._budget, self._replies = self._replies, None, None
             for peer, items in replies.items():
                 self._send(peer, MsgKind.GOSSIP, b"", list(items))
+
+    def _allowance_of(self, sender: str, now: float) -> _Allowance:
+        allowance = self._allowances.pop(sender, None)
+        if allowance is None:
+            allowance = _Allowance(VERIFY_RATE_PER_SENDER, 2 * VERIFY_RATE_PER_SENDER, now)
+        self._allowances[sender] = allowance  # newest last
+        while len(self._allowances) > 2 * self.settings.max_members:
+            self._allowances.popitem(last=False)
+        return allowance
 
     def _handle(self, sender: str, env: wire.Envelope, now: float) -> None:
         for item in env.items:

@@ -141,14 +141,24 @@ def resolve(
     """An instance of `cls`: each option from the command line, else env, else file, else default."""
     file_values = file_values or {}
     values: dict[tuple[str, ...], Any] = {}
+    sources: dict[str, str] = {}  # flag -> where its value came from, when not the flag
     for opt in options_of(cls):
         if cli.get(opt.name) is not None:
             values[opt.path] = convert(opt, cli[opt.name], opt.flag)
         elif env.get(opt.env):
             values[opt.path] = convert(opt, env[opt.env], opt.env)
+            sources[opt.flag] = opt.env
         elif opt.name in file_values:
             values[opt.path] = convert(opt, file_values[opt.name], f"{file_name}: {opt.name}")
-    return _build(cls, values)
+            sources[opt.flag] = f"{opt.name} in {file_name}"
+    try:
+        return _build(cls, values)
+    except UsageError as exc:  # a range check names the flag: say where the value was set
+        message = str(exc)
+        for flag, where in sources.items():
+            if message.startswith((f"{flag} ", f"{flag}:")):
+                raise UsageError(f"{message} (set by {where})") from None
+        raise
 
 
 def _build(cls: type, values: dict[tuple[str, ...], Any]) -> Any:

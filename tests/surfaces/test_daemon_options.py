@@ -198,6 +198,8 @@ def test_invalid_value_in_each_source_is_one_line_and_exit_2(
     assert says in err and "Traceback" not in err
     if "is not" in says or "expected" in says:  # a conversion error names where the text was
         assert {"cli": opt.flag, "env": opt.env, "toml": f"a.toml: {name}"}[source] in err
+    elif says.startswith(opt.flag) and source != "cli":  # so does a range check, after it
+        assert {"env": f"(set by {opt.env})", "toml": f"(set by {name} in "}[source] in err
     assert not (tmp_path / "d").exists()  # refused before anything was created
 
 

@@ -40,6 +40,7 @@ ABORT = 0xFFFFFFFF
 """The sequence number of a push that carries no frame: "this micro-batch failed, stop
 waiting for it" (a member's compute thread is freed at once, not at the deadline)."""
 MAX_FRAME = 64 << 20
+MIN_FRAMES_EACH = 16
 
 
 class CellTimeout(ConnectionError):
@@ -151,8 +152,10 @@ class CellLink:
         """Whether `remote`'s frames, with this one, stay within its share of the inbox."""
         others = max(1, len(self.members) - 1)
         held = [len(f) for (peer, _, _), (f, _) in self._inbox.items() if peer == remote]
+        # at least 16 frames each (a few layers ahead, several micro-batches): the bytes
+        # bound what they hold; in a large cell the frames are as small as its chunks
         return (
-            len(held) < max(1, self.max_inbox // others)
+            len(held) < max(MIN_FRAMES_EACH, self.max_inbox // others)
             and sum(held) + nbytes <= self.max_inbox_bytes // others
         )
 

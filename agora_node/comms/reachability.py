@@ -89,10 +89,9 @@ def address_scope(text: str) -> str:
     return "global"
 
 
-def check_addrs(addrs: object, asker: str, near: frozenset[str] = frozenset()) -> list[str]:
-    """The addresses a prober may dial for `asker`, without /p2p/ suffixes; ValueError
-    (one line) for anything else. `near`: the scopes besides "global" it may dial (those
-    the asker is connected from: "loopback", "private")."""
+def check_addrs(addrs: object, asker: str) -> list[str]:
+    """The addresses a prober may dial for `asker`, without /p2p/ suffixes, before their
+    scopes are looked at (`in_reach`); ValueError (one line) for anything else."""
     if not isinstance(addrs, list) or not 0 < len(addrs) <= MAX_ADDRS:
         raise ValueError(f"expected 1 to {MAX_ADDRS} addresses")
     checked = []
@@ -112,11 +111,16 @@ def check_addrs(addrs: object, asker: str, near: frozenset[str] = frozenset()) -
             raise ValueError(f"only IP addresses with a TCP or UDP port: {text[:60]!r}")
         if "p2p-circuit" in parts:
             raise ValueError("relay circuits are not dialed back")
-        scope = address_scope(text)
-        if scope != "global" and scope not in near:
-            raise ValueError(f"a {scope} address is dialed back only from its own network")
         checked.append(text)
     return checked
+
+
+def in_reach(addrs: list[str], near: frozenset[str] = frozenset()) -> list[str]:
+    """Of checked addresses, those a prober dials: public ones, and those in a scope the
+    asker is connected from (`near`: "loopback", "private"); never link-local, multicast
+    or unspecified. A node announces its loopback and LAN addresses too: they are left
+    out, not refused."""
+    return [a for a in addrs if address_scope(a) == "global" or address_scope(a) in near]
 
 
 class Prober:
@@ -153,10 +157,14 @@ class Prober:
     async def answer(self, asker: str, request: bytes, near: frozenset[str] = frozenset()) -> bytes:
         """`near`: the non-global scopes the asker is connected from (`scopes_of`)."""
         try:
-            addrs = check_addrs(json.loads(request.decode()).get("addrs"), asker, near)
+            addrs = check_addrs(json.loads(request.decode()).get("addrs"), asker)
         except (ValueError, UnicodeDecodeError, AttributeError, RecursionError) as exc:
             self.dials["refused"] += 1
             return FAILED + f"bad request: {exc}".encode()[:200]
+        addrs = in_reach(addrs, near)
+        if not addrs:  # only addresses of networks the asker is not on: none can answer
+            self.dials["failed"] += 1
+            return FAILED + b"no public address (loopback and private ones are not dialed)"
         if not self.admit(asker):
             self.dials["busy"] += 1
             return BUSY

@@ -62,10 +62,12 @@ from agora_node.protocol.names import protocol_prefix, relay_protocol, relayed_p
 log = logging.getLogger(__name__)
 
 MAX_REQUEST = streams.DEFAULT_MAX_FRAME
-MAX_READING_BYTES = 256 << 20
+MAX_READING_BYTES = 512 << 20
 """Bytes of relayed request bodies read at once, before their origin's signature is
 checked: anyone may open the relayed protocol and call itself a relay (256 streams of
 up to MAX_REQUEST each were 16 GiB)."""
+MAX_READING_PER_RELAY = 2 * MAX_REQUEST
+"""...and through one relay (so a few slow streams of one key cannot hold them all)."""
 MAX_ANSWER = 4 << 30
 """Bytes of answer one relayed request may carry back through a relay (a stage's state
 included); they pass in chunks, never held."""
@@ -136,6 +138,8 @@ class Relaying:
         self.refused: Counter[str] = Counter()
         self._reading = 0
         """Bytes of relayed request bodies being read now (before their signature check)."""
+        self._reading_from: dict[str, int] = {}
+        """The same, by the relay they come through (only while reading)."""
         self._connected: tuple[float, set[str]] = (-1.0, set())
 
     # ---- the caller's side ------------------------------------------------------------------
@@ -281,13 +285,18 @@ class Relaying:
         refusal = served.refuse(header.origin) if served.refuse is not None else None
         if refusal is not None:  # before the body is read (as on a direct stream)
             raise _OriginRefused(refusal)
-        if self._reading + size > MAX_READING_BYTES:
+        mine = self._reading_from.get(relay, 0)
+        if self._reading + size > MAX_READING_BYTES or mine + size > MAX_READING_PER_RELAY:
             raise RelayError("busy", "too many relayed bytes waiting for their signature check")
         self._reading += size
+        self._reading_from[relay] = mine + size
         try:
             body = await guard.read(streams.read_exactly(reader, size, "closed mid-request"), size)
         finally:
             self._reading -= size
+            left = self._reading_from.pop(relay) - size
+            if left:
+                self._reading_from[relay] = left
         digest = hashlib.sha256(body).digest()
         message = request_message(header.to, header.proto, header.t_ms, header.nonce, digest)
         if not verify(header.origin, message, bytes.fromhex(header.sig)):
@@ -295,7 +304,7 @@ class Relaying:
         now = self._clock()
         if abs(now - header.t_ms / 1000) > WINDOW_S:
             raise RelayError("time", "a relayed request outside the time window (clock or replay)")
-        if not self.nonces.fresh(header.nonce, now, header.t_ms / 1000):
+        if not self.nonces.fresh(header.nonce, now, header.t_ms / 1000, header.origin):
             raise RelayError("replay", "a relayed request seen before")
         return served, header, body
 

@@ -116,34 +116,51 @@ class AnswerSigner(AnswerDigest):
 
 class Nonces:
     """Nonces of the requests served within the time window: a relay that sends one twice
-    is refused the second time. At most NONCES_KEPT, the oldest forgotten first; and once
-    one still inside the window is forgotten, no request signed before it is taken any
-    more (`floor`): a relay that floods requests of its own to push a captured nonce out
-    cannot replay it then."""
+    is refused the second time. At most `kept`, the oldest forgotten first; and once one
+    still inside the window is forgotten, no request of its origin signed before it is
+    taken any more (that origin's floor): a relay that floods requests of its own to push
+    a captured nonce out cannot replay it then. A floor is at most the time its nonce
+    came, so requests signed ahead of time raise nobody's floor past the present, and a
+    floor is its origin's alone (one shared by all let one stranger's flood refuse every
+    honest request). The newest `kept` floors are kept; older ones are folded into one
+    floor for all origins, which lags the present by a whole store of requests."""
 
     def __init__(self, window_s: float = WINDOW_S, kept: int = NONCES_KEPT) -> None:
         self.window_s, self.kept = window_s, kept
-        self._seen: OrderedDict[str, tuple[float, float]] = OrderedDict()
-        """nonce -> (when it came, the time its request was signed), oldest first."""
-        self.floor = -math.inf
-        """Requests signed before this time are refused: their nonces may be forgotten."""
+        self._seen: OrderedDict[str, tuple[float, float, str]] = OrderedDict()
+        """nonce -> (when it came, when its request was signed, its origin), oldest first."""
+        self._floors: OrderedDict[str, float] = OrderedDict()
+        """origin -> requests it signed before this time are refused (newest last)."""
+        self._floor_all = -math.inf
+        """The same, for every origin (from the floors forgotten)."""
 
-    def fresh(self, nonce: str, now: float, signed_at: float | None = None) -> bool:
-        """Record `nonce` (of a request signed at `signed_at`, default `now`); False if it
-        was seen within the window, or its request is older than a forgotten nonce's."""
+    def floor(self, origin: str) -> float:
+        return max(self._floor_all, self._floors.get(origin, -math.inf))
+
+    def fresh(
+        self, nonce: str, now: float, signed_at: float | None = None, origin: str = ""
+    ) -> bool:
+        """Record `nonce` (of a request `origin` signed at `signed_at`, default `now`);
+        False if it was seen within the window, or its request is older than its
+        origin's floor."""
         signed_at = now if signed_at is None else signed_at
         while self._seen:
-            came, signed = next(iter(self._seen.values()))
+            came, signed, whose = next(iter(self._seen.values()))
             expired = came < now - self.window_s
             if not expired and len(self._seen) < self.kept:
                 break
             self._seen.popitem(last=False)
             if not expired:
-                self.floor = max(self.floor, signed)
-        if nonce in self._seen or signed_at <= self.floor:
+                self._raise_floor(whose, min(signed, came))
+        if nonce in self._seen or signed_at <= self.floor(origin):
             return False
-        self._seen[nonce] = (now, signed_at)
+        self._seen[nonce] = (now, signed_at, origin)
         return True
+
+    def _raise_floor(self, origin: str, at: float) -> None:
+        self._floors[origin] = max(self._floors.pop(origin, -math.inf), at)
+        while len(self._floors) > self.kept:
+            self._floor_all = max(self._floor_all, self._floors.popitem(last=False)[1])
 
 
 async def read_header(

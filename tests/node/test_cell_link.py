@@ -113,14 +113,16 @@ async def test_a_stranger_is_refused_and_a_silent_member_fails_the_exchange_in_t
             exchange.all_to_all([torch.zeros(4, dtype=torch.uint8)] * 2)
 
 
-async def test_one_member_pushing_frames_nobody_takes_fills_only_its_share() -> None:
+async def test_one_member_pushing_frames_nobody_takes_fills_only_its_share(monkeypatch) -> None:  # noqa: ANN001
     """main held up to 256 frames of 64 MiB from any member (16 GiB); now each member may
     hold its share of the frames and bytes, and the others' frames still get in."""
+    from agora_node.comms import cell_link
     from agora_node.comms.cell_link import _HEADER
 
     async with peers(3) as (a, b, c):
         ids = [p.peer_id.to_base58() for p in (a, b, c)]
         link = CellLink(a, RUN, members=ids, me=ids[0], max_inbox=8, max_inbox_bytes=8192)
+        monkeypatch.setattr(cell_link, "MIN_FRAMES_EACH", 1)  # 8 frames in all: 4 each
         await link.start()
         mb_id = os.urandom(16)
 

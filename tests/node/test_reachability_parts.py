@@ -19,7 +19,7 @@ OTHER = Identity.generate().peer_id
 
 def test_only_ip_addresses_of_the_asker_itself_are_dialed():
     good = ["/ip4/127.0.0.1/tcp/4001", f"/ip4/10.0.0.2/tcp/4001/p2p/{ME}", "/ip6/::1/tcp/9"]
-    assert r.check_addrs(good, ME, frozenset({"loopback", "private"})) == [
+    assert r.check_addrs(good, ME) == [
         "/ip4/127.0.0.1/tcp/4001",
         "/ip4/10.0.0.2/tcp/4001",
         "/ip6/::1/tcp/9",
@@ -41,23 +41,30 @@ def test_only_ip_addresses_of_the_asker_itself_are_dialed():
 
 def test_the_prober_dials_no_address_of_its_own_networks_for_a_stranger_elsewhere():
     """A stranger asked it to dial 127.0.0.1:22, the home LAN or a cloud's metadata
-    address, and read the answer (refused, timed out) back: a port scan by proxy."""
-    assert r.check_addrs(["/ip4/8.8.8.8/tcp/4001", "/ip6/2001:4860::8888/tcp/1"], ME)
-    for bad, scope in [
-        ("/ip4/127.0.0.1/tcp/22", "loopback"),
-        ("/ip4/192.168.1.1/tcp/80", "private"),
-        ("/ip4/10.0.0.2/udp/4001/quic-v1", "private"),
-        ("/ip4/169.254.169.254/tcp/80", "link-local"),
-        ("/ip6/fe80::1/tcp/80", "link-local"),
-        ("/ip4/0.0.0.0/tcp/80", "unspecified"),
-        ("/ip4/224.0.0.1/udp/80", "multicast"),
-    ]:
-        with pytest.raises(ValueError, match=f"a {scope} address"):
-            r.check_addrs([bad], ME)
-    # an asker connected from the same network may be dialed there (a LAN, a test)
-    assert r.check_addrs(["/ip4/192.168.1.7/tcp/4001"], ME, frozenset({"private"}))
-    with pytest.raises(ValueError, match="link-local"):
-        r.check_addrs(["/ip4/169.254.169.254/tcp/80"], ME, frozenset({"private", "loopback"}))
+    address, and read the answer (refused, timed out) back: a port scan by proxy. A node
+    announces its loopback and LAN addresses beside its public one: those are left out."""
+    public = ["/ip4/8.8.8.8/tcp/4001", "/ip6/2001:4860::8888/tcp/1"]
+    near_only = {
+        "/ip4/127.0.0.1/tcp/22": "loopback",
+        "/ip4/192.168.1.1/tcp/80": "private",
+        "/ip4/10.0.0.2/udp/4001/quic-v1": "private",
+        "/ip4/169.254.169.254/tcp/80": "link-local",
+        "/ip6/fe80::1/tcp/80": "link-local",
+        "/ip4/0.0.0.0/tcp/80": "unspecified",
+        "/ip4/224.0.0.1/udp/80": "multicast",
+    }
+    for addr, scope in near_only.items():
+        assert r.address_scope(addr) == scope
+    assert r.in_reach(public + list(near_only)) == public
+    # an asker connected from the same network is dialed there too (a LAN, a test)
+    lan = frozenset({"private", "loopback"})
+    assert r.in_reach(list(near_only), lan) == list(near_only)[:3]
+    # nothing left to dial: an answer that says so (unreachable), not "bad request"
+    prober = r.Prober()
+    answer = asyncio.run(
+        prober.answer(ME, json.dumps({"addrs": ["/ip4/192.168.1.1/tcp/80"]}).encode())
+    )
+    assert answer.startswith(r.FAILED + b"no public address") and prober._p2p is None
 
 
 def test_a_prober_dials_each_peer_at_most_once_per_cooldown_and_one_at_a_time():

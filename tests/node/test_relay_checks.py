@@ -152,6 +152,16 @@ async def test_an_origin_its_protocol_refuses_is_refused_before_its_body() -> No
     header_only = data[: head + int.from_bytes(data[head - 4 : head], "big")]
     with pytest.raises(relay_module._OriginRefused, match="leader"):  # not "closed mid-request"
         await relaying.take(daemon, Guard("relayed"), "relay-peer", _reader(header_only))
+    relaying._reading_from["relay-peer"] = relay_module.MAX_READING_PER_RELAY - 10
+    with pytest.raises(RelayError) as err:  # this relay's share is taken
+        await relaying.take(
+            daemon,
+            Guard("relayed"),
+            "relay-peer",
+            _reader(_request(caller, identity.peer_id, b"y" * 100)),
+        )
+    assert err.value.code == "busy"
+    relaying._reading_from.clear()
     relaying._reading = relay_module.MAX_READING_BYTES - 10  # others' bodies being read
     with pytest.raises(RelayError) as err:
         await relaying.take(
@@ -166,6 +176,7 @@ async def test_an_origin_its_protocol_refuses_is_refused_before_its_body() -> No
         daemon, Guard("relayed"), "relay-peer", _reader(_request(caller, identity.peer_id, b"ok"))
     )
     assert (header.origin, body, relaying._reading) == (caller.peer_id, b"ok", 0)
+    assert not relaying._reading_from
 
 
 def test_nonces_are_forgotten_after_the_window_and_bounded() -> None:
@@ -181,12 +192,22 @@ def test_a_nonce_pushed_out_by_a_flood_cannot_be_replayed() -> None:
     """A relay that captured a request flooded requests of its own until the nonce was
     forgotten, then sent the captured one again inside the window: it was taken twice."""
     nonces = relay_wire.Nonces(window_s=300, kept=4)
-    assert nonces.fresh("captured", now=100, signed_at=100)
+    assert nonces.fresh("captured", now=100, signed_at=100, origin="honest")
     for i in range(4):  # the flood, signed later
-        assert nonces.fresh(f"flood{i}", now=101, signed_at=101)
+        assert nonces.fresh(f"flood{i}", now=101, signed_at=101, origin="relay")
     assert "captured" not in nonces._seen
-    assert not nonces.fresh("captured", now=102, signed_at=100)  # older than the floor
-    assert nonces.fresh("honest", now=102, signed_at=102)
+    assert not nonces.fresh("captured", now=102, signed_at=100, origin="honest")
+    assert nonces.fresh("next", now=102, signed_at=102, origin="honest")
+
+
+def test_a_flood_signed_ahead_of_time_refuses_nobody_else() -> None:
+    """One floor for all, set from a signing time the flooder chose (up to the window
+    ahead), refused every honest request for five minutes."""
+    nonces = relay_wire.Nonces(window_s=300, kept=4)
+    for i in range(8):
+        assert nonces.fresh(f"f{i}", now=1000 + i, signed_at=1299, origin="stranger")
+    assert nonces.floor("stranger") <= 1007  # at most when its nonce came
+    assert nonces.fresh("h", now=1008, signed_at=1007.5, origin="honest")
 
 
 def _answer(identity: Identity, nonce: str, frames: list[bytes]) -> bytes:

@@ -88,7 +88,8 @@ def _accused_by(count: int) -> tuple[float, float, float | None]:
     responder = _Responder(machine, out, peers, silent="")
     responder.run(1.0)
     accusers = peers[1 : 1 + count]
-    # confirmations count from members that answered this machine's own probes
+    # confirmations count from members that answered this machine's own probes (or that
+    # have been members for a while, which these are not yet)
     while any(machine._members.get(a.peer_id).rtt() is None for a in accusers):
         assert responder.now < 30.0, "the machine never probed every accuser"
         responder.run(responder.now + 0.1)
@@ -109,11 +110,8 @@ def _accused_by(count: int) -> tuple[float, float, float | None]:
 
 
 def test_independent_confirmations_shrink_the_suspicion_timeout() -> None:
-    """Then the machine, which accused nobody itself, probes the subject once more: only
-    its own failed probe declares the death (others' word alone did, in a second)."""
     low, high, confirmed = _accused_by(count=4)  # the first accuser + 3 confirmations
-    probe = FAST.probe_timeout_s + FAST.indirect_timeout_s
-    assert confirmed is not None and low <= confirmed <= low + probe + 0.05
+    assert confirmed is not None and confirmed == pytest.approx(low, abs=0.02)
     low, high, single = _accused_by(count=1)
     assert single is not None and single > (low + high) / 2
 

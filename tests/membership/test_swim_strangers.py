@@ -136,3 +136,44 @@ def test_one_sender_costs_a_bounded_number_of_signature_checks_a_second() -> Non
         checked += machine.counters["dropped_bad_item_signature"] - before
     assert checked <= 2 * VERIFY_RATE_PER_SENDER  # its burst, not 200 x 64
     assert machine.counters["dropped_over_verify_budget"] >= 200 * 64 - checked
+
+
+def test_a_confirmer_must_have_answered_our_probe_or_be_a_member_for_a_while() -> None:
+    from agora_node.comms.membership.members import Member
+    from agora_node.comms.membership.swim import CONFIRMER_AGE_S, Membership
+
+    fresh = Member("k", Status.ALIVE, 0, MemberMeta(), b"", since=100.0)
+    assert not Membership._may_confirm(fresh, now=101.0)
+    assert Membership._may_confirm(fresh, now=100.0 + CONFIRMER_AGE_S)
+    fresh.add_rtt(0.05)  # answered one of our probes
+    assert Membership._may_confirm(fresh, now=101.0)
+    suspect = Member("s", Status.SUSPECT, 0, MemberMeta(), b"", since=0.0)
+    assert not Membership._may_confirm(suspect, now=1000.0)
+    assert not Membership._may_confirm(None, now=1000.0)
+
+
+def test_a_member_restarted_below_its_earlier_incarnation_outbids_it() -> None:
+    """Its earlier life's record (self-signed, at 5000) comes back with an accusation at
+    5000; restarted at 4000 it dropped the accusation as ahead of it, and stayed
+    suspected in every other view."""
+    me, accuser = Identity.generate(), Identity.generate()
+    machine, _ = lone_machine(me, incarnation_start=4000)
+    old_record = item(me, Status.ALIVE, me.peer_id, 5000, meta=MemberMeta(stage=0))
+    accusation = item(accuser, Status.SUSPECT, me.peer_id, 5000)
+    entry = wire.entry_bytes(Status.SUSPECT, 5000, old_record, accusation)
+    body = wire.push_pull_body(True, [entry])
+    machine.on_message(
+        accuser.peer_id, message(accuser, me.peer_id, MsgKind.PUSH_PULL, 1, body), 0.1
+    )
+    assert machine.incarnation > 5000
+
+
+def test_the_incarnation_saturates_at_the_top_of_the_wire_format() -> None:
+    me, accuser = Identity.generate(), Identity.generate()
+    machine, out = lone_machine(me, incarnation_start=TOP - 1)
+    for seq, inc in enumerate((TOP - 1, TOP), 1):  # honest accusations at what it knows
+        suspect = item(accuser, Status.SUSPECT, me.peer_id, inc)
+        machine.on_message(accuser.peer_id, _gossip(accuser, me.peer_id, seq, [suspect]), 0.1)
+    assert machine.incarnation == TOP
+    machine.update_meta(MemberMeta(stage=2), 0.2)  # signs and sends: no struct.error
+    assert machine.incarnation == TOP and out.sent

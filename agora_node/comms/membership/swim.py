@@ -65,6 +65,9 @@ MAX_INCARNATION = 2**32 - 1
 MAX_REPLY_ITEMS = 16
 """Corrections one received message may earn its sender (stale news about us or others,
 sent back in one message): a message of 255 stale items once earned 255 signed sends."""
+CONFIRMER_AGE_S = 30.0
+"""How long a member we never probed must have been a live member before its accusations
+confirm a suspicion (`_may_confirm`)."""
 MAX_RELAYS_PER_ORIGIN = 8
 """Ping-reqs of one origin carried at once (an honest prober asks each helper once per
 probe); the relay table is shared by all."""
@@ -78,7 +81,8 @@ VERIFY_RATE_PER_SENDER = 512.0
 messages a second, whose 512 checks each were a second of the loop's time per second."""
 VERIFY_RATE = 4096.0
 """...and in all per second (a burst of twice that; about 15% of a core): fresh keys are
-free. Honest members' news costs far less (a thousand members: under a hundred a second)."""
+free. Honest members' news costs far less (a thousand members: under a hundred a second),
+and members that answered our probes are not held to it."""
 
 
 @dataclass(slots=True)
@@ -290,14 +294,21 @@ class Membership:
         if env is None:
             return
         mine = self._allowance_of(sender, now)
-        budget = min(VERIFY_BUDGET, mine.left(now), self._allowance.left(now))
+        known = self._members.get(sender)
+        # members that answered our probes do not draw on the shared allowance, which
+        # strangers' junk may have drained
+        shared = None if known is not None and known.rtt() is not None else self._allowance
+        budget = min(VERIFY_BUDGET, mine.left(now))
+        if shared is not None:
+            budget = min(budget, shared.left(now))
         self._budget, self._replies = budget, {}
         try:
             self._handle(sender, env, now)
         finally:
             used = budget - (self._budget or 0)
             mine.tokens -= used
-            self._allowance.tokens -= used
+            if shared is not None:
+                shared.tokens -= used
             replies, self._budget, self._replies = self._replies, None, None
             for peer, items in replies.items():
                 self._send(peer, MsgKind.GOSSIP, b"", list(items))
@@ -564,15 +575,13 @@ class Membership:
                 suspicion.regossiped = True
                 self._gossip.push(member.peer_id, member.accusation.raw)
             return
-        own = self.peer_id in suspicion.accusers
-        if own and suspicion.confirmations >= max(1, suspicion.expected):
+        if suspicion.confirmations >= max(1, suspicion.expected):
             self._accuse(member, Status.DEAD, now)
             return
         # Not confirmed by enough others (in a tiny cluster: by anyone else): it may
         # have refuted and the news missed us (gossip reaches everyone only with high
-        # probability). Or we never probed it ourselves: others' word alone declares
-        # no death here (four fresh keys once did, in a second). Probe it once more,
-        # with the suspicion attached; only a failed probe makes it dead.
+        # probability). Probe it once more, with the suspicion attached; only a
+        # failed probe makes it dead.
         self._request_verification(suspicion, now)
 
     def _request_verification(self, suspicion: Suspicion, now: float) -> None:
@@ -594,9 +603,12 @@ class Membership:
                 return
 
     def _set_incarnation(self, incarnation: int) -> None:
+        """(At MAX_INCARNATION a member can outbid nothing more: it stays there.)"""
         self._incarnation = min(incarnation, MAX_INCARNATION)
         if not self._leaving:
-            self._record = self._sign_item(Status.ALIVE, self.peer_id, incarnation, meta=self._meta)
+            self._record = self._sign_item(
+                Status.ALIVE, self.peer_id, self._incarnation, meta=self._meta
+            )
             self._gossip.push(self.peer_id, self._record)
 
     def _refute(self, incarnation: int) -> None:
@@ -638,10 +650,7 @@ class Membership:
             return
         if action == "confirm":
             assert member is not None and member.suspicion is not None
-            confirmer = self._members.get(item.signer)
-            if confirmer is None or confirmer.status != Status.ALIVE or confirmer.rtt() is None:
-                # not a live member that answered our own probe: keys cost nothing, and a
-                # self-signed ALIVE record makes one a member in one message
+            if not self._may_confirm(self._members.get(item.signer), now):
                 self.counters["dropped_unknown_confirmers"] += 1
                 return
             self._confirm(member.suspicion, item)
@@ -655,6 +664,16 @@ class Membership:
             self._apply_record(member, item, now)
         if gossip:
             self._spread(item.subject, item.raw, item.kind)
+
+    @staticmethod
+    def _may_confirm(confirmer: Member | None, now: float) -> bool:
+        """Whether a confirmation by this accuser counts: a live member that answered our
+        own probe, or that has been one for CONFIRMER_AGE_S. Keys cost nothing, and a
+        self-signed ALIVE makes one a member in one message: four fresh keys' SUSPECTs
+        in one message declared a live member dead a second later."""
+        if confirmer is None or confirmer.status != Status.ALIVE:
+            return False
+        return confirmer.rtt() is not None or now - confirmer.since >= CONFIRMER_AGE_S
 
     def _make_room(self) -> bool:
         """Room for one more member: the table is bounded (identities are free), so a full
@@ -791,7 +810,11 @@ class Membership:
         for entry in entries:
             record, accusation = entry.record, entry.accusation
             if record.subject == self.peer_id:
-                self._about_me(accusation or record, sender, count_stale=False)
+                # our own record first: an earlier life's, above the incarnation we
+                # restarted at, makes us outbid it, and then its accusation is not ahead
+                self._about_me(record, sender, count_stale=False)
+                if accusation is not None:
+                    self._about_me(accusation, sender, count_stale=False)
                 continue
             if entry.status == Status.DEAD and record.subject not in self._members.by_id:
                 continue  # do not learn members only to suspect them

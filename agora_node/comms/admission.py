@@ -87,6 +87,9 @@ async def ask(
 
 
 MAX_ADMITTERS = 64
+SILENT_ASKS = 10
+"""Asks without an answer after which a peer counts as absent for a node never admitted
+(a silent peer is asked again at every refresh: half a minute or more)."""
 
 RECHECK_S = 60.0
 """An admitted node asks again this often: one removed from the lists learns it too."""
@@ -101,6 +104,8 @@ class Admission:
     verdicts: dict[str, Verdict] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)
     asked_at: dict[str, float] = field(default_factory=dict)
+    silent: dict[str, int] = field(default_factory=dict)
+    """Peers that gave no answer, by how many times in a row."""
     admitted_by: dict[str, None] = field(default_factory=dict)
     """Peers that admitted us, even after they left the directory (the newest
     MAX_ADMITTERS): once there is one, only a refusal of one of them stops us."""
@@ -113,6 +118,7 @@ class Admission:
             self.verdicts.pop(gone)
             self.reasons.pop(gone, None)
             self.asked_at.pop(gone, None)
+            self.silent.pop(gone, None)
         due = [
             p
             for p in seen
@@ -124,6 +130,10 @@ class Admission:
 
     def note(self, peer: str, verdict: Verdict, reason: str, now: float) -> None:
         self.verdicts[peer], self.asked_at[peer] = verdict, now
+        if verdict == Verdict.UNKNOWN:
+            self.silent[peer] = self.silent.get(peer, 0) + 1
+        else:
+            self.silent.pop(peer, None)
         if verdict == Verdict.REFUSED:
             self.reasons[peer] = reason
         else:
@@ -140,7 +150,12 @@ class Admission:
         us and some refused; and once a peer has admitted us, only when one that did now
         refuses (a stranger with a fresh key refuses as easily as it publishes a record:
         in an open swarm it made running nodes quit)."""
-        verdicts = [self.verdicts.get(p, Verdict.UNKNOWN) for p in self.seen]
+        # a peer silent SILENT_ASKS times in a row (an older version, one we cannot dial)
+        # counts as absent for a node never admitted: it would otherwise wait for ever
+        absent = set() if self.admitted_by else {
+            p for p, n in self.silent.items() if n >= SILENT_ASKS
+        }  # fmt: skip
+        verdicts = [self.verdicts.get(p, Verdict.UNKNOWN) for p in self.seen - absent]
         if Verdict.ADMITTED in verdicts or Verdict.UNKNOWN in verdicts:
             return None
         refusers = sorted(p for p in self.seen if self.verdicts[p] == Verdict.REFUSED)

@@ -48,7 +48,7 @@ class Admittance:
 
     async def ask(self, p2p: P2P, run_id: str, peers: list[str]) -> str | None:
         """Ask the peers not asked yet (or not lately) whether they admit this node; the
-        one line to stop with once every peer seen refused or gave no answer."""
+        one line to stop with, when `Admission.refusal` gives one."""
         now = time.monotonic()
         due = self.asked.to_ask(peers, now)
         if not due:

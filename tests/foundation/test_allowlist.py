@@ -109,6 +109,23 @@ def test_refused_only_when_every_peer_seen_was_asked_and_none_admitted():
     assert adm.refusal() == "no from p1"
 
 
+def test_a_peer_that_never_answers_does_not_keep_an_unlisted_joiner_waiting():
+    """An older peer without the protocol, or one the joiner cannot dial, stays silent
+    while its record is republished: the joiner waited for ever."""
+    from agora_node.comms.admission import SILENT_ASKS
+
+    adm = Admission(recheck_s=60)
+    adm.to_ask(["p1", "old"], now=0)
+    adm.note("p1", Verdict.REFUSED, "no from p1", now=0)
+    for i in range(SILENT_ASKS):
+        assert adm.refusal() is None
+        adm.note("old", Verdict.UNKNOWN, "", now=i)
+    assert adm.refusal() == "no from p1"
+    adm.note("p1", Verdict.ADMITTED, "", now=20)  # once admitted, silence never counts
+    adm.note("p1", Verdict.REFUSED, "no from p1", now=90)
+    assert adm.refusal() is None  # "old" is silent: it may still admit us
+
+
 def test_strangers_alone_never_stop_a_node_that_was_admitted():
     """A stranger with a record answers "refused"; an honest peer that admitted the node
     once gives no answer now (busy, or gone): the node quit, in an open swarm."""

@@ -225,6 +225,9 @@ class NormWatch:
         self._refused: dict[str, tuple[float, int]] = {}
         """The senders of the window's norms whose latest norm was refused: that norm, and
         how many in a row were refused."""
+        self._far: dict[str, tuple[float, int]] = {}
+        """The senders of the window's norms whose latest norm was taken but too far from
+        the level to count toward it: that norm, and how many in a row."""
         self.rebased: list[str] = []
         """The senders whose refused norms the last call re-based on (empty otherwise)."""
 
@@ -247,18 +250,21 @@ class NormWatch:
             self._taken, self._judging = 0, False
         counts = True
         if self._judging:
-            level = self.level()
-            if not level / self.factor <= norm <= self.factor * level:
-                moved = self._level_moved(sender, norm, now) if sender else None
-                if moved is None:
-                    return True
-                self.rebased = list(moved)
-                self._rebase(moved, now)
-                return False
-            near = math.sqrt(self.factor)
+            level, near = self.level(), math.sqrt(self.factor)
+            inside = level / self.factor <= norm <= self.factor * level
             counts = level / near <= norm <= near * level
+            if not counts and sender:
+                moved = self._level_moved(sender, norm, now, refused=not inside)
+                if moved is not None:
+                    self.rebased = [p for p in moved if p in self._refused]
+                    self._rebase(moved, now)
+                    return False
+            if not inside:
+                return True
         self._accepted_at = now
         self._refused.pop(sender, None)
+        if counts:
+            self._far.pop(sender, None)
         if counts:
             self._add(sender, norm)
             self._taken += 1
@@ -283,26 +289,39 @@ class NormWatch:
         self._norms.clear()
         for sender, norm in norms.items():
             self._add(sender, norm)
-        self._refused = {}
+        self._refused, self._far = {}, {}
         if norms:
             self._accepted_at = now
 
-    def _level_moved(self, sender: str, norm: float, now: float) -> dict[str, float] | None:
-        """Note a refused norm; when the level moved for the active senders of the window's
-        norms (see the class), their refused norms (sender -> norm) to re-base on, else
-        None. Only senders of the window's norms are noted or counted: fresh identities
-        cannot move it, nor crowd the others out."""
+    def _level_moved(
+        self, sender: str, norm: float, now: float, *, refused: bool
+    ) -> dict[str, float] | None:
+        """Note a norm off the level: refused (outside the bound) or only far (taken, not
+        counted); when the level moved for the active senders of the window's norms (see
+        the class), their latest such norms (sender -> norm) to re-base on, else None.
+        Far norms count as well as refused ones: honest norms that all jumped more than
+        sqrt(factor) froze the level, until the faster-growing sender's passed the bound
+        and it was refused and flagged. Only senders of the window's norms are noted or
+        counted: fresh identities cannot move it, nor crowd the others out."""
         known = {s for s, _ in self._norms} - {""}
         if sender not in known:
             return None
         self._heard[sender] = now
-        in_a_row = self._refused.get(sender, (norm, 0))[1] + 1
-        self._refused = {p: r for p, r in self._refused.items() if p in known}
-        self._refused[sender] = (norm, in_a_row)
+        table, other = (self._refused, self._far) if refused else (self._far, self._refused)
+        other.pop(sender, None)
+        in_a_row = table.get(sender, (norm, 0))[1] + 1
+        for kept in (self._refused, self._far):
+            for p in [p for p in kept if p not in known]:
+                del kept[p]
+        table[sender] = (norm, in_a_row)
         active = {p for p in known if now - self._heard.get(p, -math.inf) <= self.active_s}
-        refused = {p: self._refused[p][0] for p in active if p in self._refused}
+        off = {
+            p: (self._refused.get(p) or self._far[p])[0]
+            for p in active
+            if p in self._refused or p in self._far
+        }
         if len(active) == 1:
             moved = in_a_row >= self.sole_refusals
         else:
-            moved = len(refused) >= len(active) // 2 + 1
-        return refused if moved else None
+            moved = len(off) >= len(active) // 2 + 1
+        return off if moved else None

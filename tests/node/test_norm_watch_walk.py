@@ -107,3 +107,25 @@ def test_a_norm_far_below_the_level_is_an_outlier_too():
     assert w.outlier(1e-3, "a") and not w.outlier(1.0, "a")
     assert w.outlier(0.0, "b")
     assert w.outlier(1e-3)  # without a sender
+
+
+def test_honest_norms_that_all_jump_more_than_the_counting_band_move_the_level():
+    """After an idle spell training had moved every sender's norms 20x: taken, but too far
+    to count, they froze the level until the faster sender's passed the bound and it was
+    refused (and flagged) nine times."""
+    now = [0.0]
+    watch = NormWatch(clock=lambda: now[0])
+    level = 1.0
+    for _ in range(64):
+        for sender, k in (("A", 1.0), ("B", 1.5)):
+            now[0] += 0.1
+            assert not watch.outlier(level * k, sender)
+    now[0] += 100.0
+    level *= 20
+    refused = 0
+    for _ in range(80):
+        for sender, k in (("A", 1.0), ("B", 1.5)):
+            now[0] += 0.1
+            refused += watch.outlier(level * k, sender)
+        level *= 1.05
+    assert refused == 0 and watch.level() > 100

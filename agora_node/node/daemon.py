@@ -134,6 +134,7 @@ class Node:
         """Runs the swarm's run pointer announces (signed, fresh), for the status page."""
         self.stage: int | None = None  # announced while joining, then served
         self.can_hold: list[int] | None = None
+        """The stages this node can serve (its device's memory, the run's data); None: all."""
         """The stages this node's device can hold (None: all; joining.stages_fitting)."""
         self._loops = Loops(self._loop_failed, quiet=lambda: self.state == NodeState.LEAVING)
         self._status: StatusServer | None = None
@@ -303,6 +304,11 @@ class Node:
             compute=self.compute,
         )
         self.service = await StageService.open(ctx, stage, self._loop_failed)
+
+    @property
+    def limited(self) -> bool:
+        """Whether it cannot serve every stage of the run (then its record says pinned)."""
+        return self.can_hold is not None and len(self.can_hold) < self.manifest.num_stages
 
     def _peers_of(self, stage: int) -> list[str]:
         gone = self.liveness.gone()

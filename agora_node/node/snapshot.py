@@ -103,7 +103,9 @@ def node_record(node: Node) -> NodeRecord:
         inner_step=w.optimizer.steps if w else 0,
         outer_step=service.rounds.round if service else 0,
         tokens_seen=w.stats.tokens if w else 0,
-        pinned=int(node.config.stage != "auto"),
+        # others never wait for a pinned node to move: one that cannot hold every stage
+        # (its device, or stage 0 without the run's data) must not be elected to
+        pinned=int(node.config.stage != "auto" or node.limited),
         addrs=node.addrs,
         anchor_round=attested.round if attested else 0,
         anchor_digest=attested.anchor if attested else "",

@@ -92,7 +92,8 @@ class NodeRecord:
     outer_step: int = 0
     tokens_seen: int = 0
     pinned: int = 0
-    """1 when the operator fixed this node's stage (--stage N): it never moves."""
+    """1 when the operator fixed this node's stage (--stage N), or the node cannot hold
+    every stage: others never elect it to move (it may still move itself)."""
     addrs: list[str] = field(default_factory=list)
     issued_at: float = field(default_factory=time.time)
     ttl: float = DEFAULT_RECORD_TTL_S

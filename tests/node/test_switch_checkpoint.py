@@ -68,3 +68,26 @@ async def test_a_stage_the_node_cannot_hold_is_refused_by_a_switch() -> None:
     node = types.SimpleNamespace(manifest=types.SimpleNamespace(num_stages=3), can_hold=[1, 2])
     with pytest.raises(ValueError, match="cannot serve stage 0"):
         await Node.switch_stage(node, 0, "asked")
+
+
+@pytest.mark.parametrize(
+    ("stage", "can_hold", "pinned"),
+    [("auto", None, 0), ("auto", [0, 1, 2], 0), ("auto", [1, 2], 1), ("1", None, 1)],
+)
+def test_a_node_that_cannot_hold_every_stage_is_announced_pinned(stage, can_hold, pinned) -> None:  # noqa: ANN001
+    """Others elected it to move to stage 0, which it could not serve (no data, or too
+    little memory): it stayed, and they waited for it, with stage 0 empty."""
+    from agora_node.node.snapshot import node_record
+
+    node = types.SimpleNamespace(
+        manifest=types.SimpleNamespace(num_stages=3, run_id="r" * 16),
+        config=types.SimpleNamespace(stage=stage),
+        can_hold=can_hold,
+        service=None,
+        peer_id="12D3KooWmine",
+        stage=1,
+        state=NodeState.ACTIVE,
+        addrs=[],
+    )
+    node.limited = Node.limited.fget(node)
+    assert node_record(node).pinned == pinned

@@ -152,25 +152,18 @@ async def test_an_origin_its_protocol_refuses_is_refused_before_its_body() -> No
     header_only = data[: head + int.from_bytes(data[head - 4 : head], "big")]
     with pytest.raises(relay_module._OriginRefused, match="leader"):  # not "closed mid-request"
         await relaying.take(daemon, Guard("relayed"), "relay-peer", _reader(header_only))
+
+    async def busy() -> str:
+        with pytest.raises(RelayError) as err:
+            body = _request(caller, identity.peer_id, b"y" * 100)
+            await relaying.take(daemon, Guard("relayed"), "relay-peer", _reader(body))
+        return err.value.code
+
     relaying._reading_from["relay-peer"] = relay_module.MAX_READING_PER_RELAY - 10
-    with pytest.raises(RelayError) as err:  # this relay's share is taken
-        await relaying.take(
-            daemon,
-            Guard("relayed"),
-            "relay-peer",
-            _reader(_request(caller, identity.peer_id, b"y" * 100)),
-        )
-    assert err.value.code == "busy"
+    assert await busy() == "busy"  # this relay's share is taken
     relaying._reading_from.clear()
     relaying._reading = relay_module.MAX_READING_BYTES - 10  # others' bodies being read
-    with pytest.raises(RelayError) as err:
-        await relaying.take(
-            daemon,
-            Guard("relayed"),
-            "relay-peer",
-            _reader(_request(caller, identity.peer_id, b"y" * 100)),
-        )
-    assert err.value.code == "busy"
+    assert await busy() == "busy"
     relaying._reading = 0
     served, header, body = await relaying.take(
         daemon, Guard("relayed"), "relay-peer", _reader(_request(caller, identity.peer_id, b"ok"))

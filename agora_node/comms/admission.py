@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from hivemind.p2p import P2P
 
 from agora_node.comms import streams
+from agora_node.comms.guard import ADMISSION
 from agora_node.protocol.allowlist import AllowList, refusal_message
 from agora_node.protocol.names import admission_protocol
 
@@ -68,6 +69,9 @@ class Verdict(enum.Enum):
     REFUSED = "refused"
     UNKNOWN = "unknown"
     """No answer (gone, slow, or a version without the protocol): counts for nothing."""
+    BUSY = "busy"
+    """Its guard turned the ask away (busy, rate): alive, with the protocol; counts for
+    nothing, and is no silence (a stranger can keep an honest peer's guard busy)."""
 
 
 async def ask(
@@ -82,7 +86,8 @@ async def ask(
         return Verdict.REFUSED, str(exc)
     except streams.StreamError as exc:
         log.debug("admission: no answer from %s: %s", peer[-8:], exc)
-        return Verdict.UNKNOWN, ""
+        turned_away = any(f"refused ({r.value})" in str(exc) for r in ADMISSION)
+        return (Verdict.BUSY if turned_away else Verdict.UNKNOWN), ""
     return (Verdict.ADMITTED if answer == ADMITTED else Verdict.UNKNOWN), ""
 
 
@@ -122,7 +127,7 @@ class Admission:
         due = [
             p
             for p in seen
-            if self.verdicts.get(p, Verdict.UNKNOWN) == Verdict.UNKNOWN
+            if self.verdicts.get(p, Verdict.UNKNOWN) in (Verdict.UNKNOWN, Verdict.BUSY)
             or now - self.asked_at.get(p, now) >= self.recheck_s
         ]
         # never asked first, then the longest ago: peers that never answer cannot starve others
@@ -146,17 +151,19 @@ class Admission:
 
     def refusal(self) -> str | None:
         """The line to stop with, or None. Only once every peer seen has answered (one
-        that gave no answer may be an honest peer a stranger keeps busy), none admitted
-        us and some refused; and once a peer has admitted us, only when one that did now
-        refuses (a stranger with a fresh key refuses as easily as it publishes a record:
-        in an open swarm it made running nodes quit)."""
+        turned away busy may be an honest peer a stranger keeps busy; one silent
+        SILENT_ASKS times in a row counts as absent for a node never admitted), none
+        admitted us and some refused; and once a peer has admitted us, only when one that
+        did now refuses (a stranger with a fresh key refuses as easily as it publishes a
+        record: in an open swarm it made running nodes quit)."""
         # a peer silent SILENT_ASKS times in a row (an older version, one we cannot dial)
-        # counts as absent for a node never admitted: it would otherwise wait for ever
+        # counts as absent for a node never admitted: it would otherwise wait for ever.
+        # A busy answer is no silence: a stranger could keep honest peers' guards busy
         absent = set() if self.admitted_by else {
             p for p, n in self.silent.items() if n >= SILENT_ASKS
         }  # fmt: skip
-        verdicts = [self.verdicts.get(p, Verdict.UNKNOWN) for p in self.seen - absent]
-        if Verdict.ADMITTED in verdicts or Verdict.UNKNOWN in verdicts:
+        verdicts = {self.verdicts.get(p, Verdict.UNKNOWN) for p in self.seen - absent}
+        if verdicts & {Verdict.ADMITTED, Verdict.UNKNOWN, Verdict.BUSY}:
             return None
         refusers = sorted(p for p in self.seen if self.verdicts[p] == Verdict.REFUSED)
         if self.admitted_by:

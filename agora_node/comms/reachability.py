@@ -83,6 +83,8 @@ def address_scope(text: str) -> str:
         ip = ipaddress.ip_address(parts[2])
     except ValueError:
         return "other"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is loopback, not "private"
     for scope in ("unspecified", "loopback", "link_local", "multicast", "private"):
         if getattr(ip, f"is_{scope}"):
             return scope.replace("_", "-")

@@ -116,26 +116,27 @@ class AnswerSigner(AnswerDigest):
 
 class Nonces:
     """Nonces of the requests served within the time window: a relay that sends one twice
-    is refused the second time. At most `kept`, the oldest forgotten first; and once one
-    still inside the window is forgotten, no request of its origin signed before it is
-    taken any more (that origin's floor): a relay that floods requests of its own to push
-    a captured nonce out cannot replay it then. A floor is at most the time its nonce
-    came, so requests signed ahead of time raise nobody's floor past the present, and a
-    floor is its origin's alone (one shared by all let one stranger's flood refuse every
-    honest request). The newest `kept` floors are kept; older ones are folded into one
-    floor for all origins, which lags the present by a whole store of requests."""
+    is refused the second time. A nonce is kept until both when it came and when its
+    request was signed are a window old (a clock ahead must not shorten it). At most
+    `kept`, the oldest forgotten first; and once one still inside the window is
+    forgotten, no request of its origin signed before it is taken any more (that
+    origin's floor, at its signing time): a relay that floods requests of its own to
+    push a captured nonce out cannot replay it then. A floor is its origin's alone (one
+    shared by all let one stranger's flood, signed minutes ahead, refuse every honest
+    request). The newest `kept` floors are kept; an older one is folded into a floor for
+    all origins at the time its nonce came, which lags the present by a whole store."""
 
     def __init__(self, window_s: float = WINDOW_S, kept: int = NONCES_KEPT) -> None:
         self.window_s, self.kept = window_s, kept
         self._seen: OrderedDict[str, tuple[float, float, str]] = OrderedDict()
         """nonce -> (when it came, when its request was signed, its origin), oldest first."""
-        self._floors: OrderedDict[str, float] = OrderedDict()
-        """origin -> requests it signed before this time are refused (newest last)."""
+        self._floors: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        """origin -> (its requests signed before this are refused, when that nonce came)."""
         self._floor_all = -math.inf
-        """The same, for every origin (from the floors forgotten)."""
+        """Requests of any origin signed before this are refused (from floors forgotten)."""
 
     def floor(self, origin: str) -> float:
-        return max(self._floor_all, self._floors.get(origin, -math.inf))
+        return max(self._floor_all, self._floors.get(origin, (-math.inf, 0.0))[0])
 
     def fresh(
         self, nonce: str, now: float, signed_at: float | None = None, origin: str = ""
@@ -146,21 +147,23 @@ class Nonces:
         signed_at = now if signed_at is None else signed_at
         while self._seen:
             came, signed, whose = next(iter(self._seen.values()))
-            expired = came < now - self.window_s
+            expired = max(came, signed) < now - self.window_s
             if not expired and len(self._seen) < self.kept:
                 break
             self._seen.popitem(last=False)
             if not expired:
-                self._raise_floor(whose, min(signed, came))
+                self._raise_floor(whose, signed, came)
         if nonce in self._seen or signed_at <= self.floor(origin):
             return False
         self._seen[nonce] = (now, signed_at, origin)
         return True
 
-    def _raise_floor(self, origin: str, at: float) -> None:
-        self._floors[origin] = max(self._floors.pop(origin, -math.inf), at)
+    def _raise_floor(self, origin: str, signed: float, came: float) -> None:
+        old = self._floors.pop(origin, (-math.inf, -math.inf))
+        self._floors[origin] = (max(old[0], signed), max(old[1], came))
         while len(self._floors) > self.kept:
-            self._floor_all = max(self._floor_all, self._floors.popitem(last=False)[1])
+            _, (_, at) = self._floors.popitem(last=False)
+            self._floor_all = max(self._floor_all, at)
 
 
 async def read_header(

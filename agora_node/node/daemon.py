@@ -446,8 +446,8 @@ class Node:
         every = self.config.rebalance_every_s
         while not self.stop_event.is_set():
             await self._wait_stop(every * (0.5 + rng.random()))
-            if self.stop_event.is_set() or self.state != NodeState.ACTIVE:
-                continue
+            if self.stop_event.is_set() or self.state != NodeState.ACTIVE or self.limited:
+                continue  # a limited node is pinned in every election, its own included
             if (
                 joining.better_stage(
                     self.view, self.manifest, self.peer_id, self.stage, self.can_hold

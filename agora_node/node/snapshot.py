@@ -104,7 +104,8 @@ def node_record(node: Node) -> NodeRecord:
         outer_step=service.rounds.round if service else 0,
         tokens_seen=w.stats.tokens if w else 0,
         # others never wait for a pinned node to move: one that cannot hold every stage
-        # (its device, or stage 0 without the run's data) must not be elected to
+        # (its device, or stage 0 without the run's data) must not be elected to, and it
+        # does not move itself (an election each node ran differently moved several)
         pinned=int(node.config.stage != "auto" or node.limited),
         addrs=node.addrs,
         anchor_round=attested.round if attested else 0,

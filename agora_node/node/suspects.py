@@ -254,7 +254,7 @@ class NormWatch:
             inside = level / self.factor <= norm <= self.factor * level
             counts = level / near <= norm <= near * level
             if not counts and sender:
-                moved = self._level_moved(sender, norm, now, refused=not inside)
+                moved = self._level_moved(sender, norm, now, level, refused=not inside)
                 if moved is not None:
                     self.rebased = [p for p in moved if p in self._refused]
                     self._rebase(moved, now)
@@ -294,7 +294,7 @@ class NormWatch:
             self._accepted_at = now
 
     def _level_moved(
-        self, sender: str, norm: float, now: float, *, refused: bool
+        self, sender: str, norm: float, now: float, level: float, *, refused: bool
     ) -> dict[str, float] | None:
         """Note a norm off the level: refused (outside the bound) or only far (taken, not
         counted); when the level moved for the active senders of the window's norms (see
@@ -302,7 +302,11 @@ class NormWatch:
         Far norms count as well as refused ones: honest norms that all jumped more than
         sqrt(factor) froze the level, until the faster-growing sender's passed the bound
         and it was refused and flagged. Only senders of the window's norms are noted or
-        counted: fresh identities cannot move it, nor crowd the others out."""
+        counted: fresh identities cannot move it, nor crowd the others out. And the norms
+        re-based on must agree: all on one side of the level, within sqrt(factor) of each
+        other (senders that moved together); else a stranger facing one honest sender
+        held the level 10x off, so that the honest norms fell just outside the counting
+        band, and re-based the watch on its own huge norm beside them."""
         known = {s for s, _ in self._norms} - {""}
         if sender not in known:
             return None
@@ -324,4 +328,8 @@ class NormWatch:
             moved = in_a_row >= self.sole_refusals
         else:
             moved = len(off) >= len(active) // 2 + 1
-        return off if moved else None
+        values = list(off.values())
+        agree = (all(v > level for v in values) or all(v < level for v in values)) and max(
+            values, default=0.0
+        ) <= math.sqrt(self.factor) * min(values, default=0.0)
+        return off if moved and agree else None

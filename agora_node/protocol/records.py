@@ -93,7 +93,7 @@ class NodeRecord:
     tokens_seen: int = 0
     pinned: int = 0
     """1 when the operator fixed this node's stage (--stage N), or the node cannot hold
-    every stage: others never elect it to move (it may still move itself)."""
+    every stage: it never moves, and others never elect it to."""
     addrs: list[str] = field(default_factory=list)
     issued_at: float = field(default_factory=time.time)
     ttl: float = DEFAULT_RECORD_TTL_S

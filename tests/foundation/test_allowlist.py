@@ -121,6 +121,12 @@ def test_a_peer_that_never_answers_does_not_keep_an_unlisted_joiner_waiting():
         assert adm.refusal() is None
         adm.note("old", Verdict.UNKNOWN, "", now=i)
     assert adm.refusal() == "no from p1"
+    busy = Admission(recheck_s=60)  # a peer kept busy (by a stranger, say) is no silence
+    busy.to_ask(["p1", "honest"], now=0)
+    busy.note("p1", Verdict.REFUSED, "no from p1", now=0)
+    for i in range(3 * SILENT_ASKS):
+        busy.note("honest", Verdict.BUSY if i % 2 else Verdict.UNKNOWN, "", now=i)
+        assert busy.refusal() is None
     adm.note("p1", Verdict.ADMITTED, "", now=20)  # once admitted, silence never counts
     adm.note("p1", Verdict.REFUSED, "no from p1", now=90)
     assert adm.refusal() is None  # "old" is silent: it may still admit us
@@ -172,3 +178,20 @@ def _touch_later(path, seconds: int) -> None:  # noqa: ANN001
     within one tick of a coarse filesystem clock still differ."""
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + seconds * 10**9))
+
+
+def test_a_guard_turning_the_ask_away_is_busy_not_silence(monkeypatch):
+    import asyncio
+
+    from agora_node.comms import admission, streams
+
+    async def turned_away(*_a, **_k):  # noqa: ANN202
+        raise streams.StreamError("peer1234 failed: refused (peer_streams): 8 already")
+
+    async def silent(*_a, **_k):  # noqa: ANN202
+        raise streams.StreamError("peer1234 sent nothing for 3s")
+
+    monkeypatch.setattr(streams, "request", turned_away)
+    assert asyncio.run(admission.ask(None, "run", "peer"))[0] == Verdict.BUSY
+    monkeypatch.setattr(streams, "request", silent)
+    assert asyncio.run(admission.ask(None, "run", "peer"))[0] == Verdict.UNKNOWN

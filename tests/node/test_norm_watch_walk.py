@@ -129,3 +129,31 @@ def test_honest_norms_that_all_jump_more_than_the_counting_band_move_the_level()
             refused += watch.outlier(level * k, sender)
         level *= 1.05
     assert refused == 0 and watch.level() > 100
+
+
+def test_a_stranger_cannot_rebase_on_its_own_norm_beside_a_far_honest_one():
+    """Held 10x above the honest norms, the level left about half of them just outside the
+    counting band ("far"); one huge refused norm of the stranger's then made two of two
+    active senders off, and the watch re-based on 1e12 beside the honest norm."""
+    rng, now = random.Random(7), [0.0]
+    w = NormWatch(factor=100, window=64, min_samples=16, clock=lambda: now[0])
+
+    def honest() -> bool:
+        now[0] += 0.1
+        return w.outlier(_noisy(rng, 1.0), "a")
+
+    for _ in range(16):
+        assert not honest()
+    for _ in range(4):
+        now[0] += 0.1
+        assert not w.outlier(1.0, "x")
+    for i in range(200):  # the stranger walks its own median to the top of the band
+        now[0] += 0.1
+        w.outlier(w.level() * 10, "x")
+        if i % 5 == 0:
+            assert not honest()
+    for _ in range(200):
+        now[0] += 0.1
+        assert w.outlier(1e12, "x")  # refused, every time
+        assert not honest()
+        assert not w.rebased and w.level() < 100

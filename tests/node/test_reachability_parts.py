@@ -52,6 +52,7 @@ def test_the_prober_dials_no_address_of_its_own_networks_for_a_stranger_elsewher
         "/ip6/fe80::1/tcp/80": "link-local",
         "/ip4/0.0.0.0/tcp/80": "unspecified",
         "/ip4/224.0.0.1/udp/80": "multicast",
+        "/ip6/::ffff:169.254.169.254/tcp/80": "link-local",  # IPv4-mapped: as its IPv4
     }
     for addr, scope in near_only.items():
         assert r.address_scope(addr) == scope

@@ -197,10 +197,24 @@ def test_a_flood_signed_ahead_of_time_refuses_nobody_else() -> None:
     """One floor for all, set from a signing time the flooder chose (up to the window
     ahead), refused every honest request for five minutes."""
     nonces = relay_wire.Nonces(window_s=300, kept=4)
-    for i in range(8):
-        assert nonces.fresh(f"f{i}", now=1000 + i, signed_at=1299, origin="stranger")
-    assert nonces.floor("stranger") <= 1007  # at most when its nonce came
+    for i in range(8):  # (from the 5th on, refused: the flooder's own floor is 1299)
+        nonces.fresh(f"f{i}", now=1000 + i, signed_at=1299, origin="stranger")
+    assert nonces.floor("stranger") == 1299
     assert nonces.fresh("h", now=1008, signed_at=1007.5, origin="honest")
+
+
+def test_an_origin_whose_clock_is_ahead_cannot_be_replayed_after_a_flood() -> None:
+    """Its floor was capped at when its nonce came (100), below when it signed (101): the
+    captured request, signed at 101, was taken again."""
+    nonces = relay_wire.Nonces(window_s=300, kept=4)
+    assert nonces.fresh("captured", now=100, signed_at=101, origin="ahead")
+    for i in range(4):
+        assert nonces.fresh(f"flood{i}", now=102, signed_at=102, origin="relay")
+    assert not nonces.fresh("captured", now=103, signed_at=101, origin="ahead")
+    # nor plainly, once the time it came is a window old but not the time it was signed
+    nonces = relay_wire.Nonces(window_s=300, kept=4)
+    assert nonces.fresh("n", now=100, signed_at=101, origin="ahead")
+    assert not nonces.fresh("n", now=400.5, signed_at=101, origin="ahead")
 
 
 def _answer(identity: Identity, nonce: str, frames: list[bytes]) -> bytes:

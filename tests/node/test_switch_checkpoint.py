@@ -91,3 +91,40 @@ def test_a_node_that_cannot_hold_every_stage_is_announced_pinned(stage, can_hold
     )
     node.limited = Node.limited.fget(node)
     assert node_record(node).pinned == pinned
+
+
+async def test_a_limited_node_does_not_move_itself(monkeypatch) -> None:  # noqa: ANN001
+    """Pinned in others' elections but not in its own, it elected itself while another
+    node elected itself too: both moved, and their stage could be left with none."""
+    import asyncio
+
+    from agora_node.node import joining
+
+    asked: list[int] = []
+    monkeypatch.setattr(joining, "better_stage", lambda *a: asked.append(1))
+    stop = asyncio.Event()
+    waits = [0]
+
+    async def wait_stop(seconds: float) -> None:
+        waits[0] += 1
+        if waits[0] > 3:
+            stop.set()
+
+    for limited, expected in ((True, 0), (False, 3)):
+        asked.clear()
+        stop.clear()
+        waits[0] = 0
+        node = types.SimpleNamespace(
+            peer_id="12D3KooWmine",
+            config=types.SimpleNamespace(rebalance_every_s=1.0),
+            stop_event=stop,
+            state=NodeState.ACTIVE,
+            limited=limited,
+            view={},
+            manifest=None,
+            stage=1,
+            can_hold=[1, 2] if limited else None,
+            _wait_stop=wait_stop,
+        )
+        await Node._rebalance_loop(node)
+        assert len(asked) == expected, limited

@@ -81,8 +81,9 @@ VERIFY_RATE_PER_SENDER = 512.0
 messages a second, whose 512 checks each were a second of the loop's time per second."""
 VERIFY_RATE = 4096.0
 """...and in all per second (a burst of twice that; about 15% of a core): fresh keys are
-free. Honest members' news costs far less (a thousand members: under a hundred a second),
-and members that answered our probes are not held to it."""
+free. Honest members' news costs far less (a thousand members: under a hundred a second).
+Live members that answered our probes share another such allowance, so strangers' junk
+cannot starve them."""
 
 
 @dataclass(slots=True)
@@ -168,6 +169,7 @@ class Membership:
         self._allowances: OrderedDict[str, _Allowance] = OrderedDict()
         """Per sender (the most recent 2 x max_members): signature checks it may cost."""
         self._allowance = _Allowance(VERIFY_RATE, 2 * VERIFY_RATE, now)
+        self._probed_allowance = _Allowance(VERIFY_RATE, 2 * VERIFY_RATE, now)
         self._leaving = False
         self._gossip = GossipQueue()
         self._replay = ReplayGuard(max_senders=2 * self.settings.max_members)
@@ -295,20 +297,18 @@ class Membership:
             return
         mine = self._allowance_of(sender, now)
         known = self._members.get(sender)
-        # members that answered our probes do not draw on the shared allowance, which
-        # strangers' junk may have drained
-        shared = None if known is not None and known.rtt() is not None else self._allowance
-        budget = min(VERIFY_BUDGET, mine.left(now))
-        if shared is not None:
-            budget = min(budget, shared.left(now))
+        # live members that answered our probes draw on an allowance of their own, which
+        # strangers' junk cannot drain (answering a ping is free too: so it is bounded)
+        probed = known is not None and known.status == Status.ALIVE and known.rtt() is not None
+        shared = self._probed_allowance if probed else self._allowance
+        budget = min(VERIFY_BUDGET, mine.left(now), shared.left(now))
         self._budget, self._replies = budget, {}
         try:
             self._handle(sender, env, now)
         finally:
             used = budget - (self._budget or 0)
             mine.tokens -= used
-            if shared is not None:
-                shared.tokens -= used
+            shared.tokens -= used
             replies, self._budget, self._replies = self._replies, None, None
             for peer, items in replies.items():
                 self._send(peer, MsgKind.GOSSIP, b"", list(items))

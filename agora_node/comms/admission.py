@@ -55,6 +55,25 @@ def refuser(allow: AllowList | None, me: str, what: str) -> Refuse | None:
     return refuse
 
 
+def record_holders_only(
+    refuse: Refuse | None, known: Callable[[str], bool], on_unknown: Callable[[str], None]
+) -> Refuse:
+    """`refuse`'s refusal (a private swarm's allow list, or None), then one of the peers
+    `known` does not name (no record at this node's stage, read lately), before anything
+    of their request is read; each of those is told to `on_unknown(peer)` (counted as
+    `no_record`). Who may ask a replica for its state, or send it the collective's whole
+    requests through a relay: a stranger's requests would hold its few slots or memory."""
+
+    def check(remote: str) -> str | None:
+        refusal = refuse(remote) if refuse is not None else None
+        if refusal is None and not known(remote):
+            on_unknown(remote)
+            refusal = f"no record of {remote[-8:]} at this node's stage: announce a record first"
+        return refusal
+
+    return check
+
+
 async def serve_admission(p2p: P2P, run_id: str, refuse: Refuse | None) -> None:
     """Answer "admitted" to listed peers (everyone in an open swarm); the rest are refused."""
 

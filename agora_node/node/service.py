@@ -429,12 +429,8 @@ def state_refuser(
     if joiner is None:
         return refuse
 
-    def refuse_state(remote: str) -> str | None:
-        refusal = refuse(remote) if refuse is not None else None
-        if refusal is None and not joiner(remote):
-            refusal = f"no record of {remote[-8:]} at this node's stage: announce one first"
-            if on_refuse is not None:
-                on_refuse("state", Reason.NO_RECORD.value)
-        return refusal
+    def count(_remote: str) -> None:
+        if on_refuse is not None:
+            on_refuse("state", Reason.NO_RECORD.value)
 
-    return refuse_state
+    return admission.record_holders_only(refuse, joiner, count)

@@ -22,7 +22,6 @@ Run it beside a hivemind.DHT by sharing the DHT's daemon, in the caller's loop:
 from __future__ import annotations
 
 # typing.AsyncIterator, not collections.abc: hivemind detects streaming RPCs by `hint._name`
-import functools
 from collections.abc import Callable
 from typing import AsyncIterator  # noqa: UP035
 
@@ -30,6 +29,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from hivemind.p2p import P2P, P2PContext, PeerID
 
 from agora_node.comms import streams
+from agora_node.comms.admission import record_holders_only
 from agora_node.comms.collective.handlers import (
     MAX_WAIT,
     MEMBER_REFUSALS,
@@ -235,17 +235,16 @@ class CollectiveServicer(GuardedServicer):
             self._on_stream_request,
             max_request=self.max_frame_bytes + MAX_MESSAGE_BYTES,
             guard=self.guard,
-            refuse=functools.partial(self._stream_refusal, known),
+            refuse=record_holders_only(
+                self._unlisted,
+                lambda peer: known is None or known(peer) or self.responder.book.has_member(peer),
+                lambda peer: self.guard.refuse(Reason.NO_RECORD, peer),  # counted
+            ),
         )
 
-    def _stream_refusal(self, known: Callable[[str], bool] | None, peer: str) -> str | None:
+    def _unlisted(self, peer: str) -> str | None:
         admit = self.responder.admit
-        if admit is not None and not admit(peer):
-            return NOT_LISTED
-        if known is None or known(peer) or self.responder.book.has_member(peer):
-            return None
-        self.guard.refuse(Reason.NO_RECORD, peer)  # counted; the refusal is the line below
-        return "not a replica of this stage: announce a record at it first"
+        return NOT_LISTED if admit is not None and not admit(peer) else None
 
     async def stop_streams(self, p2p: P2P, namespace: str) -> None:
         await streams.unserve(p2p, outer_stream_protocol(namespace))

@@ -110,7 +110,8 @@ class Limits:
 
 
 class TokenBucket:
-    """`burst` tokens, refilled at `rate` per second; one request takes one."""
+    """`burst` tokens, refilled at `rate` per second; one request takes one (`take`), or
+    work of several units spends what it used (`left`, then `spend`)."""
 
     __slots__ = ("rate", "burst", "tokens", "at")
 
@@ -118,12 +119,19 @@ class TokenBucket:
         self.rate, self.burst = rate, burst
         self.tokens, self.at = burst, now
 
-    def take(self, now: float) -> bool:
+    def left(self, now: float) -> int:
+        """Whole tokens there are now."""
         # a clock that went back refills nothing (and never drains the bucket)
         self.tokens = min(self.burst, self.tokens + max(0.0, now - self.at) * self.rate)
         self.at = max(self.at, now)
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
+        return int(self.tokens)
+
+    def spend(self, n: float) -> None:
+        self.tokens -= n
+
+    def take(self, now: float) -> bool:
+        if self.left(now) >= 1:
+            self.spend(1.0)
             return True
         return False
 

@@ -203,7 +203,7 @@ def test_a_push_pull_of_forged_entries_costs_at_most_the_verify_budget(pair) -> 
     """A stranger's push-pull of many entries for unknown members, each signed by the
     stranger instead of its subject: the machine checks at most VERIFY_BUDGET signatures
     for the message (the loop's time), learns none of them, and counts the rest."""
-    from agora_node.comms.membership.swim import VERIFY_BUDGET
+    from agora_node.comms.membership.budgets import VERIFY_BUDGET
 
     machine, out, me, alice = pair
     mallory = Identity.generate()

@@ -123,7 +123,7 @@ def test_one_origin_holds_few_relay_slots_and_only_briefly() -> None:
 def test_one_sender_costs_a_bounded_number_of_signature_checks_a_second() -> None:
     """512 checks a message, 50 messages a second from one key: a second of the event
     loop's time every second."""
-    from agora_node.comms.membership.swim import VERIFY_RATE_PER_SENDER
+    from agora_node.comms.membership.budgets import VERIFY_RATE_PER_SENDER
 
     me, stranger = Identity.generate(), Identity.generate()
     machine, _ = lone_machine(me)

@@ -19,11 +19,11 @@ reconnect timer pings dead members and seeds so that healed partitions merge.
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from agora_node.comms.membership import messages as wire
+from agora_node.comms.membership.budgets import SenderBudgets
 from agora_node.comms.membership.dissemination import GossipQueue
 from agora_node.comms.membership.lifeguard import Awareness, Suspicion
 from agora_node.comms.membership.members import (
@@ -71,33 +71,6 @@ confirm a suspicion (`_may_confirm`)."""
 MAX_RELAYS_PER_ORIGIN = 8
 """Ping-reqs of one origin carried at once (an honest prober asks each helper once per
 probe); the relay table is shared by all."""
-
-VERIFY_BUDGET = 512
-"""Item signatures checked per received message, at most (about 20 ms of the loop): a
-push-pull carries a whole table (8192 members), so a newcomer learns a big swarm over a
-few exchanges, and a stranger's forged entries cost the loop no more than that."""
-VERIFY_RATE_PER_SENDER = 512.0
-"""...and per sender per second (a burst of twice that): the guard lets a peer send 50
-messages a second, whose 512 checks each were a second of the loop's time per second."""
-VERIFY_RATE = 4096.0
-"""...and in all per second (a burst of twice that; about 15% of a core): fresh keys are
-free. Honest members' news costs far less (a thousand members: under a hundred a second).
-Live members that answered our probes share another such allowance, so strangers' junk
-cannot starve them."""
-
-
-@dataclass(slots=True)
-class _Allowance:
-    """Signature checks a sender (or everyone) may still cost: a token bucket."""
-
-    rate: float
-    tokens: float
-    at: float
-
-    def left(self, now: float) -> int:
-        self.tokens = min(2 * self.rate, self.tokens + max(0.0, now - self.at) * self.rate)
-        self.at = now
-        return int(self.tokens)
 
 
 @dataclass(slots=True)
@@ -165,11 +138,9 @@ class Membership:
         )
         self._replies: dict[str, dict[bytes, None]] | None = None
         """Corrections owed to senders of the message being handled (None: not in one)."""
-        self._push_pull_answered: dict[str, float] = {}
-        self._allowances: OrderedDict[str, _Allowance] = OrderedDict()
-        """Per sender (the most recent 2 x max_members): signature checks it may cost."""
-        self._allowance = _Allowance(VERIFY_RATE, 2 * VERIFY_RATE, now)
-        self._probed_allowance = _Allowance(VERIFY_RATE, 2 * VERIFY_RATE, now)
+        self._budgets = SenderBudgets(
+            2 * self.settings.max_members, self.settings.push_pull_interval_s, now
+        )
         self._leaving = False
         self._gossip = GossipQueue()
         self._replay = ReplayGuard(max_senders=2 * self.settings.max_members)
@@ -288,39 +259,25 @@ class Membership:
 
     def on_message(self, sender: str, data: bytes, now: float) -> None:
         """Verify and handle one message; bad ones are dropped and counted. One message
-        gets at most VERIFY_BUDGET signature checks of the items in it (the event loop's
+        gets at most budgets.VERIFY_BUDGET signature checks of the items in it (the event loop's
         time is what a stranger's push-pull of forged entries would spend)."""
         self.counters["received"] += 1
         self.counters["received_bytes"] += len(data)
         env = self._open(sender, data)
         if env is None:
             return
-        mine = self._allowance_of(sender, now)
         known = self._members.get(sender)
-        # live members that answered our probes draw on an allowance of their own, which
-        # strangers' junk cannot drain (answering a ping is free too: so it is bounded)
         probed = known is not None and known.status == Status.ALIVE and known.rtt() is not None
-        shared = self._probed_allowance if probed else self._allowance
-        budget = min(VERIFY_BUDGET, mine.left(now), shared.left(now))
+        budget, buckets = self._budgets.checks(sender, probed, now)
         self._budget, self._replies = budget, {}
         try:
             self._handle(sender, env, now)
         finally:
-            used = budget - (self._budget or 0)
-            mine.tokens -= used
-            shared.tokens -= used
+            for bucket in buckets:
+                bucket.spend(budget - (self._budget or 0))
             replies, self._budget, self._replies = self._replies, None, None
             for peer, items in replies.items():
                 self._send(peer, MsgKind.GOSSIP, b"", list(items))
-
-    def _allowance_of(self, sender: str, now: float) -> _Allowance:
-        allowance = self._allowances.pop(sender, None)
-        if allowance is None:
-            allowance = _Allowance(VERIFY_RATE_PER_SENDER, 2 * VERIFY_RATE_PER_SENDER, now)
-        self._allowances[sender] = allowance  # newest last
-        while len(self._allowances) > 2 * self.settings.max_members:
-            self._allowances.popitem(last=False)
-        return allowance
 
     def _handle(self, sender: str, env: wire.Envelope, now: float) -> None:
         for item in env.items:
@@ -338,8 +295,12 @@ class Membership:
             self._on_ping_req(sender, env, now)
         elif kind == MsgKind.PUSH_PULL:
             self._merge_state(sender, env.entries, now)
-            if not env.reply and self._may_answer_push_pull(sender, now):
+            if env.reply:
+                return
+            if self._budgets.may_answer_push_pull(sender, now):
                 self._send_push_pull(sender, reply=True)
+            else:
+                self.counters["dropped_push_pulls"] += 1
 
     # ------------------------------------------------------------ message I/O
 
@@ -767,21 +728,6 @@ class Membership:
             self.counters["dropped_replies"] += 1
             return
         owed[raw] = None
-
-    def _may_answer_push_pull(self, peer: str, now: float) -> bool:
-        """One full-table answer per peer per quarter push-pull interval (an honest member
-        starts one exchange per interval, with one member at a time)."""
-        window = self.settings.push_pull_interval_s / 4
-        answered = self._push_pull_answered
-        if len(answered) >= 2 * self.settings.max_members:
-            for old in [p for p, at in answered.items() if now - at >= window]:
-                del answered[old]
-        at = answered.get(peer)
-        if (at is not None and now - at < window) or len(answered) >= 2 * self.settings.max_members:
-            self.counters["dropped_push_pulls"] += 1
-            return False
-        answered[peer] = now
-        return True
 
     # -------------------------------------------------- push-pull, gossip timers
 

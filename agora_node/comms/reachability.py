@@ -38,7 +38,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from hivemind.p2p import P2P, PeerID
@@ -156,14 +156,23 @@ class Prober:
             self._last.popitem(last=False)
         return True
 
-    async def answer(self, asker: str, request: bytes, near: frozenset[str] = frozenset()) -> bytes:
-        """`near`: the non-global scopes the asker is connected from (`scopes_of`)."""
+    async def answer(
+        self,
+        asker: str,
+        request: bytes,
+        scopes: Callable[[], Awaitable[frozenset[str]]] | None = None,
+    ) -> bytes:
+        """`scopes()`: the non-global scopes the asker is connected from (`scopes_of`),
+        asked only when it sent addresses that are not public."""
         try:
             addrs = check_addrs(json.loads(request.decode()).get("addrs"), asker)
         except (ValueError, UnicodeDecodeError, AttributeError, RecursionError) as exc:
             self.dials["refused"] += 1
             return FAILED + f"bad request: {exc}".encode()[:200]
-        addrs = in_reach(addrs, near)
+        if scopes is not None and any(address_scope(a) != "global" for a in addrs):
+            addrs = in_reach(addrs, await scopes())
+        else:
+            addrs = in_reach(addrs)
         if not addrs:  # only addresses of networks the asker is not on: none can answer
             self.dials["failed"] += 1
             return FAILED + b"no public address (loopback and private ones are not dialed)"
@@ -237,7 +246,7 @@ async def serve_reachability(
     p2p: P2P, run_id: str, prober: Prober, refuse: Callable[[str], str | None] | None
 ) -> None:
     async def handler(remote: str, request: bytes) -> AsyncIterator[bytes]:
-        yield await prober.answer(remote, request, await scopes_of(p2p, remote))
+        yield await prober.answer(remote, request, lambda: scopes_of(p2p, remote))
 
     await streams.serve(
         p2p, reachability_protocol(run_id), handler, max_request=MAX_REQUEST, refuse=refuse

@@ -136,10 +136,9 @@ class Relaying:
         self.served = 0
         """Requests this node served that came through a relay."""
         self.refused: Counter[str] = Counter()
-        self._reading = 0
-        """Bytes of relayed request bodies being read now (before their signature check)."""
         self._reading_from: dict[str, int] = {}
-        """The same, by the relay they come through (only while reading)."""
+        """Bytes of relayed request bodies being read now (before their signature check),
+        by the relay they come through (only while reading)."""
         self._connected: tuple[float, set[str]] = (-1.0, set())
 
     # ---- the caller's side ------------------------------------------------------------------
@@ -285,15 +284,13 @@ class Relaying:
         refusal = served.refuse(header.origin) if served.refuse is not None else None
         if refusal is not None:  # before the body is read (as on a direct stream)
             raise _OriginRefused(refusal)
-        mine = self._reading_from.get(relay, 0)
-        if self._reading + size > MAX_READING_BYTES or mine + size > MAX_READING_PER_RELAY:
+        mine, reading = self._reading_from.get(relay, 0), sum(self._reading_from.values())
+        if reading + size > MAX_READING_BYTES or mine + size > MAX_READING_PER_RELAY:
             raise RelayError("busy", "too many relayed bytes waiting for their signature check")
-        self._reading += size
         self._reading_from[relay] = mine + size
         try:
             body = await guard.read(streams.read_exactly(reader, size, "closed mid-request"), size)
         finally:
-            self._reading -= size
             left = self._reading_from.pop(relay) - size
             if left:
                 self._reading_from[relay] = left

@@ -162,14 +162,14 @@ async def test_an_origin_its_protocol_refuses_is_refused_before_its_body() -> No
     relaying._reading_from["relay-peer"] = relay_module.MAX_READING_PER_RELAY - 10
     assert await busy() == "busy"  # this relay's share is taken
     relaying._reading_from.clear()
-    relaying._reading = relay_module.MAX_READING_BYTES - 10  # others' bodies being read
+    relaying._reading_from["others"] = relay_module.MAX_READING_BYTES - 10  # being read
     assert await busy() == "busy"
-    relaying._reading = 0
+    relaying._reading_from.clear()
     served, header, body = await relaying.take(
         daemon, Guard("relayed"), "relay-peer", _reader(_request(caller, identity.peer_id, b"ok"))
     )
-    assert (header.origin, body, relaying._reading) == (caller.peer_id, b"ok", 0)
-    assert not relaying._reading_from
+    assert (header.origin, body) == (caller.peer_id, b"ok")
+    assert not relaying._reading_from  # nothing held once read
 
 
 def test_nonces_are_forgotten_after_the_window_and_bounded() -> None:

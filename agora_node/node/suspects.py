@@ -188,13 +188,14 @@ class NormWatch:
     the lab's chaos run, and when a cell's helper was left alone). So the senders count.
     Of the senders of the window's norms, those heard from (taken or refused) within
     `active_s` are the active ones; when a strict majority of them (at least 2) had their
-    latest norm refused, or the only active one was refused `sole_refusals` times in a
-    row, the level moved for the swarm, not for a liar: the watch re-bases on those
-    refused norms (`rebased` says whom it had refused; they were right). A sender's norm
-    taken clears only its own refusal, so a liar whose norms are taken cannot hold off a
-    re-base. Senders never in the window, however many, and a minority of the active
-    ones cannot move it. And recent means recent: when it took nothing for `max_age_s`,
-    the watch starts over."""
+    latest norm off the level (refused, or taken but too far to count), or the only
+    active one was off `sole_refusals` times in a row, and the norms off agree (one side
+    of the level, within sqrt(`factor`) of each other), the level moved for the swarm, not
+    for a liar: the watch re-bases on those norms (`rebased` says whom it had refused;
+    they were right). A sender's norm counted clears only its own, so a liar whose norms
+    count cannot hold off a re-base. Senders never in the window, however many, and a
+    minority of the active ones cannot move it. And recent means recent: when it took
+    nothing for `max_age_s`, the watch starts over."""
 
     def __init__(
         self,
@@ -222,12 +223,10 @@ class NormWatch:
         self._heard: dict[str, float] = {}
         """When each sender of the window's norms was last heard from (at most 2 x window
         entries: only senders of norms taken are noted)."""
-        self._refused: dict[str, tuple[float, int]] = {}
-        """The senders of the window's norms whose latest norm was refused: that norm, and
-        how many in a row were refused."""
-        self._far: dict[str, tuple[float, int]] = {}
-        """The senders of the window's norms whose latest norm was taken but too far from
-        the level to count toward it: that norm, and how many in a row."""
+        self._off: dict[str, tuple[float, int, bool]] = {}
+        """The senders of the window's norms whose latest norm was off the level: that
+        norm, how many in a row were off that way, and whether it was refused (else taken,
+        but too far to count toward the level)."""
         self.rebased: list[str] = []
         """The senders whose refused norms the last call re-based on (empty otherwise)."""
 
@@ -256,16 +255,14 @@ class NormWatch:
             if not counts and sender:
                 moved = self._level_moved(sender, norm, now, level, refused=not inside)
                 if moved is not None:
-                    self.rebased = [p for p in moved if p in self._refused]
+                    self.rebased = [p for p in moved if self._off[p][2]]  # refused ones
                     self._rebase(moved, now)
                     return False
             if not inside:
                 return True
         self._accepted_at = now
-        self._refused.pop(sender, None)
         if counts:
-            self._far.pop(sender, None)
-        if counts:
+            self._off.pop(sender, None)
             self._add(sender, norm)
             self._taken += 1
         if sender:
@@ -289,7 +286,7 @@ class NormWatch:
         self._norms.clear()
         for sender, norm in norms.items():
             self._add(sender, norm)
-        self._refused, self._far = {}, {}
+        self._off = {}
         if norms:
             self._accepted_at = now
 
@@ -311,19 +308,12 @@ class NormWatch:
         if sender not in known:
             return None
         self._heard[sender] = now
-        table, other = (self._refused, self._far) if refused else (self._far, self._refused)
-        other.pop(sender, None)
-        in_a_row = table.get(sender, (norm, 0))[1] + 1
-        for kept in (self._refused, self._far):
-            for p in [p for p in kept if p not in known]:
-                del kept[p]
-        table[sender] = (norm, in_a_row)
+        _, before, was_refused = self._off.get(sender, (norm, 0, refused))
+        in_a_row = before + 1 if was_refused == refused else 1
+        self._off = {p: o for p, o in self._off.items() if p in known}
+        self._off[sender] = (norm, in_a_row, refused)
         active = {p for p in known if now - self._heard.get(p, -math.inf) <= self.active_s}
-        off = {
-            p: (self._refused.get(p) or self._far[p])[0]
-            for p in active
-            if p in self._refused or p in self._far
-        }
+        off = {p: self._off[p][0] for p in active if p in self._off}
         if len(active) == 1:
             moved = in_a_row >= self.sole_refusals
         else:

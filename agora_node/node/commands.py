@@ -128,7 +128,7 @@ async def _dry_run(config, compute) -> int:  # noqa: ANN001
     from agora_node.comms.directory import Directory, RunDiscoveryError, fetch_manifest
     from agora_node.comms.host import Host, HostConfig
     from agora_node.node.errors import JoinError
-    from agora_node.node.joining import stages_fitting
+    from agora_node.node.joining import stages_fitting, without_the_head
     from agora_node.protocol.identity import Identity
     from agora_node.protocol.records import RecordLimits
     from agora_node.stages import placement
@@ -155,13 +155,7 @@ async def _dry_run(config, compute) -> int:  # noqa: ANN001
         if config.stage == "auto":
             can_hold = stages_fitting(manifest, compute)
             if no_data is not None:
-                held = range(manifest.num_stages) if can_hold is None else can_hold
-                can_hold = [s for s in held if s != 0]
-                if not can_hold:
-                    others = "run has no" if manifest.num_stages == 1 else "device holds no"
-                    raise JoinError(
-                        f"this node can serve no stage: {no_data}, and its {others} other stage"
-                    )
+                can_hold = without_the_head(manifest, can_hold, no_data)
                 print(f"not serving stage 0: {no_data}")
             choice = placement.choose_stage(view, manifest, identity.peer_id, can_hold=can_hold)
             stage, reason = choice.stage, choice.reason

@@ -244,13 +244,7 @@ class Node:
         # only stage 0 reads the run's data: a node without it serves (and moves to) others
         no_data = await asyncio.to_thread(head_data_missing, m)  # the file system: off the loop
         if no_data is not None and cfg.stage == "auto":
-            held = range(m.num_stages) if self.can_hold is None else self.can_hold
-            self.can_hold = [s for s in held if s != 0]
-            if not self.can_hold:
-                others = "run has no" if m.num_stages == 1 else "device holds no"
-                raise JoinError(
-                    f"this node can serve no stage: {no_data}, and its {others} other stage"
-                )
+            self.can_hold = joining.without_the_head(m, self.can_hold, no_data)
             log.info("not serving stage 0: %s", no_data)
         if cfg.stage == "auto":
             choice = await joining.settle_stage(

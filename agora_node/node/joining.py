@@ -145,6 +145,18 @@ def better_stage(
     return decision
 
 
+def without_the_head(manifest: Manifest, can_hold: list[int] | None, no_data: str) -> list[int]:
+    """The stages a node lacking the run's data (`no_data` says why) can serve, of those
+    its device holds: all but stage 0, the only one that reads the data; JoinError when
+    none is left (a one-stage run, or a device that holds stage 0 alone)."""
+    held = range(manifest.num_stages) if can_hold is None else can_hold
+    left = [s for s in held if s != 0]
+    if not left:
+        others = "run has no" if manifest.num_stages == 1 else "device holds no"
+        raise JoinError(f"this node can serve no stage: {no_data}, and its {others} other stage")
+    return left
+
+
 def fixed_stage(manifest: Manifest, wanted: str) -> int:
     """`--stage N` checked against the run: a UsageError (exit 2, as under --dry-run)
     when the run has no stage N."""

@@ -1,18 +1,22 @@
 """Checkpoints: atomic, checksummed, the last few kept.
 
-A checkpoint is two files in a directory: `ckpt-<step>.pt` (torch.save of the
-state) and `ckpt-<step>.json` (run id, stage, step, sha256 of the .pt, and the
-peer id of the node that wrote it). The .pt
+A checkpoint is two files in a directory: `ckpt-<seq>.pt` (torch.save of the
+state) and `ckpt-<seq>.json` (run id, stage, step, sha256 of the .pt, the peer id
+of the node that wrote it, and `seq`). `seq` orders the checkpoints of a directory:
+each save takes one more than the highest there. Not the step: a daemon's step is its
+inner optimizer's, which starts again at 0 when it adopts its replicas' state (a
+fresh optimizer), and ordered by it the newest save sorted below the older ones, was
+pruned as it was written and never resumed from. (Markers written before `seq`
+existed are named by their step, which stands in for it.) The .pt
 is written to a temporary name, fsynced and renamed; the .json, written the
 same way after it, is the commit marker. A crash at any moment leaves either the
 previous checkpoint or the new one, never a torn file that loads. A node never
 resumes from a checkpoint that another identity wrote (a shared data dir).
 
 Saves in one process take turns (a periodic save still running when the leave's starts),
-each temporary file has a name of its own, and a save of a step already saved with the
-same content writes nothing. Saved again with other content, a crash between the two
-files leaves the old marker beside the new .pt: its digest fails and the step is skipped
-for the one before, as for any torn checkpoint.
+each temporary file has a name of its own, and a save of what the newest checkpoint
+already holds (same step, same content) writes nothing. A crash between a save's two
+files leaves a .pt without a marker: not listed, and the next save writes over it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class CheckpointInfo:
     sha256: str
     peer_id: str | None = None
     """The identity that wrote it (None: written before checkpoints recorded it)."""
+    seq: int = 0
+    """Its place in the directory's order of saves (the newest is the highest)."""
 
 
 _SAVING = threading.Lock()
@@ -84,30 +90,44 @@ def save_checkpoint(
     keep: int = 3,
     peer_id: str | None = None,
 ) -> CheckpointInfo:
-    """Write `state` as the checkpoint of `step`; keep the newest `keep` checkpoints."""
+    """Write `state` as the newest checkpoint (of `step`); keep the newest `keep`."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    if not directory.is_dir():
+        directory.mkdir(parents=True, exist_ok=True)
+        _fsync_dir(directory.parent)  # else a power cut can take the new directory along
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getvalue()
     digest = hashlib.sha256(payload).hexdigest()
-    pt = directory / f"ckpt-{step:09d}.pt"
-    marker = pt.with_suffix(".json")
-    meta = {"run_id": run_id, "stage": stage, "step": step, "sha256": digest}
+    meta: dict[str, Any] = {"run_id": run_id, "stage": stage, "step": step, "sha256": digest}
     if peer_id is not None:
         meta["peer_id"] = peer_id
-    info = CheckpointInfo(pt, run_id, stage, step, digest, peer_id)
     with _SAVING:
         for stale in directory.glob(_TMP_GLOB):  # a crashed save's; no other save is running
             stale.unlink(missing_ok=True)
-        if _committed(marker) == meta and pt.is_file():
-            return info  # this step, this content: already on disk
+        saved = list_checkpoints(directory)
+        newest = saved[0] if saved else None
+        if newest is not None and newest.path.is_file() and _same(newest, meta):
+            return newest  # this step, this content: already on disk, the newest
+        seq = newest.seq + 1 if newest is not None else 1
+        meta["seq"] = seq
+        pt = directory / f"ckpt-{seq:09d}.pt"
         _atomic_write(pt, payload)
-        _atomic_write(marker, json.dumps(meta).encode())
+        _atomic_write(pt.with_suffix(".json"), json.dumps(meta).encode())
         for old in list_checkpoints(directory)[keep:]:
             for p in (old.path, old.path.with_suffix(".json")):
                 p.unlink(missing_ok=True)
-    return info
+    return CheckpointInfo(pt, run_id, stage, step, digest, peer_id, seq)
+
+
+def _same(info: CheckpointInfo, meta: dict[str, Any]) -> bool:
+    return (info.run_id, info.stage, info.step, info.sha256, info.peer_id) == (
+        meta["run_id"],
+        meta["stage"],
+        meta["step"],
+        meta["sha256"],
+        meta.get("peer_id"),
+    )
 
 
 def _committed(marker: Path) -> dict[str, Any] | None:
@@ -124,7 +144,8 @@ def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
         return []
     found = []
     for meta_path in directory.glob("ckpt-*.json"):
-        if not _NAME.search(meta_path.name):
+        named = _NAME.search(meta_path.name)
+        if not named:
             continue
         try:
             meta = json.loads(meta_path.read_text())
@@ -136,11 +157,12 @@ def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
                     int(meta["step"]),
                     str(meta["sha256"]),
                     meta.get("peer_id"),
+                    int(named.group(1)),  # the name holds seq (the step before seq existed)
                 )
             )
         except (ValueError, KeyError, OSError) as exc:
             log.warning("ignoring unreadable checkpoint marker %s: %s", meta_path, exc)
-    return sorted(found, key=lambda c: c.step, reverse=True)
+    return sorted(found, key=lambda c: c.seq, reverse=True)
 
 
 def load_latest_checkpoint(

@@ -36,7 +36,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_no_partial_file(tmp_path,
 
 def test_saves_at_once_take_turns_and_each_lands_whole(tmp_path):
     """A periodic save still running when the leave's begins (both in threads): neither
-    fails nor mixes the other's bytes; the step's checkpoint is one of the two."""
+    fails nor mixes the other's bytes; the newest checkpoint is one of the two, whole."""
     import threading
 
     states = [{"w": torch.full((1 << 16,), float(i))} for i in range(2)]
@@ -57,8 +57,10 @@ def test_saves_at_once_take_turns_and_each_lands_whole(tmp_path):
     info, loaded = load_latest_checkpoint(tmp_path, run_id="r", stage=0)
     assert info.step == 5 and any(torch.equal(loaded["w"], s["w"]) for s in states)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "ckpt-000000005.json",
-        "ckpt-000000005.pt",
+        "ckpt-000000001.json",
+        "ckpt-000000001.pt",
+        "ckpt-000000002.json",
+        "ckpt-000000002.pt",
     ]
 
 
@@ -66,9 +68,9 @@ def test_the_same_step_again_writes_nothing_and_a_crash_rewriting_it_keeps_the_o
     tmp_path, monkeypatch
 ):
     first = save_checkpoint(tmp_path, run_id="r", stage=0, step=3, state={"w": torch.ones(4)})
-    before = (tmp_path / "ckpt-000000003.pt").stat().st_mtime_ns
+    before = (tmp_path / "ckpt-000000001.pt").stat().st_mtime_ns
     again = save_checkpoint(tmp_path, run_id="r", stage=0, step=3, state={"w": torch.ones(4)})
-    assert again == first and (tmp_path / "ckpt-000000003.pt").stat().st_mtime_ns == before
+    assert again == first and (tmp_path / "ckpt-000000001.pt").stat().st_mtime_ns == before
 
     def crash(src, dst) -> None:  # noqa: ANN001 - the process dies before the .pt lands
         raise KeyboardInterrupt
@@ -85,6 +87,32 @@ def test_a_crashed_saves_temporary_file_is_removed_by_the_next_save(tmp_path):
     (tmp_path / ".ckpt-000000001.pt.abc123.tmp").write_bytes(b"partial")
     save_checkpoint(tmp_path, run_id="r", stage=0, step=2, state={"w": torch.ones(4)})
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "ckpt-000000002.json",
-        "ckpt-000000002.pt",
+        "ckpt-000000001.json",
+        "ckpt-000000001.pt",
     ]
+
+
+def test_the_newest_save_wins_though_its_step_is_lower(tmp_path):
+    """A daemon's step is its inner optimizer's, which starts at 0 again when it adopts
+    its replicas' state: the save after that is still the newest, kept and resumed from
+    (ordered by step it was pruned as it was written, and a restart went back)."""
+    for step in (1000, 1100, 1200):
+        save_checkpoint(tmp_path, run_id="r", stage=0, step=step, state={"w": torch.ones(4)})
+    adopted = {"w": torch.full((4,), 7.0)}
+    info = save_checkpoint(tmp_path, run_id="r", stage=0, step=300, state=adopted)
+    assert info.path.is_file()
+    assert [c.step for c in list_checkpoints(tmp_path)] == [300, 1200, 1100]
+    found, loaded = load_latest_checkpoint(tmp_path, run_id="r", stage=0)
+    assert found.step == 300 and torch.equal(loaded["w"], adopted["w"])
+
+
+def test_checkpoints_named_by_step_before_seq_existed_still_order_before_new_ones(tmp_path):
+    """An older daemon's markers carry no seq and are named by their step: the next save
+    is numbered above them, so it is the newest."""
+    old = save_checkpoint(tmp_path, run_id="r", stage=0, step=1, state={"w": torch.ones(4)})
+    old.path.rename(tmp_path / "ckpt-000000500.pt")
+    marker = old.path.with_suffix(".json")
+    marker.rename(tmp_path / "ckpt-000000500.json")
+    info = save_checkpoint(tmp_path, run_id="r", stage=0, step=2, state={"w": torch.zeros(4)})
+    assert info.seq == 501
+    assert [c.step for c in list_checkpoints(tmp_path)] == [2, 1]

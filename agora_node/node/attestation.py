@@ -112,12 +112,22 @@ def plan_sources(replicas: Sequence[NodeRecord], exclude: Iterable[str] = ()) ->
     return SourcePlan(n, majority, votes, tuple(r.peer_id for r in order), dict(outer_votes))
 
 
+MIN_VOTES_OVER_CHECKPOINT = 2
+"""Replicas that must attest a newer round before a node leaves its own checkpoint for it."""
+
+
 def prefer_replicas(plan: SourcePlan, checkpoint_round: int | None) -> bool:
     """Fetch from replicas rather than resume the own checkpoint? Only when a strict
-    majority attests a round newer than the checkpoint's (or there is no checkpoint)."""
+    majority attests a round newer than the checkpoint's (or there is no checkpoint),
+    and that majority is more than one replica: the only other live replica of a stage
+    of two may be a stranger, whose word alone must not replace a state this node wrote
+    itself (a stranger attesting `checkpoint_round + 1` had its self-consistent weights
+    adopted; outer rounds likewise never let one other replica outvote this one)."""
     if plan.majority is None:
         return False
-    return checkpoint_round is None or plan.majority.round > checkpoint_round
+    if checkpoint_round is None:
+        return True
+    return plan.majority.round > checkpoint_round and plan.votes >= MIN_VOTES_OVER_CHECKPOINT
 
 
 class Verdict:

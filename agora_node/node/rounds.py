@@ -76,6 +76,11 @@ class OverlappedWeights:
         self.blocked_s += time.monotonic() - started
 
 
+MAX_SOLE_JUMP = 1000
+"""Rounds one other replica's word moves this one at a time (at a round a minute, days of
+a swarm's progress; a stranger repeating it needs 10^9 rounds to reach the limit)."""
+
+
 def target_round(own: int, replica_rounds: Iterable[int]) -> int:
     """The round to be in: the highest round that a strict majority of this stage's other
     active replicas announce (each announces its own round; r counts for every round <= r),
@@ -84,13 +89,19 @@ def target_round(own: int, replica_rounds: Iterable[int]) -> int:
     One replica's claim alone decides nothing: with m others, the answer is the
     (m // 2 + 1)-th largest announced round, so a minority of liars announcing huge rounds
     cannot drag honest replicas forward. Values that are not non-negative integers are
-    ignored. With one other replica its word is all there is (two cannot outvote one)."""
+    ignored. With one other replica its word is all there is (two cannot outvote one),
+    but it moves this one at most `MAX_SOLE_JUMP` rounds at a time: that replica may be
+    a stranger, and one announcing a round near the records' limit (MAX_STEP) took this
+    replica there, after which its own records were out of range, refused by every
+    reader, and it dropped out of the stage for good."""
     rounds = sorted(
         (r for r in replica_rounds if isinstance(r, int) and not isinstance(r, bool) and r >= 0),
         reverse=True,
     )
     if not rounds:
         return own
+    if len(rounds) == 1:
+        return max(own, min(rounds[0], own + MAX_SOLE_JUMP))
     return max(own, rounds[len(rounds) // 2])
 
 

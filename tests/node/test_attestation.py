@@ -98,6 +98,17 @@ def test_the_own_checkpoint_wins_unless_a_majority_attests_newer(
     assert prefer_replicas(plan_sources(records), checkpoint_round) is expected
 
 
+def test_one_replica_alone_never_replaces_the_own_checkpoint():
+    """The only other replica (a stage of two) attesting a newer round is a strict
+    majority of the others, but may be a stranger: the node keeps what it wrote itself.
+    Without a checkpoint there is nothing better to keep."""
+    alone = plan_sources([rec("p1", round_no=7)])
+    assert alone.majority is not None and alone.votes == 1
+    assert not prefer_replicas(alone, 6)
+    assert prefer_replicas(alone, None)
+    assert prefer_replicas(plan_sources([rec("p1", round_no=7), rec("p2", round_no=7)]), 6)
+
+
 def test_a_source_ahead_of_the_attestations_is_stale_not_adopted():
     plan = plan_sources([rec("p1"), rec("p2")])
     assert check(plan, 5, OTHER) == Verdict.STALE

@@ -13,10 +13,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from agora_node.comms.collective import LocalNetwork, MatchmakingConfig, MemoryBoard
 from agora_node.node.outer import OuterLoop
 from agora_node.node.outer_state import OuterConfig
-from agora_node.node.rounds import ASK_EVERY, OuterRounds, outvoted, round_should_end, target_round
+from agora_node.node.rounds import (
+    ASK_EVERY,
+    MAX_SOLE_JUMP,
+    OuterRounds,
+    outvoted,
+    round_should_end,
+    target_round,
+)
 from agora_node.node.worker import StageWorker, WorkerWeights
 from agora_node.protocol import state_blob
 from agora_node.protocol.identity import Identity
+from agora_node.protocol.records import MAX_STEP
 from agora_node.stages.manifest_files import load_manifest
 from tests.outer.helpers import LOCAL
 
@@ -38,6 +46,16 @@ def test_one_replica_lying_about_its_round_moves_nobody():
     assert target_round(3, [4, 4, 10**9]) == 4
     assert target_round(3, [10**9, 10**9, 4, 4, 4]) == 4  # two liars of five
     assert target_round(3, [3, -7, True, 2.5, 10**9, 3]) == 3  # junk values are ignored
+
+
+def test_the_only_other_replica_moves_this_one_a_bounded_step():
+    """A stage of two: the other replica's round is followed, but one (a stranger)
+    announcing a round near the records' limit moved the honest one there, and its next
+    records were out of range for every reader."""
+    assert target_round(3, [4]) == 4
+    assert target_round(3, [MAX_STEP]) == 3 + MAX_SOLE_JUMP
+    assert target_round(3 + MAX_SOLE_JUMP, [MAX_STEP]) == 3 + 2 * MAX_SOLE_JUMP
+    assert target_round(10, [MAX_STEP, 11]) == 11  # two others: the lower of the two
 
 
 @pytest.mark.parametrize(

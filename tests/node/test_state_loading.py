@@ -164,11 +164,16 @@ async def test_own_checkpoint_wins_unless_a_majority_attests_a_newer_round(
     records = [_record("p1", honest, inner_step=10**9)]
     loaded = await joining.load_state(_Ctx(m, tmp_path, records), worker)
     assert loaded.origin["kind"] == "checkpoint" and asked == []
-    # A majority attests round 7: fetched.
+    # The only replica attests round 7: its word alone does not replace the checkpoint.
     newer = (7, honest[1], honest[2])
-    asked = _serve(monkeypatch, {"p1": state_blob.encode(*newer)})
+    blobs = {p: state_blob.encode(*newer) for p in ("p1", "p2")}
+    asked = _serve(monkeypatch, blobs)
     loaded = await joining.load_state(_Ctx(m, tmp_path, [_record("p1", newer)]), worker)
-    assert loaded.origin["kind"] == "replica" and asked == ["p1"]
+    assert loaded.origin["kind"] == "checkpoint" and asked == []
+    # Two replicas attest round 7: fetched.
+    records = [_record("p1", newer), _record("p2", newer)]
+    loaded = await joining.load_state(_Ctx(m, tmp_path, records), worker)
+    assert loaded.origin["kind"] == "replica" and len(asked) == 1
 
 
 async def test_the_search_is_bounded_in_time_then_falls_back_to_init(

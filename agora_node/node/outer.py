@@ -17,8 +17,8 @@ run H inner steps, then end_round, overlapping the anchor mix.
   last outer step), the outer momentum and the round counter, as flat float32 vectors.
 - The anchor mix averages the anchors (optionally also the outer momenta) of a
   random group as they were at round start (inputs frozen: neither changes during a round),
-  overlapped with the inner steps. A group whose states already agree (same
-  digest) skips it, so with one group of everyone nothing is sent.
+  overlapped with the inner steps. A group a strict majority of whose entries claim
+  one digest skips it (`_anchors_differ`), so with one group of everyone nothing is sent.
 - The pseudo-gradient mix averages delta = anchor - weights over another random
   group, compressed with error feedback.
 - Then m := momentum * (mixed m) + mixed delta, anchor := mixed anchor - lr *
@@ -37,11 +37,12 @@ import functools
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from agora_node.comms.collective import (
@@ -61,7 +62,13 @@ from agora_node.comms.collective.proofs import Signing
 from agora_node.comms.collective.replay import ReplayMemory
 from agora_node.node.heap import release_freed_memory
 from agora_node.node.lowrank import LowRank
-from agora_node.node.outer_state import ModuleWeights, OuterConfig, OuterState, Weights
+from agora_node.node.outer_state import (
+    ModuleWeights,
+    OuterConfig,
+    OuterState,
+    Weights,
+    flat_norm,
+)
 from agora_node.node.round_report import RoundReport, round_report, round_summary
 from agora_node.node.suspects import ROUND_EVIDENCE, Reason, Suspects
 from agora_node.protocol.allowlist import AllowList
@@ -74,6 +81,12 @@ log = logging.getLogger(__name__)
 
 RECENT_ROUNDS = 20
 """Rounds whose summary the status page lists (`OuterLoop.recent`)."""
+MIX_NORM_RATIO = 10.0
+"""A mixed pseudo-gradient longer than this times the own delta (scaled to a full round's
+tokens) is refused (`OuterLoop._outer_step`)."""
+ANCHOR_SHIFT_RATIO = 1.0
+"""A mixed anchor moving the new one by more than this times the anchor's norm is refused
+(`OuterLoop._outer_step`)."""
 
 
 @dataclass
@@ -280,8 +293,8 @@ class OuterLoop:
         for phase, outcome in zip(("delta", "factor"), outcomes, strict=False):
             # what every member now holds: sending it back is a replay
             self.replays[phase].remember_mixed(round_no, outcome.value)
-        new = await asyncio.to_thread(
-            self.state.step, mixed, anchor, momentum, self.config.consensus
+        new, mixed = await asyncio.to_thread(
+            self._outer_step, round_no, delta, mixed, anchor, momentum, tokens
         )
         await weights.write(new)
         n = len(prep.delta_plan.members) if prep.delta_plan else 1
@@ -306,6 +319,85 @@ class OuterLoop:
         del prep_task, prep, outcomes, delta, mixed, anchor, momentum  # this round's vectors
         await asyncio.to_thread(release_freed_memory)  # glibc keeps them otherwise (heap.py)
         return report
+
+    def _outer_step(
+        self,
+        round_no: int,
+        delta: Tensor,
+        mixed: Tensor,
+        anchor: Tensor | None,
+        momentum: Tensor | None,
+        tokens: int,
+    ) -> tuple[Tensor, Tensor]:
+        """The outer step from the mixes' results, unless they are implausible; returns the
+        new anchor and the pseudo-gradient it applied.
+
+        A group's robust rules need three or more parts: with two (a stage of two, the
+        manifests' groups of two, or one counting member beside warming ones) a liar's part
+        moves the mean as far as it likes. Nothing makes two members robust; what an honest
+        replica can do is bound the other's influence on what it adopts:
+
+        - the mixed pseudo-gradient must be finite and its norm at most `MIX_NORM_RATIO`
+          (10) times this replica's own delta's norm, scaled up by `cap / tokens` when it
+          processed fewer tokens than a full round can (`max_weight`): a replica that did a
+          tenth of the others' inner steps expects a delta up to ten times its own. Honest
+          pseudo-gradients of one round start from one anchor and take the same number of
+          steps at the same learning rate on other data, so their norms differ by far less
+          than 10x; a reducer refuses any part above 10x its span's median norm on the same
+          reasoning (`AggregationSpec.max_norm_ratio`), and a weighted mean of such parts is
+          no longer than the longest of them (a replica without a delta of its own bounds
+          the mix by its anchor's norm instead);
+        - the mixed anchor (and momentum) must move the new anchor, relative to the step
+          from this replica's own anchor (`OuterState.anchor_shift`), by at most
+          `ANCHOR_SHIFT_RATIO` (1) times the anchor's norm: replicas of one run start from
+          one initialization and train on the same data, so however long two of them
+          mixed apart (a partition, lonely rounds) they stay closer than the weights are to
+          zero, and the anchor mix that repairs such drift is not refused; a mixed
+          anchor that far away is not this model;
+        - the resulting anchor must be finite.
+
+        A refused part of the result is replaced by this replica's own (its own delta, or
+        its own anchor and momentum), with one warning; the replica then differs from its
+        group for a round, which the anchor mix or the stage's attested majority
+        (rounds.outvoted) repairs. A liar in a group of two can still move the result
+        within these bounds every round."""
+        state, consensus = self.state, self.config.consensus
+        refused: list[str] = []
+        own = flat_norm(delta)
+        if mixed is not delta:
+            limit = MIX_NORM_RATIO * own * self._shortfall(tokens)
+            if not limit > 0:  # no own steps to compare with: as long as the weights is too far
+                limit = flat_norm(state.anchor)
+            got = flat_norm(mixed)
+            if not (math.isfinite(got) and got <= limit):
+                refused.append(f"the mixed pseudo-gradient (norm {got:.3g}, own {own:.3g})")
+                mixed = delta
+        if anchor is not None:
+            shift = state.anchor_shift(anchor, momentum, consensus)
+            bound = ANCHOR_SHIFT_RATIO * flat_norm(state.anchor)
+            if not shift <= bound:
+                refused.append(f"the mixed anchor (it moves the new one by {shift:.3g})")
+                anchor = momentum = None
+        new, new_momentum = state.propose(mixed, anchor, momentum, consensus)
+        if (mixed is not delta or anchor is not None) and not bool(torch.isfinite(new).all()):
+            refused.append("the outer step's result (not finite)")
+            mixed = delta
+            new, new_momentum = state.propose(delta, consensus=consensus)
+        if refused:
+            log.warning(
+                "outer round %d: refused %s as implausible; stepping with this replica's "
+                "own instead",
+                round_no,
+                " and ".join(refused),
+            )
+        state.commit(new, new_momentum)
+        return new, mixed
+
+    def _shortfall(self, tokens: int) -> float:
+        """How many times more tokens a full round processes than this replica did (1 when
+        the cap is unknown or met): how much longer a full round's delta may be."""
+        cap = self.config.aggregation.max_weight
+        return cap / tokens if math.isfinite(cap) and 0 < tokens < cap else 1.0
 
     def _flag(self, report: RoundReport) -> None:
         """Ban what this replica saw itself: parts it refused for their norm or direction,
@@ -356,16 +448,48 @@ class OuterLoop:
             if low_rank is not None:
                 factor_plan = self._plan(round_no, "factor", delta_group, low_rank.second_numel)
                 self.book.register(factor_plan)
-        digests = {(view.entry(p).digest if view.entry(p) else p) for p in anchor_group}
         mixed = self.state.mixed_state(self.config.mix_momentum)
         anchor_plan = None
-        if len(digests) > 1:  # a group that already agrees has nothing to mix
+        if self._anchors_differ(view, anchor_group, digest):
             anchor_plan = self._plan(round_no, "anchor", anchor_group, mixed.numel())
         anchor = None
         if anchor_plan is not None:
             weight = 0.0 if self.state.warming else 1.0
             anchor = await self._mix(anchor_plan, mixed, weight, self.anchor_encoder)
         return _Prep(view, delta_plan, anchor, factor_plan)
+
+    def _anchors_differ(self, view: RoundView, group: tuple[str, ...], own: str) -> bool:
+        """Does the anchor group mix? Not when a strict majority of its entries claim one
+        digest. A digest is an unverified claim: with "any two differ" one liar claiming a
+        random digest sent every honest anchor (and momentum) through bf16 each round,
+        rounding small updates away, at an anchor's bytes per member. A liar alone cannot
+        outvote a majority, so it no longer forces the mix; its own anchor, if it really
+        differs, is its own problem.
+
+        Every member decides the same from the same entries, the member in the minority
+        included: if it mixed while the others skip, it would wait for parts that never
+        come, up to the mix's deadlines, and come late to its delta mix. It keeps its anchor; in a
+        whole-stage group the stage's attested majority makes it resync (rounds.outvoted),
+        with gossip groups a later group without such a majority mixes it. A liar can delay
+        that repair by claiming the majority's digest (before, it could not), and, as before,
+        show other members other entries. In a group of two, one differing digest is no
+        majority: they mix."""
+        digests = [(e.digest if (e := view.entry(p)) else p) for p in group]
+        counts = Counter(digests)
+        top, held = counts.most_common(1)[0]
+        if len(counts) == 1:  # a group that already agrees has nothing to mix
+            return False
+        if 2 * held > len(group):
+            if top != own:
+                log.info(
+                    "outer round %d: %d of the anchor group's %d hold another anchor than "
+                    "this replica's; not mixing anchors",
+                    view.round,
+                    held,
+                    len(group),
+                )
+            return False
+        return True
 
     async def _prepare_or_alone(self, round_no: int, expect: Expect) -> _Prep:
         try:

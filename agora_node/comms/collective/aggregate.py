@@ -13,7 +13,8 @@
 
 Before any of them, contributions whose L2 norm is out of range are refused (and
 counted): above `max_norm_ratio` times the median norm of the span's
-contributions (only with three or more, so the median is not one of two), or
+contributions (all of them, weight 0 ones included; only with three or more, so the
+median is not one of two), or
 above the absolute `max_norm`. A 1000x-scaled delta never reaches the mean.
 Then, with three or more left, contributions pointing away from what the others
 agree on are refused too: the cosine of each with the coordinate-wise median of
@@ -27,8 +28,19 @@ order, so a span's owner and its witness refuse the same parts.
 Weights are capped at `max_weight` here, by the reducer, since a sender's claim
 cannot be trusted, and for the robust rules (with three or more claims) at the
 median claim, so one member claiming the most tokens it could have processed
-outweighs nobody (the weighted mean keeps exact token weighting: plain DiLoCo). Contributions with weight 0 (warming newcomers) are ignored unless every weight
-is 0, in which case all count equally (a group of newcomers still mixes).
+outweighs nobody (the weighted mean keeps exact token weighting: plain DiLoCo).
+Contributions with weight 0 (warming newcomers) take part in both screens, as
+references, but not in the result, unless every weight is 0, in which case all
+count equally (a group of newcomers still mixes). Dropping them before the screens
+left a group of one counting honest member, some warming ones and a liar with two
+parts and no screen at all.
+
+CenteredClip starts from the true coordinate-wise median: of an even count, the mean
+of the two middle values. (torch's `median` takes the lower one: of two parts, the
+coordinate-wise minimum, so a liar sending very negative values was the start, at
+distance 0, tau was 0 and the result was the liar's part.) With two parts nothing is
+robust: the median is their mean, and the best the caller can do is bound how far the
+result may lie from its own part (outer.py, `OuterLoop.end_round`).
 """
 
 from __future__ import annotations
@@ -184,15 +196,18 @@ def aggregate(values: list[Tensor], weights: list[float], spec: AggregationSpec)
     if robust and len(claims) >= 3:  # nobody weighs more than the median claim
         median_claim = claims[(len(claims) - 1) // 2]
         capped = [min(w, median_claim) for w in capped]
-    live = [i for i, w in enumerate(capped) if w > 0] or list(range(len(values)))
-    outliers = norm_outliers([values[i] for i in live], spec)
-    refused = tuple(live[j] for j in sorted(outliers))
-    if len(refused) == len(live):  # nothing in range (only with an absolute bound): no update
+    # weight 0 (warming) parts are screened and screen the others, but count only if all are 0
+    counting = {i for i, w in enumerate(capped) if w > 0} or set(range(len(values)))
+    refused = tuple(sorted(norm_outliers(values, spec)))
+    in_range = [i for i in range(len(values)) if i not in refused]
+    if not counting.intersection(in_range):  # nothing that counts in range: no update
         return Aggregate(torch.zeros_like(values[0], dtype=torch.float32), None, refused)
-    in_range = [i for i in live if i not in refused]
     away = direction_outliers([values[i] for i in in_range], spec)
     misdirected = tuple(in_range[j] for j in sorted(away))
-    kept = [(values[i], capped[i]) for i in in_range if i not in misdirected]
+    kept = [(values[i], capped[i]) for i in in_range if i not in misdirected and i in counting]
+    if not kept:  # every part that counts pointed away from the warming ones: no update
+        zeros = torch.zeros_like(values[0], dtype=torch.float32)
+        return Aggregate(zeros, None, refused, misdirected)
     if all(w <= 0 for _, w in kept):  # all newcomers: count everyone equally
         kept = [(v, 1.0) for v, _ in kept]
     if len(kept) == 1:
@@ -218,8 +233,19 @@ def weighted_mean(stacked: Tensor, w: Tensor) -> Tensor:
     return torch.tensordot(w, stacked, dims=1)
 
 
+def coordinate_median(stacked: Tensor) -> Tensor:
+    """The coordinate-wise median of the rows; of an even count, the mean of the two middle
+    values (torch's `median` gives the lower one: of two rows, their minimum)."""
+    n = stacked.shape[0]
+    lower = stacked.median(dim=0).values  # the ((n - 1) // 2)-th smallest, counting from 0
+    if n % 2:
+        return lower
+    upper = stacked.kthvalue(n // 2 + 1, dim=0).values
+    return lower / 2 + upper / 2  # halves first: no overflow near the float32 limit
+
+
 def centered_clip(stacked: Tensor, w: Tensor, spec: AggregationSpec) -> Aggregate:
-    v = stacked.median(dim=0).values
+    v = coordinate_median(stacked)
     tau = spec.clip_radius
     if tau is None:
         tau = spec.clip_scale * float(_distances(stacked, v).median())

@@ -1,0 +1,194 @@
+"""A liar in a group with at most one counting honest member (a stage of two, groups of
+two, or the other honest members warming): it must not set the mixed delta or anchor.
+
+Before: the screens ran on the weight > 0 parts only (two: none ran), CenteredClip
+started from torch's lower median (of two rows, the minimum, so a liar's -1e37 was the
+start and the result), and the outer step wrote whatever came out into the weights."""
+
+import asyncio
+import importlib
+import logging
+import math
+
+import pytest
+import torch
+
+from agora_node.comms.collective import Aggregation, AggregationSpec, aggregate
+from tests.outer.test_outer import config, inner_steps, swarm
+
+pytestmark = pytest.mark.timeout(60)
+# the module (the package exports its function `aggregate` under the same name)
+aggregation = importlib.import_module("agora_node.comms.collective.aggregate")
+
+CLIP = AggregationSpec(method=Aggregation.CENTERED_CLIP)
+
+
+def honest(n: int, numel: int = 4096, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(numel, generator=g)
+    return [base + 0.3 * torch.randn(numel, generator=g) for _ in range(n)]
+
+
+def test_centered_clip_of_two_starts_between_them_not_at_the_lower() -> None:
+    (h,) = honest(1)
+    liar = torch.full_like(h, -1e36)
+    out = aggregate([h, liar], [1.0, 1.0], CLIP)
+    assert not torch.equal(out.value, liar)  # was exactly the liar's part (tau was 0)
+    assert out.clip_radius is not None and out.clip_radius > 0
+    assert bool((out.value > liar).all())
+    torch.testing.assert_close(
+        aggregation.coordinate_median(torch.stack([h, liar])), (h + liar) / 2
+    )
+    four = torch.stack([h, h + 1, h + 3, liar])
+    torch.testing.assert_close(aggregation.coordinate_median(four), h + 0.5)  # the middle two
+
+
+@pytest.mark.parametrize("method", list(Aggregation))
+def test_warming_parts_screen_a_liar_beside_one_counting_member(method: Aggregation) -> None:
+    """One counting honest member, two warming ones (weight 0), a liar: the screens see
+    four parts, so the liar's -1e37 is refused for its norm and the result is the honest
+    member's part."""
+    xs = honest(3)
+    liar = torch.full_like(xs[0], -1e37)
+    out = aggregate([*xs, liar], [1000.0, 0.0, 0.0, 1000.0], AggregationSpec(method=method))
+    assert out.refused == (3,)
+    assert torch.equal(out.value, xs[0])
+
+
+def test_warming_parts_screen_a_misdirected_liar_beside_one_counting_member() -> None:
+    xs = honest(3)
+    out = aggregate([*xs, -xs[1]], [1000.0, 0.0, 0.0, 1000.0], CLIP)
+    assert out.misdirected == (3,) and not out.refused
+    assert torch.equal(out.value, xs[0])
+
+
+def test_warming_parts_still_do_not_count() -> None:
+    xs = honest(3)
+    spec = AggregationSpec(method=Aggregation.MEAN)
+    torch.testing.assert_close(aggregate(xs, [1.0, 0.0, 1.0], spec).value, (xs[0] + xs[2]) / 2)
+
+
+def _liar_round(loops, liar_setup, tokens=(1000, 1000)):
+    """One round of two replicas: the honest one (0) takes inner steps, `liar_setup`
+    doctors the liar (1) before the round. Returns the anchor the honest replica's own
+    delta alone would make from its own anchor."""
+
+    async def play():
+        liar_setup(loops[1])
+        for loop in loops:
+            await loop.begin_round(expect=2)
+        inner_steps(loops[0].state.params, 7)
+        own = loops[0].state.preview(loops[0].state.pseudo_gradient())
+        await asyncio.gather(*(lp.end_round(tokens=t) for lp, t in zip(loops, tokens, strict=True)))
+        return own
+
+    return asyncio.run(play())
+
+
+def _warnings(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "agora_node.node.outer" and r.levelno == logging.WARNING
+    ]
+
+
+@pytest.mark.parametrize("method", [Aggregation.CENTERED_CLIP, Aggregation.MEAN])
+def test_a_liars_huge_delta_in_a_group_of_two_is_refused(method, caplog) -> None:
+    loops = swarm(2, config(aggregation=AggregationSpec(method=method)))
+
+    def huge_delta(liar):  # delta = anchor - weights = -1e37 everywhere
+        with torch.no_grad():
+            for p in liar.state.params:
+                p.fill_(1e37)
+
+    with caplog.at_level(logging.WARNING, logger="agora_node.node.outer"):
+        own = _liar_round(loops, huge_delta)
+    got = loops[0].state.weights()
+    assert bool(torch.isfinite(got).all())
+    assert torch.equal(got, own) and torch.equal(loops[0].state.anchor, own)
+    assert loops[0].state.round == 1
+    (warning,) = _warnings(caplog)  # one, from the honest replica
+    assert "mixed pseudo-gradient" in warning and "own" in warning
+
+
+def test_a_liars_huge_anchor_in_a_group_of_two_is_refused(caplog) -> None:
+    """The anchor mix (no absolute norm bound, two members: no screen) averaged the liar's
+    -1e37 anchor in; the step started from it."""
+    loops = swarm(2, config())
+
+    def huge_anchor(liar):  # delta 0 (float32 at 1e37 swallows the steps), anchor -1e37
+        liar.state.anchor = torch.full_like(liar.state.anchor, -1e37)
+        liar.state.load_weights(liar.state.anchor)
+
+    with caplog.at_level(logging.WARNING, logger="agora_node.node.outer"):
+        _liar_round(loops, huge_anchor)
+    honest_ = loops[0]
+    got = honest_.state.weights()
+    assert bool(torch.isfinite(got).all())
+    assert honest_.last_report is not None and honest_.last_report.anchor_mixed
+    # the own anchor, stepped with the (plausible) mixed delta: the mean with the liar's 0
+    assert float(got.abs().max()) < 10
+    # one from the honest replica (the liar, its own delta 0, refuses the mixed delta)
+    assert sum("mixed anchor" in w for w in _warnings(caplog)) == 1
+
+
+def test_a_replica_that_did_few_steps_still_adopts_an_honest_mix() -> None:
+    """The bound scales with the tokens a full round processes (`max_weight`): a replica
+    whose delta is a twentieth of the other's (a twentieth of the steps) is not outvoted
+    by its own check."""
+    cap = 1000.0
+    loops = swarm(2, config(aggregation=AggregationSpec(max_weight=cap)))
+
+    async def play():
+        for loop in loops:
+            await loop.begin_round(expect=2)
+        for i, loop in enumerate(loops):
+            g = torch.Generator().manual_seed(i)
+            with torch.no_grad():
+                for p in loop.state.params:
+                    p.add_((0.01 if i else 0.0005) * torch.randn(p.shape, generator=g))
+        await asyncio.gather(loops[0].end_round(tokens=50), loops[1].end_round(tokens=1000))
+
+    asyncio.run(play())
+    report = loops[0].last_report
+    assert report is not None and report.mixed_norm > 10 * report.delta_norm
+    assert torch.equal(loops[0].state.anchor, loops[1].state.anchor)
+
+
+def test_honest_pairs_never_refuse_each_other(caplog) -> None:
+    loops = swarm(2, config(aggregation=CLIP, mix_momentum=True))
+    loops[1].state.momentum += 0.01  # drifted: the anchor mix runs too
+
+    async def play():
+        for r in range(3):
+            for loop in loops:
+                await loop.begin_round(expect=2)
+            for i, loop in enumerate(loops):
+                inner_steps(loop.state.params, 100 * r + i)
+            await asyncio.gather(*(lp.end_round(tokens=1000) for lp in loops))
+
+    with caplog.at_level(logging.WARNING, logger="agora_node.node.outer"):
+        asyncio.run(play())
+    assert not _warnings(caplog)
+    assert torch.equal(loops[0].state.anchor, loops[1].state.anchor)
+    assert math.isfinite(float(loops[0].state.anchor.norm()))
+
+
+@pytest.mark.parametrize("consensus", [None, 0.3])
+def test_anchor_shift_is_how_far_the_anchor_mix_moves_the_step(consensus, monkeypatch) -> None:
+    from agora_node.node import outer_state
+
+    monkeypatch.setattr(outer_state, "NORM_CHUNK", 100)  # several chunks
+    (loop,) = swarm(1, config())
+    state = loop.state
+    state.momentum += 0.02
+    g = torch.Generator().manual_seed(3)
+    delta, anchor, momentum = (torch.randn(state.numel, generator=g) * 0.01 for _ in range(3))
+    anchor += state.anchor
+    mixed, _ = state.propose(delta, anchor, momentum, consensus)
+    own, _ = state.propose(delta)
+    want = float((mixed - own).double().norm())
+    assert state.anchor_shift(anchor, momentum, consensus) == pytest.approx(want, rel=1e-4)
+    assert outer_state.flat_norm(delta) == pytest.approx(float(delta.double().norm()), rel=1e-9)
+    assert state.round == 0  # propose changes nothing

@@ -35,7 +35,7 @@ async def run_bootstrap(
     identity = Identity.load_or_create(identity_path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):  # as a node
         loop.add_signal_handler(sig, stop.set)
     host = await Host.start(
         HostConfig(

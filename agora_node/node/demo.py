@@ -202,14 +202,14 @@ _STATUS_PORT = re.compile(r"status page http://[^:]+:(\d+)/")
 
 
 class _Stopped(Exception):
-    """SIGTERM, SIGINT or SIGHUP reached the demo: stop every node the same clean way."""
+    """SIGTERM, SIGINT, SIGHUP or SIGQUIT reached the demo: stop every node the same clean way."""
 
 
 def _raise_stopped(signum: int, frame: object) -> None:
     raise _Stopped(signal.Signals(signum).name)
 
 
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -74,6 +74,14 @@ def test_node_and_bootstrap_leave_when_their_process_group_gets_sigterm_or_sighu
     assert not unfinished, unfinished
 
 
+def test_a_bootstrap_leaves_cleanly_on_sigquit(swarm):
+    """SIGQUIT means "leave cleanly" to a node (operating.md); the bootstrap took its
+    default action (a core dump, exit -3) and left its libp2p daemon to the reaper."""
+    boot = swarm.bootstrap("demo")
+    boot.proc.send_signal(signal.SIGQUIT)
+    assert boot.proc.wait(timeout=30) == 0, swarm.log(boot)[-2000:]
+
+
 def test_a_signal_while_joining_stops_the_join(swarm):
     """SIGTERM while a `--stage auto` joiner still settles on its stage (8 directory reads
     1.5 s apart): the join is cancelled and the node exits cleanly, without first taking

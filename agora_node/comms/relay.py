@@ -180,10 +180,11 @@ class Relaying:
             digest = hashlib.sha256(payload).digest()
             sig = self.identity.sign(request_message(peer_id, name, t_ms, nonce, digest)).hex()
             header = Header(peer_id, name, t_ms, nonce, sig).encode()
-            await streams.write_frame(
+            await streams.send_request(
                 writer,
-                streams.KIND_DATA,
                 len(header).to_bytes(HEADER_LEN_BYTES, "big") + header + payload,
+                timeout,
+                f"{peer_id[-8:]} (through relay {relay[-8:]})",
             )
             frames = await read_signed(
                 reader, peer_id, relay, nonce, timeout, (max_response, max_total)

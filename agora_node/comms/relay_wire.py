@@ -218,10 +218,10 @@ async def read_signed(
         elif kind == streams.KIND_END and signed:
             return frames
         elif kind == streams.KIND_REFUSED:
-            raise streams.RefusedError(data.decode(errors="replace"))
+            raise streams.RefusedError(streams.peer_text(data))
         elif kind == streams.KIND_ERROR:
             raise streams.StreamError(
-                f"{peer_id[-8:]} through relay {relay[-8:]} failed: {data.decode(errors='replace')}"
+                f"{peer_id[-8:]} through relay {relay[-8:]} failed: {streams.peer_text(data)}"
             )
         else:
             raise streams.StreamError(

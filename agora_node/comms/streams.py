@@ -20,7 +20,7 @@ from typing import Protocol
 from hivemind.p2p import P2P, PeerID
 
 from agora_node.comms import linkemu
-from agora_node.comms.guard import ADMISSION, Guard, Refused
+from agora_node.comms.guard import ADMISSION, Guard, Limits, Refused
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,11 @@ DEFAULT_MAX_FRAME = 64 << 20
 CHUNK = 1 << 20
 ONE_WRITE = 1 << 18
 """Frames up to this size go to the socket in one write, header and payload together."""
+SLOWEST_SEND = Limits.min_bytes_per_s
+"""Bytes per second below which a request is not taken (the slowest link a server reads
+one at, guard.Limits): its write's deadline is the request's timeout plus its bytes at this."""
+PEER_TEXT_CHARS = 300
+"""What this node keeps of a peer's own words (an error or refusal frame, a reply's message)."""
 
 
 class Route(Protocol):
@@ -78,7 +83,32 @@ class RefusedError(StreamError):
 
 
 class SilentPeerError(StreamError):
-    """The stream was open but the remote peer sent nothing within the per-frame deadline."""
+    """The stream was open but the remote peer sent nothing within the per-frame deadline,
+    or did not take our request within its deadline (`send_request`)."""
+
+
+def peer_text(data: bytes) -> str:
+    """A peer's text as this node repeats it (in an error, so in a log): cut to
+    PEER_TEXT_CHARS, and quoted as Python would (repr) unless every character is printable,
+    so that a stranger's words neither run on nor carry control characters."""
+    text = data[: 4 * PEER_TEXT_CHARS].decode(errors="replace")[:PEER_TEXT_CHARS]
+    return text if text.isprintable() else repr(text)
+
+
+async def send_request(
+    writer: asyncio.StreamWriter, payload: bytes, timeout: float, who: str
+) -> None:
+    """Write one request frame to `who` within `timeout` plus its bytes at SLOWEST_SEND. A
+    peer that accepts the stream and never reads held the write for good once the payload
+    passed the buffers, and the micro-batch (the head's slot, the router's count) with it:
+    it is a peer that said nothing (SilentPeerError)."""
+    deadline = timeout + len(payload) / SLOWEST_SEND
+    try:
+        await asyncio.wait_for(write_frame(writer, KIND_DATA, payload), deadline)
+    except TimeoutError as exc:
+        raise SilentPeerError(
+            f"{who} did not take a {len(payload)}-byte request in {deadline:.0f}s"
+        ) from exc
 
 
 async def write_frame(writer: asyncio.StreamWriter, kind: bytes, payload: bytes = b"") -> None:
@@ -313,7 +343,7 @@ async def request_stream(
     except Exception as exc:  # p2pd reports dial failures as generic errors
         raise StreamError(f"could not reach {peer_id[-8:]}: {exc}") from exc
     try:
-        await write_frame(writer, KIND_DATA, payload)
+        await send_request(writer, payload, timeout, peer_id[-8:])
         total = 0
         while True:
             try:
@@ -323,9 +353,9 @@ async def request_stream(
             if kind == KIND_END:
                 return
             if kind == KIND_REFUSED:
-                raise RefusedError(data.decode(errors="replace"))
+                raise RefusedError(peer_text(data))
             if kind == KIND_ERROR:
-                raise StreamError(f"{peer_id[-8:]} failed: {data.decode(errors='replace')}")
+                raise StreamError(f"{peer_id[-8:]} failed: {peer_text(data)}")
             if kind == KIND_SIGNED:  # only answers that came through a relay carry one
                 raise StreamError(f"{peer_id[-8:]} sent a signature frame on a direct stream")
             total += len(data)

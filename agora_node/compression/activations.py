@@ -24,7 +24,7 @@ import torch
 from agora_node.compression.errors import CodecError, NonFiniteError
 from agora_node.compression.framing import decode_frame, encode_frame
 from agora_node.compression.quant import dequantize, quantize
-from agora_node.protocol.codecs import DENSE_CODEC_NAMES, CodecName, from_name
+from agora_node.protocol.codecs import DENSE_CODEC_NAMES, Codec, CodecName, from_name
 
 ActivationMode = CodecName  # a dense codec of the registry (DENSE_CODEC_NAMES)
 _INT4_BLOCK = 32
@@ -46,13 +46,19 @@ class ActivationCodec:
         if self.block is not None and self.block < 1:
             raise ValueError(f"block must be >= 1, got {self.block}")
 
-    def block_for(self, k: int) -> int:
-        """Scale block for width k: a divisor of k so that no block straddles two tokens."""
+    def block_for(self, k: int, codec: Codec | None = None) -> int:
+        """Scale block for width k: a divisor of k so that no block straddles two tokens.
+        `codec`: the block this codec's frames have in another mode (default: its own)."""
         if self.block is not None:
             return self.block
-        if self.mode == "int4" and k % _INT4_BLOCK == 0:
+        if (codec or from_name(self.mode)) is Codec.INT4 and k % _INT4_BLOCK == 0:
             return _INT4_BLOCK
         return k
+
+    @staticmethod
+    def max_frame(shape: tuple[int, int, int]) -> int:
+        """The largest frame `decode` takes for `shape`: a float32 copy and a header."""
+        return 4 * math.prod(shape) + _FRAME_OVERHEAD
 
     def encode(self, x: torch.Tensor, *, stochastic: torch.Generator | None = None) -> bytes:
         """Frame x ([batch, seq, k], finite) in this codec's mode; `stochastic`: round the int
@@ -77,13 +83,21 @@ class ActivationCodec:
     ) -> torch.Tensor:
         """Decode a peer's frame; wrong shape or dtype, garbage or non-finite raise CodecError.
 
-        Any mode is accepted (frames are self-describing); the size limit follows from the
-        expected shape, so a peer cannot make us allocate more than a float32 copy of it.
+        Any dense mode is accepted (frames are self-describing), framed as `encode` frames
+        it: never rotated, and blocks of `block_for` the width. Rotated frames had the
+        receiver build and cache a sign vector for each (seed, block) a peer chose, up to
+        hundreds of MiB. The size limit follows from the expected shape, so a peer cannot
+        make us allocate more than a float32 copy of it.
         """
-        max_bytes = 4 * math.prod(expected_shape) + _FRAME_OVERHEAD
+        max_bytes = self.max_frame(expected_shape)
         q = decode_frame(data, max_bytes=max_bytes, expected_shape=tuple(expected_shape))
         if expected_dtype is not None and q.dtype != expected_dtype:
             raise CodecError(f"dtype {q.dtype} != expected {expected_dtype}")
+        if q.seed is not None or q.codec.is_sparse:
+            raise CodecError(f"a rotated or sparse {q.codec.label} frame: boundaries send neither")
+        block = self.block_for(expected_shape[-1], q.codec)
+        if q.codec.is_quantized and q.block != block:
+            raise CodecError(f"block {q.block} != {block} for width {expected_shape[-1]}")
         y = dequantize(q)
         if not bool(torch.isfinite(y).all()):
             raise NonFiniteError("decoded activation is not finite")

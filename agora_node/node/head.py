@@ -19,7 +19,9 @@ from collections.abc import Callable
 import torch
 
 from agora_node.comms.pipeline_wire import ForwardHeader
+from agora_node.compression import NonFiniteError
 from agora_node.node.pipeline import Pipeline
+from agora_node.node.worker import MicroBatchIdError
 from agora_node.stages.data import TokenBatch, TokenWindows
 from agora_node.stages.memory import heads_in_flight
 
@@ -101,6 +103,9 @@ class Head:
         except torch.OutOfMemoryError:
             await self.pipeline.out_of_memory()
             loss = None
+        except (NonFiniteError, MicroBatchIdError) as exc:  # said why, and who was flagged
+            log.info("micro-batch failed: %s", exc)
+            loss = None
         except Exception:
             log.exception("micro-batch failed")
             loss = None
@@ -117,12 +122,12 @@ class Head:
         leader = compute.leader()  # this head's cell splits the sequence when formed
         c = await compute.forward(leader, mb_id, None, batch)
         header = self._header(mb_id, batch, scale, train=True)
-        reply = await self.pipeline.send(header, batch, c)
+        reply = await self.pipeline.deliver(header, batch, c)
         if reply is None:
             await compute.discard(leader, mb_id)
             return None
-        loss, grad = reply
-        await compute.backward(leader, mb_id, grad)
+        peer, loss, grad = reply
+        await self.pipeline.backward(leader, mb_id, grad, peer)
         return loss
 
     def _header(self, mb_id: str, batch: TokenBatch, scale: float, *, train: bool) -> ForwardHeader:

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 from collections import Counter, deque
 from collections.abc import Callable
 
@@ -26,6 +27,7 @@ import torch
 
 from agora_node.comms import streams
 from agora_node.comms.pipeline_wire import (
+    MAX_HEADER,
     Code,
     ForwardHeader,
     ResponseHeader,
@@ -43,11 +45,12 @@ from agora_node.comms.routing import FailureKind, Router, RouterConfig
 from agora_node.compression import ActivationCodec, CodecError, NonFiniteError
 from agora_node.node.canary import Canaries
 from agora_node.node.cell import Cells, Compute, standing_replicas
+from agora_node.node.cell_leader import CellLeader
 from agora_node.node.config import PipelineConfig
 from agora_node.node.gone import GoneWatch
 from agora_node.node.metrics import Metrics
 from agora_node.node.suspects import NormWatch, Reason, Suspects
-from agora_node.node.worker import StageWorker
+from agora_node.node.worker import MicroBatchIdError, StageWorker
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import forward_protocol
 from agora_node.stages.data import TokenBatch
@@ -118,6 +121,11 @@ class Pipeline:
         self.accepting = True
         self.active_requests = 0
         m = manifest
+        boundary = (m.inner.micro_batch, m.model.seq_len, worker.stage.boundary_width)
+        self.max_reply = MAX_HEADER + 8 + ActivationCodec.max_frame(boundary)
+        """The largest valid answer to a forward request: its header and a float32 frame of
+        a whole micro-batch's boundary (a gradient, a canary's output), instead of the 64 MiB
+        a stream's frame may hold: what a replica can make this node buffer per request."""
         self._router = Router(
             RouterConfig(tokens_per_item=m.inner.micro_batch * m.model.seq_len), rtt_of=rtt_of
         )
@@ -203,6 +211,12 @@ class Pipeline:
         except torch.OutOfMemoryError:
             await self.out_of_memory()
             return error_response(Status.BUSY, Code.OVERLOADED, "out of device memory")
+        except MicroBatchIdError as exc:
+            # its forward is no longer held here (expired, dropped by a state load): this
+            # hop failed, and another replica may not
+            self.events.count_microbatch("dropped")
+            log.info("micro-batch from %s failed here: %s", remote[-8:], exc)
+            return error_response(Status.FAILED, Code.INTERNAL, str(exc))
 
     async def out_of_memory(self) -> None:
         """A micro-batch ran this node's device out of memory: counted, logged, fewer
@@ -225,18 +239,22 @@ class Pipeline:
         started: float,
     ) -> bytes:
         if self.worker.stage.is_last:
-            loss, grad = await self.compute.last(c_in, tokens, header.loss_scale)
+            try:
+                loss, grad = await self.compute.last(c_in, tokens, header.loss_scale)
+            except NonFiniteError:  # the worker dropped its gradients; the input was the sender's
+                self.suspects.flag(remote, Reason.NONFINITE, "its activations overflowed backward")
+                raise
             answer = await self._ok(loss, grad)  # raises NonFiniteError before counting "ok"
             self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
             return answer
-        mb_id = f"{remote}/{header.mb_id}"
+        mb_id = uuid.uuid4().hex  # this hop's own: see _downstream
         leader = self.compute.leader()
         c_out = await self.compute.forward(leader, mb_id, c_in, tokens)
-        downstream = ForwardHeader(**{**header.__dict__, "stage": self.stage + 1})
         try:
-            reply = await self.send(downstream, tokens, c_out)
-        except NonFiniteError:
+            reply = await self.deliver(self._downstream(header, mb_id), tokens, c_out)
+        except NonFiniteError:  # its forward overflowed here (deliver encodes it first)
             await self.compute.discard(leader, mb_id)
+            self.suspects.flag(remote, Reason.NONFINITE, "its activations overflowed forward")
             raise
         if reply is None:
             await self.compute.discard(leader, mb_id)
@@ -244,11 +262,31 @@ class Pipeline:
             return error_response(
                 Status.FAILED, Code.DOWNSTREAM, f"no stage {self.stage + 1} replica answered"
             )
-        loss, grad_out = reply
-        grad_in = await self.compute.backward(leader, mb_id, grad_out)
+        peer, loss, grad_out = reply
+        grad_in = await self.backward(leader, mb_id, grad_out, peer)
         answer = await self._ok(loss, grad_in)  # raises NonFiniteError before counting "ok"
         self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
         return answer
+
+    def _downstream(self, header: ForwardHeader, mb_id: str) -> ForwardHeader:
+        """`header` for the next stage, under `mb_id`, an id of this hop's own. The id an
+        upstream chose names the micro-batch among that upstream's only: passed on (or
+        used as the worker's key), two upstreams' ids, or one upstream's reused, met at one
+        worker, and the second forward replaced the first one's graph."""
+        return ForwardHeader(**{**header.__dict__, "stage": self.stage + 1, "mb_id": mb_id})
+
+    async def backward(
+        self, leader: CellLeader | None, mb_id: str, grad: torch.Tensor, peer: str
+    ) -> torch.Tensor | None:
+        """The backward of micro-batch `mb_id` on the gradient `peer` (next stage) answered.
+        One that leaves non-finite gradients (the worker dropped them) flags `peer`: this
+        micro-batch's forward came out finite here, so what overflowed is what the backward
+        added, that gradient."""
+        try:
+            return await self.compute.backward(leader, mb_id, grad)
+        except NonFiniteError:
+            self.suspects.flag(peer, Reason.NONFINITE, "its gradient overflowed backward")
+            raise
 
     async def _admit(
         self, remote: str, data: bytes
@@ -277,15 +315,19 @@ class Pipeline:
                 f"loss_scale {header.loss_scale} > {m.inner.micro_batch}/{m.inner.local_batch}",
             )
         width = self.worker.stage.boundary_width
+        # a training micro-batch is a whole one: a short one counts as one of the step's
+        # micro-batches at a full one's loss_scale, its few rows weighed as many
+        fewest = m.inner.micro_batch if header.train else 1
         if not (
-            0 < header.batch <= m.inner.micro_batch
+            fewest <= header.batch <= m.inner.micro_batch
             and header.seq == m.model.seq_len
             and header.width == width
         ):
+            rows = m.inner.micro_batch if header.train else f"1..{m.inner.micro_batch}"
             raise WireError(
                 Code.BAD_SHAPE,
                 f"shape [{header.batch}, {header.seq}, {header.width}] is not "
-                f"[1..{m.inner.micro_batch}, {m.model.seq_len}, {width}]",
+                f"[{rows}, {m.model.seq_len}, {width}]",
             )
         ids = decode_tokens(raw_tokens, header.batch, header.seq, m.model.vocab_size)
         tokens = TokenBatch(ids, decode_documents(raw_docs, header.batch, header.seq))
@@ -308,9 +350,7 @@ class Pipeline:
         out = await self.worker.call(self.worker.forward_eval, c_in, tokens)
         if self.worker.stage.is_last:
             return encode_response(ResponseHeader(status=Status.OK.value, loss=out))
-        reply = await self.send(
-            ForwardHeader(**{**header.__dict__, "stage": self.stage + 1}), tokens, out
-        )
+        reply = await self.send(self._downstream(header, uuid.uuid4().hex), tokens, out)
         if reply is None:
             return error_response(
                 Status.FAILED, Code.DOWNSTREAM, "validation forward failed downstream"
@@ -355,6 +395,14 @@ class Pipeline:
         self, header: ForwardHeader, tokens: TokenBatch, c: torch.Tensor
     ) -> tuple[float, torch.Tensor | None] | None:
         """Deliver to a replica of `header.stage`, retrying others; (loss, grad) or None if it can't."""
+        reply = await self.deliver(header, tokens, c)
+        return None if reply is None else reply[1:]
+
+    async def deliver(
+        self, header: ForwardHeader, tokens: TokenBatch, c: torch.Tensor
+    ) -> tuple[str, float, torch.Tensor | None] | None:
+        """`send`, and which replica answered: whom this node's backward on its gradient
+        charges an overflow to (`backward`)."""
         encoded = await self.worker.call(self.codec.encode, c)
         payload = encode_forward(header, tokens.ids, encoded, tokens.docs)
         if header.train:
@@ -381,7 +429,7 @@ class Pipeline:
                 continue
             result = await self._try_peer(peer, header, payload)
             if isinstance(result, tuple):
-                return result
+                return (peer, *result)
             if result == "rejected":
                 rejected_by.add(peer)
                 if len(rejected_by) >= MAX_REJECTIONS:
@@ -395,13 +443,15 @@ class Pipeline:
         return standing_replicas(self.peers_of(stage), self.manifest.model.cp_degree)
 
     async def _request(self, peer: str, payload: bytes) -> bytes:
-        """One forward request to `peer`, its answer within a hop's timeout."""
+        """One forward request to `peer`, its answer within a hop's timeout and
+        `max_reply` bytes."""
         return await streams.request(
             self.p2p,
             peer,
             forward_protocol(self.manifest.run_id),
             payload,
             timeout=self.config.hop_timeout_s,
+            max_response=self.max_reply,
         )
 
     def peer_gone(self, peer: str) -> None:
@@ -442,11 +492,11 @@ class Pipeline:
             return (loss, grad)
         if reply.status == Status.REJECTED.value:
             self._hop_failed(peer, FailureKind.REJECTED)
-            log.warning(
-                "stage %d replica %s rejected our micro-batch: %s",
+            log.warning(  # the peer's own words: cut short, quoted
+                "stage %d replica %s rejected our micro-batch: %r",
                 header.stage,
                 peer[-8:],
-                reply.message,
+                reply.message[: streams.PEER_TEXT_CHARS],
             )
             return "rejected"
         kind = FailureKind.BUSY if reply.status == Status.BUSY.value else FailureKind.ERROR

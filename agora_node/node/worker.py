@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -35,6 +36,7 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
+from agora_node.compression import NonFiniteError
 from agora_node.node.rates import WorkerStats
 from agora_node.node.thread_name import name_os_thread
 from agora_node.node.versions import WeightVersions
@@ -51,6 +53,21 @@ log = logging.getLogger(__name__)
 MAX_GRAPHS = 16
 """Autograd graphs of in-flight micro-batches a worker keeps at most (fewer where its
 device's memory says so: memory.graph_budget); past them it recomputes."""
+
+
+class MicroBatchIdError(Exception):
+    """A micro-batch id this worker cannot take: answered as that request's failure (the
+    pipeline's FAILED), never a traceback."""
+
+
+class DuplicateMicroBatchError(MicroBatchIdError):
+    """A forward under an id whose forward is still held: overwriting it ran the first
+    backward on the second's graph, and the second's found nothing."""
+
+
+class UnknownMicroBatchError(MicroBatchIdError):
+    """A backward for an id this worker holds no forward of (expired, dropped by a state
+    load, discarded, or never forwarded here)."""
 
 
 @dataclass
@@ -195,6 +212,8 @@ class StageWorker:
         """Forward of a micro-batch that will come back with a gradient; returns boundary coefficients."""
         started = time.perf_counter()
         self._expire()
+        if mb_id in self._pending:
+            raise DuplicateMicroBatchError(f"micro-batch {mb_id!r} is already in flight here")
         params = self.versions.current
         x_in, tokens = self._inputs(c_in, tokens)
         keep_graph = len(self._pending) < self.max_graphs
@@ -213,7 +232,9 @@ class StageWorker:
     def backward(self, mb_id: str, grad_c_out: Tensor) -> Tensor | None:
         """Backward of a forwarded micro-batch; returns the gradient w.r.t. its input coefficients."""
         started = time.perf_counter()
-        p = self._pending.pop(mb_id)
+        p = self._pending.pop(mb_id, None)
+        if p is None:
+            raise UnknownMicroBatchError(f"no forward of micro-batch {mb_id!r} is held here")
         out = p.out
         if out is None:  # graph was not kept: recompute on the same weight version
             self.stats.recomputed += 1
@@ -221,6 +242,7 @@ class StageWorker:
         with self._whole_backward(p.version, p.params):
             out.backward(grad_c_out.to(self.device, out.dtype))
         grad_in = self._input_grad(p.x_in)
+        self._check_finite(p.version, p.params, grad_in)
         self._finish(p.version, p.params, p.tokens.inputs.numel())
         self._completed(p.tokens.inputs.numel(), p.compute_s + self._busy(started))
         return grad_in
@@ -236,10 +258,11 @@ class StageWorker:
         loss = lm_loss(self._forward(params, x_in, tokens), tokens.targets)
         with self._whole_backward(self.version, params):
             (loss * loss_scale).backward()
-        grad_in = self._input_grad(x_in)
+        grad_in, loss = self._input_grad(x_in), float(loss.detach())
+        self._check_finite(self.version, params, grad_in, loss)
         self._finish(self.version, params, inputs.numel())
         self._completed(inputs.numel(), self._busy(started))
-        return float(loss.detach()), grad_in
+        return loss, grad_in
 
     @contextlib.contextmanager
     def _whole_backward(self, version: int, params: dict[str, Tensor]) -> Iterator[None]:
@@ -252,8 +275,7 @@ class StageWorker:
         try:
             yield
         except torch.OutOfMemoryError:
-            dropped = self.versions.drop(version, params)
-            self._finished_since_step = max(0, self._finished_since_step - dropped)
+            dropped = self._drop_grads(version, params)
             log.warning(
                 "a backward ran out of device memory part way: the gradients on weight "
                 "version %d are dropped (%d micro-batch(es) finished on it since the step)",
@@ -261,6 +283,38 @@ class StageWorker:
                 dropped,
             )
             raise
+
+    def _drop_grads(self, version: int, params: dict[str, Tensor]) -> int:
+        """Drop the gradients on copy `params` of `version`; the micro-batches that had
+        finished on it since the step no longer count toward the next one (returned)."""
+        dropped = self.versions.drop(version, params)
+        self._finished_since_step = max(0, self._finished_since_step - dropped)
+        return dropped
+
+    def _check_finite(
+        self,
+        version: int,
+        params: dict[str, Tensor],
+        grad_in: Tensor | None,
+        loss: float = 0.0,
+    ) -> None:
+        """After a backward, before it counts: a neighbour's finite but extreme input or
+        gradient can overflow here, and a non-finite gradient on the copy made the optimizer
+        skip the whole step, with every honest micro-batch in it, and blamed nobody. So the
+        copy's gradients are dropped as after an out-of-memory, and NonFiniteError tells
+        the pipeline to flag the neighbour. One norm over the copy's gradients is the
+        check the optimizer's step would make (with the step in backward they are already
+        consumed, each one skipped there if not finite)."""
+        grads = [p.grad for p in params.values() if p.grad is not None]
+        finite = math.isfinite(loss) and (grad_in is None or bool(torch.isfinite(grad_in).all()))
+        if finite and grads:
+            finite = math.isfinite(float(torch.nn.utils.get_total_norm(grads)))
+        if not finite:
+            dropped = self._drop_grads(version, params)
+            raise NonFiniteError(
+                f"the backward left non-finite gradients on weight version {version} "
+                f"(dropped, with {dropped} micro-batch(es) finished on it since the step)"
+            )
 
     def _input_grad(self, x_in: Tensor | None) -> Tensor | None:
         return None if x_in is None else self.boundary_grad(x_in.grad)

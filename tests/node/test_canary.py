@@ -84,7 +84,7 @@ def test_a_sender_flags_the_replica_whose_canary_output_departs(monkeypatch) -> 
         outputs = {"good-1": truth, "good-2": truth * 1.01, "bad": -truth}
         probes: list[str] = []
 
-        async def request(p2p, peer, protocol, payload, *, timeout):  # noqa: ANN001, ANN202
+        async def request(p2p, peer, protocol, payload, *, timeout, **_kw):  # noqa: ANN001, ANN202
             sent, *_ = decode_forward(payload)
             if sent.probe:
                 probes.append(peer)

@@ -47,13 +47,14 @@ def test_a_hop_carries_the_documents_and_the_next_stage_keeps_them_apart(manifes
         for w in workers
     )
 
-    async def hop(p2p, peer, protocol, payload, *, timeout):  # noqa: ANN001, ANN202
+    async def hop(p2p, peer, protocol, payload, *, timeout, **_kw):  # noqa: ANN001, ANN202
         assert peer == "peer-1"
         return b"".join([chunk async for chunk in last.handle("peer-0", payload)])
 
     monkeypatch.setattr(streams, "request", hop)
     windows = TokenWindows(manifest, "train")
-    batch = windows.batch([int(i) for i in windows.epoch_order(0)[:2]])
+    rows = manifest.inner.micro_batch  # a training micro-batch is a whole one
+    batch = windows.batch([int(i) for i in windows.epoch_order(0)[:rows]])
     assert batch.docs is not None and int(batch.docs[:, -1].max()) >= 1
     stages = [w.stage for w in workers]
     with torch.no_grad():
@@ -62,7 +63,7 @@ def test_a_hop_carries_the_documents_and_the_next_stage_keeps_them_apart(manifes
     try:
         m = manifest.model
         header = ForwardHeader(
-            run_id=manifest.run_id, mb_id="mb", stage=1, batch=2, seq=m.seq_len,
+            run_id=manifest.run_id, mb_id="mb", stage=1, batch=rows, seq=m.seq_len,
             width=workers[0].stage.boundary_width,
             loss_scale=manifest.inner.micro_batch / manifest.inner.local_batch,
         )  # fmt: skip

@@ -33,7 +33,7 @@ def _replicas(monkeypatch, pipeline: Pipeline, answers: dict):
     """answers[peer](shape) -> (loss, gradient tensor); records who was asked."""
     asked: list[str] = []
 
-    async def request(p2p, peer, protocol, payload, *, timeout):  # noqa: ANN001, ANN202
+    async def request(p2p, peer, protocol, payload, *, timeout, **_kw):  # noqa: ANN001, ANN202
         asked.append(peer)
         loss, grad = answers[peer]
         encoded = pipeline.codec.encode(grad) if grad is not None else b""

@@ -122,7 +122,7 @@ def _replicas(monkeypatch, p: Pipeline, answers: dict) -> list[str]:
     asked: list[str] = []
     shape = (M.inner.micro_batch, M.model.seq_len, p.worker.stage.boundary_width)
 
-    async def request(p2p, peer, protocol, payload, *, timeout):  # noqa: ANN001, ANN202
+    async def request(p2p, peer, protocol, payload, *, timeout, **_kw):  # noqa: ANN001, ANN202
         asked.append(peer)
         if answers[peer] == "reject":
             return error_response(Status.REJECTED, Code.BAD_SHAPE, "no")

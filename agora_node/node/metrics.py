@@ -464,7 +464,7 @@ class _KeptCounters:
         banned = GaugeMetricFamily(
             "agora_peers_banned",
             "Peers this node ignores now (routing, rounds, state) until their ban ends.",
-            value=len(self._suspects.get("banned") or []),
+            value=self._suspects.get("banned_count", len(self._suspects.get("banned") or [])),
         )
         yield from (flagged, banned)
 

@@ -128,8 +128,9 @@ class NodeStatus(TypedDict):
     # unlisted_refused ({what: count}: inputs from peers not on --allow-keys; {} in an open swarm)
     # runs_seen ([{"run_id", "name"}]: the runs the swarm's signed run pointer announces)
     # and requests_refused ({protocol: {reason: count}}: what handlers' guards refused or cut).
-    # suspects: {"ban_s", "banned": [{"peer", "reason", "evidence", "flags", "flagged_s_ago",
-    # "ban_left_s"}], "flagged_total": {reason: count}} (node/suspects.py).
+    # suspects: {"ban_s", "banned_count", "banned": [{"peer", "reason", "evidence", "flags",
+    # "flagged_s_ago", "ban_left_s"}] (the 64 most recently flagged), "flagged_total":
+    # {reason: count}} (node/suspects.py).
     # cell: this stage's context-parallel cell (node/cell.py), None without one: {"size",
     # "role": alone | leader | helper, "members", "ready", "microbatches", "failed",
     # "helped", "kv_bytes_sent", "kv_bytes_per_token", "exchange_wait_s", "refused", "frames_resent", "answers_resent"}.

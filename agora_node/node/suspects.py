@@ -12,7 +12,7 @@ state transfer ignore its claims, and its id goes into this node's round entries
 where a strict majority of a round's entrants naming it leaves it out of the round
 for everyone (groups.py, `excluded`).
 
-Pure: the clock is injected; the ledger is bounded (`max_peers`, the entries that
+Pure: the clock is injected; the ledger is bounded (`max_peers`, 4096: the entries that
 expire first are forgotten first, outer-round evidence last), so a flood of identities
 cannot grow it, nor flush the bans that round entries name.
 """
@@ -29,6 +29,12 @@ from enum import StrEnum
 
 DEFAULT_BAN_S = 600.0
 MAX_EVIDENCE = 120
+MAX_PEERS = 4096
+"""Peers the ledger holds at most. Each flag costs a stranger an identity with a record at
+a neighbouring stage and a request: with 256, as many Sybils flagged once apiece pushed a
+lying replica's pipeline ban out, and the router used it again."""
+STATUS_ROWS = 64
+"""Banned peers the status page lists (the most recently flagged), beside their count."""
 
 
 class Reason(StrEnum):
@@ -86,7 +92,7 @@ class Suspects:
         *,
         me: str = "",
         ban_s: float = DEFAULT_BAN_S,
-        max_peers: int = 256,
+        max_peers: int = MAX_PEERS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not (ban_s >= 0 and math.isfinite(ban_s)):
@@ -138,18 +144,26 @@ class Suspects:
     def _bound(self, now: float) -> None:
         for peer in [p for p, f in self._flags.items() if f.until <= now]:
             del self._flags[peer]
-        while len(self._flags) > self.max_peers:
+        if len(self._flags) > self.max_peers:
             # outer-round evidence goes last: identities are free, and sybils flagged in
-            # the pipeline (one non-finite micro-batch each) flushed the round bans out
-            oldest = min(self._flags.values(), key=lambda f: (f.reason in ROUND_EVIDENCE, f.until))
-            del self._flags[oldest.peer]
+            # the pipeline (one non-finite micro-batch each) flushed the round bans out.
+            # An eighth goes at once, so a flood pays one sort per max_peers / 8 flags,
+            # not a scan of the ledger per flag.
+            keep = self.max_peers - max(1, self.max_peers // 8)
+            order = sorted(
+                self._flags.values(), key=lambda f: (f.reason in ROUND_EVIDENCE, f.until)
+            )
+            for f in order[: len(order) - keep]:
+                del self._flags[f.peer]
 
     def status(self) -> dict:
         """For the status page: the peers banned now, and the totals by reason."""
         now = self.clock()
         self._bound(now)
+        newest = sorted(self._flags.values(), key=lambda f: f.since)[-STATUS_ROWS:]
         return {
             "ban_s": self.ban_s,
+            "banned_count": len(self._flags),
             "banned": [
                 {
                     "peer": f.peer,
@@ -159,7 +173,7 @@ class Suspects:
                     "flagged_s_ago": round(now - f.since, 1),
                     "ban_left_s": round(f.until - now, 1),
                 }
-                for f in sorted(self._flags.values(), key=lambda f: f.since)
+                for f in newest
             ],
             "flagged_total": dict(self.flagged_total),
         }

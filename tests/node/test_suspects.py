@@ -7,7 +7,7 @@ import pytest
 
 from agora_node.comms.collective import Matchmaker, MatchmakingConfig, MemoryBoard, RoundEntry
 from agora_node.comms.collective.groups import MAX_FLAGS, EntryError, excluded
-from agora_node.node.suspects import ROUND_EVIDENCE, NormWatch, Reason, Suspects
+from agora_node.node.suspects import ROUND_EVIDENCE, STATUS_ROWS, NormWatch, Reason, Suspects
 from agora_node.protocol.identity import Identity
 from tests.node.clock import Clock
 
@@ -55,8 +55,31 @@ def test_the_ledger_is_bounded_and_forgets_the_soonest_to_expire() -> None:
     for i in range(1000):
         clock.now += 0.01
         s.flag(f"p{i}", Reason.NORM_OUTLIER)
-    assert len(s.banned()) == 8 and s.is_banned("p999") and not s.is_banned("p0")
+    assert 7 <= len(s.banned()) <= 8 and s.is_banned("p999") and not s.is_banned("p0")
     assert s.newest_banned(3) == ["p999", "p998", "p997"]
+
+
+def test_the_status_page_lists_the_newest_bans_and_counts_them_all() -> None:
+    clock = Clock(1000.0)
+    s = Suspects(ban_s=1000, clock=clock)
+    for i in range(300):
+        clock.now += 0.01
+        s.flag(f"p{i}", Reason.NONFINITE)
+    status = s.status()
+    assert status["banned_count"] == 300 and len(status["banned"]) == STATUS_ROWS
+    assert status["banned"][-1]["peer"] == "p299"
+
+
+def test_sybils_flagged_once_apiece_do_not_push_a_ban_out_below_the_bound() -> None:
+    """A lying replica banned for its pipeline answers, then 1000 fresh identities flagged
+    once each: with a ledger of 256 the liar's ban went, and the router used it again."""
+    clock = Clock(1000.0)
+    s = Suspects(ban_s=600, clock=clock)
+    s.flag("liar", Reason.CANARY)
+    for i in range(1000):
+        clock.now += 0.01
+        s.flag(f"sybil{i}", Reason.NONFINITE)
+    assert s.is_banned("liar")
 
 
 def test_a_flood_of_pipeline_flags_does_not_flush_round_evidence() -> None:
@@ -69,7 +92,7 @@ def test_a_flood_of_pipeline_flags_does_not_flush_round_evidence() -> None:
         clock.now += 0.01
         s.flag(f"sybil{i}", Reason.NONFINITE)
     assert s.is_banned("liar") and s.newest_banned(8, ROUND_EVIDENCE) == ["liar"]
-    assert len(s.banned()) == 8 and s.is_banned("sybil999")
+    assert 7 <= len(s.banned()) <= 8 and s.is_banned("sybil999")
 
 
 def test_round_entries_name_only_peers_banned_on_round_evidence() -> None:

@@ -17,8 +17,8 @@ run H inner steps, then end_round, overlapping the anchor mix.
   last outer step), the outer momentum and the round counter, as flat float32 vectors.
 - The anchor mix averages the anchors (optionally also the outer momenta) of a
   random group as they were at round start (inputs frozen: neither changes during a round),
-  overlapped with the inner steps. A group a strict majority of whose entries claim
-  one digest skips it (`_anchors_differ`), so with one group of everyone nothing is sent.
+  overlapped with the inner steps. A group whose states already agree (same
+  digest) skips it, so with one group of everyone nothing is sent.
 - The pseudo-gradient mix averages delta = anchor - weights over another random
   group, compressed with error feedback.
 - Then m := momentum * (mixed m) + mixed delta, anchor := mixed anchor - lr *
@@ -37,12 +37,11 @@ import functools
 import logging
 import math
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from agora_node.comms.collective import (
@@ -68,6 +67,7 @@ from agora_node.node.outer_state import (
     OuterState,
     Weights,
     flat_norm,
+    within,
 )
 from agora_node.node.round_report import RoundReport, round_report, round_summary
 from agora_node.node.suspects import ROUND_EVIDENCE, Reason, Suspects
@@ -84,8 +84,8 @@ RECENT_ROUNDS = 20
 MIX_NORM_RATIO = 10.0
 """A mixed pseudo-gradient longer than this times the own delta (scaled to a full round's
 tokens) is refused (`OuterLoop._outer_step`)."""
-ANCHOR_SHIFT_RATIO = 1.0
-"""A mixed anchor moving the new one by more than this times the anchor's norm is refused
+ANCHOR_PULL_STEPS = 4.0
+"""Steady outer steps a mixed anchor may pull this replica's anchor in one round
 (`OuterLoop._outer_step`)."""
 
 
@@ -329,69 +329,59 @@ class OuterLoop:
         momentum: Tensor | None,
         tokens: int,
     ) -> tuple[Tensor, Tensor]:
-        """The outer step from the mixes' results, unless they are implausible; returns the
-        new anchor and the pseudo-gradient it applied.
+        """The outer step from the mixes' results, bounded by this replica's own; returns
+        the new anchor and the pseudo-gradient it applied.
 
         A group's robust rules need three or more parts: with two (a stage of two, the
         manifests' groups of two, or one counting member beside warming ones) a liar's part
-        moves the mean as far as it likes. Nothing makes two members robust; what an honest
-        replica can do is bound the other's influence on what it adopts:
+        moves the mean as far as it likes (its -1e37 made every weight infinite for good).
+        Nothing makes two members robust; what an honest replica can do is bound how far
+        the other moves it in a round, measured in its own steps:
 
-        - the mixed pseudo-gradient must be finite and its norm at most `MIX_NORM_RATIO`
-          (10) times this replica's own delta's norm, scaled up by `cap / tokens` when it
-          processed fewer tokens than a full round can (`max_weight`): a replica that did a
-          tenth of the others' inner steps expects a delta up to ten times its own. Honest
-          pseudo-gradients of one round start from one anchor and take the same number of
-          steps at the same learning rate on other data, so their norms differ by far less
-          than 10x; a reducer refuses any part above 10x its span's median norm on the same
-          reasoning (`AggregationSpec.max_norm_ratio`), and a weighted mean of such parts is
-          no longer than the longest of them (a replica without a delta of its own bounds
-          the mix by its anchor's norm instead);
-        - the mixed anchor (and momentum) must move the new anchor, relative to the step
-          from this replica's own anchor (`OuterState.anchor_shift`), by at most
-          `ANCHOR_SHIFT_RATIO` (1) times the anchor's norm: replicas of one run start from
-          one initialization and train on the same data, so however long two of them
-          mixed apart (a partition, lonely rounds) they stay closer than the weights are to
-          zero, and the anchor mix that repairs such drift is not refused; a mixed
-          anchor that far away is not this model;
-        - the resulting anchor must be finite.
+        - the mixed pseudo-gradient must be finite and at most `MIX_NORM_RATIO` (10) times
+          this replica's own delta (scaled up by `cap / tokens` when it processed fewer
+          tokens than a full round can): honest pseudo-gradients of a round start from one
+          anchor and take as many steps at one learning rate, so their norms differ by far
+          less (a reducer refuses a part above 10x its span's median on the same reasoning,
+          and a mean of parts is no longer than the longest). Else its own delta is used;
+        - the mixed anchor may pull this replica's anchor at most `ANCHOR_PULL_STEPS` (4)
+          outer steps (lr / (1 - momentum) times its own delta: what a round moves the
+          anchor in steady state), the mixed momentum as many steady momenta; a longer
+          pull is cut to that length, in its direction. Honest anchors differ by a step or
+          two (a round mixed alone); those that drifted further apart (a partition, a
+          restart from an old checkpoint) close the gap by that much a round from each
+          side instead of at once, and a liar moves an honest anchor no further.
 
-        A refused part of the result is replaced by this replica's own (its own delta, or
-        its own anchor and momentum), with one warning; the replica then differs from its
-        group for a round, which the anchor mix or the stage's attested majority
-        (rounds.outvoted) repairs. A liar in a group of two can still move the result
-        within these bounds every round."""
-        state, consensus = self.state, self.config.consensus
-        refused: list[str] = []
-        own = flat_norm(delta)
+        What was refused or cut is logged in one warning."""
+        state = self.state
+        notes: list[str] = []
+        own = flat_norm(delta) * self._shortfall(tokens)  # a full round's own delta
         if mixed is not delta:
-            limit = MIX_NORM_RATIO * own * self._shortfall(tokens)
-            if not limit > 0:  # no own steps to compare with: as long as the weights is too far
-                limit = flat_norm(state.anchor)
+            limit = MIX_NORM_RATIO * own if own > 0 else flat_norm(state.anchor)
             got = flat_norm(mixed)
             if not (math.isfinite(got) and got <= limit):
-                refused.append(f"the mixed pseudo-gradient (norm {got:.3g}, own {own:.3g})")
+                notes.append(f"refused the mixed pseudo-gradient (norm {got:.3g}, own {own:.3g})")
                 mixed = delta
         if anchor is not None:
-            shift = state.anchor_shift(anchor, momentum, consensus)
-            bound = ANCHOR_SHIFT_RATIO * flat_norm(state.anchor)
-            if not shift <= bound:
-                refused.append(f"the mixed anchor (it moves the new one by {shift:.3g})")
-                anchor = momentum = None
-        new, new_momentum = state.propose(mixed, anchor, momentum, consensus)
-        if (mixed is not delta or anchor is not None) and not bool(torch.isfinite(new).all()):
-            refused.append("the outer step's result (not finite)")
-            mixed = delta
-            new, new_momentum = state.propose(delta, consensus=consensus)
-        if refused:
+            steady = own / max(1 - state.mu, 1e-3)  # the outer momentum a steady run holds
+            reach = ANCHOR_PULL_STEPS * state.lr * steady
+            anchor, far = within(anchor, state.anchor, reach)
+            if anchor is None:
+                notes.append("refused the mixed anchor (not finite)")
+                momentum = None
+            elif far > reach:
+                notes.append(f"cut the mixed anchor's pull from {far:.3g} to {reach:.3g}")
+            if momentum is not None:
+                momentum, far = within(momentum, state.momentum, ANCHOR_PULL_STEPS * steady)
+                if momentum is None:
+                    notes.append("refused the mixed momentum (not finite)")
+                elif far > ANCHOR_PULL_STEPS * steady:
+                    notes.append(f"cut the mixed momentum's pull from {far:.3g}")
+        if notes:
             log.warning(
-                "outer round %d: refused %s as implausible; stepping with this replica's "
-                "own instead",
-                round_no,
-                " and ".join(refused),
+                "outer round %d: %s (this replica's own bounds)", round_no, "; ".join(notes)
             )
-        state.commit(new, new_momentum)
-        return new, mixed
+        return state.step(mixed, anchor, momentum, self.config.consensus), mixed
 
     def _shortfall(self, tokens: int) -> float:
         """How many times more tokens a full round processes than this replica did (1 when
@@ -450,46 +440,14 @@ class OuterLoop:
                 self.book.register(factor_plan)
         mixed = self.state.mixed_state(self.config.mix_momentum)
         anchor_plan = None
-        if self._anchors_differ(view, anchor_group, digest):
+        digests = {(view.entry(p).digest if view.entry(p) else p) for p in anchor_group}
+        if len(digests) > 1:  # a group that already agrees has nothing to mix
             anchor_plan = self._plan(round_no, "anchor", anchor_group, mixed.numel())
         anchor = None
         if anchor_plan is not None:
             weight = 0.0 if self.state.warming else 1.0
             anchor = await self._mix(anchor_plan, mixed, weight, self.anchor_encoder)
         return _Prep(view, delta_plan, anchor, factor_plan)
-
-    def _anchors_differ(self, view: RoundView, group: tuple[str, ...], own: str) -> bool:
-        """Does the anchor group mix? Not when a strict majority of its entries claim one
-        digest. A digest is an unverified claim: with "any two differ" one liar claiming a
-        random digest sent every honest anchor (and momentum) through bf16 each round,
-        rounding small updates away, at an anchor's bytes per member. A liar alone cannot
-        outvote a majority, so it no longer forces the mix; its own anchor, if it really
-        differs, is its own problem.
-
-        Every member decides the same from the same entries, the member in the minority
-        included: if it mixed while the others skip, it would wait for parts that never
-        come, up to the mix's deadlines, and come late to its delta mix. It keeps its anchor; in a
-        whole-stage group the stage's attested majority makes it resync (rounds.outvoted),
-        with gossip groups a later group without such a majority mixes it. A liar can delay
-        that repair by claiming the majority's digest (before, it could not), and, as before,
-        show other members other entries. In a group of two, one differing digest is no
-        majority: they mix."""
-        digests = [(e.digest if (e := view.entry(p)) else p) for p in group]
-        counts = Counter(digests)
-        top, held = counts.most_common(1)[0]
-        if len(counts) == 1:  # a group that already agrees has nothing to mix
-            return False
-        if 2 * held > len(group):
-            if top != own:
-                log.info(
-                    "outer round %d: %d of the anchor group's %d hold another anchor than "
-                    "this replica's; not mixing anchors",
-                    view.round,
-                    held,
-                    len(group),
-                )
-            return False
-        return True
 
     async def _prepare_or_alone(self, round_no: int, expect: Expect) -> _Prep:
         try:

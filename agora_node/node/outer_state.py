@@ -140,6 +140,28 @@ def flat_norm(x: Tensor) -> float:
     return math.sqrt(total)
 
 
+def within(other: Tensor, own: Tensor, radius: float) -> tuple[Tensor | None, float]:
+    """`other` moved straight toward `own` until it is at most `radius` from it (L2), and
+    how far it was; None when it is not finite. In chunks: a stage-sized copy is made only
+    when it has to move."""
+    flat, mine = other.reshape(-1), own.reshape(-1)
+    total = 0.0
+    for lo in range(0, flat.numel(), NORM_CHUNK):
+        gap = flat[lo : lo + NORM_CHUNK].double() - mine[lo : lo + NORM_CHUNK].double()
+        total += float(torch.linalg.vector_norm(gap)) ** 2
+    far = math.sqrt(total)
+    if not math.isfinite(far):
+        return None, far
+    if far <= radius:
+        return other, far
+    scale = radius / far
+    moved = mine.float().clone()
+    for lo in range(0, flat.numel(), NORM_CHUNK):
+        hi = lo + NORM_CHUNK
+        moved[lo:hi] += (flat[lo:hi].float() - mine[lo:hi]) * scale
+    return moved.view_as(other), far
+
+
 class OuterState:
     """Anchor, outer momentum and round counter of one replica's parameters."""
 
@@ -182,57 +204,19 @@ class OuterState:
 
         consensus (OuterConfig.consensus): step from the own anchor instead, with the pull
         toward the mixed anchor folded into the momentum's gradient."""
-        return self.commit(*self.propose(mixed_delta, mixed_anchor, mixed_momentum, consensus))
-
-    @torch.no_grad()
-    def propose(
-        self,
-        mixed_delta: Tensor,
-        mixed_anchor: Tensor | None = None,
-        mixed_momentum: Tensor | None = None,
-        consensus: float | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """The (anchor, momentum) `step` would make, changing nothing: a caller that wants
-        to look at the result before adopting it (`commit`)."""
         grad, base = mixed_delta, self.anchor
         if mixed_anchor is not None and consensus is None:
             base = mixed_anchor.float()
         elif mixed_anchor is not None:
             grad = mixed_delta + (self.anchor - mixed_anchor.float()) * (consensus / self.lr)
-        start = self.momentum if mixed_momentum is None else mixed_momentum.float()
-        momentum = start * self.mu + grad  # a new tensor: the state is untouched
-        anchor = base - self.lr * (grad + self.mu * momentum)
-        return anchor, momentum
-
-    def commit(self, anchor: Tensor, momentum: Tensor) -> Tensor:
-        """Adopt what `propose` made: the round is done; returns the new anchor."""
-        self.anchor, self.momentum = anchor, momentum
+        if mixed_momentum is not None:
+            self.momentum = mixed_momentum.float().clone()
+        self.momentum.mul_(self.mu).add_(grad)
+        self.anchor = base - self.lr * (grad + self.mu * self.momentum)
         self.round += 1
         self.anchor_round = self.round
         self.warming = False
         return self.anchor
-
-    @torch.no_grad()
-    def anchor_shift(
-        self,
-        mixed_anchor: Tensor,
-        mixed_momentum: Tensor | None = None,
-        consensus: float | None = None,
-    ) -> float:
-        """How far the anchor mix moves the new anchor: the L2 distance between `step(d,
-        mixed_anchor, mixed_momentum)` and `step(d)`, the same for every delta d,
-        (mixed_anchor - anchor) * c - lr * mu^2 * (mixed_momentum - momentum) with c = 1
-        (or (1 + mu) * g with consensus g). Infinite or NaN when either is not finite."""
-        c = 1.0 if consensus is None else (1 + self.mu) * consensus
-        total = 0.0
-        for lo in range(0, self.numel, NORM_CHUNK):  # a chunk at a time: no full-size copies
-            hi = lo + NORM_CHUNK
-            shift = (mixed_anchor[lo:hi].float() - self.anchor[lo:hi]) * c
-            if mixed_momentum is not None:
-                pull = mixed_momentum[lo:hi].float() - self.momentum[lo:hi]
-                shift -= pull * (self.lr * self.mu**2)
-            total += flat_norm(shift) ** 2
-        return math.sqrt(total)
 
     @torch.no_grad()
     def preview(self, delta: Tensor) -> Tensor:

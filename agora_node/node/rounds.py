@@ -81,6 +81,14 @@ MAX_SOLE_JUMP = 1000
 a swarm's progress; a stranger repeating it needs 10^9 rounds to reach the limit)."""
 
 
+def announced(replica_rounds: Iterable[int]) -> list[int]:
+    """The well-formed rounds of `replica_rounds` (non-negative integers), highest first."""
+    return sorted(
+        (r for r in replica_rounds if isinstance(r, int) and not isinstance(r, bool) and r >= 0),
+        reverse=True,
+    )
+
+
 def target_round(own: int, replica_rounds: Iterable[int]) -> int:
     """The round to be in: the highest round that a strict majority of this stage's other
     active replicas announce (each announces its own round; r counts for every round <= r),
@@ -94,10 +102,7 @@ def target_round(own: int, replica_rounds: Iterable[int]) -> int:
     a stranger, and one announcing a round near the records' limit (MAX_STEP) took this
     replica there, after which its own records were out of range, refused by every
     reader, and it dropped out of the stage for good."""
-    rounds = sorted(
-        (r for r in replica_rounds if isinstance(r, int) and not isinstance(r, bool) and r >= 0),
-        reverse=True,
-    )
+    rounds = announced(replica_rounds)
     if not rounds:
         return own
     if len(rounds) == 1:
@@ -200,6 +205,8 @@ class OuterRounds:
         (OuterState.anchor_round): the stage's replicas compare equal."""
         self.replica_anchors: dict[int, dict[str, str]] = {}
         """What the other replicas' records attested for those rounds: {round: {peer: digest}}."""
+        self._sole_jump_to: int | None = None
+        """The round the last catch-up on one other replica's word went to (`_catch_up`)."""
         self._lock = asyncio.Lock()
         self._epoch = 0
         """Bumped whenever the outer state changes (a round ended)."""
@@ -361,10 +368,18 @@ class OuterRounds:
         return True
 
     def _catch_up(self) -> bool:
-        """Jump to the round the stage's replicas are in; whether the round changed."""
-        target = target_round(self.round, self.replica_rounds())
+        """Jump to the round the stage's replicas are in; whether the round changed. On the
+        word of one other replica alone, once per round this one ended: the round loop
+        asks again at once after a jump, so a stranger announcing a far round took it
+        MAX_SOLE_JUMP rounds at a time, a million a second, ending no round on the way."""
+        rounds = announced(self.replica_rounds())
+        target = target_round(self.round, rounds)
         if target <= self.round:
             return False
+        if len(rounds) == 1:
+            if self.round == self._sole_jump_to:
+                return False  # no round ended since the last jump on one replica's word
+            self._sole_jump_to = target
         log.info("outer round %d -> %d to meet this stage's replicas", self.round, target)
         self.outer.state.round = target
         return True

@@ -221,6 +221,28 @@ async def test_a_caught_up_replica_attests_the_round_that_made_its_anchor():
         worker.close()
 
 
+async def test_one_other_replicas_word_moves_this_one_once_per_round_ended():
+    """A stranger, the only other replica, announcing a round near the records' limit:
+    the round loop asks again at once after a catch-up, and each ask jumped another
+    MAX_SOLE_JUMP rounds, a million a second with no round ended on the way."""
+    network, board = LocalNetwork(), MemoryBoard()
+    worker, outer = _replica(0, network, board)
+    others = [MAX_STEP]
+    rounds = OuterRounds(
+        outer, worker, inner_steps=4, replica_rounds=lambda: others, replica_count=lambda: 2
+    )
+    try:
+        assert rounds._catch_up() and rounds.round == MAX_SOLE_JUMP
+        assert not rounds._catch_up() and rounds.round == MAX_SOLE_JUMP
+        outer.state.round += 1  # a round ended
+        assert rounds._catch_up() and rounds.round == 2 * MAX_SOLE_JUMP + 1
+        others[:] = [10**9, 10**9 + 1]  # two replicas agree: no such limit
+        assert rounds._catch_up() and rounds.round == 10**9
+    finally:
+        await outer.close()
+        worker.close()
+
+
 async def test_outer_writes_while_forwards_run_never_touch_their_weight_copies():
     """Forwards go on while the worker is frozen; the outer step's weights must land in the
     master parameters, never in the version copies a forward swapped into the module

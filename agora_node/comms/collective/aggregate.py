@@ -13,8 +13,7 @@
 
 Before any of them, contributions whose L2 norm is out of range are refused (and
 counted): above `max_norm_ratio` times the median norm of the span's
-contributions (all of them, weight 0 ones included; only with three or more, so the
-median is not one of two), or
+contributions (only with three or more, so the median is not one of two), or
 above the absolute `max_norm`. A 1000x-scaled delta never reaches the mean.
 Then, with three or more left, contributions pointing away from what the others
 agree on are refused too: the cosine of each with the coordinate-wise median of
@@ -29,18 +28,20 @@ Weights are capped at `max_weight` here, by the reducer, since a sender's claim
 cannot be trusted, and for the robust rules (with three or more claims) at the
 median claim, so one member claiming the most tokens it could have processed
 outweighs nobody (the weighted mean keeps exact token weighting: plain DiLoCo).
-Contributions with weight 0 (warming newcomers) take part in both screens, as
-references, but not in the result, unless every weight is 0, in which case all
-count equally (a group of newcomers still mixes). Dropping them before the screens
-left a group of one counting honest member, some warming ones and a liar with two
-parts and no screen at all.
+Contributions with weight 0 (warming newcomers) are ignored unless every weight
+is 0, in which case all count equally (a group of newcomers still mixes). They are
+no reference for the screens either: a newcomer's delta is legitimately small (it
+joined mid-round, its fresh optimizer is in its lr warmup), and as references they
+set the median norm below the counting members', which were all refused and flagged.
+So a group of one counting member, warming ones and a liar has two parts to screen,
+none, and what bounds the liar there is the adopting replica (`OuterLoop._outer_step`).
 
 CenteredClip starts from the true coordinate-wise median: of an even count, the mean
 of the two middle values. (torch's `median` takes the lower one: of two parts, the
 coordinate-wise minimum, so a liar sending very negative values was the start, at
 distance 0, tau was 0 and the result was the liar's part.) With two parts nothing is
 robust: the median is their mean, and the best the caller can do is bound how far the
-result may lie from its own part (outer.py, `OuterLoop.end_round`).
+result may lie from its own part (outer.py, `OuterLoop._outer_step`).
 """
 
 from __future__ import annotations
@@ -196,18 +197,15 @@ def aggregate(values: list[Tensor], weights: list[float], spec: AggregationSpec)
     if robust and len(claims) >= 3:  # nobody weighs more than the median claim
         median_claim = claims[(len(claims) - 1) // 2]
         capped = [min(w, median_claim) for w in capped]
-    # weight 0 (warming) parts are screened and screen the others, but count only if all are 0
-    counting = {i for i, w in enumerate(capped) if w > 0} or set(range(len(values)))
-    refused = tuple(sorted(norm_outliers(values, spec)))
-    in_range = [i for i in range(len(values)) if i not in refused]
-    if not counting.intersection(in_range):  # nothing that counts in range: no update
+    live = [i for i, w in enumerate(capped) if w > 0] or list(range(len(values)))
+    outliers = norm_outliers([values[i] for i in live], spec)
+    refused = tuple(live[j] for j in sorted(outliers))
+    if len(refused) == len(live):  # nothing in range (only with an absolute bound): no update
         return Aggregate(torch.zeros_like(values[0], dtype=torch.float32), None, refused)
+    in_range = [i for i in live if i not in refused]
     away = direction_outliers([values[i] for i in in_range], spec)
     misdirected = tuple(in_range[j] for j in sorted(away))
-    kept = [(values[i], capped[i]) for i in in_range if i not in misdirected and i in counting]
-    if not kept:  # every part that counts pointed away from the warming ones: no update
-        zeros = torch.zeros_like(values[0], dtype=torch.float32)
-        return Aggregate(zeros, None, refused, misdirected)
+    kept = [(values[i], capped[i]) for i in in_range if i not in misdirected]
     if all(w <= 0 for _, w in kept):  # all newcomers: count everyone equally
         kept = [(v, 1.0) for v, _ in kept]
     if len(kept) == 1:

@@ -122,12 +122,16 @@ class Head:
         leader = compute.leader()  # this head's cell splits the sequence when formed
         c = await compute.forward(leader, mb_id, None, batch)
         header = self._header(mb_id, batch, scale, train=True)
-        reply = await self.pipeline.deliver(header, batch, c)
+        try:
+            reply = await self.pipeline.send(header, batch, c)
+        except BaseException:  # its own forward overflowed (send encodes it first), cancelled
+            await compute.discard(leader, mb_id)
+            raise
         if reply is None:
             await compute.discard(leader, mb_id)
             return None
-        peer, loss, grad = reply
-        await self.pipeline.backward(leader, mb_id, grad, peer)
+        loss, grad = reply
+        await compute.backward(leader, mb_id, grad)
         return loss
 
     def _header(self, mb_id: str, batch: TokenBatch, scale: float, *, train: bool) -> ForwardHeader:

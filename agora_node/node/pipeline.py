@@ -45,7 +45,6 @@ from agora_node.comms.routing import FailureKind, Router, RouterConfig
 from agora_node.compression import ActivationCodec, CodecError, NonFiniteError
 from agora_node.node.canary import Canaries
 from agora_node.node.cell import Cells, Compute, standing_replicas
-from agora_node.node.cell_leader import CellLeader
 from agora_node.node.config import PipelineConfig
 from agora_node.node.gone import GoneWatch
 from agora_node.node.metrics import Metrics
@@ -239,11 +238,7 @@ class Pipeline:
         started: float,
     ) -> bytes:
         if self.worker.stage.is_last:
-            try:
-                loss, grad = await self.compute.last(c_in, tokens, header.loss_scale)
-            except NonFiniteError:  # the worker dropped its gradients; the input was the sender's
-                self.suspects.flag(remote, Reason.NONFINITE, "its activations overflowed backward")
-                raise
+            loss, grad = await self.compute.last(c_in, tokens, header.loss_scale)
             answer = await self._ok(loss, grad)  # raises NonFiniteError before counting "ok"
             self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
             return answer
@@ -251,10 +246,9 @@ class Pipeline:
         leader = self.compute.leader()
         c_out = await self.compute.forward(leader, mb_id, c_in, tokens)
         try:
-            reply = await self.deliver(self._downstream(header, mb_id), tokens, c_out)
-        except NonFiniteError:  # its forward overflowed here (deliver encodes it first)
+            reply = await self.send(self._downstream(header, mb_id), tokens, c_out)
+        except BaseException:  # its forward overflowed here (send encodes it), or cancelled
             await self.compute.discard(leader, mb_id)
-            self.suspects.flag(remote, Reason.NONFINITE, "its activations overflowed forward")
             raise
         if reply is None:
             await self.compute.discard(leader, mb_id)
@@ -262,8 +256,13 @@ class Pipeline:
             return error_response(
                 Status.FAILED, Code.DOWNSTREAM, f"no stage {self.stage + 1} replica answered"
             )
-        peer, loss, grad_out = reply
-        grad_in = await self.backward(leader, mb_id, grad_out, peer)
+        loss, grad_out = reply
+        try:
+            grad_in = await self.compute.backward(leader, mb_id, grad_out)
+        except NonFiniteError as exc:  # the backward overflowed: not the upstream's doing
+            self.events.count_microbatch("dropped")
+            log.info("micro-batch from %s dropped: %s", remote[-8:], exc)
+            return error_response(Status.FAILED, Code.DOWNSTREAM, "its backward overflowed here")
         answer = await self._ok(loss, grad_in)  # raises NonFiniteError before counting "ok"
         self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
         return answer
@@ -274,19 +273,6 @@ class Pipeline:
         used as the worker's key), two upstreams' ids, or one upstream's reused, met at one
         worker, and the second forward replaced the first one's graph."""
         return ForwardHeader(**{**header.__dict__, "stage": self.stage + 1, "mb_id": mb_id})
-
-    async def backward(
-        self, leader: CellLeader | None, mb_id: str, grad: torch.Tensor, peer: str
-    ) -> torch.Tensor | None:
-        """The backward of micro-batch `mb_id` on the gradient `peer` (next stage) answered.
-        One that leaves non-finite gradients (the worker dropped them) flags `peer`: this
-        micro-batch's forward came out finite here, so what overflowed is what the backward
-        added, that gradient."""
-        try:
-            return await self.compute.backward(leader, mb_id, grad)
-        except NonFiniteError:
-            self.suspects.flag(peer, Reason.NONFINITE, "its gradient overflowed backward")
-            raise
 
     async def _admit(
         self, remote: str, data: bytes
@@ -395,14 +381,6 @@ class Pipeline:
         self, header: ForwardHeader, tokens: TokenBatch, c: torch.Tensor
     ) -> tuple[float, torch.Tensor | None] | None:
         """Deliver to a replica of `header.stage`, retrying others; (loss, grad) or None if it can't."""
-        reply = await self.deliver(header, tokens, c)
-        return None if reply is None else reply[1:]
-
-    async def deliver(
-        self, header: ForwardHeader, tokens: TokenBatch, c: torch.Tensor
-    ) -> tuple[str, float, torch.Tensor | None] | None:
-        """`send`, and which replica answered: whom this node's backward on its gradient
-        charges an overflow to (`backward`)."""
         encoded = await self.worker.call(self.codec.encode, c)
         payload = encode_forward(header, tokens.ids, encoded, tokens.docs)
         if header.train:
@@ -429,7 +407,7 @@ class Pipeline:
                 continue
             result = await self._try_peer(peer, header, payload)
             if isinstance(result, tuple):
-                return (peer, *result)
+                return result
             if result == "rejected":
                 rejected_by.add(peer)
                 if len(rejected_by) >= MAX_REJECTIONS:

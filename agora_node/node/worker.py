@@ -55,6 +55,14 @@ MAX_GRAPHS = 16
 device's memory says so: memory.graph_budget); past them it recomputes."""
 
 
+PENDING_TTL_S = 300.0
+"""Seconds a forward waits for its gradient before it is forgotten: above the longest a
+micro-batch may honestly take from here (the pipeline's `deadline_s`, 120 s, plus its last
+try, up to twice `hop_timeout_s`: the guard's 240 s). At 120 s a slow but honest one was
+forgotten after the stages below had stepped on it, and its upstream's retry trained
+them on it twice."""
+
+
 class MicroBatchIdError(Exception):
     """A micro-batch id this worker cannot take: answered as that request's failure (the
     pipeline's FAILED), never a traceback."""
@@ -91,7 +99,7 @@ class StageWorker:
         index: int,
         *,
         max_graphs: int = MAX_GRAPHS,
-        pending_ttl_s: float = 120.0,
+        pending_ttl_s: float = PENDING_TTL_S,
         compute: Compute = CPU,
         predict_weights: bool = False,
         lag_momentum: bool = False,
@@ -300,11 +308,15 @@ class StageWorker:
     ) -> None:
         """After a backward, before it counts: a neighbour's finite but extreme input or
         gradient can overflow here, and a non-finite gradient on the copy made the optimizer
-        skip the whole step, with every honest micro-batch in it, and blamed nobody. So the
-        copy's gradients are dropped as after an out-of-memory, and NonFiniteError tells
-        the pipeline to flag the neighbour. One norm over the copy's gradients is the
-        check the optimizer's step would make (with the step in backward they are already
-        consumed, each one skipped there if not finite)."""
+        skip the whole step, with every micro-batch in it. So the copy's gradients are
+        dropped as after an out-of-memory (the micro-batches finished on that version since
+        the step are lost with them, as before; the step goes on) and NonFiniteError ends
+        this micro-batch. Nobody is flagged for it: the overflow may come from this stage's
+        own weights, or from a gradient two hops away, as much as from the neighbour (a
+        flag on the downstream replica banned honest ones). One norm over the copy's
+        gradients is the check the optimizer's step would make. With the step in backward
+        the hooks consumed them already: only the input gradient and the loss are checked,
+        and the optimizer skips what is not finite itself."""
         grads = [p.grad for p in params.values() if p.grad is not None]
         finite = math.isfinite(loss) and (grad_in is None or bool(torch.isfinite(grad_in).all()))
         if finite and grads:
@@ -364,6 +376,7 @@ class StageWorker:
                     self.optimizer.step_param(self._master_of[name], grad)
             else:
                 copy.grad = grad.clone() if copy.grad is None else copy.grad.add_(grad)
+        self._check_finite(version, params, None)  # a cell's sums are checked as a backward's
         self._finish(version, params, tokens)
         self._completed(tokens, compute_s)
 

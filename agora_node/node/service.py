@@ -15,6 +15,7 @@ service, open the next"; leaving is "drain, checkpoint, close".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -113,6 +114,9 @@ class StageService:
         )
         self.final_val_loss: float | None = None
         self._stop = asyncio.Event()
+        self._checkpointing = asyncio.Lock()
+        self._saving: asyncio.Future | None = None
+        """The last checkpoint's write (a thread that a cancelled save leaves running)."""
         self._loops = Loops(on_failure, quiet=self._stop.is_set)
         self._head: asyncio.Task | None = None
         self._rounds: asyncio.Task | None = None
@@ -260,18 +264,31 @@ class StageService:
 
     # ---- state ------------------------------------------------------------------------
     async def checkpoint(self) -> str:
-        async with self.rounds.consistent():
-            state = await self.worker.call(self.worker.state_dict)
-            state["outer"] = self.rounds.state_dict()
-        info = await asyncio.to_thread(
-            save_checkpoint,
-            self.ctx.checkpoint_dir(self.index),
-            run_id=self.ctx.manifest.run_id,
-            stage=self.index,
-            step=self.worker.optimizer.steps,
-            state=state,
-            peer_id=self.ctx.peer_id,
-        )
+        """Save the stage's state as its newest checkpoint; the path.
+
+        Checkpoints are ordered by when they are saved (checkpoint.py), so one save's
+        snapshot and write come before the next one's: a periodic save cut by the leave
+        (its task cancelled, its writing thread not) still lands before the leave's
+        newer snapshot, never after it."""
+        async with self._checkpointing:
+            if self._saving is not None:  # a cancelled save's thread: let it land first
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._saving)
+            async with self.rounds.consistent():
+                state = await self.worker.call(self.worker.state_dict)
+                state["outer"] = self.rounds.state_dict()
+            self._saving = asyncio.ensure_future(
+                asyncio.to_thread(
+                    save_checkpoint,
+                    self.ctx.checkpoint_dir(self.index),
+                    run_id=self.ctx.manifest.run_id,
+                    stage=self.index,
+                    step=self.worker.optimizer.steps,
+                    state=state,
+                    peer_id=self.ctx.peer_id,
+                )
+            )
+            info = await asyncio.shield(self._saving)
         log.info("checkpoint saved: %s", info.path)
         return str(info.path)
 

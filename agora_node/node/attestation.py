@@ -113,21 +113,31 @@ def plan_sources(replicas: Sequence[NodeRecord], exclude: Iterable[str] = ()) ->
 
 
 MIN_VOTES_OVER_CHECKPOINT = 2
-"""Replicas that must attest a newer round before a node leaves its own checkpoint for it."""
+"""Replicas that must attest a newer round before a node leaves its own fresh checkpoint
+for it."""
+FRESH_CHECKPOINT_S = 900.0
+"""A checkpoint at most this old (three of the default 300 s saves) is fresh: a node
+restarted after a crash, whose replicas cannot be far ahead of it."""
 
 
-def prefer_replicas(plan: SourcePlan, checkpoint_round: int | None) -> bool:
+def prefer_replicas(
+    plan: SourcePlan, checkpoint_round: int | None, checkpoint_age_s: float = 0.0
+) -> bool:
     """Fetch from replicas rather than resume the own checkpoint? Only when a strict
     majority attests a round newer than the checkpoint's (or there is no checkpoint),
-    and that majority is more than one replica: the only other live replica of a stage
-    of two may be a stranger, whose word alone must not replace a state this node wrote
-    itself (a stranger attesting `checkpoint_round + 1` had its self-consistent weights
-    adopted; outer rounds likewise never let one other replica outvote this one)."""
+    and, when the checkpoint is fresh, that majority is more than one replica: the only
+    other live replica of a stage of two may be a stranger, whose word alone must not
+    replace a state this node wrote minutes ago (a stranger attesting
+    `checkpoint_round + 1` had its self-consistent weights adopted). A checkpoint older
+    than FRESH_CHECKPOINT_S gives way to one replica's newer state: after a long absence
+    the stage moved on, and resuming the old state, then mixing it with the replica's,
+    dragged that replica back toward it."""
     if plan.majority is None:
         return False
     if checkpoint_round is None:
         return True
-    return plan.majority.round > checkpoint_round and plan.votes >= MIN_VOTES_OVER_CHECKPOINT
+    enough = plan.votes >= MIN_VOTES_OVER_CHECKPOINT or checkpoint_age_s > FRESH_CHECKPOINT_S
+    return plan.majority.round > checkpoint_round and enough
 
 
 class Verdict:

@@ -3,6 +3,7 @@ network replaced by in-memory sources (real daemons: tests/integration/test_stat
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,6 +175,11 @@ async def test_own_checkpoint_wins_unless_a_majority_attests_a_newer_round(
     records = [_record("p1", newer), _record("p2", newer)]
     loaded = await joining.load_state(_Ctx(m, tmp_path, records), worker)
     assert loaded.origin["kind"] == "replica" and len(asked) == 1
+    # An old checkpoint (the node was away an hour) gives way to the one replica's word.
+    for f in (tmp_path / f"stage-{STAGE}").iterdir():
+        os.utime(f, (time.time() - 3600, time.time() - 3600))
+    loaded = await joining.load_state(_Ctx(m, tmp_path, [_record("p1", newer)]), worker)
+    assert loaded.origin["kind"] == "replica" and asked[-1] == "p1"
 
 
 async def test_the_search_is_bounded_in_time_then_falls_back_to_init(

@@ -368,17 +368,19 @@ class OuterRounds:
         return True
 
     def _catch_up(self) -> bool:
-        """Jump to the round the stage's replicas are in; whether the round changed. On the
-        word of one other replica alone, once per round this one ended: the round loop
-        asks again at once after a jump, so a stranger announcing a far round took it
-        MAX_SOLE_JUMP rounds at a time, a million a second, ending no round on the way."""
+        """Jump to the round the stage's replicas are in; whether the round changed. A jump
+        that one other replica's word alone takes MAX_SOLE_JUMP rounds (cut short) happens
+        once per round this one ended: the round loop asks again at once after a jump, so a
+        stranger announcing a far round took it there a million rounds a second, ending no
+        round on the way. A jump to the round announced is never held back (a replica that
+        lagged one round behind its only partner, then another, re-joins it at once)."""
         rounds = announced(self.replica_rounds())
         target = target_round(self.round, rounds)
         if target <= self.round:
             return False
-        if len(rounds) == 1:
+        if len(rounds) == 1 and target == self.round + MAX_SOLE_JUMP:  # a jump cut short
             if self.round == self._sole_jump_to:
-                return False  # no round ended since the last jump on one replica's word
+                return False  # no round ended since the last one
             self._sole_jump_to = target
         log.info("outer round %d -> %d to meet this stage's replicas", self.round, target)
         self.outer.state.round = target

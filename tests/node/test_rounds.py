@@ -238,6 +238,10 @@ async def test_one_other_replicas_word_moves_this_one_once_per_round_ended():
         assert rounds._catch_up() and rounds.round == 2 * MAX_SOLE_JUMP + 1
         others[:] = [10**9, 10**9 + 1]  # two replicas agree: no such limit
         assert rounds._catch_up() and rounds.round == 10**9
+        others[:] = [10**9 + 1]  # the only partner moved on: followed at once, again
+        assert rounds._catch_up() and rounds.round == 10**9 + 1
+        others[:] = [10**9 + 2]
+        assert rounds._catch_up() and rounds.round == 10**9 + 2
     finally:
         await outer.close()
         worker.close()

@@ -84,9 +84,9 @@ RECENT_ROUNDS = 20
 MIX_NORM_RATIO = 10.0
 """A mixed pseudo-gradient longer than this times the own delta (scaled to a full round's
 tokens) is refused (`OuterLoop._outer_step`)."""
-ANCHOR_PULL_STEPS = 4.0
-"""Steady outer steps a mixed anchor may pull this replica's anchor in one round
-(`OuterLoop._outer_step`)."""
+ANCHOR_PULL_STEPS = 2.0
+"""Of this replica's own outer steps, how far a mixed anchor may pull its anchor in one
+round (`OuterLoop._outer_step`)."""
 
 
 @dataclass
@@ -344,27 +344,35 @@ class OuterLoop:
           anchor and take as many steps at one learning rate, so their norms differ by far
           less (a reducer refuses a part above 10x its span's median on the same reasoning,
           and a mean of parts is no longer than the longest). Else its own delta is used;
-        - the mixed anchor may pull this replica's anchor at most `ANCHOR_PULL_STEPS` (4)
-          outer steps (lr / (1 - momentum) times its own delta: what a round moves the
-          anchor in steady state), the mixed momentum as many steady momenta; a longer
-          pull is cut to that length, in its direction. Honest anchors differ by a step or
-          two (a round mixed alone); those that drifted further apart (a partition, a
-          restart from an old checkpoint) close the gap by that much a round from each
-          side instead of at once, and a liar moves an honest anchor no further.
+        - the mixed anchor may pull this replica's anchor at most `ANCHOR_PULL_STEPS` (2)
+          of its own outer steps (lr x (|own delta| + momentum x |own momentum|): how far
+          its own step can move the anchor this round), the mixed momentum as far in its
+          own units; a longer pull is cut to that length, in its direction. Honest anchors
+          differ by about a step (a round mixed alone, groups that mixed apart: none was cut
+          in the gossip benchmark); those that drifted further apart (a partition, a
+          restart from an old checkpoint) close the gap by that much a round from each side
+          instead of at once. A liar in a group of two moves an honest anchor no further a
+          round, which is still as far as its training does (two members cannot be made
+          robust: the replica only bounds the rate);
+        - a replica without a finite own delta (no steps) has no measure: it takes neither
+          the mixed delta nor the anchor this round.
 
         What was refused or cut is logged in one warning."""
         state = self.state
         notes: list[str] = []
         own = flat_norm(delta) * self._shortfall(tokens)  # a full round's own delta
+        if not (math.isfinite(own) and own > 0):
+            if mixed is not delta or anchor is not None:
+                notes.append("took nothing from its group (no own delta to measure it by)")
+            mixed, anchor, momentum = delta, None, None
         if mixed is not delta:
-            limit = MIX_NORM_RATIO * own if own > 0 else flat_norm(state.anchor)
             got = flat_norm(mixed)
-            if not (math.isfinite(got) and got <= limit):
+            if not (math.isfinite(got) and got <= MIX_NORM_RATIO * own):
                 notes.append(f"refused the mixed pseudo-gradient (norm {got:.3g}, own {own:.3g})")
                 mixed = delta
         if anchor is not None:
-            steady = own / max(1 - state.mu, 1e-3)  # the outer momentum a steady run holds
-            reach = ANCHOR_PULL_STEPS * state.lr * steady
+            step = own + state.mu * flat_norm(state.momentum)  # its own step, over lr
+            reach = ANCHOR_PULL_STEPS * state.lr * step
             anchor, far = within(anchor, state.anchor, reach)
             if anchor is None:
                 notes.append("refused the mixed anchor (not finite)")
@@ -372,10 +380,10 @@ class OuterLoop:
             elif far > reach:
                 notes.append(f"cut the mixed anchor's pull from {far:.3g} to {reach:.3g}")
             if momentum is not None:
-                momentum, far = within(momentum, state.momentum, ANCHOR_PULL_STEPS * steady)
+                momentum, far = within(momentum, state.momentum, ANCHOR_PULL_STEPS * step)
                 if momentum is None:
                     notes.append("refused the mixed momentum (not finite)")
-                elif far > ANCHOR_PULL_STEPS * steady:
+                elif far > ANCHOR_PULL_STEPS * step:
                     notes.append(f"cut the mixed momentum's pull from {far:.3g}")
         if notes:
             log.warning(

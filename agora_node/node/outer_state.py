@@ -209,9 +209,10 @@ class OuterState:
             base = mixed_anchor.float()
         elif mixed_anchor is not None:
             grad = mixed_delta + (self.anchor - mixed_anchor.float()) * (consensus / self.lr)
-        if mixed_momentum is not None:
-            self.momentum = mixed_momentum.float().clone()
-        self.momentum.mul_(self.mu).add_(grad)
+        start = self.momentum if mixed_momentum is None else mixed_momentum.float()
+        # out of place: a snapshot taken meanwhile on the event loop (a checkpoint while a
+        # cancelled round's step runs on in its thread) reads the old momentum, whole
+        self.momentum = start * self.mu + grad
         self.anchor = base - self.lr * (grad + self.mu * self.momentum)
         self.round += 1
         self.anchor_round = self.round

@@ -123,8 +123,8 @@ def test_a_liars_huge_anchor_in_a_group_of_two_is_cut_to_a_few_steps(caplog) -> 
 def test_a_mixed_anchor_pulls_at_most_a_few_own_steps() -> None:
     """A finite anchor near minus the honest one (the mean of the two is about 0): with a
     bound of the anchor's own norm it was adopted, the weights wiped in one round. Now the
-    pull is cut to ANCHOR_PULL_STEPS steady outer steps of this replica's own delta, in its
-    direction; the step from there is the one it would have taken."""
+    pull is cut to ANCHOR_PULL_STEPS of this replica's own outer steps, in its direction;
+    the step from there is the one it would have taken."""
     import copy
 
     from agora_node.node import outer
@@ -133,12 +133,14 @@ def test_a_mixed_anchor_pulls_at_most_a_few_own_steps() -> None:
     state = loop.state
     delta = 1e-4 * torch.randn(state.numel, generator=torch.Generator().manual_seed(4))
     liar_mean = -0.999 * state.anchor
+    state.momentum += 1e-4  # a run under way: its own step includes its momentum's
+    own_step = float(delta.double().norm()) + state.mu * float(state.momentum.double().norm())
+    reach = outer.ANCHOR_PULL_STEPS * state.lr * own_step
     alone = copy.deepcopy(state)
-    own_step = alone.step(delta)
+    stepped = alone.step(delta)
     new, applied = loop._outer_step(0, delta, delta, liar_mean, None, tokens=10**9)
-    reach = outer.ANCHOR_PULL_STEPS * state.lr / (1 - state.mu) * float(delta.double().norm())
     assert applied is delta
-    assert float((new - own_step).double().norm()) == pytest.approx(reach, rel=1e-4)
+    assert float((new - stepped).double().norm()) == pytest.approx(reach, rel=1e-4)
     assert reach < 0.1 * float(alone.anchor.norm())
 
 
@@ -196,3 +198,14 @@ def test_honest_pairs_never_refuse_each_other(caplog) -> None:
     assert not _warnings(caplog)
     assert torch.equal(loops[0].state.anchor, loops[1].state.anchor)
     assert math.isfinite(float(loops[0].state.anchor.norm()))
+
+
+def test_a_replica_without_an_own_delta_takes_nothing_from_its_group() -> None:
+    """With no own steps it has no measure: a liar's 0.99x anchor as the mixed delta was
+    taken (the bound fell back to the anchor's norm) and the anchor dropped to a third."""
+    (loop,) = swarm(1, config())
+    state = loop.state
+    before = state.anchor.clone()
+    zero = torch.zeros(state.numel)
+    new, applied = loop._outer_step(0, zero, 0.99 * before, -before, None, tokens=10**9)
+    assert applied is zero and torch.equal(new, before)

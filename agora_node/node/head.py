@@ -124,14 +124,14 @@ class Head:
         header = self._header(mb_id, batch, scale, train=True)
         try:
             reply = await self.pipeline.send(header, batch, c)
-        except BaseException:  # its own forward overflowed (send encodes it first), cancelled
-            await compute.discard(leader, mb_id)
+            if reply is None:
+                await compute.discard(leader, mb_id)
+                return None
+            loss, grad = reply
+            await compute.backward(leader, mb_id, grad)
+        except BaseException:  # its forward overflowed (send encodes it first), cancelled
+            await self.pipeline.forget(leader, mb_id)
             raise
-        if reply is None:
-            await compute.discard(leader, mb_id)
-            return None
-        loss, grad = reply
-        await compute.backward(leader, mb_id, grad)
         return loss
 
     def _header(self, mb_id: str, batch: TokenBatch, scale: float, *, train: bool) -> ForwardHeader:

@@ -16,6 +16,7 @@ validation are in head.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -45,6 +46,7 @@ from agora_node.comms.routing import FailureKind, Router, RouterConfig
 from agora_node.compression import ActivationCodec, CodecError, NonFiniteError
 from agora_node.node.canary import Canaries
 from agora_node.node.cell import Cells, Compute, standing_replicas
+from agora_node.node.cell_leader import CellLeader
 from agora_node.node.config import PipelineConfig
 from agora_node.node.gone import GoneWatch
 from agora_node.node.metrics import Metrics
@@ -248,7 +250,7 @@ class Pipeline:
         try:
             reply = await self.send(self._downstream(header, mb_id), tokens, c_out)
         except BaseException:  # its forward overflowed here (send encodes it), or cancelled
-            await self.compute.discard(leader, mb_id)
+            await self.forget(leader, mb_id)
             raise
         if reply is None:
             await self.compute.discard(leader, mb_id)
@@ -260,12 +262,23 @@ class Pipeline:
         try:
             grad_in = await self.compute.backward(leader, mb_id, grad_out)
         except NonFiniteError as exc:  # the backward overflowed: not the upstream's doing
+            await self.forget(leader, mb_id)
             self.events.count_microbatch("dropped")
             log.info("micro-batch from %s dropped: %s", remote[-8:], exc)
             return error_response(Status.FAILED, Code.DOWNSTREAM, "its backward overflowed here")
+        except BaseException:  # cancelled (the guard's deadline, a leave) before it ran
+            await self.forget(leader, mb_id)
+            raise
         answer = await self._ok(loss, grad_in)  # raises NonFiniteError before counting "ok"
         self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
         return answer
+
+    async def forget(self, leader: CellLeader | None, mb_id: str) -> None:
+        """Drop what this node holds of micro-batch `mb_id` (its graph), whatever ended it;
+        a worker already closed (shutting down) has nothing to drop, and the error that
+        ended the micro-batch is the one to report."""
+        with contextlib.suppress(Exception):
+            await self.compute.discard(leader, mb_id)
 
     def _downstream(self, header: ForwardHeader, mb_id: str) -> ForwardHeader:
         """`header` for the next stage, under `mb_id`, an id of this hop's own. The id an

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import string
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from agora_node.protocol.records import NodeRecord, NodeState
@@ -113,30 +113,28 @@ def plan_sources(replicas: Sequence[NodeRecord], exclude: Iterable[str] = ()) ->
 
 
 MIN_VOTES_OVER_CHECKPOINT = 2
-"""Replicas that must attest a newer round before a node leaves its own fresh checkpoint
-for it."""
-FRESH_CHECKPOINT_S = 900.0
-"""A checkpoint at most this old (three of the default 300 s saves) is fresh: a node
-restarted after a crash, whose replicas cannot be far ahead of it."""
+"""Replicas that must attest a newer round before a node leaves its own checkpoint for it,
+unless they were its partners when it saved it."""
 
 
 def prefer_replicas(
-    plan: SourcePlan, checkpoint_round: int | None, checkpoint_age_s: float = 0.0
+    plan: SourcePlan, checkpoint_round: int | None, partners: Collection[str] = ()
 ) -> bool:
     """Fetch from replicas rather than resume the own checkpoint? Only when a strict
     majority attests a round newer than the checkpoint's (or there is no checkpoint),
-    and, when the checkpoint is fresh, that majority is more than one replica: the only
-    other live replica of a stage of two may be a stranger, whose word alone must not
-    replace a state this node wrote minutes ago (a stranger attesting
-    `checkpoint_round + 1` had its self-consistent weights adopted). A checkpoint older
-    than FRESH_CHECKPOINT_S gives way to one replica's newer state: after a long absence
-    the stage moved on, and resuming the old state, then mixing it with the replica's,
-    dragged that replica back toward it."""
+    and that majority is more than one replica, or its one replica was among this
+    node's `partners` (the stage's other replicas when the checkpoint was saved). The
+    only other live replica of a stage of two may be a stranger, whose word alone must
+    not replace a state this node wrote itself (one attesting `checkpoint_round + 1` had
+    its self-consistent weights adopted); but a partner of before is who trained on while
+    this node was away, and resuming the old state instead, then mixing it with the
+    partner's, dragged the partner back toward it."""
     if plan.majority is None:
         return False
     if checkpoint_round is None:
         return True
-    enough = plan.votes >= MIN_VOTES_OVER_CHECKPOINT or checkpoint_age_s > FRESH_CHECKPOINT_S
+    known = bool(plan.sources) and set(plan.sources) <= set(partners)
+    enough = plan.votes >= MIN_VOTES_OVER_CHECKPOINT or known
     return plan.majority.round > checkpoint_round and enough
 
 

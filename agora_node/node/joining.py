@@ -20,7 +20,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -244,7 +243,7 @@ async def _from_replicas(
     worker: StageWorker,
     search: _Search,
     checkpoint_round: int | None = None,
-    checkpoint_age_s: float = 0.0,
+    partners: frozenset[str] = frozenset(),
 ) -> LoadedState | None:
     """The state a strict majority of the stage's live replicas attest, adopted into
     `worker`, or None (no majority, none newer than `checkpoint_round`, every source
@@ -268,7 +267,7 @@ async def _from_replicas(
             search.replicas, exclude=set(search.rejected) | stale | banned
         )
         search.plan = plan
-        prefer = attestation.prefer_replicas(plan, checkpoint_round, checkpoint_age_s)
+        prefer = attestation.prefer_replicas(plan, checkpoint_round, partners)
         if checkpoint_round is not None and not prefer:
             return None  # no majority attests a round newer than the own checkpoint's
         if plan.majority is not None and not plan.sources and not stale:
@@ -329,9 +328,9 @@ async def load_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState:
         peer_id=ctx.peer_id,  # never another identity's (nodes sharing a data dir)
     )
     checkpoint_round = _checkpoint_round(found[1]) if found is not None else None
-    age_s = _age_s(found[0].path) if found is not None else 0.0
+    partners = _partners(found[1]) if found is not None else frozenset()
     search = _Search(ctx.config.state_deadline_s)
-    adopted = await _from_replicas(ctx, worker, search, checkpoint_round, age_s)
+    adopted = await _from_replicas(ctx, worker, search, checkpoint_round, partners)
     if adopted is not None:
         return adopted
     plan, rejected, unavailable = search.plan, search.rejected, search.unavailable
@@ -444,12 +443,18 @@ async def _adopt(
     return LoadedState(outer, True, origin)
 
 
-def _age_s(path: Path) -> float:
-    """Seconds since the checkpoint at `path` was written (0 when that cannot be read)."""
-    try:
-        return max(0.0, time.time() - path.stat().st_mtime)
-    except OSError:
-        return 0.0
+MAX_PARTNERS = 4096
+"""Partner ids a checkpoint may name (more are ignored: the file is this node's own, but
+bounded all the same)."""
+
+
+def _partners(state: dict[str, Any]) -> frozenset[str]:
+    """The stage's other replicas when the checkpoint was saved (none in one written before
+    the field existed)."""
+    ids = state.get("replicas")
+    if not isinstance(ids, list):
+        return frozenset()
+    return frozenset(p for p in ids[:MAX_PARTNERS] if isinstance(p, str))
 
 
 def _checkpoint_round(state: dict[str, Any]) -> int:

@@ -277,6 +277,9 @@ class StageService:
             async with self.rounds.consistent():
                 state = await self.worker.call(self.worker.state_dict)
                 state["outer"] = self.rounds.state_dict()
+            # its partners: whose word alone may replace this state at a restart (joining)
+            ids = self.rounds.replica_ids
+            state["replicas"] = sorted(ids()) if ids is not None else []
             self._saving = asyncio.ensure_future(
                 asyncio.to_thread(
                     save_checkpoint,

@@ -4,7 +4,6 @@ import pytest
 
 from agora_node.node import attestation
 from agora_node.node.attestation import (
-    FRESH_CHECKPOINT_S,
     Verdict,
     check,
     live_replicas,
@@ -114,9 +113,10 @@ def test_one_replica_alone_never_replaces_the_own_checkpoint():
     assert not prefer_replicas(alone, 6)
     assert prefer_replicas(alone, None)
     assert prefer_replicas(plan_sources([rec("p1", round_no=7), rec("p2", round_no=7)]), 6)
-    # an old checkpoint (a long absence) gives way: resumed, it dragged the replica back
-    assert prefer_replicas(alone, 6, checkpoint_age_s=FRESH_CHECKPOINT_S + 1)
-    assert not prefer_replicas(alone, 7, checkpoint_age_s=FRESH_CHECKPOINT_S + 1)
+    # a partner of when the checkpoint was saved is believed: it trained on meanwhile
+    assert prefer_replicas(alone, 6, partners={"p1"})
+    assert not prefer_replicas(alone, 6, partners={"p2"})
+    assert not prefer_replicas(alone, 7, partners={"p1"})
 
 
 def test_a_source_ahead_of_the_attestations_is_stale_not_adopted():

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 class _Rounds:
     def __init__(self) -> None:
         self.value = 0.0
+        self.replica_ids = lambda: ["partner"]
 
     @contextlib.asynccontextmanager
     async def consistent(self):  # noqa: ANN201
@@ -79,4 +80,4 @@ def test_a_cancelled_save_lands_before_the_next_snapshot(tmp_path, monkeypatch):
 
     asyncio.run(play())
     _, loaded = checkpoint.load_latest_checkpoint(tmp_path, run_id="r", stage=0)
-    assert float(loaded["w"]) == 1.0
+    assert float(loaded["w"]) == 1.0 and loaded["replicas"] == ["partner"]

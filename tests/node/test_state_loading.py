@@ -3,7 +3,6 @@ network replaced by in-memory sources (real daemons: tests/integration/test_stat
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,9 +174,10 @@ async def test_own_checkpoint_wins_unless_a_majority_attests_a_newer_round(
     records = [_record("p1", newer), _record("p2", newer)]
     loaded = await joining.load_state(_Ctx(m, tmp_path, records), worker)
     assert loaded.origin["kind"] == "replica" and len(asked) == 1
-    # An old checkpoint (the node was away an hour) gives way to the one replica's word.
-    for f in (tmp_path / f"stage-{STAGE}").iterdir():
-        os.utime(f, (time.time() - 3600, time.time() - 3600))
+    # A partner of when the checkpoint was saved: its word alone is believed (it trained
+    # on while this node was away; resuming the old state dragged it back).
+    state["replicas"] = ["p1"]
+    save_checkpoint(tmp_path / f"stage-{STAGE}", **{**ckpt, "state": state})
     loaded = await joining.load_state(_Ctx(m, tmp_path, [_record("p1", newer)]), worker)
     assert loaded.origin["kind"] == "replica" and asked[-1] == "p1"
 

@@ -117,13 +117,22 @@ MIN_VOTES_OVER_CHECKPOINT = 2
 unless they were its partners when it saved it."""
 
 
+AWAY_S = 900.0
+"""How long a node must have been away (since its checkpoint was saved) before one partner's
+word may replace it: a restart after a crash resumes its own."""
+
+
 def prefer_replicas(
-    plan: SourcePlan, checkpoint_round: int | None, partners: Collection[str] = ()
+    plan: SourcePlan,
+    checkpoint_round: int | None,
+    partners: Collection[str] = (),
+    away_s: float = 0.0,
 ) -> bool:
     """Fetch from replicas rather than resume the own checkpoint? Only when a strict
     majority attests a round newer than the checkpoint's (or there is no checkpoint),
     and that majority is more than one replica, or its one replica was among this
-    node's `partners` (the stage's other replicas when the checkpoint was saved). The
+    node's `partners` (the stage's other replicas when the checkpoint was saved) and the
+    node was away more than AWAY_S (`away_s`, since the save). The
     only other live replica of a stage of two may be a stranger, whose word alone must
     not replace a state this node wrote itself (one attesting `checkpoint_round + 1` had
     its self-consistent weights adopted); but a partner of before is who trained on while
@@ -133,7 +142,7 @@ def prefer_replicas(
         return False
     if checkpoint_round is None:
         return True
-    known = bool(plan.sources) and set(plan.sources) <= set(partners)
+    known = bool(plan.sources) and set(plan.sources) <= set(partners) and away_s > AWAY_S
     enough = plan.votes >= MIN_VOTES_OVER_CHECKPOINT or known
     return plan.majority.round > checkpoint_round and enough
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -244,6 +245,7 @@ async def _from_replicas(
     search: _Search,
     checkpoint_round: int | None = None,
     partners: frozenset[str] = frozenset(),
+    away_s: float = 0.0,
 ) -> LoadedState | None:
     """The state a strict majority of the stage's live replicas attest, adopted into
     `worker`, or None (no majority, none newer than `checkpoint_round`, every source
@@ -267,7 +269,7 @@ async def _from_replicas(
             search.replicas, exclude=set(search.rejected) | stale | banned
         )
         search.plan = plan
-        prefer = attestation.prefer_replicas(plan, checkpoint_round, partners)
+        prefer = attestation.prefer_replicas(plan, checkpoint_round, partners, away_s)
         if checkpoint_round is not None and not prefer:
             return None  # no majority attests a round newer than the own checkpoint's
         if plan.majority is not None and not plan.sources and not stale:
@@ -329,8 +331,9 @@ async def load_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState:
     )
     checkpoint_round = _checkpoint_round(found[1]) if found is not None else None
     partners = _partners(found[1]) if found is not None else frozenset()
+    away_s = _away_s(found[1]) if found is not None else 0.0
     search = _Search(ctx.config.state_deadline_s)
-    adopted = await _from_replicas(ctx, worker, search, checkpoint_round, partners)
+    adopted = await _from_replicas(ctx, worker, search, checkpoint_round, partners, away_s)
     if adopted is not None:
         return adopted
     plan, rejected, unavailable = search.plan, search.rejected, search.unavailable
@@ -455,6 +458,15 @@ def _partners(state: dict[str, Any]) -> frozenset[str]:
     if not isinstance(ids, list):
         return frozenset()
     return frozenset(p for p in ids[:MAX_PARTNERS] if isinstance(p, str))
+
+
+def _away_s(state: dict[str, Any]) -> float:
+    """Seconds since the checkpoint was saved, by the time it records (0 when it records
+    none, or one not in the past: a clock set back reads as a fresh checkpoint)."""
+    saved = state.get("saved_at")
+    if isinstance(saved, bool) or not isinstance(saved, (int, float)) or not math.isfinite(saved):
+        return 0.0
+    return max(0.0, time.time() - saved)
 
 
 def _checkpoint_round(state: dict[str, Any]) -> int:

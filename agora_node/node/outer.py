@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from agora_node.comms.collective import (
@@ -361,7 +362,11 @@ class OuterLoop:
         state = self.state
         notes: list[str] = []
         own = flat_norm(delta) * self._shortfall(tokens)  # a full round's own delta
-        if not (math.isfinite(own) and own > 0):
+        if not math.isfinite(own):  # its inner steps went wrong: they are not stepped in
+            notes.append("stepped without its own delta (not finite)")
+            delta = torch.zeros_like(delta)
+            own = 0.0
+        if not own > 0:
             if mixed is not delta or anchor is not None:
                 notes.append("took nothing from its group (no own delta to measure it by)")
             mixed, anchor, momentum = delta, None, None
@@ -371,7 +376,10 @@ class OuterLoop:
                 notes.append(f"refused the mixed pseudo-gradient (norm {got:.3g}, own {own:.3g})")
                 mixed = delta
         if anchor is not None:
-            step = own + state.mu * flat_norm(state.momentum)  # its own step, over lr
+            held = flat_norm(state.momentum)
+            if state.warming:  # a joiner's momentum may be reset (unattested): a run's, then
+                held = max(held, own / max(1 - state.mu, 1e-3))
+            step = own + state.mu * held  # its own step, over lr
             reach = ANCHOR_PULL_STEPS * state.lr * step
             anchor, far = within(anchor, state.anchor, reach)
             if anchor is None:

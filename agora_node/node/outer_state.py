@@ -210,10 +210,12 @@ class OuterState:
         elif mixed_anchor is not None:
             grad = mixed_delta + (self.anchor - mixed_anchor.float()) * (consensus / self.lr)
         start = self.momentum if mixed_momentum is None else mixed_momentum.float()
-        # out of place: a snapshot taken meanwhile on the event loop (a checkpoint while a
-        # cancelled round's step runs on in its thread) reads the old momentum, whole
-        self.momentum = start * self.mu + grad
-        self.anchor = base - self.lr * (grad + self.mu * self.momentum)
+        # out of place, assigned together: a snapshot taken meanwhile on the event loop (a
+        # checkpoint while a cancelled round's step runs on in its thread) reads the old
+        # pair, whole, or the new one
+        momentum = torch.add(grad, start, alpha=self.mu)
+        anchor = base - self.lr * (grad + self.mu * momentum)
+        self.anchor, self.momentum = anchor, momentum
         self.round += 1
         self.anchor_round = self.round
         self.warming = False

@@ -89,6 +89,10 @@ def announced(replica_rounds: Iterable[int]) -> list[int]:
     )
 
 
+SOLE_NEAR = 2
+"""Rounds one other replica's word moves this one at any time (`OuterRounds._catch_up`)."""
+
+
 def target_round(own: int, replica_rounds: Iterable[int]) -> int:
     """The round to be in: the highest round that a strict majority of this stage's other
     active replicas announce (each announces its own round; r counts for every round <= r),
@@ -369,16 +373,16 @@ class OuterRounds:
 
     def _catch_up(self) -> bool:
         """Jump to the round the stage's replicas are in; whether the round changed. A jump
-        that one other replica's word alone takes MAX_SOLE_JUMP rounds (cut short) happens
-        once per round this one ended: the round loop asks again at once after a jump, so a
-        stranger announcing a far round took it there a million rounds a second, ending no
-        round on the way. A jump to the round announced is never held back (a replica that
-        lagged one round behind its only partner, then another, re-joins it at once)."""
+        of more than SOLE_NEAR rounds on one other replica's word alone happens once per
+        round this one ended: the round loop asks again at once after a jump, so a stranger
+        announcing a far round took it there a million rounds a second, ending no round on
+        the way. A near one is never held back (a replica that lagged a round behind its
+        only partner, then another, re-joins it at once)."""
         rounds = announced(self.replica_rounds())
         target = target_round(self.round, rounds)
         if target <= self.round:
             return False
-        if len(rounds) == 1 and target == self.round + MAX_SOLE_JUMP:  # a jump cut short
+        if len(rounds) == 1 and target - self.round > SOLE_NEAR:  # a far jump on one word
             if self.round == self._sole_jump_to:
                 return False  # no round ended since the last one
             self._sole_jump_to = target

@@ -277,9 +277,12 @@ class StageService:
             async with self.rounds.consistent():
                 state = await self.worker.call(self.worker.state_dict)
                 state["outer"] = self.rounds.state_dict()
-            # its partners: whose word alone may replace this state at a restart (joining)
-            ids = self.rounds.replica_ids
-            state["replicas"] = sorted(ids()) if ids is not None else []
+            # its partners: whose word alone may replace this state at a restart (joining):
+            # the stage's other peers, cell helpers included, none that this node banned
+            suspects = self.ctx.suspects
+            partners = [p for p in self.ctx.peers_of(self.index) if not suspects.is_banned(p)]
+            state["replicas"] = sorted(set(partners) - {self.ctx.peer_id})
+            state["saved_at"] = time.time()
             self._saving = asyncio.ensure_future(
                 asyncio.to_thread(
                     save_checkpoint,

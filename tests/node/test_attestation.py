@@ -113,10 +113,13 @@ def test_one_replica_alone_never_replaces_the_own_checkpoint():
     assert not prefer_replicas(alone, 6)
     assert prefer_replicas(alone, None)
     assert prefer_replicas(plan_sources([rec("p1", round_no=7), rec("p2", round_no=7)]), 6)
-    # a partner of when the checkpoint was saved is believed: it trained on meanwhile
-    assert prefer_replicas(alone, 6, partners={"p1"})
-    assert not prefer_replicas(alone, 6, partners={"p2"})
-    assert not prefer_replicas(alone, 7, partners={"p1"})
+    # a partner of when the checkpoint was saved is believed after a long absence (it
+    # trained on meanwhile); a restart after a crash resumes its own
+    away = attestation.AWAY_S + 1
+    assert prefer_replicas(alone, 6, partners={"p1"}, away_s=away)
+    assert not prefer_replicas(alone, 6, partners={"p1"}, away_s=60)
+    assert not prefer_replicas(alone, 6, partners={"p2"}, away_s=away)
+    assert not prefer_replicas(alone, 7, partners={"p1"}, away_s=away)
 
 
 def test_a_source_ahead_of_the_attestations_is_stale_not_adopted():

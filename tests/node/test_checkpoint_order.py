@@ -45,6 +45,8 @@ def test_a_cancelled_save_lands_before_the_next_snapshot(tmp_path, monkeypatch):
         checkpoint_dir=lambda i: tmp_path,
         manifest=SimpleNamespace(run_id="r"),
         peer_id="me",
+        peers_of=lambda stage: ["me", "partner", "liar"],
+        suspects=SimpleNamespace(is_banned=lambda p: p == "liar"),
     )
     node = SimpleNamespace(
         ctx=ctx, worker=worker, rounds=rounds, index=0,

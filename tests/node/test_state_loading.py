@@ -174,9 +174,13 @@ async def test_own_checkpoint_wins_unless_a_majority_attests_a_newer_round(
     records = [_record("p1", newer), _record("p2", newer)]
     loaded = await joining.load_state(_Ctx(m, tmp_path, records), worker)
     assert loaded.origin["kind"] == "replica" and len(asked) == 1
-    # A partner of when the checkpoint was saved: its word alone is believed (it trained
-    # on while this node was away; resuming the old state dragged it back).
-    state["replicas"] = ["p1"]
+    # A partner of when the checkpoint was saved: after a long absence its word alone is
+    # believed (it trained on meanwhile; resuming the old state dragged it back).
+    state["replicas"], state["saved_at"] = ["p1"], time.time() - 60  # a crash a minute ago
+    save_checkpoint(tmp_path / f"stage-{STAGE}", **{**ckpt, "state": state})
+    loaded = await joining.load_state(_Ctx(m, tmp_path, [_record("p1", newer)]), worker)
+    assert loaded.origin["kind"] == "checkpoint"
+    state["saved_at"] = time.time() - 3600  # away an hour
     save_checkpoint(tmp_path / f"stage-{STAGE}", **{**ckpt, "state": state})
     loaded = await joining.load_state(_Ctx(m, tmp_path, [_record("p1", newer)]), worker)
     assert loaded.origin["kind"] == "replica" and asked[-1] == "p1"

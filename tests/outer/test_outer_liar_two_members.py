@@ -209,3 +209,31 @@ def test_a_replica_without_an_own_delta_takes_nothing_from_its_group() -> None:
     zero = torch.zeros(state.numel)
     new, applied = loop._outer_step(0, zero, 0.99 * before, -before, None, tokens=10**9)
     assert applied is zero and torch.equal(new, before)
+
+
+def test_a_replica_whose_own_delta_is_not_finite_steps_without_it() -> None:
+    """Its own NaN delta was applied and its anchor and momentum stayed NaN for good."""
+    (loop,) = swarm(1, config())
+    state = loop.state
+    nan = torch.full((state.numel,), math.nan)
+    new, applied = loop._outer_step(0, nan, nan, None, None, tokens=10**9)
+    assert bool(torch.isfinite(new).all()) and bool(torch.isfinite(state.momentum).all())
+    assert not bool(applied.any())
+
+
+def test_a_warming_joiner_one_round_behind_is_pulled_a_runs_step() -> None:
+    """A joiner whose momentum was not attested starts from zero momentum: measured by its
+    own delta alone, the pull toward a group a round ahead (a run's step) was cut to a
+    fifth. While warming it is measured as a run's step, which that pull is within."""
+    import copy
+
+    (loop,) = swarm(1, config())
+    state = loop.state
+    state.warming = True
+    delta = 1e-4 * torch.randn(state.numel, generator=torch.Generator().manual_seed(5))
+    run_step = state.lr * float(delta.double().norm()) / (1 - state.mu)
+    ahead = state.anchor + run_step * delta / float(delta.norm())
+    before, alone = state.anchor.clone(), copy.deepcopy(state)
+    stepped = alone.step(delta)
+    new, _ = loop._outer_step(0, delta, delta, ahead, None, tokens=10**9)
+    torch.testing.assert_close(new - stepped, ahead - before, rtol=0, atol=1e-6)

@@ -22,36 +22,12 @@ from agora_node.node.worker import StageWorker
 from agora_node.protocol.identity import Identity
 from agora_node.stages.data import TokenBatch
 from agora_node.stages.manifest_files import load_manifest
+from tests.node.stream_fakes import FakeP2P, frame
 
 pytestmark = pytest.mark.timeout(60)
 
 M = load_manifest("tiny")
 HOSTILE = "\x1b[2J\x1b[31mroot# " + "A" * 10_000 + "\r\n"
-
-
-class _Writer:
-    def write(self, data: bytes) -> None:
-        pass
-
-    async def drain(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _P2P:
-    """Opens every stream onto `reader`, as if the remote peer wrote there."""
-
-    def __init__(self, reader: asyncio.StreamReader) -> None:
-        self.reader = reader
-
-    async def call_binary_stream_handler(self, peer_id, name):  # noqa: ANN001, ANN201
-        return None, self.reader, _Writer()
-
-
-def _frame(kind: bytes, payload: bytes = b"", length: int | None = None) -> bytes:
-    return kind + (len(payload) if length is None else length).to_bytes(8, "big") + payload
 
 
 @pytest.fixture
@@ -70,7 +46,7 @@ def _ask(worker: StageWorker, sent: bytes) -> bytes:
         reader = asyncio.StreamReader()
         reader.feed_data(sent)
         config = PipelineConfig(hop_timeout_s=5.0)
-        pipeline = Pipeline(M, worker, _P2P(reader), "me", lambda s: ["next"], config)
+        pipeline = Pipeline(M, worker, FakeP2P(reader), "me", lambda s: ["next"], config)
         return await pipeline._request(Identity.generate().peer_id, b"request")
 
     return asyncio.run(ask())
@@ -80,25 +56,25 @@ def test_a_forward_reply_larger_than_a_valid_one_is_refused_before_its_body(head
     limit = Pipeline(M, head, None, "me", lambda s: [], PipelineConfig()).max_reply
     assert limit < 1 << 20  # tiny: a micro-batch's float32 gradient is 128 KiB
     with pytest.raises(streams.StreamError, match="exceeds the limit"):
-        _ask(head, _frame(streams.KIND_DATA, length=limit + 1))  # its body never comes
+        _ask(head, frame(streams.KIND_DATA, length=limit + 1))  # its body never comes
 
 
 def test_the_largest_valid_forward_reply_is_taken(head):
     shape = (M.inner.micro_batch, M.model.seq_len, head.stage.boundary_width)
     grad = ActivationCodec(mode="fp32").encode(torch.ones(shape))
     reply = encode_response(ResponseHeader(status=Status.OK.value, loss=2.0), grad)
-    sent = _frame(streams.KIND_DATA, reply) + _frame(streams.KIND_END)
+    sent = frame(streams.KIND_DATA, reply) + frame(streams.KIND_END)
     assert _ask(head, sent) == reply
 
 
 @pytest.mark.parametrize("kind", [streams.KIND_ERROR, streams.KIND_REFUSED])
 async def test_a_peers_error_text_is_cut_short_and_printable(kind: bytes) -> None:
     reader = asyncio.StreamReader()
-    reader.feed_data(_frame(kind, HOSTILE.encode()))
+    reader.feed_data(frame(kind, HOSTILE.encode()))
     reader.feed_eof()
     peer = Identity.generate().peer_id
     with pytest.raises(streams.StreamError) as info:
-        await streams.request(_P2P(reader), peer, "/test/1", b"ping", timeout=5)
+        await streams.request(FakeP2P(reader), peer, "/test/1", b"ping", timeout=5)
     text = str(info.value)
     assert len(text) < 2 * streams.PEER_TEXT_CHARS and text.isprintable()
     assert "root# AAA" in text  # still says what the peer said

@@ -6,38 +6,14 @@ import pytest
 
 from agora_node.comms import streams
 from agora_node.protocol.identity import Identity
+from tests.node.stream_fakes import FakeP2P, frame
 
 pytestmark = pytest.mark.timeout(30)
 
 
-class _Writer:
-    def write(self, data: bytes) -> None:
-        pass
-
-    async def drain(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _P2P:
-    """Opens every stream onto `reader`, as if the remote peer wrote there."""
-
-    def __init__(self, reader: asyncio.StreamReader) -> None:
-        self.reader = reader
-
-    async def call_binary_stream_handler(self, peer_id, name):  # noqa: ANN001, ANN201
-        return None, self.reader, _Writer()
-
-
-def _frame(kind: bytes, payload: bytes = b"") -> bytes:
-    return kind + len(payload).to_bytes(8, "big") + payload
-
-
 async def _call(reader: asyncio.StreamReader) -> bytes:
     peer = Identity.generate().peer_id
-    return await streams.request(_P2P(reader), peer, "/test/1", b"ping", timeout=0.05)
+    return await streams.request(FakeP2P(reader), peer, "/test/1", b"ping", timeout=0.05)
 
 
 async def test_a_peer_that_sends_nothing_is_silent() -> None:
@@ -49,9 +25,9 @@ async def test_a_peer_that_sends_nothing_is_silent() -> None:
     "sent",
     [
         # the remote failed, even if its message happens to read like a timeout
-        _frame(streams.KIND_ERROR, b"RuntimeError: upstream sent nothing for 5s"),
+        frame(streams.KIND_ERROR, b"RuntimeError: upstream sent nothing for 5s"),
         b"",  # closed without a frame
-        _frame(b"?"),  # broken framing
+        frame(b"?"),  # broken framing
     ],
     ids=["error-frame", "closed", "bad-kind"],
 )
@@ -66,7 +42,7 @@ async def test_other_failures_are_not_silence(sent: bytes) -> None:
 
 async def test_one_response_frame_is_returned() -> None:
     reader = asyncio.StreamReader()
-    reader.feed_data(_frame(streams.KIND_DATA, b"pong") + _frame(streams.KIND_END))
+    reader.feed_data(frame(streams.KIND_DATA, b"pong") + frame(streams.KIND_END))
     assert await _call(reader) == b"pong"
 
 
@@ -74,22 +50,22 @@ async def test_a_second_response_frame_fails_a_unary_call_at_once() -> None:
     """A peer that answers with endless frames is cut at the second, not buffered until it
     stops (the reader here holds three frames and never ends)."""
     reader = asyncio.StreamReader()
-    reader.feed_data(b"".join(_frame(streams.KIND_DATA, b"x" * 2048) for _ in range(3)))
+    reader.feed_data(b"".join(frame(streams.KIND_DATA, b"x" * 2048) for _ in range(3)))
     with pytest.raises(streams.StreamError, match="more than one response frame"):
         await _call(reader)
 
 
 async def test_a_streamed_answer_is_bounded_in_total() -> None:
     reader = asyncio.StreamReader()
-    reader.feed_data(b"".join(_frame(streams.KIND_DATA, b"x" * 100) for _ in range(5)))
+    reader.feed_data(b"".join(frame(streams.KIND_DATA, b"x" * 100) for _ in range(5)))
     peer = Identity.generate().peer_id
     frames = streams.request_stream(
-        _P2P(reader), peer, "/test/1", b"ping", timeout=0.05, max_total=250
+        FakeP2P(reader), peer, "/test/1", b"ping", timeout=0.05, max_total=250
     )
     got = []
     with pytest.raises(streams.StreamError, match="more than 250 bytes"):
-        async for frame in frames:
-            got.append(frame)
+        async for answer in frames:
+            got.append(answer)
     assert len(got) == 2
 
 

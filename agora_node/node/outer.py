@@ -377,7 +377,7 @@ class OuterLoop:
                 mixed = delta
         if anchor is not None:
             held = flat_norm(state.momentum)
-            if state.warming:  # a joiner's momentum may be reset (unattested): a run's, then
+            if state.rebuilding:  # its momentum started again from zero: a run's, meanwhile
                 held = max(held, own / max(1 - state.mu, 1e-3))
             step = own + state.mu * held  # its own step, over lr
             reach = ANCHOR_PULL_STEPS * state.lr * step
@@ -549,7 +549,7 @@ class OuterLoop:
         if self._prep is not None:
             raise RuntimeError("cannot reset outer state in the middle of a round")
         self.state.anchor = self.state.weights()
-        self.state.momentum.zero_()
+        self.state.restart_momentum()
         self._forget_residuals()
 
     def _forget_residuals(self) -> None:

@@ -177,6 +177,16 @@ class OuterState:
         (rounds.py jumps the counter, not the anchor), so that what a replica attests
         names the round that produced its anchor, never a later one."""
         self.warming = False
+        self.rebuilding = 0
+        """Rounds left until a momentum that started again from zero holds about what a
+        running replica's does (1 / (1 - momentum) rounds): a joiner whose momentum was not
+        attested, a replica reset to its weights. Meanwhile its own steps are smaller than
+        its group's, and measuring the group by them cut honest pulls (outer.py)."""
+
+    def restart_momentum(self) -> None:
+        """The momentum starts again from zero (`rebuilding` counts the rounds it takes)."""
+        self.momentum = torch.zeros_like(self.anchor)
+        self.rebuilding = math.ceil(1 / max(1 - self.mu, 1e-3))
 
     @property
     def numel(self) -> int:
@@ -216,6 +226,7 @@ class OuterState:
         momentum = torch.add(grad, start, alpha=self.mu)
         anchor = base - self.lr * (grad + self.mu * momentum)
         self.anchor, self.momentum = anchor, momentum
+        self.rebuilding = max(0, self.rebuilding - 1)
         self.round += 1
         self.anchor_round = self.round
         self.warming = False
@@ -267,6 +278,10 @@ class OuterState:
         self.round = int(state["round"])
         self.anchor_round = min(self.round, int(state.get("anchor_round", self.round)))
         self.warming = warming
+        if not bool(self.momentum.any()):  # not attested, so reset by the joiner
+            self.restart_momentum()
+        else:
+            self.rebuilding = 0
 
 
 class Weights(Protocol):

@@ -221,15 +221,21 @@ def test_a_replica_whose_own_delta_is_not_finite_steps_without_it() -> None:
     assert not bool(applied.any())
 
 
-def test_a_warming_joiner_one_round_behind_is_pulled_a_runs_step() -> None:
+@pytest.mark.parametrize("rounds_in", [0, 4])
+def test_a_joiner_one_round_behind_is_pulled_a_runs_step(rounds_in: int) -> None:
     """A joiner whose momentum was not attested starts from zero momentum: measured by its
     own delta alone, the pull toward a group a round ahead (a run's step) was cut to a
-    fifth. While warming it is measured as a run's step, which that pull is within."""
+    fifth, and for the rounds its momentum takes to build up (measured only while warming,
+    the first round, it came back in the second). Until then it is measured as a running
+    replica, which that pull is within."""
     import copy
 
     (loop,) = swarm(1, config())
     state = loop.state
-    state.warming = True
+    state.load_state_dict({**state.state_dict(), "momentum": torch.zeros(state.numel)})
+    for _ in range(rounds_in):  # rounds ended since, each adding a little momentum
+        state.step(1e-6 * torch.ones(state.numel))
+    assert state.rebuilding > 0
     delta = 1e-4 * torch.randn(state.numel, generator=torch.Generator().manual_seed(5))
     run_step = state.lr * float(delta.double().norm()) / (1 - state.mu)
     ahead = state.anchor + run_step * delta / float(delta.norm())

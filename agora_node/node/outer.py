@@ -42,7 +42,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from agora_node.comms.collective import (
@@ -364,7 +363,7 @@ class OuterLoop:
         own = flat_norm(delta) * self._shortfall(tokens)  # a full round's own delta
         if not math.isfinite(own):  # its inner steps went wrong: they are not stepped in
             notes.append("stepped without its own delta (not finite)")
-            delta = torch.zeros_like(delta)
+            delta.zero_()  # in place: the round's report shows the delta stepped, 0
             own = 0.0
         if not own > 0:
             if mixed is not delta or anchor is not None:

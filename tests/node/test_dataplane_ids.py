@@ -13,12 +13,10 @@ import torch
 from agora_node.comms import streams
 from agora_node.comms.pipeline_wire import (
     Code,
-    ForwardHeader,
     ResponseHeader,
     Status,
     decode_forward,
     decode_response,
-    encode_forward,
     encode_response,
 )
 from agora_node.compression import ActivationCodec
@@ -29,6 +27,7 @@ from agora_node.node.worker import (
     UnknownMicroBatchError,
 )
 from agora_node.stages.manifest_files import load_manifest
+from tests.node.forward_requests import answer, forward_request
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,15 +47,8 @@ def middle():
 
 
 def _request(mb_id: str, seed: int) -> bytes:
-    g = torch.Generator().manual_seed(seed)
     width = M.model.subspace_rank
-    header = ForwardHeader(
-        run_id=M.run_id, mb_id=mb_id, stage=1, batch=B, seq=S, width=width,
-        loss_scale=M.inner.micro_batch / M.inner.local_batch,
-    )  # fmt: skip
-    tokens = torch.randint(0, M.model.vocab_size, (B, S + 1), generator=g)
-    c = torch.randn(B, S, width, generator=g)
-    return encode_forward(header, tokens, ActivationCodec(mode="int8").encode(c))
+    return forward_request(M, stage=1, width=width, seed=seed, mb_id=mb_id, mode="int8")
 
 
 class _Below:
@@ -80,10 +72,6 @@ class _Below:
         return encode_response(ResponseHeader(status="ok", loss=2.0), self.codec.encode(grad))
 
 
-async def _serve(p: Pipeline, remote: str, data: bytes) -> bytes:
-    return b"".join([chunk async for chunk in p.handle(remote, data)])
-
-
 def _gradient(answer: bytes) -> torch.Tensor:
     reply, payload = decode_response(answer)
     assert reply.status == Status.OK.value, reply
@@ -93,13 +81,13 @@ def _gradient(answer: bytes) -> torch.Tensor:
 def test_two_requests_under_one_id_each_get_the_gradient_of_their_own_input(middle, monkeypatch):
     first, second = _request("x", seed=1), _request("x", seed=2)
     monkeypatch.setattr(streams, "request", _Below(middle.codec, together=1))
-    alone = [_gradient(asyncio.run(_serve(middle, "up", r))) for r in (first, second)]
+    alone = [_gradient(asyncio.run(answer(middle, "up", r))) for r in (first, second)]
     assert not torch.equal(alone[0], alone[1])
 
     async def both() -> tuple[list[bytes], list[str]]:
         below = _Below(middle.codec, together=2)
         monkeypatch.setattr(streams, "request", below)
-        answers = await asyncio.gather(_serve(middle, "up", first), _serve(middle, "up", second))
+        answers = await asyncio.gather(answer(middle, "up", first), answer(middle, "up", second))
         return answers, below.ids
 
     answers, ids = asyncio.run(both())
@@ -113,8 +101,8 @@ def test_two_upstreams_with_one_id_do_not_meet_at_the_stage_below(middle, monkey
         below = _Below(middle.codec, together=2)
         monkeypatch.setattr(streams, "request", below)
         await asyncio.gather(
-            _serve(middle, "up-a", _request("x", seed=1)),
-            _serve(middle, "up-b", _request("x", seed=2)),
+            answer(middle, "up-a", _request("x", seed=1)),
+            answer(middle, "up-b", _request("x", seed=2)),
         )
         return below.ids
 
@@ -132,7 +120,7 @@ def test_a_backward_whose_forward_is_gone_fails_that_request_without_a_traceback
 
     monkeypatch.setattr(streams, "request", _Below(middle.codec, together=1, then=load_state))
     with caplog.at_level(logging.INFO):
-        reply, _ = decode_response(asyncio.run(_serve(middle, "up", _request("x", seed=1))))
+        reply, _ = decode_response(asyncio.run(answer(middle, "up", _request("x", seed=1))))
     assert (reply.status, reply.code) == (Status.FAILED.value, Code.INTERNAL.value)
     assert middle.stats.results["dropped"] == 1
     assert not [r for r in caplog.records if r.exc_info]

@@ -14,12 +14,9 @@ import torch
 from agora_node.comms import streams
 from agora_node.comms.pipeline_wire import (
     Code,
-    ForwardHeader,
     ResponseHeader,
     Status,
     decode_forward,
-    decode_response,
-    encode_forward,
     encode_response,
 )
 from agora_node.compression import ActivationCodec
@@ -28,6 +25,7 @@ from agora_node.node.pipeline import Pipeline, PipelineConfig
 from agora_node.node.worker import StageWorker
 from agora_node.stages.data import TokenBatch
 from agora_node.stages.manifest_files import load_manifest
+from tests.node.forward_requests import forward_request, serve
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,20 +50,7 @@ def _below(values: list[float]):  # noqa: ANN202
 
 
 def _request(seed: int, width: int, stage: int = 1) -> bytes:
-    g = torch.Generator().manual_seed(seed)
-    header = ForwardHeader(
-        run_id=M.run_id, mb_id="x", stage=stage, batch=B, seq=S, width=width, loss_scale=SCALE
-    )
-    tokens = torch.randint(0, M.model.vocab_size, (B, S + 1), generator=g)
-    c = torch.randn(B, S, width, generator=g)
-    return encode_forward(header, tokens, ActivationCodec(mode="fp32").encode(c))
-
-
-def _serve(p: Pipeline, remote: str, data: bytes):  # noqa: ANN202
-    async def ask() -> bytes:
-        return b"".join([chunk async for chunk in p.handle(remote, data)])
-
-    return decode_response(asyncio.run(ask()))[0]
+    return forward_request(M, stage=stage, width=width, seed=seed)
 
 
 def test_a_middle_stage_drops_what_an_extreme_gradient_overflowed(
@@ -77,15 +62,15 @@ def test_a_middle_stage_drops_what_an_extreme_gradient_overflowed(
     monkeypatch.setattr(streams, "request", _below([0.01, EXTREME, 0.01, 0.01]))
     width = worker.stage.boundary_width
     try:
-        assert _serve(p, "up", _request(1, width)).status == Status.OK.value
-        bad = _serve(p, "up", _request(2, width))
+        assert serve(p, "up", _request(1, width)).status == Status.OK.value
+        bad = serve(p, "up", _request(2, width))
         assert (bad.status, bad.code) == (Status.FAILED.value, Code.DOWNSTREAM.value)
         assert not p.suspects.banned()
         # the first micro-batch went with the overflowed version's gradients; the next
         # two make a whole step, which is taken, not skipped
-        assert _serve(p, "up", _request(3, width)).status == Status.OK.value
+        assert serve(p, "up", _request(3, width)).status == Status.OK.value
         assert worker.stats.steps == 0
-        assert _serve(p, "up", _request(4, width)).status == Status.OK.value
+        assert serve(p, "up", _request(4, width)).status == Status.OK.value
         assert (worker.stats.steps, worker.optimizer.skipped) == (1, 0)
     finally:
         worker.close()
@@ -117,9 +102,9 @@ def test_the_last_stage_drops_an_overflowed_backward(monkeypatch):
 
     width, last = worker.stage.boundary_width, M.num_stages - 1
     try:
-        assert _serve(p, "up", _request(1, width, last)).status == Status.OK.value
+        assert serve(p, "up", _request(1, width, last)).status == Status.OK.value
         monkeypatch.setattr(worker, "forward_backward_last", overflowing)
-        bad = _serve(p, "up", _request(2, width, last))
+        bad = serve(p, "up", _request(2, width, last))
         assert (bad.status, bad.code) == (Status.REJECTED.value, Code.NON_FINITE.value)
         assert not p.suspects.banned()
         assert worker.stats.steps == 0  # the first micro-batch's gradients went too

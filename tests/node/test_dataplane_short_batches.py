@@ -2,22 +2,16 @@
 step's micro-batches at a full one's loss_scale, its few rows weighed as many. A
 validation forward may be short (the last windows of a validation set)."""
 
-import asyncio
-
 import pytest
-import torch
 
 from agora_node.comms.pipeline_wire import (
     Code,
-    ForwardHeader,
     Status,
-    decode_response,
-    encode_forward,
 )
-from agora_node.compression import ActivationCodec
 from agora_node.node.pipeline import Pipeline, PipelineConfig
 from agora_node.node.worker import StageWorker
 from agora_node.stages.manifest_files import load_manifest
+from tests.node.forward_requests import forward_request, serve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,18 +28,9 @@ def last_stage():
 
 
 def _serve(p: Pipeline, batch: int, *, train: bool) -> tuple[str, str]:
-    width, s = p.worker.stage.boundary_width, M.model.seq_len
-    header = ForwardHeader(
-        run_id=M.run_id, mb_id="x", stage=M.num_stages - 1, batch=batch, seq=s, width=width,
-        loss_scale=M.inner.micro_batch / M.inner.local_batch, train=train,
-    )  # fmt: skip
-    tokens = torch.randint(0, M.model.vocab_size, (batch, s + 1))
-    data = encode_forward(header, tokens, ActivationCodec().encode(torch.randn(batch, s, width)))
-
-    async def ask() -> bytes:
-        return b"".join([chunk async for chunk in p.handle("up", data)])
-
-    reply, _ = decode_response(asyncio.run(ask()))
+    width, last = p.worker.stage.boundary_width, M.num_stages - 1
+    data = forward_request(M, stage=last, width=width, batch=batch, mode="bf16", train=train)
+    reply = serve(p, "up", data)
     return reply.status, reply.code
 
 

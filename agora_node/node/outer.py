@@ -61,13 +61,12 @@ from agora_node.comms.collective.proofs import Signing
 from agora_node.comms.collective.replay import ReplayMemory
 from agora_node.node.heap import release_freed_memory
 from agora_node.node.lowrank import LowRank
+from agora_node.node.outer_bounds import bound_mixes
 from agora_node.node.outer_state import (
     ModuleWeights,
     OuterConfig,
     OuterState,
     Weights,
-    flat_norm,
-    within,
 )
 from agora_node.node.round_report import RoundReport, round_report, round_summary
 from agora_node.node.suspects import ROUND_EVIDENCE, Reason, Suspects
@@ -81,12 +80,6 @@ log = logging.getLogger(__name__)
 
 RECENT_ROUNDS = 20
 """Rounds whose summary the status page lists (`OuterLoop.recent`)."""
-MIX_NORM_RATIO = 10.0
-"""A mixed pseudo-gradient longer than this times the own delta (scaled to a full round's
-tokens) is refused (`OuterLoop._outer_step`)."""
-ANCHOR_PULL_STEPS = 2.0
-"""Of this replica's own outer steps, how far a mixed anchor may pull its anchor in one
-round (`OuterLoop._outer_step`)."""
 
 
 @dataclass
@@ -329,74 +322,16 @@ class OuterLoop:
         momentum: Tensor | None,
         tokens: int,
     ) -> tuple[Tensor, Tensor]:
-        """The outer step from the mixes' results, bounded by this replica's own; returns
-        the new anchor and the pseudo-gradient it applied.
-
-        A group's robust rules need three or more parts: with two (a stage of two, the
-        manifests' groups of two, or one counting member beside warming ones) a liar's part
-        moves the mean as far as it likes (its -1e37 made every weight infinite for good).
-        Nothing makes two members robust; what an honest replica can do is bound how far
-        the other moves it in a round, measured in its own steps:
-
-        - the mixed pseudo-gradient must be finite and at most `MIX_NORM_RATIO` (10) times
-          this replica's own delta (scaled up by `cap / tokens` when it processed fewer
-          tokens than a full round can): honest pseudo-gradients of a round start from one
-          anchor and take as many steps at one learning rate, so their norms differ by far
-          less (a reducer refuses a part above 10x its span's median on the same reasoning,
-          and a mean of parts is no longer than the longest). Else its own delta is used;
-        - the mixed anchor may pull this replica's anchor at most `ANCHOR_PULL_STEPS` (2)
-          of its own outer steps (lr x (|own delta| + momentum x |own momentum|): how far
-          its own step can move the anchor this round), the mixed momentum as far in its
-          own units; a longer pull is cut to that length, in its direction. Honest anchors
-          differ by about a step (a round mixed alone, groups that mixed apart: none was cut
-          in the gossip benchmark); those that drifted further apart (a partition, a
-          restart from an old checkpoint) close the gap by that much a round from each side
-          instead of at once. A liar in a group of two moves an honest anchor no further a
-          round, which is still as far as its training does (two members cannot be made
-          robust: the replica only bounds the rate);
-        - a replica without a finite own delta (no steps) has no measure: it takes neither
-          the mixed delta nor the anchor this round.
-
-        What was refused or cut is logged in one warning."""
-        state = self.state
-        notes: list[str] = []
-        own = flat_norm(delta) * self._shortfall(tokens)  # a full round's own delta
-        if not math.isfinite(own):  # its inner steps went wrong: they are not stepped in
-            notes.append("stepped without its own delta (not finite)")
-            delta.zero_()  # in place: the round's report shows the delta stepped, 0
-            own = 0.0
-        if not own > 0:
-            if mixed is not delta or anchor is not None:
-                notes.append("took nothing from its group (no own delta to measure it by)")
-            mixed, anchor, momentum = delta, None, None
-        if mixed is not delta:
-            got = flat_norm(mixed)
-            if not (math.isfinite(got) and got <= MIX_NORM_RATIO * own):
-                notes.append(f"refused the mixed pseudo-gradient (norm {got:.3g}, own {own:.3g})")
-                mixed = delta
-        if anchor is not None:
-            held = flat_norm(state.momentum)
-            if state.rebuilding:  # its momentum started again from zero: a run's, meanwhile
-                held = max(held, own / max(1 - state.mu, 1e-3))
-            step = own + state.mu * held  # its own step, over lr
-            reach = ANCHOR_PULL_STEPS * state.lr * step
-            anchor, far = within(anchor, state.anchor, reach)
-            if anchor is None:
-                notes.append("refused the mixed anchor (not finite)")
-                momentum = None
-            elif far > reach:
-                notes.append(f"cut the mixed anchor's pull from {far:.3g} to {reach:.3g}")
-            if momentum is not None:
-                momentum, far = within(momentum, state.momentum, ANCHOR_PULL_STEPS * step)
-                if momentum is None:
-                    notes.append("refused the mixed momentum (not finite)")
-                elif far > ANCHOR_PULL_STEPS * step:
-                    notes.append(f"cut the mixed momentum's pull from {far:.3g}")
+        """The outer step from the mixes' results, taken within this replica's own bounds
+        (outer_bounds.py); returns the new anchor and the pseudo-gradient it applied."""
+        mixed, anchor, momentum, notes = bound_mixes(
+            self.state, delta, mixed, anchor, momentum, self._shortfall(tokens)
+        )
         if notes:
             log.warning(
                 "outer round %d: %s (this replica's own bounds)", round_no, "; ".join(notes)
             )
-        return state.step(mixed, anchor, momentum, self.config.consensus), mixed
+        return self.state.step(mixed, anchor, momentum, self.config.consensus), mixed
 
     def _shortfall(self, tokens: int) -> float:
         """How many times more tokens a full round processes than this replica did (1 when

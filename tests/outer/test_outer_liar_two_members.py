@@ -4,7 +4,7 @@ two, or the other honest members warming): it must not set the mixed delta or an
 Before: CenteredClip started from torch's lower median (of two rows, the minimum, so a
 liar's -1e37 was the start and the result), and the outer step wrote whatever came out
 into the weights. Now the adopting replica bounds what the mixes move it by, in its own
-steps (`OuterLoop._outer_step`)."""
+steps (node/outer_bounds.py)."""
 
 import asyncio
 import importlib
@@ -127,7 +127,7 @@ def test_a_mixed_anchor_pulls_at_most_a_few_own_steps() -> None:
     the step from there is the one it would have taken."""
     import copy
 
-    from agora_node.node import outer
+    from agora_node.node import outer_bounds
 
     (loop,) = swarm(1, config())
     state = loop.state
@@ -135,7 +135,7 @@ def test_a_mixed_anchor_pulls_at_most_a_few_own_steps() -> None:
     liar_mean = -0.999 * state.anchor
     state.momentum += 1e-4  # a run under way: its own step includes its momentum's
     own_step = float(delta.double().norm()) + state.mu * float(state.momentum.double().norm())
-    reach = outer.ANCHOR_PULL_STEPS * state.lr * own_step
+    reach = outer_bounds.ANCHOR_PULL_STEPS * state.lr * own_step
     alone = copy.deepcopy(state)
     stepped = alone.step(delta)
     new, applied = loop._outer_step(0, delta, delta, liar_mean, None, tokens=10**9)

@@ -34,14 +34,14 @@ no reference for the screens either: a newcomer's delta is legitimately small (i
 joined mid-round, its fresh optimizer is in its lr warmup), and as references they
 set the median norm below the counting members', which were all refused and flagged.
 So a group of one counting member, warming ones and a liar has two parts to screen,
-none, and what bounds the liar there is the adopting replica (`OuterLoop._outer_step`).
+none, and what bounds the liar there is the adopting replica (node/outer_bounds.py).
 
 CenteredClip starts from the true coordinate-wise median: of an even count, the mean
 of the two middle values. (torch's `median` takes the lower one: of two parts, the
 coordinate-wise minimum, so a liar sending very negative values was the start, at
 distance 0, tau was 0 and the result was the liar's part.) With two parts nothing is
 robust: the median is their mean, and the best the caller can do is bound how far the
-result may lie from its own part (outer.py, `OuterLoop._outer_step`).
+result may lie from its own part (node/outer_bounds.py).
 """
 
 from __future__ import annotations

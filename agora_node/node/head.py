@@ -42,6 +42,8 @@ class Head:
             pipeline.config,
         )
         self.peer_id, self.stats, self.events = pipeline.peer_id, pipeline.stats, pipeline.events
+        self.dropped_tokens = 0
+        """Tokens of injected micro-batches that failed: they trained nothing."""
 
     @property
     def injected_tokens(self) -> int:
@@ -49,10 +51,13 @@ class Head:
 
     @property
     def trained_tokens(self) -> int:
-        """Tokens toward a budget: those injected, plus those of the sequences this head
-        helped its cell's leader split (it injects nothing while it helps)."""
+        """Tokens toward a budget: those injected and not dropped (in flight or trained),
+        plus those of the sequences this head helped its cell's leader split (it injects
+        nothing while it helps). A dropped micro-batch's tokens are injected again, so
+        runs on a budget compare at equal tokens trained however many failed."""
         cells = self.pipeline.cells
-        return self.injected_tokens + (cells.helper.tokens if cells is not None else 0)
+        helped = cells.helper.tokens if cells is not None else 0
+        return self.injected_tokens - self.dropped_tokens + helped
 
     async def run(self, sampler: Sampler, stop: asyncio.Event, max_tokens: int = 0) -> None:
         """Keep up to max_in_flight micro-batches in the pipeline until `stop` is set
@@ -111,6 +116,7 @@ class Head:
             loss = None
         if loss is None:
             self.events.count_microbatch("dropped")
+            self.dropped_tokens += batch.inputs.numel()
             return
         self.events.count_microbatch("ok", latency_s=time.monotonic() - started)
         self.events.count_completed(batch.inputs.numel())

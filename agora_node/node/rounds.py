@@ -295,7 +295,8 @@ class OuterRounds:
             if self._catch_up():  # the stage moved on while we trained: join its round
                 continue  # instead of a round its replicas have left (our steps count there)
             await self.outer.begin_round(expect=self._expect())
-            tokens = self.worker.stats.trained_tokens - start_tokens
+            # (a drop of gradients counted before the round began can take back more)
+            tokens = max(0, self.worker.stats.trained_tokens - start_tokens)
             if self.overlap:
                 started = time.monotonic()
                 state = self.outer.state

@@ -56,8 +56,8 @@ class WeightVersions:
         """master - master before the last inner step (prediction only)."""
         self._with_grads: dict[int, dict[str, Tensor]] = {}
         """Copies holding gradients not yet stepped, by version (one copy per version)."""
-        self._finished_on: dict[int, int] = {}
-        """Micro-batches whose gradients each of those copies holds."""
+        self._finished_on: dict[int, tuple[int, int]] = {}
+        """Micro-batches, and their tokens, whose gradients each of those copies holds."""
         self.lag = 0.0
         """Steps a gradient lands after the step its forward's version came from (a moving
         average over finished micro-batches): 0 when every forward sees the latest step.
@@ -99,20 +99,23 @@ class WeightVersions:
                     copy.register_post_accumulate_grad_hook(self._on_grad(name))
         return params
 
-    def finished(self, number: int, params: dict[str, Tensor]) -> None:
-        """A backward on copy `params` of version `number` left its gradients there."""
+    def finished(self, number: int, params: dict[str, Tensor], tokens: int) -> None:
+        """A backward of `tokens` tokens on copy `params` of version `number` left its
+        gradients there."""
         self._with_grads[number] = params
-        self._finished_on[number] = self._finished_on.get(number, 0) + 1
+        count, held = self._finished_on.get(number, (0, 0))
+        self._finished_on[number] = (count + 1, held + tokens)
         self.lag = 0.9 * self.lag + 0.1 * (self.number - number)
 
-    def drop(self, number: int, params: dict[str, Tensor]) -> int:
+    def drop(self, number: int, params: dict[str, Tensor]) -> tuple[int, int]:
         """Let go of every gradient on copy `params` of version `number` (a backward failed
-        part way on it); returns how many finished micro-batches' gradients went with them."""
+        part way on it); returns how many finished micro-batches' gradients went with them,
+        and their tokens."""
         for p in params.values():
             p.grad = None
         if self._with_grads.get(number) is params:
             del self._with_grads[number]
-        return self._finished_on.pop(number, 0)
+        return self._finished_on.pop(number, (0, 0))
 
     def gather(self, masters: dict[str, Tensor]) -> None:
         """Sum the gradients held on every copy into the masters' .grad; the copies let go."""
@@ -126,9 +129,12 @@ class WeightVersions:
         self._with_grads.clear()
         self._finished_on.clear()
 
-    def drop_grads(self) -> None:
+    def drop_grads(self) -> int:
+        """Let go of every gradient not yet stepped; returns their micro-batches' tokens."""
+        tokens = sum(held for _, held in self._finished_on.values())
         self._with_grads.clear()
         self._finished_on.clear()
+        return tokens
 
     def held(self, number: int) -> dict[str, Tensor]:
         """The copy of version `number` holding gradients (tests compare them)."""

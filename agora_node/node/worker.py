@@ -295,8 +295,9 @@ class StageWorker:
     def _drop_grads(self, version: int, params: dict[str, Tensor]) -> int:
         """Drop the gradients on copy `params` of `version`; the micro-batches that had
         finished on it since the step no longer count toward the next one (returned)."""
-        dropped = self.versions.drop(version, params)
+        dropped, tokens = self.versions.drop(version, params)
         self._finished_since_step = max(0, self._finished_since_step - dropped)
+        self.stats.trained_tokens -= tokens
         return dropped
 
     def _check_finite(
@@ -419,7 +420,7 @@ class StageWorker:
             self.stats.expired += 1
 
     def _finish(self, version: int, params: dict[str, Tensor], tokens: int) -> None:
-        self.versions.finished(version, params)
+        self.versions.finished(version, params, tokens)
         if version != self.version:
             self.stats.stale_grads += 1
         self._finished_since_step += 1
@@ -494,7 +495,7 @@ class StageWorker:
             self.stage.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self._pending.clear()
-            self.versions.drop_grads()
+            self.versions.drop_grads()  # the loaded state's tokens replace them
             self.versions.publish(int(state.get("version", 0)))
 
     def _fresh_optimizer(self) -> InnerOptimizer:
@@ -526,7 +527,7 @@ class StageWorker:
             for p in params:
                 p.grad = None
             self.optimizer = self._fresh_optimizer()
-            self.versions.drop_grads()
+            self.stats.trained_tokens -= self.versions.drop_grads()
             self._finished_since_step = 0
             self.versions.publish(self.version + 1)
 

@@ -54,6 +54,36 @@ def test_a_head_reports_outcomes_latency_and_tokens_to_its_sink():
     assert v[("agora_completed_tokens_per_s", ())] > 0
 
 
+def test_a_dropped_microbatch_does_not_count_toward_the_token_budget():
+    """A budget of 2 micro-batches with the first failing: 3 injected, 2 trained."""
+    from agora_node.compression import NonFiniteError
+
+    m = one_stage_manifest()
+    worker = StageWorker(m, 0)
+    pipeline = Pipeline(m, worker, None, "me", lambda s: [], PipelineConfig())
+    sampler = Sampler(TokenWindows(m, "train"), "me", lambda: [])
+    per_mb = m.inner.micro_batch * m.model.seq_len
+    last, calls = pipeline.compute.last, []
+
+    async def failing_once(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        if len(calls) == 1:
+            raise NonFiniteError("a neighbour's extreme input (simulated)")
+        return await last(*args, **kwargs)
+
+    pipeline.compute.last = failing_once
+    head = Head(pipeline)
+    try:
+        asyncio.run(
+            asyncio.wait_for(head.run(sampler, asyncio.Event(), max_tokens=2 * per_mb), timeout=30)
+        )
+    finally:
+        worker.close()
+    assert pipeline.stats.results == {"ok": 2, "dropped": 1, "rejected": 0}
+    assert head.injected_tokens == 3 * per_mb
+    assert head.trained_tokens == worker.stats.trained_tokens == 2 * per_mb
+
+
 def test_bytes_are_counted_once():
     m = one_stage_manifest()
     events = Metrics()

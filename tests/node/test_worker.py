@@ -253,9 +253,29 @@ def test_a_backward_out_of_memory_part_way_leaves_no_partial_gradient_for_the_st
     with pytest.raises(torch.OutOfMemoryError):
         failing.backward("b", torch.ones_like(c))
     assert all(p.grad is None for p in copy.values())
+    # "a" finished on the copy and went with it: no token of it counts as trained
+    assert failing.stats.trained_tokens == 0
     for w in (failing, clean):
         w.backward("c", torch.ones_like(w.forward("c", None, tokens[2])))
     for name, p in clean.versions.held(0).items():
         torch.testing.assert_close(failing.versions.held(0)[name].grad, p.grad, msg=name)
+    assert failing.stats.trained_tokens == clean.stats.trained_tokens == tokens[2][:, 1:].numel()
     failing.close()
     clean.close()
+
+
+def test_gradients_dropped_by_an_adopted_anchor_do_not_count_as_trained():
+    """Tokens trained are those whose gradient can reach a step (the outer step's weight
+    and the record's tokens_seen): adopting an anchor lets go of those not yet stepped."""
+    m = load_manifest("tiny")
+    w = StageWorker(m, 0)
+    w.micro_per_step = 10**9  # no inner step
+    tokens = torch.randint(0, 256, (4, m.model.seq_len + 1))
+    for mb in ("a", "b"):
+        w.backward(mb, torch.ones_like(w.forward(mb, None, tokens)))
+    assert w.stats.trained_tokens == 2 * tokens[:, 1:].numel()
+    w.adopt_anchor(torch.cat([p.detach().flatten() for p in w.masters]))
+    assert w.stats.trained_tokens == 0
+    w.backward("c", torch.ones_like(w.forward("c", None, tokens)))
+    assert w.stats.trained_tokens == tokens[:, 1:].numel()
+    w.close()

@@ -54,14 +54,19 @@ class Head:
         """Tokens toward a budget: those injected and not dropped (in flight or trained),
         plus those of the sequences this head helped its cell's leader split (it injects
         nothing while it helps). A dropped micro-batch's tokens are injected again, so
-        runs on a budget compare at equal tokens trained however many failed."""
+        runs on a budget compare at equal tokens trained however many failed. Not seen
+        here: gradients a stage let go of after their micro-batch completed (those that had
+        finished on the same weight copy as a later non-finite or out-of-memory backward,
+        StageWorker._drop_grads), and a helper's micro-batches its leader dropped."""
         cells = self.pipeline.cells
         helped = cells.helper.tokens if cells is not None else 0
         return self.injected_tokens - self.dropped_tokens + helped
 
     async def run(self, sampler: Sampler, stop: asyncio.Event, max_tokens: int = 0) -> None:
         """Keep up to max_in_flight micro-batches in the pipeline until `stop` is set
-        (or, with max_tokens, until `trained_tokens` reaches it)."""
+        (or, with max_tokens, until `trained_tokens` reaches it with none in flight: one that
+        fails at the end is injected again; or until more tokens failed than the budget,
+        said in a warning)."""
         limit, why = self.config.max_in_flight, "--max-in-flight"
         if not limit:
             limit = heads_in_flight(self.manifest.inner)
@@ -72,7 +77,22 @@ class Head:
         slots = asyncio.Semaphore(limit)
         tasks: set[asyncio.Task] = set()
         tokens_per_mb = self.manifest.inner.micro_batch * self.manifest.model.seq_len
-        while not stop.is_set() and not (max_tokens and self.trained_tokens >= max_tokens):
+        stopping = asyncio.ensure_future(stop.wait())
+        while not stop.is_set():
+            if max_tokens and self.dropped_tokens > max_tokens:
+                log.warning(
+                    "stopping short of the token budget: %d tokens failed, more than the "
+                    "budget of %d (see the micro-batch failures above)",
+                    self.dropped_tokens,
+                    max_tokens,
+                )
+                break
+            if max_tokens and self.trained_tokens >= max_tokens:
+                if not tasks:
+                    break  # the budget is trained
+                # those in flight may still fail, and their tokens go back to the budget
+                await asyncio.wait([*tasks, stopping], return_when=asyncio.FIRST_COMPLETED)
+                continue
             if self._helping():  # its compute belongs to the cell's leader, who injects
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), HELPER_RECHECK_S)
@@ -89,6 +109,7 @@ class Head:
             task = asyncio.create_task(self._run_microbatch(batch))
             tasks.add(task)
             task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
+        stopping.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 

@@ -295,8 +295,10 @@ class OuterRounds:
             if self._catch_up():  # the stage moved on while we trained: join its round
                 continue  # instead of a round its replicas have left (our steps count there)
             await self.outer.begin_round(expect=self._expect())
-            # (a drop of gradients counted before the round began can take back more)
-            tokens = max(0, self.worker.stats.trained_tokens - start_tokens)
+            # What finishes from here on lands in the next round's steps, and counts there.
+            # (A drop of gradients counted in an earlier round can take back more.)
+            end_tokens = self.worker.stats.trained_tokens
+            tokens = max(0, end_tokens - start_tokens)
             if self.overlap:
                 started = time.monotonic()
                 state = self.outer.state
@@ -310,7 +312,7 @@ class OuterRounds:
             else:
                 async with self.worker.frozen() as weights:
                     await self._end_round(tokens, weights)
-            start_step, start_tokens = self.worker.optimizer.steps, self.worker.stats.trained_tokens
+            start_step, start_tokens = self.worker.optimizer.steps, end_tokens
             if not self.overlap:
                 await self.attest()  # notes the new anchor's digest (anchor_digests)
 

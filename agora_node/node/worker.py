@@ -495,7 +495,7 @@ class StageWorker:
             self.stage.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self._pending.clear()
-            self.versions.drop_grads()  # the loaded state's tokens replace them
+            self.stats.trained_tokens -= self.versions.drop_grads()
             self.versions.publish(int(state.get("version", 0)))
 
     def _fresh_optimizer(self) -> InnerOptimizer:

@@ -54,34 +54,61 @@ def test_a_head_reports_outcomes_latency_and_tokens_to_its_sink():
     assert v[("agora_completed_tokens_per_s", ())] > 0
 
 
-def test_a_dropped_microbatch_does_not_count_toward_the_token_budget():
-    """A budget of 2 micro-batches with the first failing: 3 injected, 2 trained."""
+def run_head_failing(fail, budget_mbs: int, in_flight: int = 0):
+    """A one-stage head on a budget of `budget_mbs` micro-batches whose n-th micro-batch
+    (from 1) raises NonFiniteError where `fail(n)`; returns (head, worker stats, results)."""
     from agora_node.compression import NonFiniteError
 
     m = one_stage_manifest()
     worker = StageWorker(m, 0)
-    pipeline = Pipeline(m, worker, None, "me", lambda s: [], PipelineConfig())
+    pipeline = Pipeline(
+        m, worker, None, "me", lambda s: [], PipelineConfig(max_in_flight=in_flight)
+    )
     sampler = Sampler(TokenWindows(m, "train"), "me", lambda: [])
     per_mb = m.inner.micro_batch * m.model.seq_len
     last, calls = pipeline.compute.last, []
 
-    async def failing_once(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    async def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls.append(1)
-        if len(calls) == 1:
+        await asyncio.sleep(0)  # the others in flight are injected meanwhile
+        if fail(len(calls)):
             raise NonFiniteError("a neighbour's extreme input (simulated)")
         return await last(*args, **kwargs)
 
-    pipeline.compute.last = failing_once
+    pipeline.compute.last = failing
     head = Head(pipeline)
     try:
         asyncio.run(
-            asyncio.wait_for(head.run(sampler, asyncio.Event(), max_tokens=2 * per_mb), timeout=30)
+            asyncio.wait_for(
+                head.run(sampler, asyncio.Event(), max_tokens=budget_mbs * per_mb), timeout=30
+            )
         )
     finally:
         worker.close()
-    assert pipeline.stats.results == {"ok": 2, "dropped": 1, "rejected": 0}
+    return head, worker.stats, pipeline.stats.results, per_mb
+
+
+def test_a_dropped_microbatch_does_not_count_toward_the_token_budget():
+    """A budget of 2 micro-batches with the first failing: 3 injected, 2 trained."""
+    head, stats, results, per_mb = run_head_failing(lambda n: n == 1, 2)
+    assert results == {"ok": 2, "dropped": 1, "rejected": 0}
     assert head.injected_tokens == 3 * per_mb
-    assert head.trained_tokens == worker.stats.trained_tokens == 2 * per_mb
+    assert head.trained_tokens == stats.trained_tokens == 2 * per_mb
+
+
+def test_a_microbatch_failing_at_the_end_of_the_budget_is_injected_again():
+    """Both of the budget's micro-batches in flight at once, the second failing after the
+    loop had counted the budget as met: a third is injected."""
+    head, stats, results, per_mb = run_head_failing(lambda n: n == 2, 2, in_flight=2)
+    assert results == {"ok": 2, "dropped": 1, "rejected": 0}
+    assert stats.trained_tokens == 2 * per_mb
+
+
+def test_a_head_whose_every_microbatch_fails_stops_once_more_than_its_budget_failed(caplog):
+    head, stats, results, per_mb = run_head_failing(lambda n: True, 2)
+    assert results["ok"] == 0 and 2 < results["dropped"] <= 2 + 8  # at most one slot each
+    assert head.dropped_tokens > 2 * per_mb and stats.trained_tokens == 0
+    assert "stopping short of the token budget" in caplog.text
 
 
 def test_bytes_are_counted_once():

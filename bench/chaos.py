@@ -11,12 +11,13 @@ every stage-0 daemon (a head) trains `--tokens-per-head` tokens, then reports it
 validation loss (`final_val_loss`, the daemon's own evaluation). A: no faults. B: the
 schedule, whose times are fractions of A's training time (the preceding A's):
 
-    kill-bootstrap@F     SIGKILL the bootstrap's process group; it never comes back
-    kill:S@F+D           SIGKILL a stage-S daemon's process group (a crash: its libp2p and
-                         DHT processes go too); D seconds later restart it with the same
-                         command, identity and data dir
-    stop:S@F+D           SIGSTOP a stage-S daemon's process group (a frozen machine); D
-                         seconds later SIGCONT it
+    kill-bootstrap@F     SIGKILL the bootstrap and every process it started; it never
+                         comes back
+    kill:S@F+D           SIGKILL a stage-S daemon and every process it started (a crash:
+                         its libp2p, DHT and reaper processes at once); D seconds later
+                         restart it with the same command, identity and data dir
+    stop:S@F+D           SIGSTOP a stage-S daemon and every process it started (a frozen
+                         machine); D seconds later SIGCONT them
     term:S@F+D           SIGTERM (a clean leave); D seconds later restart it
     partition:S@F+D      (--lab) cut a stage-S daemon's host off from every other host
                          (both ways, established connections too); D seconds later heal
@@ -36,9 +37,9 @@ One JSON line (`--json`): `val_loss` {fault_free, chaos} (medians over repeats o
 of the heads' final validation losses), `gap` (chaos over fault-free - 1),
 `lost_microbatches` (micro-batches heads injected and never got a gradient for, chaos
 median), `recover_s` (the longest time from a victim's restart or SIGCONT until it served
-a micro-batch again, chaos median), `left_behind` (processes of any side's process groups,
-libp2p sockets and control sockets still there after the swarm stopped, namespaces
-created; must be 0), `tokens_per_s` and `outer_blocked_share` (the mean over daemons of
+a micro-batch again, chaos median), `left_behind` (processes any side's daemons or bootstrap
+started, noted while they lived, libp2p sockets and control sockets still there after
+the swarm stopped, namespaces created; must be 0), `tokens_per_s` and `outer_blocked_share` (the mean over daemons of
 the time outer rounds held inner steps, over the training time) per side, and `runs`
 with every side's figures and events.
 
@@ -66,6 +67,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import procs  # noqa: E402
 from common import DaemonLab, control_status, exit_on_sigterm, parse_rates  # noqa: E402
 
 from agora_node.node.demo import (  # noqa: E402
@@ -187,37 +189,6 @@ def write_manifest(path: Path, args: argparse.Namespace, overlap: bool) -> Path:
     return path
 
 
-def _groups_alive(pgids: set[int]) -> list[str]:
-    """`pid:name` of every live process in one of these process groups."""
-    out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        comm, rest = stat.split(" (", 1)[1].rsplit(")", 1)
-        fields = rest.split()
-        if int(fields[2]) in pgids and fields[0] != "Z":
-            out.append(f"{entry.name}:{comm}")
-    return out
-
-
-def _p2pd_sockets(pgids: set[int]) -> set[str]:
-    """The unix sockets of the libp2p daemons in these groups (theirs and their clients')."""
-    found = set()
-    for entry in _groups_alive(pgids):
-        pid = entry.split(":", 1)[0]
-        with contextlib.suppress(OSError):
-            for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-                text = arg.decode(errors="replace")
-                if "/unix/" in text and "p2pd-" in text:
-                    path = text[text.index("/unix/") + len("/unix") :]
-                    found |= {path, path.replace("p2pd-", "p2pclient-")}
-    return found
-
-
 def _namespaces() -> set[str]:
     try:
         out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10)
@@ -232,7 +203,10 @@ class Side:
     def __init__(self, args: argparse.Namespace, workdir: Path, faults: list[Fault]) -> None:
         self.args, self.workdir, self.faults = args, workdir, faults
         self.swarm = Swarm(workdir)
-        self.pgids: set[int] = set()
+        self.roots: set[int] = set()
+        """Every daemon's and the bootstrap's pid, every incarnation."""
+        self.seen: dict[int, procs.Proc] = {}
+        """Their processes and those they started, noted while they lived (procs.py)."""
         self.sockets: set[str] = set()
         self.events: list[dict] = []
         self.stopped: set[str] = set()  # names of SIGSTOPped daemons (no status fetch)
@@ -248,8 +222,15 @@ class Side:
             prefix, listen = self.lab.command(host)
             argv = [*argv, *listen]
         child = self.swarm.spawn(name, argv, prefix=prefix)
-        self.pgids.add(child.proc.pid)
+        self.roots.add(child.proc.pid)
         return child
+
+    def _note_processes(self) -> None:
+        """Note the live daemons' processes and their libp2p daemons' sockets, to check at
+        the end that none is left (their children outlive a killed parent, re-parented)."""
+        tree = procs.tree(self.roots)
+        self.seen.update(tree)
+        self.sockets |= procs.p2pd_sockets(tree.values())
 
     def status(self, child: Child) -> dict | None:
         if child.name in self.stopped or child.proc.poll() is not None or not child.status_port:
@@ -266,12 +247,12 @@ class Side:
         try:
             result = self._train(manifest, duration_hint)
         finally:
-            self.sockets |= _p2pd_sockets(self.pgids)
+            self._note_processes()
             self.swarm.stop(grace_s=30)
             if self.lab is not None:
                 self.lab.close()
         left = {
-            "processes": _groups_alive(self.pgids),
+            "processes": procs.alive(self.seen),
             "sockets": sorted(p for p in self.sockets if os.path.exists(p)),
             "control_sockets": sorted(str(p) for p in self.workdir.glob("*/control.sock")),
             "namespaces": sorted(_namespaces() - before_ns),
@@ -309,7 +290,7 @@ class Side:
                 raise RuntimeError(f"the swarm did not become active; logs in {self.workdir}")
             time.sleep(0.5)  # polling under a deadline
         started = time.monotonic()
-        self.sockets |= _p2pd_sockets(self.pgids)  # every incarnation's, before any dies
+        self._note_processes()  # every incarnation's, before any dies
         pending = [(f, f.at * duration_hint) for f in self.faults]
         returns: list[tuple[float, Child, str, dict]] = []  # (when, victim, action, event)
         watching: list[tuple[Child, dict, int]] = []  # victims back, until they serve again
@@ -366,10 +347,10 @@ class Side:
         }
 
     def _strike(self, fault: Fault, now: float, returns: list) -> None:
-        self.sockets |= _p2pd_sockets(self.pgids)  # the victim's, while it lives
+        self._note_processes()  # the victim's, while it lives
         if fault.action == "kill-bootstrap":
             boot = self.swarm.children[0]
-            _group_signal(boot, signal.SIGKILL)
+            _machine_signal(boot, signal.SIGKILL)
             boot.proc.wait()
             self.events.append({"action": fault.action, "at_s": round(now, 1)})
             return
@@ -391,7 +372,7 @@ class Side:
             victim.proc.send_signal(signal.SIGTERM)  # the daemon's own clean leave
             victim.proc.wait(timeout=60)
         else:
-            _group_signal(victim, sig[fault.action])
+            _machine_signal(victim, sig[fault.action])
         if fault.action == "kill":
             victim.proc.wait()
         if fault.action == "stop":
@@ -421,13 +402,13 @@ class Side:
                 self.lab.restore(host)
             return victim, event, _progress(self.status(victim) or {})
         if action == "stop":
-            _group_signal(victim, signal.SIGCONT)
+            _machine_signal(victim, signal.SIGCONT)
             self.stopped.discard(victim.name)
             return victim, event, _progress(self.status(victim) or {})
         starts = victim.log_path.read_text(errors="replace").count(_PAGE)
         child = self.swarm.respawn(victim)
         child.status_port = None  # until this start prints its own
-        self.pgids.add(child.proc.pid)
+        self.roots.add(child.proc.pid)
         self.starts[child.name] = starts
         return child, event, 0
 
@@ -445,8 +426,16 @@ def _progress(status: dict) -> int:
     return int(status.get("microbatches", {}).get("ok", 0))
 
 
-def _group_signal(child: Child, sig: signal.Signals) -> None:
-    _signal_group(child.proc, sig)  # the demo's: its process group, if still there
+def _machine_signal(child: Child, sig: signal.Signals) -> None:
+    """`sig` to what a machine runs for this node: its process group and every process it
+    started (its libp2p daemon, DHT process and reaper are in sessions of their own), so
+    a SIGKILL is a crash of all of them at once and a SIGSTOP a frozen machine. A SIGTERM,
+    an operator's, goes to the group alone (`_signal_group`), as Ctrl-C would."""
+    tree = procs.tree([child.proc.pid])
+    _signal_group(child.proc, sig)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,6 +62,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import procs  # noqa: E402
 import torch  # noqa: E402
 from common import DaemonLab, control_status, exit_on_sigterm, parse_rates  # noqa: E402
 
@@ -71,7 +72,6 @@ from agora_node.node.demo import Swarm, fetch_status, wait_for_line  # noqa: E40
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -128,54 +128,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _ticks(stat: str) -> tuple[str, int, int]:
-    """(comm, process group, user + system ticks) of one /proc stat line."""
-    comm, rest = stat.split(" (", 1)[1].rsplit(")", 1)
-    fields = rest.split()  # state ppid pgrp ...
-    return comm, int(fields[2]), int(fields[11]) + int(fields[12])
-
-
-def group_cpu_seconds(pgid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of the live processes in process group `pgid`, by
-    part: `p2pd` (its libp2p daemon), `stage_worker` (the daemon's compute thread, named
-    agora-stage* by node/worker.py), `daemon_other` (the rest of the daemon process: event
-    loop, RPC, membership, finished threads), `helpers` (its other processes in the group:
-    the hivemind DHT process). `by_program` folds them back to p2pd and python."""
+def tree_cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) of the live process `root` (a daemon) and every process
+    it started (procs.py: they run in sessions of their own), by part: `p2pd` (its libp2p
+    daemon), `stage_worker` (the daemon's compute thread, named agora-stage* by
+    node/worker.py), `daemon_other` (the rest of the daemon process: event loop, RPC,
+    membership, finished threads), `helpers` (its other processes: the hivemind DHT
+    process, the reaper). `by_program` folds them back to p2pd and python."""
     ticks: dict[str, int] = {}
 
     def count(part: str, n: int) -> None:
         ticks[part] = ticks.get(part, 0) + n
 
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            comm, group, total = _ticks(Path(entry.path, "stat").read_text())
-            if group != pgid:
-                continue
-            if comm == "p2pd":
-                count("p2pd", total)
-            elif int(entry.name) != pgid:
-                count("helpers", total)
-            else:
-                worker = sum(
-                    t
-                    for c, _, t in map(_ticks, _task_stats(entry.path))
-                    if c.startswith("agora-stage")
-                )
-                count("stage_worker", worker)
-                count("daemon_other", total - worker)
-        except OSError:  # exited meanwhile
-            continue
-    return {part: t / TICKS for part, t in ticks.items()}
-
-
-def _task_stats(proc: str) -> list[str]:
-    stats = []
-    for task in os.scandir(Path(proc, "task")):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            stats.append(Path(task.path, "stat").read_text())
-    return stats
+    for pid, proc in procs.tree([root]).items():
+        if proc.comm == "p2pd":
+            count("p2pd", proc.ticks)
+        elif pid != root:
+            count("helpers", proc.ticks)
+        else:
+            threads = procs.thread_ticks(pid)
+            worker = sum(t.ticks for t in threads if t.comm.startswith("agora-stage"))
+            count("stage_worker", worker)
+            count("daemon_other", proc.ticks - worker)
+    return {part: t / procs.TICKS for part, t in ticks.items()}
 
 
 def by_program(parts: dict[str, float]) -> dict[str, float]:
@@ -210,13 +185,13 @@ def run_reference(args: argparse.Namespace) -> dict:
     refs = []
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(copies)]
-        procs: list[subprocess.Popen] = []
-        stack.callback(_kill_all, procs)  # first on the way out: before the logs close
+        children: list[subprocess.Popen] = []
+        stack.callback(_kill_all, children)  # first on the way out: before the logs close
         for log in logs:
-            procs.append(
+            children.append(
                 subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
             )
-        for proc, log in zip(procs, logs, strict=True):
+        for proc, log in zip(children, logs, strict=True):
             out, _ = proc.communicate()
             if proc.returncode != 0:
                 log.seek(0)
@@ -232,8 +207,8 @@ def run_reference(args: argparse.Namespace) -> dict:
     }
 
 
-def _kill_all(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
+def _kill_all(children: list[subprocess.Popen]) -> None:
+    for proc in children:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -250,7 +225,7 @@ def _totals(statuses: list[dict], nodes: list) -> dict:
         "ok": head["microbatches"].get("ok", 0),
         "sent": sum(sum(s["bytes_sent"].values()) for s in statuses),
         "compute": {s["stage"]: s["compute_s"] for s in statuses},
-        "cpu": functools.reduce(_add, (group_cpu_seconds(n.proc.pid) for n in nodes), {}),
+        "cpu": functools.reduce(_add, (tree_cpu_seconds(n.proc.pid) for n in nodes), {}),
         "at": time.monotonic(),
     }
 
@@ -309,11 +284,11 @@ def run_swarm(args: argparse.Namespace, workdir: Path, lab: DaemonLab | None = N
             time.sleep(1)
         else:
             raise RuntimeError(f"swarm did not start; logs in {workdir}")
-        boot_cpu = group_cpu_seconds(boot.proc.pid)
+        boot_cpu = tree_cpu_seconds(boot.proc.pid)
         start = _totals(statuses(), nodes)
         time.sleep(args.seconds)  # the measurement window itself
         end = _totals(statuses(), nodes)
-        boot_cpu = _add(group_cpu_seconds(boot.proc.pid), boot_cpu, -1.0)
+        boot_cpu = _add(tree_cpu_seconds(boot.proc.pid), boot_cpu, -1.0)
     finally:
         swarm.stop(grace_s=20)
     window = end["at"] - start["at"]

@@ -1,9 +1,13 @@
 """The swarm benchmark splits a daemon's CPU time into its stage worker's and the rest by
 the worker thread's OS name (bench/swarm.py `cpu_seconds_by_part`): the worker must carry
-that name, and the split must count a named thread's time as the worker's."""
+that name, and the split must count a named thread's time as the worker's. The processes
+a daemon starts in sessions of their own (its libp2p daemon, DHT process) count too."""
 
 import asyncio
+import contextlib
 import importlib.util
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -29,14 +33,18 @@ def _swarm_bench():
 pytestmark = pytest.mark.timeout(60)
 
 SPIN = """
-import sys, threading
+import subprocess, sys, threading
 from agora_node.node.thread_name import name_os_thread
 def spin():
     name_os_thread("agora-stage2")
     while True:
         pass
 threading.Thread(target=spin, daemon=True).start()
-print("spinning", flush=True)
+# a helper in a session of its own, as the daemon's DHT process and libp2p daemon run
+helper = subprocess.Popen(
+    [sys.executable, "-c", "while True: pass"], start_new_session=True
+)
+print("spinning", helper.pid, flush=True)
 sys.stdin.read()
 """
 
@@ -50,8 +58,8 @@ def test_the_stage_workers_thread_carries_its_os_name():
         worker.close()
 
 
-def test_a_named_threads_cpu_counts_as_the_stage_workers():
-    group_cpu_seconds = _swarm_bench().group_cpu_seconds
+def test_a_named_threads_cpu_counts_as_the_stage_workers_and_a_helper_process_as_helpers():
+    tree_cpu_seconds = _swarm_bench().tree_cpu_seconds
     proc = subprocess.Popen(
         [sys.executable, "-c", SPIN],
         stdin=subprocess.PIPE,
@@ -59,19 +67,61 @@ def test_a_named_threads_cpu_counts_as_the_stage_workers():
         text=True,
         start_new_session=True,  # its own process group, led by it, as a daemon's is
     )
+    helper = None
     try:
-        assert proc.stdout.readline().strip() == "spinning"
-        before = group_cpu_seconds(proc.pid)  # the start-up (imports) is the main thread's
+        word, pid = proc.stdout.readline().split()
+        assert word == "spinning"
+        helper = int(pid)
+        before = tree_cpu_seconds(proc.pid)  # the start-up (imports) is the main thread's
 
         def grown(part: str) -> float:
-            return group_cpu_seconds(proc.pid).get(part, 0.0) - before.get(part, 0.0)
+            return tree_cpu_seconds(proc.pid).get(part, 0.0) - before.get(part, 0.0)
 
         deadline = time.monotonic() + 30
-        while grown("stage_worker") < 0.5 and time.monotonic() < deadline:
-            time.sleep(0.1)  # polling the spinning thread's CPU time
-        assert grown("stage_worker") >= 0.5
+        while min(grown("stage_worker"), grown("helpers")) < 0.5:
+            assert time.monotonic() < deadline, tree_cpu_seconds(proc.pid)
+            time.sleep(0.1)  # polling the spinning thread's and process's CPU time
         assert grown("daemon_other") < 0.2  # the main thread only waits on stdin
-        assert set(group_cpu_seconds(proc.pid)) == {"stage_worker", "daemon_other"}
+        assert set(tree_cpu_seconds(proc.pid)) == {"stage_worker", "daemon_other", "helpers"}
     finally:
+        if helper is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(helper, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+
+
+def test_a_killed_parents_own_session_child_is_found_left_behind():
+    """bench/chaos.py's `left_behind`: a process a daemon started in a session of its own
+    outlives a SIGKILL of the daemon's process group, re-parented; noted while the daemon
+    lived, it is still found, and once it ends it is not."""
+    _swarm_bench()  # puts bench/ on the path
+    import procs
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SPIN],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    helper = None
+    try:
+        helper = int(proc.stdout.readline().split()[1])
+        seen = procs.tree([proc.pid])
+        assert set(seen) == {proc.pid, helper}
+        os.killpg(proc.pid, signal.SIGKILL)  # the group alone: the helper is not in it
+        proc.wait()
+        assert procs.alive(seen) == [f"{helper}:{seen[helper].comm}"]
+        os.kill(helper, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while procs.alive(seen):  # until init reaps it
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        helper = None
+    finally:
+        if helper is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(helper, signal.SIGKILL)
         proc.kill()
         proc.wait()

@@ -189,6 +189,19 @@ def write_manifest(path: Path, args: argparse.Namespace, overlap: bool) -> Path:
     return path
 
 
+LINGER_S = 30.0
+"""How long a stopped swarm's processes may take to end on their own (torch's shared-memory
+manager outlives its clients by a moment; a reaper finishes its removals)."""
+
+
+def _still_running(seen: dict[int, procs.Proc], linger_s: float) -> list[str]:
+    """Those of `seen` still running `linger_s` after the swarm was stopped (polled)."""
+    deadline = time.monotonic() + linger_s
+    while (left := procs.alive(seen)) and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling processes that end on their own, under a deadline
+    return left
+
+
 def _namespaces() -> set[str]:
     try:
         out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10)
@@ -203,8 +216,6 @@ class Side:
     def __init__(self, args: argparse.Namespace, workdir: Path, faults: list[Fault]) -> None:
         self.args, self.workdir, self.faults = args, workdir, faults
         self.swarm = Swarm(workdir)
-        self.roots: set[int] = set()
-        """Every daemon's and the bootstrap's pid, every incarnation."""
         self.seen: dict[int, procs.Proc] = {}
         """Their processes and those they started, noted while they lived (procs.py)."""
         self.sockets: set[str] = set()
@@ -222,15 +233,35 @@ class Side:
             prefix, listen = self.lab.command(host)
             argv = [*argv, *listen]
         child = self.swarm.spawn(name, argv, prefix=prefix)
-        self.roots.add(child.proc.pid)
         return child
 
     def _note_processes(self) -> None:
         """Note the live daemons' processes and their libp2p daemons' sockets, to check at
         the end that none is left (their children outlive a killed parent, re-parented)."""
-        tree = procs.tree(self.roots)
+        self._note(procs.tree(c.proc.pid for c in self.swarm.children if c.proc.poll() is None))
+
+    def _note(self, tree: dict[int, procs.Proc]) -> None:
         self.seen.update(tree)
         self.sockets |= procs.p2pd_sockets(tree.values())
+
+    def _machine_signal(self, child: Child, sig: signal.Signals) -> None:
+        """`sig` to what a machine runs for this node: the daemon and every process it
+        started (its libp2p daemon, DHT process and reaper run in sessions of their own),
+        so a SIGKILL is a crash of them all at once and a SIGSTOP a frozen machine. The
+        daemon is stopped first, so it starts nothing between the look and the signal. A
+        SIGKILL spares the reaper, whose work is to remove the dead one's sockets (as on a
+        machine that reboots, nothing of it is left). A SIGTERM, an operator's, goes to
+        the daemon alone (`_strike`), as Ctrl-C would."""
+        if sig != signal.SIGCONT:
+            _signal_group(child.proc, signal.SIGSTOP)
+        tree = procs.tree([child.proc.pid])
+        self._note(tree)
+        for pid in tree:
+            if sig == signal.SIGKILL and procs.is_reaper(pid):
+                continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        _signal_group(child.proc, sig)
 
     def status(self, child: Child) -> dict | None:
         if child.name in self.stopped or child.proc.poll() is not None or not child.status_port:
@@ -248,11 +279,14 @@ class Side:
             result = self._train(manifest, duration_hint)
         finally:
             self._note_processes()
+            for child in self.nodes():  # a frozen one's helpers would stay frozen for good
+                if child.name in self.stopped:
+                    self._machine_signal(child, signal.SIGCONT)
             self.swarm.stop(grace_s=30)
             if self.lab is not None:
                 self.lab.close()
         left = {
-            "processes": procs.alive(self.seen),
+            "processes": _still_running(self.seen, LINGER_S),
             "sockets": sorted(p for p in self.sockets if os.path.exists(p)),
             "control_sockets": sorted(str(p) for p in self.workdir.glob("*/control.sock")),
             "namespaces": sorted(_namespaces() - before_ns),
@@ -350,7 +384,7 @@ class Side:
         self._note_processes()  # the victim's, while it lives
         if fault.action == "kill-bootstrap":
             boot = self.swarm.children[0]
-            _machine_signal(boot, signal.SIGKILL)
+            self._machine_signal(boot, signal.SIGKILL)
             boot.proc.wait()
             self.events.append({"action": fault.action, "at_s": round(now, 1)})
             return
@@ -372,7 +406,7 @@ class Side:
             victim.proc.send_signal(signal.SIGTERM)  # the daemon's own clean leave
             victim.proc.wait(timeout=60)
         else:
-            _machine_signal(victim, sig[fault.action])
+            self._machine_signal(victim, sig[fault.action])
         if fault.action == "kill":
             victim.proc.wait()
         if fault.action == "stop":
@@ -402,13 +436,12 @@ class Side:
                 self.lab.restore(host)
             return victim, event, _progress(self.status(victim) or {})
         if action == "stop":
-            _machine_signal(victim, signal.SIGCONT)
+            self._machine_signal(victim, signal.SIGCONT)
             self.stopped.discard(victim.name)
             return victim, event, _progress(self.status(victim) or {})
         starts = victim.log_path.read_text(errors="replace").count(_PAGE)
         child = self.swarm.respawn(victim)
         child.status_port = None  # until this start prints its own
-        self.roots.add(child.proc.pid)
         self.starts[child.name] = starts
         return child, event, 0
 
@@ -424,18 +457,6 @@ class Side:
 def _progress(status: dict) -> int:
     """What grows while a daemon serves: micro-batch hops it completed."""
     return int(status.get("microbatches", {}).get("ok", 0))
-
-
-def _machine_signal(child: Child, sig: signal.Signals) -> None:
-    """`sig` to what a machine runs for this node: its process group and every process it
-    started (its libp2p daemon, DHT process and reaper are in sessions of their own), so
-    a SIGKILL is a crash of all of them at once and a SIGSTOP a frozen machine. A SIGTERM,
-    an operator's, goes to the group alone (`_signal_group`), as Ctrl-C would."""
-    tree = procs.tree([child.proc.pid])
-    _signal_group(child.proc, sig)
-    for pid in tree:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,7 +68,7 @@ class Swarm:
             stdout=open(log_path, "a" if append else "w"),  # noqa: SIM115 - owned by the child
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            start_new_session=True,  # its own group: hivemind's children die with it
+            start_new_session=True,  # its own group; its reaper stops what it started
             # If the demo itself dies (even by SIGKILL), every node gets SIGTERM and leaves.
             preexec_fn=set_parent_death_signal,  # noqa: PLW1509 - must run in the child
             env=env,

@@ -1,8 +1,10 @@
 """Real daemons on 127.0.0.1 for integration tests: start, watch, kill by pid.
 
-Each daemon is `python -m agora_node ...` in its own session, so killing its
-process group also kills hivemind's DHT child and the libp2p daemon. Nothing
-here sleeps to hope: every wait polls a condition under a deadline.
+Each daemon is `python -m agora_node ...` in its own session. Its DHT process and
+libp2p daemon run in sessions of their own (comms/host.py), so killing its process
+group kills the daemon alone, and its reaper (comms/reaper.py) then stops them and
+removes their sockets. Nothing here sleeps to hope: every wait polls a condition
+under a deadline.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def _run(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(argv, proc.returncode, out, err)
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # its group: a DHT child or p2pd, if any
+            os.killpg(proc.pid, signal.SIGKILL)  # its reaper stops a DHT child or p2pd, if any
         proc.wait()
 
 

@@ -290,6 +290,23 @@ class OwnSessionDHT(hivemind.DHT):
         super().run()
 
 
+def quiet_hivemind_ack_race(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """An event loop's exception handler: hivemind's control client answers a handler's
+    registration (add/remove_unary_handler) by setting its future, also when the caller
+    was cancelled meanwhile (a node stopped while it registered its handlers). The
+    InvalidStateError ends the client's reader task, which only happens at shutdown, and
+    printed a traceback ("Task exception was never retrieved") to an operator who had
+    just pressed Ctrl-C. That one case is a debug line; the rest goes to asyncio's
+    default handler."""
+    exc, task = context.get("exception"), context.get("future")
+    coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+    name = getattr(coro, "__qualname__", "")
+    if isinstance(exc, asyncio.InvalidStateError) and name.endswith("_read_from_persistent_conn"):
+        log.debug("hivemind's control reader ended on a cancelled call's answer (stopping)")
+        return
+    loop.default_exception_handler(context)
+
+
 async def shutdown_p2p(p2p: P2P, timeout_s: float) -> None:
     """Stop `p2p` and its daemon, and remove the unix sockets they leave.
 

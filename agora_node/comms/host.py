@@ -31,6 +31,7 @@ from typing import Any
 
 import hivemind
 from hivemind.p2p import P2P
+from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -233,12 +234,46 @@ def watch_p2p(reaper: Reaper, p2p: P2P) -> None:
         reaper.remove_on_death(path)
 
 
+class CallsAnsweredAfterCancel(dict):
+    """hivemind's control client's pending calls (`ControlClient._pending_calls`), by call
+    id. Its reader sets a call's future when p2pd answers. A caller cancelled meanwhile (a
+    SWIM send past its timeout, a node stopping while it registers its handlers) has
+    cancelled that future already but removes it only a step later, and `set_result` on it
+    raised InvalidStateError, which ended the reader: from then on every call and handler
+    registration of the process waited forever and incoming unary requests (SWIM's) went
+    unanswered. Seen as "Task exception was never retrieved" after a SIGHUP 6 s into a
+    join. A cancelled call's answer now goes to a throwaway future."""
+
+    def __getitem__(self, call_id: Any) -> asyncio.Future:
+        future = super().__getitem__(call_id)
+        if future.cancelled():
+            return asyncio.get_running_loop().create_future()  # the answer goes nowhere
+        return future
+
+
+def settle_cancelled_calls() -> None:
+    """Every hivemind ControlClient made from now on keeps its pending calls in
+    `CallsAnsweredAfterCancel`: this process's, and its DHT process's (forked later).
+    Idempotent."""
+    init = ControlClient.__init__
+    if getattr(init, "settles_cancelled_calls", False):
+        return
+
+    def __init__(self: ControlClient, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        init(self, *args, **kwargs)
+        self._pending_calls = CallsAnsweredAfterCancel()
+
+    __init__.settles_cancelled_calls = True
+    ControlClient.__init__ = __init__
+
+
 async def create_p2p(**options: Any) -> P2P:
     """`P2P.create(**options)`, whose unix sockets are removed if it fails.
 
     A libp2p daemon that exits while starting (say no initial peer answered) leaves its
     socket in /tmp, and hivemind names it at random inside `create`: the sockets here
     carry a tag of this call's own, so that exactly they can be found and removed."""
+    settle_cancelled_calls()
     prefix = f"/tmp/hivemind-{secrets.token_hex(4)}-"
     tagged = type("P2P", (P2P,), {"_UNIX_SOCKET_PREFIX": "/unix" + prefix})
     try:
@@ -288,23 +323,6 @@ class OwnSessionDHT(hivemind.DHT):
         with contextlib.suppress(OSError):  # already a session leader
             os.setsid()
         super().run()
-
-
-def quiet_hivemind_ack_race(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-    """An event loop's exception handler: hivemind's control client answers a handler's
-    registration (add/remove_unary_handler) by setting its future, also when the caller
-    was cancelled meanwhile (a node stopped while it registered its handlers). The
-    InvalidStateError ends the client's reader task, which only happens at shutdown, and
-    printed a traceback ("Task exception was never retrieved") to an operator who had
-    just pressed Ctrl-C. That one case is a debug line; the rest goes to asyncio's
-    default handler."""
-    exc, task = context.get("exception"), context.get("future")
-    coro = task.get_coro() if isinstance(task, asyncio.Task) else None
-    name = getattr(coro, "__qualname__", "")
-    if isinstance(exc, asyncio.InvalidStateError) and name.endswith("_read_from_persistent_conn"):
-        log.debug("hivemind's control reader ended on a cancelled call's answer (stopping)")
-        return
-    loop.default_exception_handler(context)
 
 
 async def shutdown_p2p(p2p: P2P, timeout_s: float) -> None:

@@ -111,15 +111,13 @@ def _resolve_compute(config: NodeConfig):  # noqa: ANN202
 
 
 def _run_daemon(coro) -> int:  # noqa: ANN001
-    from agora_node.comms.host import HostError, quiet_hivemind_ack_race
+    from agora_node.comms.host import HostError
     from agora_node.node.control import ControlError
     from agora_node.node.errors import JoinError
     from agora_node.node.status_server import StatusServerError
 
     try:
-        with asyncio.Runner() as runner:
-            runner.get_loop().set_exception_handler(quiet_hivemind_ack_race)
-            return runner.run(coro)
+        return asyncio.run(coro)
     except (HostError, JoinError, StatusServerError, ControlError) as exc:
         print(f"agora-node: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILURE

@@ -62,11 +62,11 @@ class Head:
         helped = cells.helper.tokens if cells is not None else 0
         return self.injected_tokens - self.dropped_tokens + helped
 
-    async def run(self, sampler: Sampler, stop: asyncio.Event, max_tokens: int = 0) -> None:
+    async def run(self, sampler: Sampler, stop: asyncio.Event, max_tokens: int = 0) -> bool:
         """Keep up to max_in_flight micro-batches in the pipeline until `stop` is set
         (or, with max_tokens, until `trained_tokens` reaches it with none in flight: one that
         fails at the end is injected again; or until more tokens failed than the budget,
-        said in a warning)."""
+        said in a warning). True if it ended because the budget was trained."""
         limit, why = self.config.max_in_flight, "--max-in-flight"
         if not limit:
             limit = heads_in_flight(self.manifest.inner)
@@ -74,10 +74,31 @@ class Head:
             if self.manifest.inner.weight_prediction:
                 why = "two inner steps' worth: the manifest predicts weights"
         log.info("keeping up to %d micro-batch(es) in flight (%s)", limit, why)
-        slots = asyncio.Semaphore(limit)
         tasks: set[asyncio.Task] = set()
-        tokens_per_mb = self.manifest.inner.micro_batch * self.manifest.model.seq_len
         stopping = asyncio.ensure_future(stop.wait())
+        ended = False
+        try:
+            trained = await self._inject(sampler, stop, max_tokens, limit, tasks, stopping)
+            ended = True
+            return trained
+        finally:
+            stopping.cancel()
+            for task in tasks if not ended else ():  # failed or cancelled: theirs too
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _inject(
+        self,
+        sampler: Sampler,
+        stop: asyncio.Event,
+        max_tokens: int,
+        limit: int,
+        tasks: set[asyncio.Task],
+        stopping: asyncio.Future,
+    ) -> bool:
+        slots = asyncio.Semaphore(limit)
+        tokens_per_mb = self.manifest.inner.micro_batch * self.manifest.model.seq_len
         while not stop.is_set():
             if max_tokens and self.dropped_tokens > max_tokens:
                 log.warning(
@@ -86,10 +107,10 @@ class Head:
                     self.dropped_tokens,
                     max_tokens,
                 )
-                break
+                return False
             if max_tokens and self.trained_tokens >= max_tokens:
                 if not tasks:
-                    break  # the budget is trained
+                    return True  # the budget is trained
                 # those in flight may still fail, and their tokens go back to the budget
                 await asyncio.wait([*tasks, stopping], return_when=asyncio.FIRST_COMPLETED)
                 continue
@@ -109,9 +130,7 @@ class Head:
             task = asyncio.create_task(self._run_microbatch(batch))
             tasks.add(task)
             task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
-        stopping.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        return False
 
     def _helping(self) -> bool:
         cells = self.pipeline.cells

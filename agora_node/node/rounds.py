@@ -295,14 +295,12 @@ class OuterRounds:
             if self._catch_up():  # the stage moved on while we trained: join its round
                 continue  # instead of a round its replicas have left (our steps count there)
             await self.outer.begin_round(expect=self._expect())
-            # What finishes from here on lands in the next round's steps, and counts there.
-            # (A drop of gradients counted in an earlier round can take back more.)
-            end_tokens = self.worker.stats.trained_tokens
-            tokens = max(0, end_tokens - start_tokens)
             if self.overlap:
                 started = time.monotonic()
                 state = self.outer.state
                 async with self.worker.frozen() as weights:
+                    end_tokens = self.worker.stats.trained_tokens  # steps are held from here
+                    tokens = self._round_tokens(start_tokens, end_tokens)
                     at_end = await weights.read()
                     start = await asyncio.to_thread(state.preview, state.anchor - at_end)
                     await weights.write(start)
@@ -311,10 +309,18 @@ class OuterRounds:
                 self._landing = asyncio.create_task(self._end_round(tokens, overlapped))
             else:
                 async with self.worker.frozen() as weights:
-                    await self._end_round(tokens, weights)
+                    end_tokens = self.worker.stats.trained_tokens  # steps are held from here
+                    await self._end_round(self._round_tokens(start_tokens, end_tokens), weights)
             start_step, start_tokens = self.worker.optimizer.steps, end_tokens
             if not self.overlap:
                 await self.attest()  # notes the new anchor's digest (anchor_digests)
+
+    @staticmethod
+    def _round_tokens(start: int, end: int) -> int:
+        """A round's tokens, counted while its inner steps are held: what finishes later
+        lands in the next round's steps and counts there. A drop of gradients counted in
+        an earlier round can take back more than this round trained: none, then."""
+        return max(0, end - start)
 
     async def _end_round(self, tokens: int, weights: Any) -> None:
         async with self._lock:

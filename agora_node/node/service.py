@@ -335,9 +335,13 @@ class StageService:
                 if self._stop.is_set():
                     break
                 if inject.done():
-                    await inject
+                    trained = await inject
                     self.final_val_loss = await head.evaluate(val, val_ids)
-                    log.info("token budget reached; final validation loss %s", self.final_val_loss)
+                    log.info(
+                        "%s; final validation loss %s",
+                        "token budget reached" if trained else "stopped short of the budget",
+                        self.final_val_loss,
+                    )
                     await self._stop.wait()
                     break
                 if min(ctx.peers_of(0) + [ctx.peer_id]) == ctx.peer_id:  # one head evaluates

@@ -175,6 +175,7 @@ def outer_config(method: str, args: argparse.Namespace) -> OuterConfig:
         codec=codec,
         rank=args.rank if low_rank else 0,
         result_codec=args.result_codec if codec != "fp32" and not low_rank else None,
+        anchor_codec=args.anchor_codec,
         deadlines=PATIENT,
         matchmaking=TOGETHER,
         mix_momentum=args.momentum_mix,
@@ -334,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="mixed results of the compressed methods (default: the codec's own default)",
     )
+    p.add_argument(
+        "--anchor-codec",
+        default=None,
+        choices=("fp32", "bf16", "int8", "int4"),
+        help="anchors of the anchor mixes (gossip) on the wire (default: fp32 with fp32 "
+        "deltas, else bf16)",
+    )
     p.add_argument("--rank", type=int, default=4, help="*_lowrank: the factors' rank (4)")
     p.add_argument(
         "--factor-codec",
@@ -386,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             "outer_lr": args.outer_lr,
             "outer_momentum": args.outer_momentum,
             "result_codec": args.result_codec,
+            "anchor_codec": args.anchor_codec,
             "rank": args.rank,
             "factor_codec": args.factor_codec,
             "consensus": args.consensus,

@@ -49,6 +49,9 @@ ECHO = f"/agora/{RUN}/echo/1"
 async def _peer(folder: Path, name: str, initial: list | None = None):  # noqa: ANN202
     from hivemind.p2p import P2P
 
+    from agora_node.comms.host import settle_cancelled_calls
+
+    settle_cancelled_calls()  # as a daemon's: a late answer ends no reader
     path = folder / f"{name}.key"
     identity = Identity.load_or_create(path)
     p2p = await P2P.create(

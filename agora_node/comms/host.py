@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import glob
 import logging
 import math
@@ -242,13 +243,26 @@ class CallsAnsweredAfterCancel(dict):
     raised InvalidStateError, which ended the reader: from then on every call and handler
     registration of the process waited forever and incoming unary requests (SWIM's) went
     unanswered. Seen as "Task exception was never retrieved" after a SIGHUP 6 s into a
-    join. A cancelled call's answer now goes to a throwaway future."""
+    join. A cancelled call's answer, result or error, now goes nowhere (`_Discard`: a
+    throwaway future set with an error would log "Future exception was never retrieved").
+    Callers never get it: each reads its future right after putting it in."""
 
-    def __getitem__(self, call_id: Any) -> asyncio.Future:
+    def __getitem__(self, call_id: Any) -> asyncio.Future | _Discard:
         future = super().__getitem__(call_id)
-        if future.cancelled():
-            return asyncio.get_running_loop().create_future()  # the answer goes nowhere
-        return future
+        return _DISCARD if future.cancelled() else future
+
+
+class _Discard:
+    """Where hivemind's reader puts a cancelled call's answer."""
+
+    def set_result(self, _result: Any) -> None:
+        pass
+
+    def set_exception(self, _exc: BaseException) -> None:
+        pass
+
+
+_DISCARD = _Discard()
 
 
 def settle_cancelled_calls() -> None:
@@ -259,6 +273,7 @@ def settle_cancelled_calls() -> None:
     if getattr(init, "settles_cancelled_calls", False):
         return
 
+    @functools.wraps(init)
     def __init__(self: ControlClient, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         init(self, *args, **kwargs)
         self._pending_calls = CallsAnsweredAfterCancel()

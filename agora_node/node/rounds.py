@@ -311,6 +311,7 @@ class OuterRounds:
                 async with self.worker.frozen() as weights:
                     end_tokens = self.worker.stats.trained_tokens  # steps are held from here
                     await self._end_round(self._round_tokens(start_tokens, end_tokens), weights)
+            # (steps read after the round: adopting an anchor starts a fresh optimizer)
             start_step, start_tokens = self.worker.optimizer.steps, end_tokens
             if not self.overlap:
                 await self.attest()  # notes the new anchor's digest (anchor_digests)

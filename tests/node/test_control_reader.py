@@ -3,6 +3,8 @@ cancelled a moment before (comms/host.py `CallsAnsweredAfterCancel`): before, th
 InvalidStateError ended the reader, and every later call of the process waited forever."""
 
 import asyncio
+import gc
+import logging
 import uuid
 
 import pytest
@@ -61,6 +63,30 @@ def test_the_reader_reads_on_past_a_cancelled_calls_answers():
     assert isinstance(client._pending_calls, CallsAnsweredAfterCancel)
     assert cancelled.cancelled()
     assert waiting.result() == b"on time"  # the answer after them still arrived
+
+
+def error(call_id: uuid.UUID, text: bytes) -> bytes:
+    response = p2pd_pb.CallUnaryResponse(error=text)
+    return frame(
+        p2pd_pb.PersistentConnectionResponse(callId=call_id.bytes, callUnaryResponse=response)
+    )
+
+
+def test_an_error_for_a_cancelled_call_is_dropped_without_a_word(caplog):
+    """Set on a throwaway future, the error was logged as never retrieved once collected."""
+
+    async def errored() -> None:
+        settle_cancelled_calls()
+        client = await ControlClient.create(DaemonConnector(), use_persistent_conn=False)
+        gone = uuid.uuid4()
+        client._pending_calls[gone] = asyncio.get_running_loop().create_future()
+        client._pending_calls[gone].cancel()
+        await read_answers(client, error(gone, b"peer unreachable"))
+
+    with caplog.at_level(logging.WARNING, logger="asyncio"):
+        asyncio.run(errored())
+        gc.collect()
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
 
 
 def test_without_it_the_reader_ended_at_the_first_such_answer():

@@ -58,8 +58,10 @@ def test_the_stage_workers_thread_carries_its_os_name():
         worker.close()
 
 
-def test_a_named_threads_cpu_counts_as_the_stage_workers_and_a_helper_process_as_helpers():
-    tree_cpu_seconds = _swarm_bench().tree_cpu_seconds
+@contextlib.contextmanager
+def spinner():
+    """A process like a daemon (its own process group; a named thread spinning) with a
+    spinning helper in a session of its own: (process, helper's pid); both killed after."""
     proc = subprocess.Popen(
         [sys.executable, "-c", SPIN],
         stdin=subprocess.PIPE,
@@ -72,6 +74,18 @@ def test_a_named_threads_cpu_counts_as_the_stage_workers_and_a_helper_process_as
         word, pid = proc.stdout.readline().split()
         assert word == "spinning"
         helper = int(pid)
+        yield proc, helper
+    finally:
+        if helper is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(helper, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+
+
+def test_a_named_threads_cpu_counts_as_the_stage_workers_and_a_helper_process_as_helpers():
+    tree_cpu_seconds = _swarm_bench().tree_cpu_seconds
+    with spinner() as (proc, _):
         before = tree_cpu_seconds(proc.pid)  # the start-up (imports) is the main thread's
 
         def grown(part: str) -> float:
@@ -83,12 +97,6 @@ def test_a_named_threads_cpu_counts_as_the_stage_workers_and_a_helper_process_as
             time.sleep(0.1)  # polling the spinning thread's and process's CPU time
         assert grown("daemon_other") < 0.2  # the main thread only waits on stdin
         assert set(tree_cpu_seconds(proc.pid)) == {"stage_worker", "daemon_other", "helpers"}
-    finally:
-        if helper is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(helper, signal.SIGKILL)
-        proc.kill()
-        proc.wait()
 
 
 def test_a_killed_parents_own_session_child_is_found_left_behind():
@@ -98,16 +106,7 @@ def test_a_killed_parents_own_session_child_is_found_left_behind():
     _swarm_bench()  # puts bench/ on the path
     import procs
 
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SPIN],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    helper = None
-    try:
-        helper = int(proc.stdout.readline().split()[1])
+    with spinner() as (proc, helper):
         seen = procs.tree([proc.pid])
         assert set(seen) == {proc.pid, helper}
         os.killpg(proc.pid, signal.SIGKILL)  # the group alone: the helper is not in it
@@ -118,10 +117,3 @@ def test_a_killed_parents_own_session_child_is_found_left_behind():
         while procs.alive(seen):  # until init reaps it
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        helper = None
-    finally:
-        if helper is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(helper, signal.SIGKILL)
-        proc.kill()
-        proc.wait()

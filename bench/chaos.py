@@ -11,11 +11,11 @@ every stage-0 daemon (a head) trains `--tokens-per-head` tokens, then reports it
 validation loss (`final_val_loss`, the daemon's own evaluation). A: no faults. B: the
 schedule, whose times are fractions of A's training time (the preceding A's):
 
-    kill-bootstrap@F     SIGKILL the bootstrap and every process it started; it never
-                         comes back
-    kill:S@F+D           SIGKILL a stage-S daemon and every process it started (a crash:
-                         its libp2p, DHT and reaper processes at once); D seconds later
-                         restart it with the same command, identity and data dir
+    kill-bootstrap@F     SIGKILL the bootstrap and every process it started but its
+                         reaper (which removes the dead one's sockets); it never comes back
+    kill:S@F+D           SIGKILL a stage-S daemon and every process it started but its
+                         reaper (a crash: its libp2p and DHT processes at once); D seconds
+                         later restart it with the same command, identity and data dir
     stop:S@F+D           SIGSTOP a stage-S daemon and every process it started (a frozen
                          machine); D seconds later SIGCONT them
     term:S@F+D           SIGTERM (a clean leave); D seconds later restart it

@@ -24,7 +24,8 @@ Reported per side as the median over repeats (every repeat's figures are in `run
   counted, as it is no volunteer's stage work). `efficiency_per_compute_s` is the
   swarm's over the reference's, `efficiency` the same for wall-seconds. The swarm's CPU
   is also given by part (`cpu_seconds_by_part`): the stage workers' compute threads, the
-  rest of the daemon processes, their DHT processes, their libp2p daemons;
+  rest of the daemon processes, their other processes (`helpers`: the DHT process and the
+  reaper), their libp2p daemons; every process a daemon started counts (bench/procs.py);
 - wire bytes: what the daemons' pipeline streams wrote (frames incl. headers and token
   ids; libp2p framing/encryption and DHT traffic excluded), per token trained;
   dense_bf16_bytes_per_token is what the same boundaries would carry dense in bf16,

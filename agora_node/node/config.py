@@ -219,8 +219,9 @@ class NodeConfig:
     max_tokens: int = option(
         0,
         help="stage 0: stop injecting after this many tokens and evaluate (0: never); a "
-        "dropped micro-batch's tokens do not count, and a head helping a context-parallel "
-        "cell counts the tokens it helped split",
+        "dropped micro-batch's tokens do not count (it stops short, with a warning, once more "
+        "tokens failed than this), and a head helping a context-parallel cell counts the "
+        "tokens it helped split",
     )
     emulate_link: str = option(
         "", help="benchmarks: shape this node's uplink as 'MBIT_PER_S,LATENCY_MS'"

@@ -70,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import procs  # noqa: E402
 from common import DaemonLab, control_status, exit_on_sigterm, parse_rates  # noqa: E402
 
+from agora_node.comms.reaper import is_reaper  # noqa: E402
 from agora_node.node.demo import (  # noqa: E402
     Child,
     Swarm,
@@ -257,7 +258,7 @@ class Side:
         tree = procs.tree([child.proc.pid])
         self._note(tree)
         for pid in tree:
-            if sig == signal.SIGKILL and procs.is_reaper(pid):
+            if sig == signal.SIGKILL and is_reaper(pid):
                 continue
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)

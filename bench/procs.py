@@ -96,15 +96,6 @@ def p2pd_sockets(procs: Iterable[Proc]) -> set[str]:
     return found
 
 
-def is_reaper(pid: int) -> bool:
-    """Is `pid` a daemon's reaper (agora_node/comms/reaper.py)? It must outlive a killed
-    daemon: it removes the libp2p daemon's sockets once its parent is gone."""
-    try:
-        return b"agora_node.comms.reaper" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
 def thread_ticks(pid: int) -> list[Proc]:
     """The threads of process `pid` (their comm is the thread's name)."""
     out = []

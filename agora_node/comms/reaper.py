@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+_MODULE = "agora_node.comms.reaper"
+"""What a reaper runs (`python -m`), and how `is_reaper` tells one."""
 
 
 def set_parent_death_signal() -> None:
@@ -44,7 +46,7 @@ class Reaper:
         if not sys.platform.startswith("linux"):
             return cls(None)  # no PR_SET_PDEATHSIG: rely on process-group kills
         proc = subprocess.Popen(
-            [sys.executable, "-m", "agora_node.comms.reaper", str(os.getpid())],
+            [sys.executable, "-m", _MODULE, str(os.getpid())],
             stdin=subprocess.PIPE,
             preexec_fn=_arm,  # noqa: PLW1509 - must run in the child
             close_fds=True,
@@ -123,6 +125,15 @@ def _main(parent: int) -> None:
             os.kill(pid, signal.SIGKILL)
     for path in files:
         remove_socket(path)
+
+
+def is_reaper(pid: int) -> bool:
+    """Is `pid` a node's reaper? One that kills a node's processes by hand must spare it:
+    it removes the libp2p daemon's sockets once its node is gone."""
+    try:
+        return _MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def remove_socket(path: str) -> None:

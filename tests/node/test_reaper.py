@@ -116,3 +116,16 @@ def test_libp2p_daemons_leave_no_socket_when_they_fail_to_start_or_die_first(mon
         assert _tagged_sockets("c0ffee00") == []
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(30)
+def test_a_reaper_is_told_from_other_processes():
+    """What chaos.py and the outer harness spare when they kill a node's processes."""
+    from agora_node.comms.reaper import Reaper, is_reaper
+
+    reaper = Reaper.start()
+    try:
+        assert is_reaper(reaper._proc.pid)
+        assert not is_reaper(os.getpid())
+    finally:
+        reaper.stop()

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agora_node.comms.reaper import is_reaper
 from agora_node.protocol.identity import Identity
 
 if TYPE_CHECKING:
@@ -168,20 +169,13 @@ class PeerProcess:
             self.proc.wait(timeout=10)
         mine = f"TMPDIR={self.tmp}"
         for pid in pids_with_env(mine):
-            if not _is_reaper(pid):
+            if not is_reaper(pid):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10.0
         while pids_with_env(mine) and time.monotonic() < deadline:  # the reaper finishing
             time.sleep(0.05)
         shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def _is_reaper(pid: int) -> bool:
-    try:
-        return b"agora_node.comms.reaper" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
 
 
 def pids_with_env(entry: str) -> list[int]:

@@ -76,15 +76,14 @@ class Head:
         log.info("keeping up to %d micro-batch(es) in flight (%s)", limit, why)
         tasks: set[asyncio.Task] = set()
         stopping = asyncio.ensure_future(stop.wait())
-        ended = False
         try:
-            trained = await self._inject(sampler, stop, max_tokens, limit, tasks, stopping)
-            ended = True
-            return trained
+            return await self._inject(sampler, stop, max_tokens, limit, tasks, stopping)
+        except BaseException:  # failed or cancelled: the micro-batches it started too
+            for task in tasks:
+                task.cancel()
+            raise
         finally:
             stopping.cancel()
-            for task in tasks if not ended else ():  # failed or cancelled: theirs too
-                task.cancel()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
 

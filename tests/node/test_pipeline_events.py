@@ -70,7 +70,6 @@ def run_head_failing(fail, budget_mbs: int, in_flight: int = 0):
 
     async def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls.append(1)
-        await asyncio.sleep(0)  # the others in flight are injected meanwhile
         if fail(len(calls)):
             raise NonFiniteError("a neighbour's extreme input (simulated)")
         return await last(*args, **kwargs)

@@ -5,7 +5,10 @@ running (and answering peers) after the node is SIGKILLed. The reaper is a tiny
 separate process that gets SIGTERM from the kernel when its parent dies
 (PR_SET_PDEATHSIG) and then SIGKILLs every pid it was told to watch and removes
 the unix socket files those children had open: a libp2p daemon killed this way
-cannot remove its own, and every crash left two behind in /tmp.
+cannot remove its own, and every crash left two behind in /tmp. At a clean stop it
+kills whatever the node failed to stop. A pid is killed only while it names the
+process it was told of (same start time): a child that exited and was reaped may
+have given its pid to another process.
 """
 
 from __future__ import annotations
@@ -57,8 +60,9 @@ class Reaper:
         return cls(proc)
 
     def watch(self, pid: int) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.stdin.write(f"{pid}\n".encode())
+        started = start_time(pid)
+        if started is not None and self._proc is not None and self._proc.poll() is None:
+            self._proc.stdin.write(f"{pid} {started}\n".encode())
             self._proc.stdin.flush()
 
     def remove_on_death(self, path: str) -> None:
@@ -71,7 +75,8 @@ class Reaper:
             self._proc.stdin.flush()
 
     def stop(self) -> None:
-        """Normal shutdown: the children were stopped cleanly; dismiss the reaper."""
+        """Normal shutdown: the children were stopped; dismiss the reaper, which kills any
+        that still run (a shutdown that did not stop one must not leave it behind)."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.stdin.write(b"exit\n")
             self._proc.stdin.flush()
@@ -83,13 +88,24 @@ class Reaper:
                 self._proc.wait(timeout=5)
 
 
+def start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot, /proc/PID/stat), None if it is gone: a
+    pid and its start time name one process, even after the pid is reused."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[19])  # field 22; the split starts at field 3, the state
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _main(parent: int) -> None:
-    """Read "PID" and "file PATH" lines until "exit" (a clean stop: nothing to do) or until
-    the parent dies: SIGTERM (PR_SET_PDEATHSIG) or the end of stdin. Then kill and remove
-    everything told, the lines the parent wrote just before it died included: the handler
-    only makes stdin non-blocking, and the loop reads what is left before it acts (stdin may
-    never end, as forked children of the parent hold the pipe's other end)."""
-    watched: list[int] = []
+    """Read "PID START" and "file PATH" lines until "exit" (a clean stop: kill only what
+    still runs) or until the parent dies: SIGTERM (PR_SET_PDEATHSIG) or the end of stdin.
+    Then kill and remove everything told, the lines the parent wrote just before it died
+    included: the handler only makes stdin non-blocking, and the loop reads what is left
+    before it acts (stdin may never end, as forked children of the parent hold the pipe's
+    other end)."""
+    watched: list[tuple[int, int]] = []
     files: list[str] = []
     dying = False
 
@@ -115,16 +131,24 @@ def _main(parent: int) -> None:
         for raw in lines:
             line = raw.decode(errors="replace").strip()
             if line == "exit":
+                _kill(watched)
                 return
-            if line.isdigit():
-                watched.append(int(line))
+            pid, _, started = line.partition(" ")
+            if pid.isdigit() and started.isdigit():
+                watched.append((int(pid), int(started)))
             elif line.startswith("file /"):
                 files.append(line[len("file ") :])
-    for pid in watched:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    _kill(watched)
     for path in files:
         remove_socket(path)
+
+
+def _kill(watched: list[tuple[int, int]]) -> None:
+    """SIGKILL each watched process that still runs (its pid names the same process)."""
+    for pid, started in watched:
+        if start_time(pid) == started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def is_reaper(pid: int) -> bool:

@@ -129,3 +129,26 @@ def test_a_reaper_is_told_from_other_processes():
         assert not is_reaper(os.getpid())
     finally:
         reaper.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_clean_stop_kills_what_the_node_did_not_stop_and_spares_a_reused_pid():
+    """A shutdown that left a helper running (say one that ignored its stop) must not leave
+    it behind; a pid whose process is no longer the one watched (its start time differs:
+    the pid was reused) is spared."""
+    from agora_node.comms.reaper import Reaper
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    survivor, stranger = subprocess.Popen(sleeper), subprocess.Popen(sleeper)
+    reaper = Reaper.start()
+    try:
+        reaper.watch(survivor.pid)
+        reaper._proc.stdin.write(f"{stranger.pid} 1\n".encode())  # another process's pid now
+        reaper._proc.stdin.flush()
+        reaper.stop()
+        assert survivor.wait(timeout=10) == -signal.SIGKILL
+        assert stranger.poll() is None
+    finally:
+        for proc in (survivor, stranger):
+            proc.kill()
+            proc.wait()

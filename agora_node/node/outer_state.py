@@ -85,6 +85,7 @@ class OuterConfig:
             "group_size": o.group_size,
             "codec": o.codec,
             "rank": o.rank,
+            "anchor_codec": None if o.anchor_codec == "auto" else o.anchor_codec,
             "verify_results": True,
             # Replicas whose momenta drifted apart (one mixed a round alone, e.g. at
             # start-up) otherwise never hold equal anchors again; mixing the momentum

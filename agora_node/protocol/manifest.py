@@ -39,6 +39,7 @@ CANONICAL_DEFAULTS = {
     ("outer", "min_cosine"): DEFAULT_MIN_COSINE,
     ("outer", "overlap"): False,
     ("outer", "rank"): 0,
+    ("outer", "anchor_codec"): "auto",
     ("inner", "weight_prediction"): False,
     ("model", "cp_degree"): 1,
     ("model", "kv_rank"): 0,
@@ -234,6 +235,11 @@ class OuterSpec:
     """0: pseudo-gradients travel whole (in `codec`). r > 0: each weight matrix travels as
     two rank-r factors in two mixes, with error feedback (node/lowrank.py); `codec` must
     then be a dense one (fp32, bf16, int8 or int4) and encodes the factors."""
+    anchor_codec: str = "auto"
+    """How anchors travel when a group mixes them (gossip every round; a group of everyone
+    only when its digests differ): a dense codec, or "auto": fp32 when `codec` is fp32,
+    else bf16. int8 moved 21-23% fewer bytes than bf16 for gossip_int8 at the same loss
+    (docs/benchmarks.md, "Anchors in int8")."""
 
     def __post_init__(self) -> None:
         _positive(self, "outer", "inner_steps", "lr")
@@ -255,6 +261,12 @@ class OuterSpec:
             _fail("outer.codec", self.codec, f"must be one of {', '.join(CODEC_NAMES)}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             _fail("outer.rank", self.rank, "must be an integer >= 0 (0: whole pseudo-gradients)")
+        if self.anchor_codec != "auto" and self.anchor_codec not in DENSE_CODEC_NAMES:
+            _fail(
+                "outer.anchor_codec",
+                self.anchor_codec,
+                f"must be auto or one of {', '.join(DENSE_CODEC_NAMES)}",
+            )
         if self.rank and self.codec not in DENSE_CODEC_NAMES:
             _fail(
                 "outer.codec",

@@ -75,6 +75,26 @@ def test_every_consumer_takes_the_registry_names():
         OuterSpec(codec="int2")
 
 
+def test_the_manifest_names_the_anchor_codec_and_auto_keeps_run_ids_and_the_old_default():
+    from agora_node.node.outer_state import OuterConfig
+    from agora_node.stages.manifest_files import load_manifest
+
+    tiny = load_manifest("tiny")
+    assert tiny.outer.anchor_codec == "auto" and b"anchor_codec" not in tiny.canonical_bytes()
+    for codec, anchors in (("int8", Codec.BF16), ("int4", Codec.BF16), ("fp32", Codec.FP32)):
+        outer = dataclasses.replace(tiny.outer, codec=codec)
+        assert (
+            OuterConfig.from_manifest(dataclasses.replace(tiny, outer=outer)).anchor_format().part
+            is anchors
+        )
+    for name in DENSE_CODEC_NAMES:
+        m = dataclasses.replace(tiny, outer=dataclasses.replace(tiny.outer, anchor_codec=name))
+        assert OuterConfig.from_manifest(m).anchor_format().part is from_name(name)
+        assert m.run_id != tiny.run_id  # members of one run agree on their anchors' wire
+    with pytest.raises(ManifestError, match="outer.anchor_codec.*must be auto or one of fp32"):
+        dataclasses.replace(tiny.outer, anchor_codec="topk4")
+
+
 def test_low_rank_factors_take_a_dense_codec_and_a_rank_of_at_least_zero():
     from agora_node.node.outer_state import OuterConfig
 

@@ -55,6 +55,7 @@ INVALID = [
     ("n_kv_heads = 4", "n_kv_heads = 3", "model.n_kv_heads"),
     ("lr = 0.3", 'lr = "fast"', "outer.lr"),
     ("[outer]", "[outer]\nspeed = 3", "outer.speed"),
+    ('anchor_codec = "auto"', 'anchor_codec = "topk4"', "outer.anchor_codec"),
     # TOML has nan and inf; a run that trains on them diverges or crashes every joiner
     ("lr = 0.003", "lr = nan", "inner.lr"),
     ("lr = 0.3", "lr = inf", "outer.lr"),

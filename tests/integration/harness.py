@@ -133,10 +133,12 @@ def small_manifest(
     optimizer: str = "adamw",
     weight_prediction: bool = False,
     outer_rank: int = 0,
+    anchor_codec: str = "auto",
 ) -> str:
     """tiny with another stage cut, outer cadence H, gossip group size, overlapped outer
     rounds or not, context-parallel cells of `cp_degree`, another inner optimizer, weight
-    prediction and low-rank outer factors (`outer_rank`; written to `path`). With
+    prediction, low-rank outer factors (`outer_rank`) and the anchors' codec (written to
+    `path`). With
     `documents`, the corpus is the built-in one cut into many documents (`speeches`,
     written beside `path`): windows pack several, and attention keeps them apart."""
     from agora_node.protocol.manifest import parse_manifest
@@ -155,6 +157,7 @@ def small_manifest(
     text = text.replace(
         "weight_prediction = false", f"weight_prediction = {str(weight_prediction).lower()}"
     )
+    text = text.replace('anchor_codec = "auto"', f'anchor_codec = "{anchor_codec}"')
     if outer_rank:
         assert "\nrank = 0\n" in text
         text = text.replace("\nrank = 0\n", f"\nrank = {outer_rank}\n")

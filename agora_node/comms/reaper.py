@@ -43,6 +43,8 @@ def _arm() -> None:
 class Reaper:
     def __init__(self, proc: subprocess.Popen | None) -> None:
         self._proc = proc
+        self._watched: list[tuple[int, int]] = []
+        """(pid, start time) of each process told: `stop` kills those still running."""
 
     @classmethod
     def start(cls) -> Reaper:
@@ -60,8 +62,13 @@ class Reaper:
         return cls(proc)
 
     def watch(self, pid: int) -> None:
-        started = start_time(pid)
-        if started is not None and self._proc is not None and self._proc.poll() is None:
+        """Kill `pid`, a child of this process, when this process dies or stops (a pid that
+        names no child of ours any more, its process gone and the pid reused, is ignored)."""
+        started = start_time(pid, parent=os.getpid())
+        if started is None:
+            return
+        self._watched.append((pid, started))
+        if self._proc is not None and self._proc.poll() is None:
             self._proc.stdin.write(f"{pid} {started}\n".encode())
             self._proc.stdin.flush()
 
@@ -76,23 +83,28 @@ class Reaper:
 
     def stop(self) -> None:
         """Normal shutdown: the children were stopped; dismiss the reaper, which kills any
-        that still run (a shutdown that did not stop one must not leave it behind)."""
+        that still run (a shutdown that did not stop one must not leave it behind). They are
+        killed here, before the reaper is dismissed: a reaper too slow to answer is killed."""
+        _kill(self._watched)
         if self._proc is not None and self._proc.poll() is None:
             self._proc.stdin.write(b"exit\n")
             self._proc.stdin.flush()
             self._proc.stdin.close()
             try:
                 self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:  # it has nothing left to do: do not wait on it
+            except subprocess.TimeoutExpired:  # what it had to do is done: do not wait on it
                 self._proc.kill()
                 self._proc.wait(timeout=5)
 
 
-def start_time(pid: int) -> int | None:
-    """When `pid` started (clock ticks since boot, /proc/PID/stat), None if it is gone: a
-    pid and its start time name one process, even after the pid is reused."""
+def start_time(pid: int, parent: int | None = None) -> int | None:
+    """When `pid` started (clock ticks since boot, /proc/PID/stat), None if it is gone (or,
+    with `parent`, is not that process's child): a pid and its start time name one
+    process, even after the pid is reused."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        if parent is not None and int(fields[1]) != parent:  # field 4, the parent's pid
+            return None
         return int(fields[19])  # field 22; the split starts at field 3, the state
     except (OSError, IndexError, ValueError):
         return None
@@ -144,11 +156,26 @@ def _main(parent: int) -> None:
 
 
 def _kill(watched: list[tuple[int, int]]) -> None:
-    """SIGKILL each watched process that still runs (its pid names the same process)."""
+    """SIGKILL each watched process that still runs (its pid names the same process: the
+    check and the signal go through one pidfd where the kernel has them, so the pid cannot
+    change between them)."""
     for pid, started in watched:
-        if start_time(pid) == started:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:  # gone
+            continue
+        except (AttributeError, OSError):  # no pidfds (not Linux, or before 5.3)
+            if start_time(pid) == started:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            continue
+        try:
+            if start_time(pid) == started:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def is_reaper(pid: int) -> bool:

@@ -103,14 +103,12 @@ def test_gossip_splits_a_stage_of_four_replicas_into_groups_of_two(swarm, tmp_pa
     def enough(seen: list[dict[int, dict]]) -> bool:
         return len(split_rounds(seen)) >= 2 and anchors_mixed(seen)
 
-    poll(
-        lambda: enough([rounds(n) for n in replicas]),
-        280,
-        "two rounds with all four replicas, anchors mixed in one",
-    )
-    seen = {n.name: rounds(n) for n in replicas}
-    split = split_rounds(list(seen.values()))  # of this one look: later rounds are not in it
-    assert enough(list(seen.values())), seen
+    def look() -> dict[str, dict[int, dict]] | None:
+        seen = {n.name: rounds(n) for n in replicas}
+        return seen if enough(list(seen.values())) else None
+
+    seen = poll(look, 280, "two rounds with all four replicas, anchors mixed in one")
+    split = split_rounds(list(seen.values()))  # of that one look: later rounds are not in it
     for r in split:
         groups = {name: frozenset(s[r]["group"]) for name, s in seen.items()}
         for name, group in groups.items():

@@ -226,6 +226,10 @@ class ErrorFeedback:
     compress(name, x) encodes x + residual[name] and keeps residual = (x + residual) - decoded.
     After any number of rounds, sum(decoded) = sum(x) - residual: the accumulated error is one
     round's quantization error, not a random walk over rounds.
+
+    decay < 1 (SparseLoCo's beta): the residual is scaled by it before x is added, so what a
+    sparse codec keeps back fades instead of waiting to be sent; a direction that persists
+    builds up to about 1 / (1 - decay) rounds' worth, as in an outer momentum.
     """
 
     def __init__(
@@ -235,11 +239,15 @@ class ErrorFeedback:
         block: int = DEFAULT_BLOCK,
         seed: int | None = 0,
         max_rel_error: float | None = None,
+        decay: float = 1.0,
     ) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"error feedback decay must be in (0, 1], not {decay}")
         self.codec = Codec(codec)
         self.block = block
         self.seed = seed
         self.max_rel_error = max_rel_error
+        self.decay = decay
         self._residuals: dict[str, torch.Tensor] = {}
 
     def compress(self, name: str, tensor: torch.Tensor) -> QuantizedTensor:
@@ -251,7 +259,7 @@ class ErrorFeedback:
                 raise ValueError(
                     f"{name}: shape {tuple(x.shape)} != residual {tuple(residual.shape)}"
                 )
-            x = x + residual
+            x = x + residual * self.decay if self.decay != 1.0 else x + residual
         q, deq = quantize_with_fallback(
             x, self.codec, block=self.block, seed=self.seed, max_rel_error=self.max_rel_error
         )
@@ -260,6 +268,14 @@ class ErrorFeedback:
 
     def residual(self, name: str) -> torch.Tensor | None:
         return self._residuals.get(name)
+
+    def correct(self, name: str, sent: torch.Tensor, applied: torch.Tensor) -> None:
+        """What was applied differs from what was sent (a sparse mix keeps only its own top):
+        residual += sent - applied, so the residual is what was meant less what took effect."""
+        residual = self._residuals.get(name)
+        if residual is None or residual.shape != applied.shape:
+            return
+        residual += sent.to(residual) - applied.to(residual)
 
     def reset(self, name: str | None = None) -> None:
         """Forget one residual (or all), e.g. after weights were replaced by a sync."""

@@ -289,6 +289,8 @@ class OuterLoop:
         new, mixed = await asyncio.to_thread(
             self._outer_step, round_no, delta, mixed, anchor, momentum, tokens
         )
+        if self.config.result_feedback and self.low_rank is None:
+            self.delta_encoder.settle(mixed)
         await weights.write(new)
         n = len(prep.delta_plan.members) if prep.delta_plan else 1
         fmt = self.delta_encoder.fmt

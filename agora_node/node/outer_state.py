@@ -36,6 +36,13 @@ class OuterConfig:
     result_codec: str | None = None
     """Mixed spans on the wire; default int8 after int8/int4, else the same as `codec`
     (topk4 results: the top 1/64 of each block of the mix)."""
+    feedback_decay: float = 1.0
+    """How much of a pseudo-gradient residual (error feedback) carries into the next round
+    (SparseLoCo's beta; 1: all of it)."""
+    result_feedback: bool = False
+    """The residual becomes what the replica meant to send less the mixed pseudo-gradient the
+    group applied, not less what it sent: what a sparse result left out of the mix is sent
+    again (summed over the group) instead of lost."""
     anchor_codec: str | None = None
     """Anchors on the wire; default fp32 with fp32 deltas, else bf16 (weights quantize badly)."""
     rank: int = 0
@@ -111,6 +118,7 @@ class OuterConfig:
             block=self.block,
             seed=None if sparse else self.rotation_seed,
             error_feedback=part.is_quantized,
+            feedback_decay=self.feedback_decay,
         )
 
     def factor_format(self) -> WireFormat:

@@ -98,3 +98,24 @@ def test_input_is_not_modified() -> None:
     ef.compress("w", x)
     ef.compress("w", x)
     assert torch.equal(x, original)
+
+
+def test_a_decaying_residual_carries_only_its_share_into_the_next_round() -> None:
+    """decay d (SparseLoCo's beta): round two encodes its input plus d x round one's residual."""
+    ef = ErrorFeedback(Codec.TOPK4, block=256, seed=None, decay=0.5)
+    x, y = torch.randn(1024), torch.randn(1024)
+    ef.compress("w", x)
+    first = ef.residual("w").clone()
+    sent = dequantize(ef.compress("w", y))
+    torch.testing.assert_close(sent + ef.residual("w"), y + 0.5 * first)
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="decay"):
+            ErrorFeedback(decay=bad)
+
+
+def test_correct_makes_the_residual_what_was_meant_less_what_was_applied() -> None:
+    ef = ErrorFeedback(Codec.INT4, seed=None)
+    x, applied = torch.randn(512), torch.randn(512)
+    sent = dequantize(ef.compress("w", x))
+    ef.correct("w", sent, applied)
+    torch.testing.assert_close(ef.residual("w"), x - applied)

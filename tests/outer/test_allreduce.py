@@ -66,6 +66,30 @@ async def test_error_feedback_makes_the_sum_of_mixes_track_the_true_sum() -> Non
     assert totals["ef"] < totals["no_ef"] / 4
 
 
+async def test_settling_on_the_applied_mix_sends_again_what_a_sparse_result_dropped() -> None:
+    """Sparse parts, sparse results: a result keeps the top of its span's mix and drops the
+    rest. With `settle`, each member's residual becomes what it meant less what was applied,
+    so nothing is lost: the applied sum plus the members' mean residual (what is still owed)
+    is the sum of the true means. Without, what the results dropped is gone."""
+    values = random_values(3, NUMEL)
+    fmt = WireFormat(part=Codec.TOPK4, result=Codec.TOPK4, block=128, seed=None)
+    fmt = dataclasses.replace(fmt, error_feedback=True)
+    expected = 8 * sum(values.values()) / 3
+    lost = {}
+    for settle in (False, True):
+        encoders = {p: PartEncoder(fmt) for p in values}
+        applied = torch.zeros(NUMEL)
+        for t in range(8):  # the same delta every round
+            outs = await run_group(values, fmt=fmt, encoders=encoders, round_no=t, block=128)
+            applied += outs["peer0"].value
+            if settle:
+                for enc in encoders.values():
+                    enc.settle(outs["peer0"].value)
+        owed = sum(enc.feedback.residual("flat") for enc in encoders.values()) / 3
+        lost[settle] = float((applied + owed - expected).norm() / expected.norm())
+    assert lost[True] < 1e-5 and lost[False] > 0.1, lost
+
+
 async def test_a_member_that_never_shows_up_is_renormalized_away() -> None:
     values = random_values(3, NUMEL)
     network = LocalNetwork()

@@ -177,6 +177,26 @@ async def test_sparse_parts_and_results_keep_replicas_identical_for_a_fraction_o
     assert float(move @ want / (move.norm() * want.norm())) > 0.3  # the same way, roughly
 
 
+async def test_with_result_feedback_a_replica_owes_what_it_meant_less_what_was_applied():
+    """`result_feedback`: after a round each replica's residual is its pseudo-gradient (plus
+    its earlier residual) less the mixed pseudo-gradient the group applied; off, less what
+    it sent. Momentum 0, lr 1: the applied mix is the anchor's move."""
+    cfg = config(codec="topk4", block=256, momentum=0.0, lr=1.0, result_feedback=True)
+    loops = swarm(3, cfg)
+    before = [lp.state.anchor.clone() for lp in loops]
+    for loop in loops:
+        await loop.begin_round(expect=3)
+    deltas = []
+    for i, loop in enumerate(loops):
+        inner_steps(loop.state.params, i)
+        deltas.append(before[i] - loop.state.weights())
+    await asyncio.gather(*(lp.end_round(tokens=1000) for lp in loops))
+    for loop, delta, anchor in zip(loops, deltas, before, strict=True):
+        applied = anchor - loop.state.anchor
+        owed = loop.delta_encoder.feedback.residual("flat")
+        torch.testing.assert_close(owed, delta - applied, rtol=0, atol=1e-6)
+
+
 async def test_a_warming_newcomer_has_zero_weight_for_one_round() -> None:
     loops = swarm(3, config())
     newcomer = loops[2]

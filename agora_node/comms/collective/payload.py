@@ -46,6 +46,8 @@ class WireFormat:
     seed: int | None = 0
     """Hadamard rotation seed for quantized codecs (None: no rotation)."""
     error_feedback: bool = False
+    feedback_decay: float = 1.0
+    """The residual's decay between rounds (ErrorFeedback.decay; 1: kept whole)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "part", Codec(self.part))
@@ -71,23 +73,38 @@ class PartEncoder:
     def __init__(self, fmt: WireFormat) -> None:
         self.fmt = fmt
         self.feedback = (
-            ErrorFeedback(fmt.part, block=fmt.block, seed=fmt.seed) if fmt.error_feedback else None
+            ErrorFeedback(fmt.part, block=fmt.block, seed=fmt.seed, decay=fmt.feedback_decay)
+            if fmt.error_feedback
+            else None
         )
+        self._sent: QuantizedTensor | None = None
+        """The last contribution sent with error feedback (small when sparse), for `settle`."""
 
     def encode(self, flat: Tensor, spans: tuple[tuple[int, int], ...]) -> list[bytes]:
         flat = flat.detach().reshape(-1).float()
         if self.feedback is not None:
             q = self.feedback.compress(EF_NAME, flat)
+            self._sent = q
         else:
             q, _ = quantize_with_fallback(
                 flat, self.fmt.part, block=self.fmt.block, seed=self.fmt.seed
             )
         return [encode_frame(slice_quantized(q, lo, hi)) for lo, hi in spans]
 
+    def settle(self, applied: Tensor) -> None:
+        """The group applied `applied` (the whole mixed vector) where this member sent its last
+        contribution: the residual becomes what it meant to send less what took effect. Summed
+        over a group's members that is what their mix's own compression (a sparse result) left
+        out, so it is sent again later instead of lost."""
+        if self.feedback is not None and self._sent is not None:
+            self.feedback.correct(EF_NAME, dequantize(self._sent), applied.reshape(-1))
+        self._sent = None
+
     def reset(self) -> None:
         """Forget the residual (e.g. after the weights were replaced by a state transfer)."""
         if self.feedback is not None:
             self.feedback.reset()
+        self._sent = None
 
 
 def slice_quantized(q: QuantizedTensor, lo: int, hi: int) -> QuantizedTensor:

@@ -181,7 +181,7 @@ def outer_config(method: str, args: argparse.Namespace) -> OuterConfig:
         mix_momentum=args.momentum_mix,
         consensus=args.consensus,
         feedback_decay=args.feedback_decay,
-        result_feedback=args.result_feedback,
+        result_feedback=args.result_feedback and codec != "fp32" and not low_rank,
     )
 
 

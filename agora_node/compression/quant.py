@@ -225,7 +225,8 @@ class ErrorFeedback:
 
     compress(name, x) encodes x + residual[name] and keeps residual = (x + residual) - decoded.
     After any number of rounds, sum(decoded) = sum(x) - residual: the accumulated error is one
-    round's quantization error, not a random walk over rounds.
+    round's quantization error, not a random walk over rounds (with decay 1 and nothing owed
+    back through `owe`).
 
     decay < 1 (SparseLoCo's beta): the residual is scaled by it before x is added, so what a
     sparse codec keeps back fades instead of waiting to be sent; a direction that persists
@@ -269,13 +270,18 @@ class ErrorFeedback:
     def residual(self, name: str) -> torch.Tensor | None:
         return self._residuals.get(name)
 
-    def correct(self, name: str, sent: torch.Tensor, applied: torch.Tensor) -> None:
-        """What was applied differs from what was sent (a sparse mix keeps only its own top):
-        residual += sent - applied, so the residual is what was meant less what took effect."""
+    def owe(self, name: str, lo: int, values: torch.Tensor) -> None:
+        """`values` (elements lo.. of the tensor under `name`) were sent and not applied (a
+        sparse mix dropped them): residual[lo:lo + n] += values, so they are sent again."""
         residual = self._residuals.get(name)
-        if residual is None or residual.shape != applied.shape:
-            return
-        residual += sent.to(residual) - applied.to(residual)
+        if (
+            residual is None
+            or residual.dim() != 1
+            or lo < 0
+            or lo + values.numel() > residual.numel()
+        ):
+            raise ValueError(f"{name}: no flat residual holds {values.numel()} values at {lo}")
+        residual[lo : lo + values.numel()] += values.reshape(-1).to(residual)
 
     def reset(self, name: str | None = None) -> None:
         """Forget one residual (or all), e.g. after weights were replaced by a sync."""

@@ -113,9 +113,15 @@ def test_a_decaying_residual_carries_only_its_share_into_the_next_round() -> Non
             ErrorFeedback(decay=bad)
 
 
-def test_correct_makes_the_residual_what_was_meant_less_what_was_applied() -> None:
+def test_owed_values_go_back_into_the_residual_at_their_place() -> None:
     ef = ErrorFeedback(Codec.INT4, seed=None)
-    x, applied = torch.randn(512), torch.randn(512)
-    sent = dequantize(ef.compress("w", x))
-    ef.correct("w", sent, applied)
-    torch.testing.assert_close(ef.residual("w"), x - applied)
+    x, dropped = torch.randn(512), torch.randn(100)
+    ef.compress("w", x)
+    before = ef.residual("w").clone()
+    ef.owe("w", 256, dropped)
+    after = ef.residual("w")
+    torch.testing.assert_close(after[256:356], before[256:356] + dropped)
+    assert torch.equal(after[:256], before[:256]) and torch.equal(after[356:], before[356:])
+    for name, lo in (("w", 500), ("w", -1), ("other", 0)):  # past the end, before it, none
+        with pytest.raises(ValueError, match="no flat residual"):
+            ef.owe(name, lo, dropped)

@@ -180,8 +180,6 @@ def outer_config(method: str, args: argparse.Namespace) -> OuterConfig:
         matchmaking=TOGETHER,
         mix_momentum=args.momentum_mix,
         consensus=args.consensus,
-        feedback_decay=args.feedback_decay,
-        result_feedback=args.result_feedback and codec != "fp32" and not low_rank,
     )
 
 
@@ -344,19 +342,6 @@ def main(argv: list[str] | None = None) -> int:
         help="anchors of the anchor mixes (gossip) on the wire (default: fp32 with fp32 "
         "deltas, else bf16)",
     )
-    p.add_argument(
-        "--feedback-decay",
-        type=float,
-        default=1.0,
-        help="compressed methods: the error-feedback residual's decay per round (SparseLoCo's "
-        "beta; 1: none)",
-    )
-    p.add_argument(
-        "--result-feedback",
-        action="store_true",
-        help="compressed methods: residual = what a replica meant to send less the mixed "
-        "pseudo-gradient applied (what a sparse result drops is sent again)",
-    )
     p.add_argument("--rank", type=int, default=4, help="*_lowrank: the factors' rank (4)")
     p.add_argument(
         "--factor-codec",
@@ -413,8 +398,6 @@ def main(argv: list[str] | None = None) -> int:
             "rank": args.rank,
             "factor_codec": args.factor_codec,
             "consensus": args.consensus,
-            "feedback_decay": args.feedback_decay,
-            "result_feedback": args.result_feedback,
             "warmup_steps": manifest.inner.warmup_steps,
             "inner_steps_per_replica": (
                 args.tokens // (args.replicas * manifest.inner.local_batch * manifest.model.seq_len)

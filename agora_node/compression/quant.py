@@ -225,12 +225,7 @@ class ErrorFeedback:
 
     compress(name, x) encodes x + residual[name] and keeps residual = (x + residual) - decoded.
     After any number of rounds, sum(decoded) = sum(x) - residual: the accumulated error is one
-    round's quantization error, not a random walk over rounds (with decay 1 and nothing owed
-    back through `owe`).
-
-    decay < 1 (SparseLoCo's beta): the residual is scaled by it before x is added, so what a
-    sparse codec keeps back fades instead of waiting to be sent; a direction that persists
-    builds up to about 1 / (1 - decay) rounds' worth, as in an outer momentum.
+    round's quantization error, not a random walk over rounds.
     """
 
     def __init__(
@@ -240,15 +235,11 @@ class ErrorFeedback:
         block: int = DEFAULT_BLOCK,
         seed: int | None = 0,
         max_rel_error: float | None = None,
-        decay: float = 1.0,
     ) -> None:
-        if not 0.0 < decay <= 1.0:
-            raise ValueError(f"error feedback decay must be in (0, 1], not {decay}")
         self.codec = Codec(codec)
         self.block = block
         self.seed = seed
         self.max_rel_error = max_rel_error
-        self.decay = decay
         self._residuals: dict[str, torch.Tensor] = {}
 
     def compress(self, name: str, tensor: torch.Tensor) -> QuantizedTensor:
@@ -260,7 +251,7 @@ class ErrorFeedback:
                 raise ValueError(
                     f"{name}: shape {tuple(x.shape)} != residual {tuple(residual.shape)}"
                 )
-            x = x + residual * self.decay if self.decay != 1.0 else x + residual
+            x = x + residual
         q, deq = quantize_with_fallback(
             x, self.codec, block=self.block, seed=self.seed, max_rel_error=self.max_rel_error
         )
@@ -269,19 +260,6 @@ class ErrorFeedback:
 
     def residual(self, name: str) -> torch.Tensor | None:
         return self._residuals.get(name)
-
-    def owe(self, name: str, lo: int, values: torch.Tensor) -> None:
-        """`values` (elements lo.. of the tensor under `name`) were sent and not applied (a
-        sparse mix dropped them): residual[lo:lo + n] += values, so they are sent again."""
-        residual = self._residuals.get(name)
-        if (
-            residual is None
-            or residual.dim() != 1
-            or lo < 0
-            or lo + values.numel() > residual.numel()
-        ):
-            raise ValueError(f"{name}: no flat residual holds {values.numel()} values at {lo}")
-        residual[lo : lo + values.numel()] += values.reshape(-1).to(residual)
 
     def reset(self, name: str | None = None) -> None:
         """Forget one residual (or all), e.g. after weights were replaced by a sync."""

@@ -129,7 +129,7 @@ class OuterLoop:
         self.matchmaker = Matchmaker(
             board, identity, run_id=run_id, stage=stage, config=config.matchmaking, admit=admit
         )
-        self.delta_encoder = PartEncoder(config.delta_format(), settles=config.result_feedback)
+        self.delta_encoder = PartEncoder(config.delta_format())
         self.low_rank: LowRank | None = None
         """With `config.rank`: the factorization of the pseudo-gradient (lowrank.py); its
         two mixes encode with `delta_encoder`, then in `config.factor_format()`."""
@@ -264,8 +264,8 @@ class OuterLoop:
         waited = time.monotonic() - started
         outcomes: list[Outcome] = []
         mixed = delta
-        weight = 0.0 if self.state.warming else float(tokens)
         if prep.delta_plan is not None:
+            weight = 0.0 if self.state.warming else float(tokens)
             try:
                 if self.low_rank is not None:
                     outcomes, mixed = await self._mix_low_rank(prep, delta, weight)
@@ -286,12 +286,8 @@ class OuterLoop:
         for phase, outcome in zip(("delta", "factor"), outcomes, strict=False):
             # what every member now holds: sending it back is a replay
             self.replays[phase].remember_mixed(round_no, outcome.value)
-        # a part that counted for nothing (warming) or was not mixed keeps its residual as sent
-        settle = self.delta_encoder.settles and prep.delta_plan is not None and weight > 0
-        if not settle:
-            self.delta_encoder.forget_sent()
         new, mixed = await asyncio.to_thread(
-            self._outer_step, round_no, delta, mixed, anchor, momentum, tokens, settle
+            self._outer_step, round_no, delta, mixed, anchor, momentum, tokens
         )
         await weights.write(new)
         n = len(prep.delta_plan.members) if prep.delta_plan else 1
@@ -325,12 +321,9 @@ class OuterLoop:
         anchor: Tensor | None,
         momentum: Tensor | None,
         tokens: int,
-        settle: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """The outer step from the mixes' results, taken within this replica's own bounds
-        (outer_bounds.py); returns the new anchor and the pseudo-gradient it applied.
-        settle: the delta encoder takes back what the applied mix dropped of its part
-        (`OuterConfig.result_feedback`)."""
+        (outer_bounds.py); returns the new anchor and the pseudo-gradient it applied."""
         mixed, anchor, momentum, notes = bound_mixes(
             self.state, delta, mixed, anchor, momentum, self._shortfall(tokens)
         )
@@ -338,10 +331,7 @@ class OuterLoop:
             log.warning(
                 "outer round %d: %s (this replica's own bounds)", round_no, "; ".join(notes)
             )
-        new = self.state.step(mixed, anchor, momentum, self.config.consensus)
-        if settle:
-            self.delta_encoder.settle(mixed)
-        return new, mixed
+        return self.state.step(mixed, anchor, momentum, self.config.consensus), mixed
 
     def _shortfall(self, tokens: int) -> float:
         """How many times more tokens a full round processes than this replica did (1 when

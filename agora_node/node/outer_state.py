@@ -36,14 +36,6 @@ class OuterConfig:
     result_codec: str | None = None
     """Mixed spans on the wire; default int8 after int8/int4, else the same as `codec`
     (topk4 results: the top 1/64 of each block of the mix)."""
-    feedback_decay: float = 1.0
-    """How much of a pseudo-gradient residual (error feedback) carries into the next round
-    (SparseLoCo's beta; 1: all of it)."""
-    result_feedback: bool = False
-    """What a sparse result dropped of this replica's part (the mixed pseudo-gradient is zero
-    there) goes back into its residual and is sent again, instead of being lost
-    (PartEncoder.settle). Needs a quantized `codec` and rank 0; with dense results nothing
-    is dropped and it changes nothing."""
     anchor_codec: str | None = None
     """Anchors on the wire; default fp32 with fp32 deltas, else bf16 (weights quantize badly)."""
     rank: int = 0
@@ -81,10 +73,6 @@ class OuterConfig:
             if value is not None:  # anchors are weights: every value of them counts
                 allowed = DENSE_CODEC_NAMES if name == "anchor_codec" else CODEC_NAMES
                 from_name(value, what=f"outer {name}", allowed=allowed)
-        if not 0.0 < self.feedback_decay <= 1.0:
-            raise ValueError(f"outer feedback_decay must be in (0, 1], not {self.feedback_decay}")
-        if self.result_feedback and (self.rank or not from_name(self.codec).is_quantized):
-            raise ValueError("outer result_feedback needs a quantized codec and rank 0")
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, **overrides: Any) -> OuterConfig:
@@ -123,7 +111,6 @@ class OuterConfig:
             block=self.block,
             seed=None if sparse else self.rotation_seed,
             error_feedback=part.is_quantized,
-            feedback_decay=self.feedback_decay,
         )
 
     def factor_format(self) -> WireFormat:

@@ -98,30 +98,3 @@ def test_input_is_not_modified() -> None:
     ef.compress("w", x)
     ef.compress("w", x)
     assert torch.equal(x, original)
-
-
-def test_a_decaying_residual_carries_only_its_share_into_the_next_round() -> None:
-    """decay d (SparseLoCo's beta): round two encodes its input plus d x round one's residual."""
-    ef = ErrorFeedback(Codec.TOPK4, block=256, seed=None, decay=0.5)
-    x, y = torch.randn(1024), torch.randn(1024)
-    ef.compress("w", x)
-    first = ef.residual("w").clone()
-    sent = dequantize(ef.compress("w", y))
-    torch.testing.assert_close(sent + ef.residual("w"), y + 0.5 * first)
-    for bad in (0.0, -0.5, 1.5):
-        with pytest.raises(ValueError, match="decay"):
-            ErrorFeedback(decay=bad)
-
-
-def test_owed_values_go_back_into_the_residual_at_their_place() -> None:
-    ef = ErrorFeedback(Codec.INT4, seed=None)
-    x, dropped = torch.randn(512), torch.randn(100)
-    ef.compress("w", x)
-    before = ef.residual("w").clone()
-    ef.owe("w", 256, dropped)
-    after = ef.residual("w")
-    torch.testing.assert_close(after[256:356], before[256:356] + dropped)
-    assert torch.equal(after[:256], before[:256]) and torch.equal(after[356:], before[356:])
-    for name, lo in (("w", 500), ("w", -1), ("other", 0)):  # past the end, before it, none
-        with pytest.raises(ValueError, match="no flat residual"):
-            ef.owe(name, lo, dropped)

@@ -32,8 +32,6 @@ from agora_node.compression import (
     quantize_with_fallback,
 )
 
-SETTLE_CHUNK = 1 << 22
-"""Values per slice that `PartEncoder.settle` decodes at a time."""
 FRAME_OVERHEAD = 64  # tensor frame header + crc for a 1-d tensor, with margin
 EF_NAME = "flat"
 
@@ -48,8 +46,6 @@ class WireFormat:
     seed: int | None = 0
     """Hadamard rotation seed for quantized codecs (None: no rotation)."""
     error_feedback: bool = False
-    feedback_decay: float = 1.0
-    """The residual's decay between rounds (ErrorFeedback.decay; 1: kept whole)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "part", Codec(self.part))
@@ -72,58 +68,26 @@ def plain_format() -> WireFormat:
 class PartEncoder:
     """Encodes a member's contribution into span frames (with error feedback if enabled)."""
 
-    def __init__(self, fmt: WireFormat, *, settles: bool = False) -> None:
-        """settles: keep each contribution until `settle` (the caller settles every round it
-        mixed); only with error feedback."""
-        if settles and not fmt.error_feedback:
-            raise ValueError("settling needs error feedback")
-        self.fmt, self.settles = fmt, settles
+    def __init__(self, fmt: WireFormat) -> None:
+        self.fmt = fmt
         self.feedback = (
-            ErrorFeedback(fmt.part, block=fmt.block, seed=fmt.seed, decay=fmt.feedback_decay)
-            if fmt.error_feedback
-            else None
+            ErrorFeedback(fmt.part, block=fmt.block, seed=fmt.seed) if fmt.error_feedback else None
         )
-        self._sent: QuantizedTensor | None = None
-        """With `settles`: this round's encoded contribution (small when sparse)."""
 
     def encode(self, flat: Tensor, spans: tuple[tuple[int, int], ...]) -> list[bytes]:
         flat = flat.detach().reshape(-1).float()
         if self.feedback is not None:
             q = self.feedback.compress(EF_NAME, flat)
-            self._sent = q if self.settles else None
         else:
             q, _ = quantize_with_fallback(
                 flat, self.fmt.part, block=self.fmt.block, seed=self.fmt.seed
             )
         return [encode_frame(slice_quantized(q, lo, hi)) for lo, hi in spans]
 
-    def settle(self, applied: Tensor) -> None:
-        """The group applied `applied` (the whole mixed vector) for the round this member last
-        encoded: where it is zero (a sparse result dropped the position), what the member sent
-        there took no effect, so it goes back into the residual and is sent again. Elsewhere
-        the contribution counts as delivered, as without settling. The residual only ever
-        holds the member's own values (never another's, nor a reducer's)."""
-        sent, self._sent = self._sent, None
-        if sent is None or self.feedback is None:
-            return
-        applied = applied.reshape(-1)
-        if applied.numel() != sent.numel:
-            raise ValueError(f"applied has {applied.numel()} values, the part {sent.numel}")
-        step = max(1, SETTLE_CHUNK // sent.block) * sent.block if sent.block else SETTLE_CHUNK
-        for lo in range(0, applied.numel(), step):  # block-aligned slices: no stage-sized copy
-            hi = min(lo + step, applied.numel())
-            values = dequantize(slice_quantized(sent, lo, hi))
-            self.feedback.owe(EF_NAME, lo, values * (applied[lo:hi] == 0))
-
-    def forget_sent(self) -> None:
-        """This round's contribution will not be settled."""
-        self._sent = None
-
     def reset(self) -> None:
         """Forget the residual (e.g. after the weights were replaced by a state transfer)."""
         if self.feedback is not None:
             self.feedback.reset()
-        self._sent = None
 
 
 def slice_quantized(q: QuantizedTensor, lo: int, hi: int) -> QuantizedTensor:

@@ -58,12 +58,15 @@ class OverlappedWeights:
     went on from `start`: the outer step this replica's own pseudo-gradient makes
     (`OuterState.preview`, an eager step; `at_end` itself works too). `write(new)`
     freezes the worker only to set `new + (now - start)`: the mixed round's anchor plus
-    whatever the inner steps added since. `blocked_s` is how long the worker was frozen."""
+    whatever the inner steps added since. `blocked_s` is how long the worker was frozen.
+    A round abandoned before its write (`restore`) sets `at_end + (now - start)`: the
+    weights go back to what the unchanged anchor and momentum belong to, progress kept."""
 
     def __init__(
         self, worker: StageWorker, at_end: Tensor, start: Tensor, blocked_s: float
     ) -> None:
         self.worker, self.at_end, self.start, self.blocked_s = worker, at_end, start, blocked_s
+        self.written = False
 
     async def read(self) -> Tensor:
         return self.at_end
@@ -73,7 +76,17 @@ class OverlappedWeights:
         async with self.worker.frozen() as weights:
             now = await weights.read()
             await weights.write(new + (now - self.start))
+            self.written = True
         self.blocked_s += time.monotonic() - started
+
+    async def restore(self) -> None:
+        """Undo the eager step of a round that will not land (its progress stays)."""
+        if self.written:
+            return
+        async with self.worker.frozen() as weights:
+            now = await weights.read()
+            await weights.write(self.at_end + (now - self.start))
+            self.written = True
 
 
 MAX_SOLE_JUMP = 1000
@@ -197,6 +210,7 @@ class OuterRounds:
         self._resynced: set[int] = set()
         """Rounds this replica took the majority's state for (once each)."""
         self._landing: asyncio.Task | None = None
+        self._abandoned = False
         """With overlap: the round whose mixes are still under way (at most one)."""
         self.outer, self.worker, self.every = outer, worker, inner_steps
         self.replica_rounds, self.replica_count, self.poll_s = (
@@ -296,17 +310,25 @@ class OuterRounds:
                 continue  # instead of a round its replicas have left (our steps count there)
             await self.outer.begin_round(expect=self._expect())
             if self.overlap:
-                started = time.monotonic()
-                state = self.outer.state
-                async with self.worker.frozen() as weights:
-                    end_tokens = self.worker.stats.trained_tokens  # steps are held from here
-                    tokens = self._round_tokens(start_tokens, end_tokens)
-                    at_end = await weights.read()
-                    start = await asyncio.to_thread(state.preview, state.anchor - at_end)
-                    await weights.write(start)
-                blocked = time.monotonic() - started
-                overlapped = OverlappedWeights(self.worker, at_end, start, blocked)
-                self._landing = asyncio.create_task(self._end_round(tokens, overlapped))
+                # held from the eager step until the round lands or is undone: a checkpoint
+                # or a state copy never sees the eager weights beside the old anchor
+                await self._lock.acquire()
+                try:
+                    started = time.monotonic()
+                    state = self.outer.state
+                    async with self.worker.frozen() as weights:
+                        end_tokens = self.worker.stats.trained_tokens  # steps held from here
+                        tokens = self._round_tokens(start_tokens, end_tokens)
+                        at_end = await weights.read()
+                        start = await asyncio.to_thread(state.preview, state.anchor - at_end)
+                        await weights.write(start)
+                    blocked = time.monotonic() - started
+                    overlapped = OverlappedWeights(self.worker, at_end, start, blocked)
+                except BaseException:
+                    self._lock.release()
+                    raise
+                self._landing = asyncio.create_task(self._land(tokens, overlapped))
+                self._abandoned = False
             else:
                 async with self.worker.frozen() as weights:
                     end_tokens = self.worker.stats.trained_tokens  # steps are held from here
@@ -325,12 +347,25 @@ class OuterRounds:
 
     async def _end_round(self, tokens: int, weights: Any) -> None:
         async with self._lock:
-            blocked = (lambda: weights.blocked_s) if self.overlap else None
-            await self.outer.end_round(tokens=tokens, weights=weights, blocked_s=blocked)
-            self._epoch += 1
-            self._blob = None
-        if self.overlap:
-            await self.attest()
+            await self._finish_round(tokens, weights)
+
+    async def _finish_round(self, tokens: int, weights: Any) -> None:
+        blocked = (lambda: weights.blocked_s) if self.overlap else None
+        await self.outer.end_round(tokens=tokens, weights=weights, blocked_s=blocked)
+        self._epoch += 1
+        self._blob = None
+
+    async def _land(self, tokens: int, weights: OverlappedWeights) -> None:
+        """An overlapped round's mixes and its anchor's landing; the run loop handed over
+        the lock. Abandoned before it lands, the eager step is undone."""
+        try:
+            await self._finish_round(tokens, weights)
+        except asyncio.CancelledError:
+            await weights.restore()
+            raise
+        finally:
+            self._lock.release()
+        await self.attest()
 
     async def _landed(self) -> None:
         """Wait for an overlapped round to finish; its failure is this loop's failure."""
@@ -429,9 +464,10 @@ class OuterRounds:
         return status
 
     def abandon(self) -> None:
-        """Stop an overlapped round under way (a drain abandons rounds, as the run loop's)."""
-        if self._landing is not None:
-            self._landing.cancel()
+        """Stop an overlapped round under way (a drain abandons rounds, as the run loop's);
+        once: a second cancel would cut the undoing of its eager step."""
+        if self._landing is not None and not self._abandoned:
+            self._abandoned = self._landing.cancel()
 
     async def close(self) -> None:
         self.abandon()

@@ -83,7 +83,9 @@ async def test_weights_are_written_on_the_worker_thread_only():
         worker.close()
 
 
-def _replica(i: int, network: LocalNetwork, board: MemoryBoard) -> tuple[StageWorker, OuterLoop]:
+def _replica(
+    i: int, network: LocalNetwork, board: MemoryBoard, window: float = 0.5
+) -> tuple[StageWorker, OuterLoop]:
     worker = StageWorker(load_manifest("tiny"), 1)
     ident = Identity(Ed25519PrivateKey.from_private_bytes(bytes([i + 1]) * 32))
     config = OuterConfig(
@@ -91,7 +93,7 @@ def _replica(i: int, network: LocalNetwork, board: MemoryBoard) -> tuple[StageWo
         codec="fp32",
         block=64,
         deadlines=LOCAL,
-        matchmaking=MatchmakingConfig(window=0.5, settle=0.1, poll_interval=0.02),
+        matchmaking=MatchmakingConfig(window=window, settle=0.1, poll_interval=0.02),
     )
     outer = OuterLoop(
         worker.stage,
@@ -343,6 +345,49 @@ async def test_overlapped_rounds_end_with_one_anchor_and_never_hold_steps_during
         await asyncio.gather(*tasks, return_exceptions=True)
         for r in rounds:
             await r.close()
+        for worker, _ in replicas:
+            worker.close()
+
+
+async def test_an_overlapped_round_abandoned_before_it_lands_undoes_its_eager_step():
+    """A drain abandons a round under way. With overlap the weights went on from the eager
+    step: they go back to the round's end plus the progress made since, which is what the
+    unchanged anchor and momentum belong to (a checkpoint saves both). From the eager step
+    to then, the rounds' lock is held: no checkpoint or state copy sees the eager weights."""
+    network, board = LocalNetwork(), MemoryBoard()
+    replicas = [_replica(i, network, board, window=30.0) for i in range(2)]  # B never joins
+    (wa, oa), _ = replicas
+    rounds = OuterRounds(
+        oa, wa, inner_steps=4, replica_rounds=list, replica_count=lambda: 2, poll_s=0.02,
+        overlap=True,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    task = asyncio.create_task(rounds.run(stop))
+    try:
+        await _rounds_started([rounds], [task])
+        async with wa.frozen() as weights:  # the round's inner steps moved the weights
+            at_end = await weights.read() + 1e-3 * torch.randn(oa.state.numel)
+            await weights.write(at_end)
+        anchor = oa.state.anchor.clone()
+        wa.optimizer.steps += 4
+        await _until(lambda: rounds._landing is not None, [task], "the round never ended")
+        assert rounds._lock.locked()  # handed to the landing, not free in between
+        progress = 1e-3 * torch.randn(oa.state.numel)
+        async with wa.frozen() as weights:  # inner steps during the mix
+            eager = await weights.read()
+            await weights.write(eager + progress)
+        assert not torch.allclose(eager, at_end)
+        landing = rounds._landing
+        rounds.abandon()
+        rounds.abandon()  # a drain, then a close: the undoing is not cut
+        await asyncio.gather(landing, return_exceptions=True)
+        async with wa.frozen() as weights:
+            torch.testing.assert_close(await weights.read(), at_end + progress)
+        assert torch.equal(oa.state.anchor, anchor) and not rounds._lock.locked()
+    finally:
+        stop.set()
+        await asyncio.gather(task, return_exceptions=True)
+        await rounds.close()
         for worker, _ in replicas:
             worker.close()
 

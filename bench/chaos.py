@@ -43,6 +43,8 @@ the swarm stopped, namespaces created; must be 0), `tokens_per_s` and `outer_blo
 the time outer rounds held inner steps, over the training time) per side, and `runs`
 with every side's figures and events.
 
+Rounds hold inner steps unless `--overlap` (the built-in manifests overlap them since
+2026-12-05; the figures in docs/benchmarks.md were measured with blocking rounds).
 `--vs-overlap` compares outer rounds that hold inner steps (A) with overlapped ones (B,
 manifest `outer.overlap`), both without faults; the keys name the sides (`blocking`,
 `overlap`). `--emulate-link MBIT,MS` shapes every daemon's uplink in the transport.
@@ -55,6 +57,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
@@ -181,7 +184,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def write_manifest(path: Path, args: argparse.Namespace, overlap: bool) -> Path:
     text = load_manifest("tiny").to_toml()
-    text = text.replace("overlap = false", f"overlap = {str(overlap).lower()}")
+    text, swapped = re.subn(
+        r"\noverlap = (true|false)\n", f"\noverlap = {str(overlap).lower()}\n", text
+    )
+    if swapped != 1:
+        raise RuntimeError("tiny's manifest text has no one outer.overlap line to set")
     text = text.replace("n_layers = 8", f"n_layers = {args.layers}")
     text = text.replace("count = 4", f"count = {args.stages}")
     text = text.replace("inner_steps = 50", f"inner_steps = {args.inner_steps}")

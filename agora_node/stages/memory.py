@@ -155,7 +155,9 @@ def stage_memory_bytes(
         "activation_bytes": activations + token_ids,
         "step_bytes": _IN_BACKWARD_SCRATCH * largest if in_backward else weights + 2 * largest,
         "buffer_bytes": buffers * 4,  # always float32
-        "outer_bytes": 2 * params * 4,  # DiLoCo anchor + outer momentum, float32 on the host
+        # DiLoCo anchor + outer momentum, float32 on the host; overlapped rounds also keep the
+        # weights at the round's end and at the eager step while the mixes run (rounds.py)
+        "outer_bytes": (4 if manifest.outer.overlap else 2) * params * 4,
     }
     out["device_bytes"] = (
         out["param_bytes"]

@@ -125,7 +125,7 @@ def small_manifest(
     layers: int,
     inner_steps: int = 50,
     group_size: int = 4,
-    overlap: bool = False,
+    overlap: bool | None = None,
     cp_degree: int = 1,
     kv_rank: int = 0,
     kv_tokens: bool = False,
@@ -136,7 +136,7 @@ def small_manifest(
     anchor_codec: str = "auto",
 ) -> str:
     """tiny with another stage cut, outer cadence H, gossip group size, overlapped outer
-    rounds or not, context-parallel cells of `cp_degree`, another inner optimizer, weight
+    rounds or not (None: tiny's, overlapped), context-parallel cells of `cp_degree`, another inner optimizer, weight
     prediction, low-rank outer factors (`outer_rank`) and the anchors' codec (written to
     `path`). With
     `documents`, the corpus is the built-in one cut into many documents (`speeches`,
@@ -149,7 +149,9 @@ def small_manifest(
     text = text.replace("count = 4", f"count = {stages}")
     text = text.replace("inner_steps = 50", f"inner_steps = {inner_steps}")
     text = text.replace("group_size = 4", f"group_size = {group_size}")
-    text = text.replace("overlap = false", f"overlap = {str(overlap).lower()}")
+    if overlap is not None:  # else tiny's (overlapped rounds)
+        assert "\noverlap = true\n" in text
+        text = text.replace("\noverlap = true\n", f"\noverlap = {str(overlap).lower()}\n")
     text = text.replace("cp_degree = 1", f"cp_degree = {cp_degree}")
     text = text.replace("kv_rank = 0", f"kv_rank = {kv_rank}")
     text = text.replace("kv_tokens = false", f"kv_tokens = {str(kv_tokens).lower()}")

@@ -10,9 +10,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 @pytest.mark.parametrize(
     "overlap, rank",
     [
-        (False, 0),
-        pytest.param(True, 0, marks=pytest.mark.slow),
-        pytest.param(False, 2, marks=pytest.mark.slow),  # low-rank factors (tests/outer too)
+        (True, 0),  # the built-in manifests' overlapped rounds
+        pytest.param(False, 0, marks=pytest.mark.slow),  # rounds that hold inner steps
+        pytest.param(True, 2, marks=pytest.mark.slow),  # low-rank factors (tests/outer too)
     ],
 )
 def test_replicas_of_a_stage_agree_after_outer_rounds(swarm, tmp_path, overlap, rank):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -136,7 +138,11 @@ def test_memory_parts_add_up_and_scale() -> None:
     params = count_parameters(Stage(TINY, 3))
     assert memory["params"] == params
     assert memory["param_bytes"] == memory["version_bytes"] == memory["grad_bytes"] == 4 * params
-    assert memory["outer_bytes"] == 8 * params  # anchor + outer momentum, on the host
+    # anchor + outer momentum on the host, and with overlapped rounds (TINY's) the weights
+    # at the round's end and at the eager step, kept while the mixes run
+    assert TINY.outer.overlap and memory["outer_bytes"] == 16 * params
+    blocking = dataclasses.replace(TINY, outer=dataclasses.replace(TINY.outer, overlap=False))
+    assert stage_memory_bytes(blocking, 3)["outer_bytes"] == 8 * params
     on_device = ("param", "version", "grad", "optimizer", "buffer")
     peak = max(memory["activation_bytes"], memory["step_bytes"])  # never at once
     assert memory["device_bytes"] == sum(memory[f"{k}_bytes"] for k in on_device) + peak

@@ -150,6 +150,8 @@ class OuterLoop:
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_ROUNDS)
         """Summaries of the last rounds (`round_summary`), oldest first."""
         self._prep: asyncio.Task[_Prep] | None = None
+        self.committing = False
+        """True while a round's outer step and weight write run: not to be cancelled."""
         self._closers: list[Any] = []
 
     # ---- construction --------------------------------------------------------------------
@@ -286,10 +288,14 @@ class OuterLoop:
         for phase, outcome in zip(("delta", "factor"), outcomes, strict=False):
             # what every member now holds: sending it back is a replay
             self.replays[phase].remember_mixed(round_no, outcome.value)
-        new, mixed = await asyncio.to_thread(
-            self._outer_step, round_no, delta, mixed, anchor, momentum, tokens
-        )
-        await weights.write(new)
+        self.committing = True  # from here the round lands (rounds.py does not cancel it)
+        try:
+            new, mixed = await asyncio.to_thread(
+                self._outer_step, round_no, delta, mixed, anchor, momentum, tokens
+            )
+            await weights.write(new)
+        finally:
+            self.committing = False
         n = len(prep.delta_plan.members) if prep.delta_plan else 1
         fmt = self.delta_encoder.fmt
         if self.low_rank is not None:  # two mixes, each of its factors

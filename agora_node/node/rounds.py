@@ -210,7 +210,7 @@ class OuterRounds:
         self._resynced: set[int] = set()
         """Rounds this replica took the majority's state for (once each)."""
         self._landing: asyncio.Task | None = None
-        self._abandoned = False
+        self._abandon = asyncio.Event()
         """With overlap: the round whose mixes are still under way (at most one)."""
         self.outer, self.worker, self.every = outer, worker, inner_steps
         self.replica_rounds, self.replica_count, self.poll_s = (
@@ -309,26 +309,8 @@ class OuterRounds:
             if self._catch_up():  # the stage moved on while we trained: join its round
                 continue  # instead of a round its replicas have left (our steps count there)
             await self.outer.begin_round(expect=self._expect())
-            if self.overlap:
-                # held from the eager step until the round lands or is undone: a checkpoint
-                # or a state copy never sees the eager weights beside the old anchor
-                await self._lock.acquire()
-                try:
-                    started = time.monotonic()
-                    state = self.outer.state
-                    async with self.worker.frozen() as weights:
-                        end_tokens = self.worker.stats.trained_tokens  # steps held from here
-                        tokens = self._round_tokens(start_tokens, end_tokens)
-                        at_end = await weights.read()
-                        start = await asyncio.to_thread(state.preview, state.anchor - at_end)
-                        await weights.write(start)
-                    blocked = time.monotonic() - started
-                    overlapped = OverlappedWeights(self.worker, at_end, start, blocked)
-                except BaseException:
-                    self._lock.release()
-                    raise
-                self._landing = asyncio.create_task(self._land(tokens, overlapped))
-                self._abandoned = False
+            if self.overlap:  # shielded: a cancel cannot leave the eager step without a landing
+                end_tokens = await asyncio.shield(self._overlap(start_tokens))
             else:
                 async with self.worker.frozen() as weights:
                     end_tokens = self.worker.stats.trained_tokens  # steps are held from here
@@ -355,22 +337,55 @@ class OuterRounds:
         self._epoch += 1
         self._blob = None
 
-    async def _land(self, tokens: int, weights: OverlappedWeights) -> None:
-        """An overlapped round's mixes and its anchor's landing; the run loop handed over
-        the lock. Abandoned before it lands, the eager step is undone."""
+    async def _overlap(self, start_tokens: int) -> int:
+        """Freeze the worker to read the round's end and set the eager step, then start the
+        landing, which owns the rounds' lock from here until it lands or is undone: no
+        checkpoint or state copy pairs the eager weights with the old anchor. Returns the
+        trained tokens at the round's end."""
+        await self._lock.acquire()
         try:
-            await self._finish_round(tokens, weights)
-        except asyncio.CancelledError:
-            await weights.restore()
+            started = time.monotonic()
+            state = self.outer.state
+            async with self.worker.frozen() as weights:
+                end_tokens = self.worker.stats.trained_tokens  # steps are held from here
+                at_end = await weights.read()
+                start = await asyncio.to_thread(state.preview, state.anchor - at_end)
+                await weights.write(start)
+            blocked = time.monotonic() - started
+            overlapped = OverlappedWeights(self.worker, at_end, start, blocked)
+        except BaseException:
+            self._lock.release()
             raise
+        tokens = self._round_tokens(start_tokens, end_tokens)
+        self._landing = asyncio.create_task(self._land(tokens, overlapped))
+        return end_tokens
+
+    async def _land(self, tokens: int, weights: OverlappedWeights) -> None:
+        """An overlapped round's mixes and its anchor's landing, holding the lock `_overlap`
+        took. Only `abandon` stops it (nothing else cancels it: `_landed` shields it):
+        before the outer step commits, the mixes are cancelled and the eager step undone;
+        once the step is committing (`OuterLoop.committing`) the round lands."""
+        inner = asyncio.create_task(self._finish_round(tokens, weights))
+        abandoned = asyncio.create_task(self._abandon.wait())
+        try:
+            await asyncio.wait({inner, abandoned}, return_when=asyncio.FIRST_COMPLETED)
+            if not inner.done() and not self.outer.committing:
+                inner.cancel()
+            await asyncio.wait({inner})
+            if inner.cancelled():
+                await weights.restore()
+                return
+            inner.result()  # the round's failure is the run loop's
         finally:
+            abandoned.cancel()
             self._lock.release()
         await self.attest()
 
     async def _landed(self) -> None:
-        """Wait for an overlapped round to finish; its failure is this loop's failure."""
+        """Wait for an overlapped round to finish; its failure is this loop's failure. A
+        cancel of the loop does not reach the landing (only `abandon` stops it)."""
         if self._landing is not None:
-            await self._landing
+            await asyncio.shield(self._landing)
             self._landing = None
 
     def _expect(self) -> int | set[str]:
@@ -464,10 +479,9 @@ class OuterRounds:
         return status
 
     def abandon(self) -> None:
-        """Stop an overlapped round under way (a drain abandons rounds, as the run loop's);
-        once: a second cancel would cut the undoing of its eager step."""
-        if self._landing is not None and not self._abandoned:
-            self._abandoned = self._landing.cancel()
+        """Stop an overlapped round under way, and any the loop still starts (a drain
+        abandons rounds, as the run loop's): its mixes end and its eager step is undone."""
+        self._abandon.set()
 
     async def close(self) -> None:
         self.abandon()

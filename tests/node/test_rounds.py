@@ -349,47 +349,85 @@ async def test_overlapped_rounds_end_with_one_anchor_and_never_hold_steps_during
             worker.close()
 
 
-async def test_an_overlapped_round_abandoned_before_it_lands_undoes_its_eager_step():
-    """A drain abandons a round under way. With overlap the weights went on from the eager
-    step: they go back to the round's end plus the progress made since, which is what the
-    unchanged anchor and momentum belong to (a checkpoint saves both). From the eager step
-    to then, the rounds' lock is held: no checkpoint or state copy sees the eager weights."""
+async def _overlapped_round_under_way(window: float = 30.0):
+    """One replica with overlapped rounds whose round ended and mixes (the other replica
+    never joins): (rounds, run task, worker, outer, weights at the round's end, progress
+    added since, replicas)."""
     network, board = LocalNetwork(), MemoryBoard()
-    replicas = [_replica(i, network, board, window=30.0) for i in range(2)]  # B never joins
+    replicas = [_replica(i, network, board, window=window) for i in range(2)]
     (wa, oa), _ = replicas
     rounds = OuterRounds(
         oa, wa, inner_steps=4, replica_rounds=list, replica_count=lambda: 2, poll_s=0.02,
         overlap=True,
     )  # fmt: skip
-    stop = asyncio.Event()
-    task = asyncio.create_task(rounds.run(stop))
+    task = asyncio.create_task(rounds.run(asyncio.Event()))
+    await _rounds_started([rounds], [task])
+    async with wa.frozen() as weights:  # the round's inner steps moved the weights
+        at_end = await weights.read() + 1e-3 * torch.randn(oa.state.numel)
+        await weights.write(at_end)
+    wa.optimizer.steps += 4
+    await _until(lambda: rounds._landing is not None, [task], "the round never ended")
+    progress = 1e-3 * torch.randn(oa.state.numel)
+    async with wa.frozen() as weights:  # inner steps during the mix
+        eager = await weights.read()
+        await weights.write(eager + progress)
+    assert not torch.allclose(eager, at_end)
+    return rounds, task, wa, oa, at_end, progress, replicas
+
+
+async def _stop(rounds, task, replicas) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await rounds.close()
+    for worker, _ in replicas:
+        worker.close()
+
+
+async def test_an_overlapped_round_abandoned_before_it_lands_undoes_its_eager_step():
+    """A drain cancels the rounds loop, then abandons the round under way. With overlap the
+    weights went on from the eager step: they go back to the round's end plus the progress
+    made since, which is what the unchanged anchor and momentum belong to (a checkpoint
+    saves both). From the eager step to then the rounds' lock is held: no checkpoint or
+    state copy sees the eager weights."""
+    rounds, task, wa, oa, at_end, progress, replicas = await _overlapped_round_under_way()
     try:
-        await _rounds_started([rounds], [task])
-        async with wa.frozen() as weights:  # the round's inner steps moved the weights
-            at_end = await weights.read() + 1e-3 * torch.randn(oa.state.numel)
-            await weights.write(at_end)
-        anchor = oa.state.anchor.clone()
-        wa.optimizer.steps += 4
-        await _until(lambda: rounds._landing is not None, [task], "the round never ended")
-        assert rounds._lock.locked()  # handed to the landing, not free in between
-        progress = 1e-3 * torch.randn(oa.state.numel)
-        async with wa.frozen() as weights:  # inner steps during the mix
-            eager = await weights.read()
-            await weights.write(eager + progress)
-        assert not torch.allclose(eager, at_end)
-        landing = rounds._landing
+        anchor, landing = oa.state.anchor.clone(), rounds._landing
+        assert rounds._lock.locked()
+        task.cancel()  # drain's order: the loop first (it waits on the landing), then abandon
         rounds.abandon()
-        rounds.abandon()  # a drain, then a close: the undoing is not cut
         await asyncio.gather(landing, return_exceptions=True)
         async with wa.frozen() as weights:
             torch.testing.assert_close(await weights.read(), at_end + progress)
         assert torch.equal(oa.state.anchor, anchor) and not rounds._lock.locked()
     finally:
-        stop.set()
-        await asyncio.gather(task, return_exceptions=True)
-        await rounds.close()
-        for worker, _ in replicas:
-            worker.close()
+        await _stop(rounds, task, replicas)
+
+
+async def test_an_overlapped_round_abandoned_while_its_step_commits_lands():
+    """Once the outer step runs (on a thread nothing can stop) the round lands: its anchor
+    and the weights stay a pair."""
+    rounds, task, wa, oa, at_end, progress, replicas = await _overlapped_round_under_way(0.3)
+    try:
+        entered, release = threading.Event(), threading.Event()
+        step = oa._outer_step
+
+        def slow_step(*args):  # noqa: ANN002, ANN202
+            entered.set()
+            release.wait(30)
+            return step(*args)
+
+        oa._outer_step = slow_step
+        await _until(entered.is_set, [task], "the outer step never ran")  # window 0.3 s
+        assert oa.committing
+        landing = rounds._landing
+        rounds.abandon()
+        release.set()
+        await asyncio.gather(landing, return_exceptions=True)
+        assert oa.state.round == 1 and not rounds._lock.locked()
+        async with wa.frozen() as weights:
+            torch.testing.assert_close(await weights.read(), oa.state.anchor + progress)
+    finally:
+        await _stop(rounds, task, replicas)
 
 
 def test_a_replica_is_outvoted_only_by_a_strict_majority_holding_one_other_anchor():

@@ -210,8 +210,11 @@ class OuterRounds:
         self._resynced: set[int] = set()
         """Rounds this replica took the majority's state for (once each)."""
         self._landing: asyncio.Task | None = None
-        self._abandon = asyncio.Event()
         """With overlap: the round whose mixes are still under way (at most one)."""
+        self._ending: asyncio.Future | None = None
+        """With overlap: the eager step that starts `_landing` (shielded from the loop)."""
+        self._abandon = asyncio.Event()
+        """Set by `abandon`: rounds under way are undone and the loop starts no more."""
         self.outer, self.worker, self.every = outer, worker, inner_steps
         self.replica_rounds, self.replica_count, self.poll_s = (
             replica_rounds,
@@ -285,7 +288,7 @@ class OuterRounds:
 
     async def run(self, stop: asyncio.Event) -> None:
         start_step, start_tokens = self.worker.optimizer.steps, self.worker.stats.trained_tokens
-        while not stop.is_set():
+        while not stop.is_set() and not self._abandon.is_set():
             await self._landed()
             self._catch_up()
             await self.attest()  # what the record announces (cached unless the state changed)
@@ -303,14 +306,15 @@ class OuterRounds:
                     break
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.poll_s)
-            if stop.is_set():
+            if stop.is_set() or self._abandon.is_set():
                 return
             await self._landed()  # the previous round's anchor first (overlap)
             if self._catch_up():  # the stage moved on while we trained: join its round
                 continue  # instead of a round its replicas have left (our steps count there)
             await self.outer.begin_round(expect=self._expect())
             if self.overlap:  # shielded: a cancel cannot leave the eager step without a landing
-                end_tokens = await asyncio.shield(self._overlap(start_tokens))
+                self._ending = asyncio.ensure_future(self._overlap(start_tokens))
+                end_tokens = await asyncio.shield(self._ending)
             else:
                 async with self.worker.frozen() as weights:
                     end_tokens = self.worker.stats.trained_tokens  # steps are held from here
@@ -365,6 +369,7 @@ class OuterRounds:
         took. Only `abandon` stops it (nothing else cancels it: `_landed` shields it):
         before the outer step commits, the mixes are cancelled and the eager step undone;
         once the step is committing (`OuterLoop.committing`) the round lands."""
+        round_no = self.outer.state.round
         inner = asyncio.create_task(self._finish_round(tokens, weights))
         abandoned = asyncio.create_task(self._abandon.wait())
         try:
@@ -372,10 +377,12 @@ class OuterRounds:
             if not inner.done() and not self.outer.committing:
                 inner.cancel()
             await asyncio.wait({inner})
-            if inner.cancelled():
-                await weights.restore()
+            if inner.cancelled() or inner.exception() is not None:
+                if self.outer.state.round == round_no:  # no step taken: undo the eager one
+                    await weights.restore()
+                if not inner.cancelled():
+                    inner.result()  # the round's failure is the run loop's
                 return
-            inner.result()  # the round's failure is the run loop's
         finally:
             abandoned.cancel()
             self._lock.release()
@@ -484,7 +491,12 @@ class OuterRounds:
         self._abandon.set()
 
     async def close(self) -> None:
+        """Abandon what is under way and wait for it to be undone or to land; a cancel of
+        this wait does not reach it (asyncio.wait)."""
         self.abandon()
-        if self._landing is not None:
-            await asyncio.gather(self._landing, return_exceptions=True)
+        for task in (self._ending, self._landing):
+            if task is not None:
+                await asyncio.wait({task})
+                if not task.cancelled():
+                    task.exception()  # retrieved: the loop reported it, or nobody awaits it
         await self.outer.close()

@@ -349,10 +349,10 @@ async def test_overlapped_rounds_end_with_one_anchor_and_never_hold_steps_during
             worker.close()
 
 
-async def _overlapped_round_under_way(window: float = 30.0):
+async def _overlapped_round_under_way(window: float = 30.0, before_end=None):  # noqa: ANN001
     """One replica with overlapped rounds whose round ended and mixes (the other replica
     never joins): (rounds, run task, worker, outer, weights at the round's end, progress
-    added since, replicas)."""
+    added since, replicas). `before_end(outer)` runs before the round ends."""
     network, board = LocalNetwork(), MemoryBoard()
     replicas = [_replica(i, network, board, window=window) for i in range(2)]
     (wa, oa), _ = replicas
@@ -365,6 +365,8 @@ async def _overlapped_round_under_way(window: float = 30.0):
     async with wa.frozen() as weights:  # the round's inner steps moved the weights
         at_end = await weights.read() + 1e-3 * torch.randn(oa.state.numel)
         await weights.write(at_end)
+    if before_end is not None:
+        before_end(oa)
     wa.optimizer.steps += 4
     await _until(lambda: rounds._landing is not None, [task], "the round never ended")
     progress = 1e-3 * torch.randn(oa.state.numel)
@@ -406,17 +408,22 @@ async def test_an_overlapped_round_abandoned_before_it_lands_undoes_its_eager_st
 async def test_an_overlapped_round_abandoned_while_its_step_commits_lands():
     """Once the outer step runs (on a thread nothing can stop) the round lands: its anchor
     and the weights stay a pair."""
-    rounds, task, wa, oa, at_end, progress, replicas = await _overlapped_round_under_way(0.3)
-    try:
-        entered, release = threading.Event(), threading.Event()
-        step = oa._outer_step
+    entered, release = threading.Event(), threading.Event()
 
-        def slow_step(*args):  # noqa: ANN002, ANN202
+    def slow_step(outer: OuterLoop) -> None:
+        step = outer._outer_step
+
+        def slow(*args):  # noqa: ANN002, ANN202
             entered.set()
             release.wait(30)
             return step(*args)
 
-        oa._outer_step = slow_step
+        outer._outer_step = slow
+
+    rounds, task, wa, oa, at_end, progress, replicas = await _overlapped_round_under_way(
+        0.3, before_end=slow_step
+    )
+    try:
         await _until(entered.is_set, [task], "the outer step never ran")  # window 0.3 s
         assert oa.committing
         landing = rounds._landing
@@ -426,6 +433,30 @@ async def test_an_overlapped_round_abandoned_while_its_step_commits_lands():
         assert oa.state.round == 1 and not rounds._lock.locked()
         async with wa.frozen() as weights:
             torch.testing.assert_close(await weights.read(), oa.state.anchor + progress)
+    finally:
+        await _stop(rounds, task, replicas)
+
+
+async def test_an_overlapped_round_that_fails_before_its_step_undoes_its_eager_step():
+    """A round that fails (here its outer step raises) leaves no eager weights beside the
+    old anchor for the leave's checkpoint; its failure still ends the rounds loop."""
+
+    def failing_step(outer: OuterLoop) -> None:
+        def fail(*_args):  # noqa: ANN002, ANN202
+            raise RuntimeError("outer step failed")
+
+        outer._outer_step = fail
+
+    rounds, task, wa, oa, at_end, progress, replicas = await _overlapped_round_under_way(
+        0.3, before_end=failing_step
+    )
+    try:
+        anchor = oa.state.anchor.clone()
+        done, _ = await asyncio.wait({task}, timeout=30)
+        assert done and isinstance(task.exception(), RuntimeError)
+        async with wa.frozen() as weights:
+            torch.testing.assert_close(await weights.read(), at_end + progress)
+        assert torch.equal(oa.state.anchor, anchor) and not rounds._lock.locked()
     finally:
         await _stop(rounds, task, replicas)
 

@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import hivemind
@@ -45,7 +44,7 @@ from agora_node.comms.host_checks import (
     explain_start_failure,
     one_line,
 )
-from agora_node.comms.reaper import Reaper, remove_socket
+from agora_node.comms.reaper import Reaper, proc_stat, remove_socket
 
 log = logging.getLogger(__name__)
 
@@ -366,11 +365,8 @@ def _socket_paths(p2p: P2P) -> list[str]:
 
 def _running(pid: int) -> bool:
     """A child of ours that has not exited (a zombie counts as exited)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:

@@ -97,16 +97,26 @@ class Reaper:
                 self._proc.wait(timeout=5)
 
 
-def start_time(pid: int, parent: int | None = None) -> int | None:
-    """When `pid` started (clock ticks since boot, /proc/PID/stat), None if it is gone (or,
-    with `parent`, is not that process's child): a pid and its start time name one
-    process, even after the pid is reused."""
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat from the state on (field 3: "R", "S", "Z", ...; the
+    command name before it may hold spaces and ')'); None if the process is gone or there
+    is no /proc."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        if parent is not None and int(fields[1]) != parent:  # field 4, the parent's pid
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_time(pid: int, parent: int | None = None) -> int | None:
+    """When `pid` started (clock ticks since boot), None if it is gone (or, with `parent`,
+    is not that process's child): a pid and its start time name one process, even after
+    the pid is reused."""
+    fields = proc_stat(pid)
+    try:
+        if fields is None or (parent is not None and int(fields[1]) != parent):  # field 4
             return None
-        return int(fields[19])  # field 22; the split starts at field 3, the state
-    except (OSError, IndexError, ValueError):
+        return int(fields[19])  # field 22
+    except (IndexError, ValueError):
         return None
 
 
@@ -161,21 +171,22 @@ def _kill(watched: list[tuple[int, int]]) -> None:
     change between them)."""
     for pid, started in watched:
         try:
-            fd = os.pidfd_open(pid)
+            fd: int | None = os.pidfd_open(pid)
         except ProcessLookupError:  # gone
             continue
         except (AttributeError, OSError):  # no pidfds (not Linux, or before 5.3)
-            if start_time(pid) == started:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            continue
+            fd = None
         try:
             if start_time(pid) == started:
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
+                if fd is None:
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
         except ProcessLookupError:
             pass
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
 
 def is_reaper(pid: int) -> bool:

@@ -27,6 +27,8 @@ import os
 import time
 from pathlib import Path
 
+from agora_node.comms.reaper import proc_stat
+
 log = logging.getLogger(__name__)
 
 HOME = "~/.agora-node"
@@ -172,11 +174,10 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:  # another user's process: it exists
         pass
-    try:  # "pid (comm) S ...": Z is a zombie, X dead
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc here: kill(0) said it exists
-    return state not in ("Z", "X")
+    fields = proc_stat(pid)  # Z is a zombie, X dead
+    if fields is None:
+        return True  # no /proc here (or it ended just now): kill(0) said it exists
+    return fields[0] not in ("Z", "X")
 
 
 def unusable(

@@ -252,7 +252,7 @@ def consensus_loss(trainers: list[LocalTrainer]) -> float:
 class Landing:
     """outer.Weights of an overlapped round in one process: `read` is the weights at the
     round's end, `write` keeps the new anchor until `land` sets it plus the progress made
-    since (rounds.OverlappedWeights in the daemon)."""
+    since (overlap.OverlappedWeights in the daemon)."""
 
     def __init__(self, model: nn.Module, state: OuterState, eager: bool) -> None:
         self.model = model

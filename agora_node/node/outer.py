@@ -253,7 +253,7 @@ class OuterLoop:
         """Mix pseudo-gradients, take the outer step, write the new anchor into the weights.
 
         weights: where to read and write them (default: the module, directly); the
-        daemon passes its frozen stage worker's, or with overlap `rounds.OverlappedWeights`.
+        daemon passes its frozen stage worker's, or with overlap `overlap.OverlappedWeights`.
         blocked_s: how long the inner loop was held, asked after the write (default: this
         call's wall time, which it spends holding the inner loop)."""
         weights = weights or ModuleWeights(self.state)

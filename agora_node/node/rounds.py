@@ -23,7 +23,7 @@ Replicas of a stage stay in step without a coordinator:
    only at the round's end, to read the weights and set them to the outer step
    of this replica's own pseudo-gradient (an eager step), and, once the mixes
    are done, to write the mixed round's anchor plus the inner progress made
-   since (`OverlappedWeights`); the next round waits for this one to land.
+   since (overlap.py); the next round waits for this one to land.
 
 The two decisions are pure functions, tested without a network.
 """
@@ -38,10 +38,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
-from torch import Tensor
-
 from agora_node.node.attestation import Attestation
 from agora_node.node.outer import OuterLoop
+from agora_node.node.overlap import OverlappedWeights
 from agora_node.node.worker import StageWorker
 from agora_node.protocol import state_blob
 from agora_node.protocol.records import NodeRecord
@@ -49,44 +48,6 @@ from agora_node.protocol.records import NodeRecord
 log = logging.getLogger(__name__)
 
 KEPT_DIGESTS = 10
-
-
-class OverlappedWeights:
-    """outer.Weights for a round whose mixes run while inner steps go on.
-
-    `read` gives the weights taken (frozen) at the round's end, `at_end`. The inner steps
-    went on from `start`: the outer step this replica's own pseudo-gradient makes
-    (`OuterState.preview`, an eager step; `at_end` itself works too). `write(new)`
-    freezes the worker only to set `new + (now - start)`: the mixed round's anchor plus
-    whatever the inner steps added since. `blocked_s` is how long the worker was frozen.
-    A round abandoned before its write (`restore`) sets `at_end + (now - start)`: the
-    weights go back to what the unchanged anchor and momentum belong to, progress kept."""
-
-    def __init__(
-        self, worker: StageWorker, at_end: Tensor, start: Tensor, blocked_s: float
-    ) -> None:
-        self.worker, self.at_end, self.start, self.blocked_s = worker, at_end, start, blocked_s
-        self.written = False
-
-    async def read(self) -> Tensor:
-        return self.at_end
-
-    async def write(self, new: Tensor) -> None:
-        started = time.monotonic()
-        async with self.worker.frozen() as weights:
-            now = await weights.read()
-            await weights.write(new + (now - self.start))
-            self.written = True
-        self.blocked_s += time.monotonic() - started
-
-    async def restore(self) -> None:
-        """Undo the eager step of a round that will not land (its progress stays)."""
-        if self.written:
-            return
-        async with self.worker.frozen() as weights:
-            now = await weights.read()
-            await weights.write(self.at_end + (now - self.start))
-            self.written = True
 
 
 MAX_SOLE_JUMP = 1000

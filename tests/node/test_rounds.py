@@ -282,7 +282,7 @@ async def test_outer_writes_while_forwards_run_never_touch_their_weight_copies()
 async def test_an_overlapped_outer_step_keeps_the_inner_progress_made_during_the_mix():
     """With overlap the mixes run while inner steps go on: the new anchor lands with the
     progress made since the round's end added to it, under one short freeze."""
-    from agora_node.node.rounds import OverlappedWeights
+    from agora_node.node.overlap import OverlappedWeights
 
     worker = StageWorker(load_manifest("tiny"), 1)
     try:

@@ -136,11 +136,11 @@ def small_manifest(
     anchor_codec: str = "auto",
 ) -> str:
     """tiny with another stage cut, outer cadence H, gossip group size, overlapped outer
-    rounds or not (None: tiny's, overlapped), context-parallel cells of `cp_degree`, another inner optimizer, weight
-    prediction, low-rank outer factors (`outer_rank`) and the anchors' codec (written to
-    `path`). With
-    `documents`, the corpus is the built-in one cut into many documents (`speeches`,
-    written beside `path`): windows pack several, and attention keeps them apart."""
+    rounds or not (None: tiny's, overlapped), context-parallel cells of `cp_degree`,
+    another inner optimizer, weight prediction, low-rank outer factors (`outer_rank`) and
+    the anchors' codec (written to `path`). With `documents`, the corpus is the built-in
+    one cut into many documents (`speeches`, written beside `path`): windows pack
+    several, and attention keeps them apart."""
     from agora_node.protocol.manifest import parse_manifest
     from agora_node.stages.manifest_files import load_manifest
 
@@ -159,6 +159,7 @@ def small_manifest(
     text = text.replace(
         "weight_prediction = false", f"weight_prediction = {str(weight_prediction).lower()}"
     )
+    assert 'anchor_codec = "auto"' in text
     text = text.replace('anchor_codec = "auto"', f'anchor_codec = "{anchor_codec}"')
     if outer_rank:
         assert "\nrank = 0\n" in text

@@ -185,7 +185,7 @@ def outer_config(method: str, args: argparse.Namespace) -> OuterConfig:
 
 async def run_outer(
     manifest: Manifest, method: str, args: argparse.Namespace
-) -> tuple[float, float, float, int, float]:
+) -> tuple[float, float, float, int, float, list[list[float]]]:
     r, h = args.replicas, args.inner_steps
     tokens_per_step = manifest.inner.local_batch * manifest.model.seq_len
     rounds = max(1, args.tokens // (r * h * tokens_per_step))
@@ -196,13 +196,14 @@ async def run_outer(
     refused = 0
     late = min(args.overlap_steps, h) if method.endswith("_overlap") else 0
     landing: list[Landing] = []
+    curve: list[list[float]] = []  # [tokens so far, mean val loss] every --curve-every rounds
 
     def train(steps: int) -> None:
         for t in trainers:
             for _ in range(steps):
                 t.train_step()
 
-    for _ in range(rounds):
+    for done in range(1, rounds + 1):
         for loop in loops:
             await loop.begin_round(expect=r)
         # train in a worker thread so the anchor mixes progress on the event loop meanwhile
@@ -226,12 +227,30 @@ async def run_outer(
         if not late:  # overlapped, what blocks is `land` (timed there), not end_round
             blocked += sum(rep.seconds_blocked for rep in reports)
         refused += sum(len(rep.outliers) + len(rep.direction_outliers) for rep in reports)
+        if args.curve_every and done % args.curve_every == 0 and done < rounds:
+            # evaluation draws no random numbers: the run trains exactly as without it
+            point = sum(t.evaluate() for t in trainers) / r
+            curve.append([done * r * h * tokens_per_step, round(point, 4)])
+            print(f"{method}: round {done}/{rounds}, val_loss {point:.4f}", file=sys.stderr)
     for pending in landing:  # the last round's anchors, with no progress since
         started = time.perf_counter()
         pending.land()
         blocked += time.perf_counter() - started
     val = sum(t.evaluate() for t in trainers) / r
-    return val, sent / r, blocked / r, refused, consensus_loss(trainers)
+    if args.curve_every:
+        curve.append([rounds * r * h * tokens_per_step, round(val, 4)])
+    return val, sent / r, blocked / r, refused, consensus_loss(trainers), curve
+
+
+def tail_drops(curves: dict[str, list[list[float]]]) -> dict[str, float]:
+    """Per method, the fall of validation loss over the last quarter of its curve, relative
+    to its final loss (ddp's `tail_rel_drop`); the point nearest three quarters is used."""
+    drops = {}
+    for method, curve in curves.items():
+        final_tokens, final = curve[-1]
+        _, at = min(curve, key=lambda point: abs(point[0] - 0.75 * final_tokens))
+        drops[method] = round((at - final) / final, 5)
+    return drops
 
 
 @torch.no_grad()
@@ -319,6 +338,14 @@ def main(argv: list[str] | None = None) -> int:
         "pseudo-gradient, corrected when the mixed one lands",
     )
     p.add_argument("--eval-samples", type=int, default=64)
+    p.add_argument(
+        "--curve-every",
+        type=int,
+        default=0,
+        help="outer methods: validation loss every this many rounds too (stderr, and JSON "
+        "`curve` and `tail_rel_drop`, the fall over the last quarter of the rounds relative "
+        "to the final loss); 0: only at the end",
+    )
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--momentum-mix", action="store_true", help="also mix outer momenta (ablation)")
     p.add_argument(
@@ -356,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown methods {sorted(unknown)}; known: {', '.join(KNOWN)}")
     manifest = load_manifest(args.manifest)
     val, sent, seconds, blocking, refused, of_mean, ddp = {}, {}, {}, {}, {}, {}, None
+    curves: dict[str, list[list[float]]] = {}
     for method in args.methods.split(","):
         started = time.perf_counter()
         if method == "ddp":
@@ -371,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
             outcome = asyncio.run(run_outer(manifest, method, args))
             val[method], sent[method], blocking[method], refused[method] = outcome[:4]
             of_mean[method] = outcome[4]
+            if args.curve_every:
+                curves[method] = outcome[5]
         seconds[method] = time.perf_counter() - started
         if not args.json:
             print(
@@ -404,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
         },
         "ddp": ddp,
+        **({"curve": curves, "tail_rel_drop": tail_drops(curves)} if args.curve_every else {}),
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
     }
     if args.json:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class Loops:
@@ -34,3 +36,22 @@ class Loops:
     async def cancel_and_wait(self) -> None:
         self.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def to_completion(work: Coroutine[Any, Any, T]) -> T:
+    """Run `work` to its end even when the caller is cancelled meanwhile: a cancel waits
+    for it and is raised after (its result is then dropped). For a few seconds of work
+    that must not stop half way, such as an outer step and the weights it writes."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():  # the work's own cancel or error, not the caller's
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result

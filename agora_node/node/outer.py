@@ -60,6 +60,7 @@ from agora_node.comms.collective.payload import max_frame_bytes
 from agora_node.comms.collective.proofs import Signing
 from agora_node.comms.collective.replay import ReplayMemory
 from agora_node.node.heap import release_freed_memory
+from agora_node.node.loops import to_completion
 from agora_node.node.lowrank import LowRank
 from agora_node.node.outer_bounds import bound_mixes
 from agora_node.node.outer_state import (
@@ -289,11 +290,10 @@ class OuterLoop:
             # what every member now holds: sending it back is a replay
             self.replays[phase].remember_mixed(round_no, outcome.value)
         self.committing = True  # from here the round lands (rounds.py does not cancel it)
-        try:
-            new, mixed = await asyncio.to_thread(
-                self._outer_step, round_no, delta, mixed, anchor, momentum, tokens
+        try:  # a cancel waits: the new anchor is never left without its weights written
+            mixed = await to_completion(
+                self._commit(weights, round_no, delta, mixed, anchor, momentum, tokens)
             )
-            await weights.write(new)
         finally:
             self.committing = False
         n = len(prep.delta_plan.members) if prep.delta_plan else 1
@@ -318,6 +318,24 @@ class OuterLoop:
         del prep_task, prep, outcomes, delta, mixed, anchor, momentum  # this round's vectors
         await asyncio.to_thread(release_freed_memory)  # glibc keeps them otherwise (heap.py)
         return report
+
+    async def _commit(
+        self,
+        weights: Weights,
+        round_no: int,
+        delta: Tensor,
+        mixed: Tensor,
+        anchor: Tensor | None,
+        momentum: Tensor | None,
+        tokens: int,
+    ) -> Tensor:
+        """Take the outer step and write its new anchor into the weights; the
+        pseudo-gradient it applied."""
+        new, mixed = await asyncio.to_thread(
+            self._outer_step, round_no, delta, mixed, anchor, momentum, tokens
+        )
+        await weights.write(new)
+        return mixed
 
     def _outer_step(
         self,

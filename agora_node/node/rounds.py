@@ -298,9 +298,11 @@ class OuterRounds:
 
     async def _finish_round(self, tokens: int, weights: Any) -> None:
         blocked = (lambda: weights.blocked_s) if self.overlap else None
-        await self.outer.end_round(tokens=tokens, weights=weights, blocked_s=blocked)
-        self._epoch += 1
-        self._blob = None
+        try:
+            await self.outer.end_round(tokens=tokens, weights=weights, blocked_s=blocked)
+        finally:  # also when cancelled once the step committed: the state moved on
+            self._epoch += 1
+            self._blob = None
 
     async def _overlap(self, start_tokens: int) -> int:
         """Freeze the worker to read the round's end and set the eager step, then start the

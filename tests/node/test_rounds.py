@@ -461,6 +461,48 @@ async def test_an_overlapped_round_that_fails_before_its_step_undoes_its_eager_s
         await _stop(rounds, task, replicas)
 
 
+async def test_a_blocking_round_cancelled_while_its_step_commits_writes_its_weights():
+    """Without overlap, a drain that cancels the rounds loop while the outer step runs on
+    its thread: the step goes on and changes the anchor, so the weights it computed are
+    written too (the cancel was raised before the write, and the leave's checkpoint saved
+    the new anchor beside the round's end weights)."""
+    entered, release = threading.Event(), threading.Event()
+    network, board = LocalNetwork(), MemoryBoard()
+    replicas = [_replica(i, network, board, window=0.3) for i in range(2)]
+    (wa, oa), _ = replicas
+    step = oa._outer_step
+
+    def slow(*args):  # noqa: ANN002, ANN202
+        entered.set()
+        release.wait(30)
+        return step(*args)
+
+    oa._outer_step = slow
+    rounds = OuterRounds(
+        oa, wa, inner_steps=4, replica_rounds=list, replica_count=lambda: 2, poll_s=0.02
+    )
+    task = asyncio.create_task(rounds.run(asyncio.Event()))
+    try:
+        await _rounds_started([rounds], [task])
+        async with wa.frozen() as weights:  # the round's inner steps moved the weights
+            await weights.write(await weights.read() + 1e-3 * torch.randn(oa.state.numel))
+        wa.optimizer.steps += 4
+        await _until(entered.is_set, [task], "the outer step never ran")  # window 0.3 s
+        anchor, epoch = oa.state.anchor.clone(), rounds._epoch
+        task.cancel()  # drain's order
+        rounds.abandon()
+        release.set()
+        await asyncio.gather(task, return_exceptions=True)
+        assert task.cancelled()
+        assert oa.state.round == 1 and not torch.equal(oa.state.anchor, anchor)
+        async with wa.frozen() as weights:
+            torch.testing.assert_close(await weights.read(), oa.state.anchor)
+        assert rounds._epoch > epoch  # a cached state blob of the old anchor is not served
+    finally:
+        release.set()
+        await _stop(rounds, task, replicas)
+
+
 def test_a_replica_is_outvoted_only_by_a_strict_majority_holding_one_other_anchor():
     own = {2: "x", 3: "a"}
     assert outvoted(own, {3: {"p": "b", "q": "b"}}, replicas=3) == 3

@@ -1,0 +1,43 @@
+"""to_completion (node/loops.py): work that a cancel of its caller must not stop half way."""
+
+import asyncio
+
+import pytest
+
+from agora_node.node.loops import to_completion
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def test_a_cancelled_caller_waits_for_the_work_and_is_cancelled_after():
+    started, release, finished = asyncio.Event(), asyncio.Event(), []
+
+    async def work() -> int:
+        started.set()
+        await release.wait()
+        finished.append(True)
+        return 7
+
+    caller = asyncio.create_task(to_completion(work()))
+    await started.wait()
+    caller.cancel()
+    await asyncio.sleep(0)  # the cancel reaches the caller while the work still waits
+    caller.cancel()  # a second cancel does not stop it either
+    await asyncio.sleep(0)
+    assert not caller.done() and not finished
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert finished == [True]
+
+
+async def test_the_works_result_and_errors_reach_an_uncancelled_caller():
+    async def fine() -> int:
+        return 3
+
+    async def broken() -> int:
+        raise ValueError("no")
+
+    assert await to_completion(fine()) == 3
+    with pytest.raises(ValueError, match="no"):
+        await to_completion(broken())

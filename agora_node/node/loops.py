@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Loops:
@@ -39,19 +41,26 @@ class Loops:
 
 
 async def to_completion(work: Coroutine[Any, Any, T]) -> T:
-    """Run `work` to its end even when the caller is cancelled meanwhile: a cancel waits
-    for it and is raised after (its result is then dropped). For a few seconds of work
-    that must not stop half way, such as an outer step and the weights it writes."""
+    """Run `work` to its end even when the caller is cancelled meanwhile: the cancel waits
+    for it and is raised after (the work's result is then dropped, its error logged). For
+    a few seconds of work that must not stop half way, such as an outer step and the
+    weights it writes."""
     task = asyncio.ensure_future(work)
     cancelled = False
-    while True:
+    while not task.done():
         try:
-            result = await asyncio.shield(task)
-            break
+            await asyncio.shield(task)
         except asyncio.CancelledError:
-            if task.done():  # the work's own cancel or error, not the caller's
+            if task.cancelled():
+                raise  # the work's own (nothing else holds it)
+            cancelled = True  # the caller's, even where the work ended in the same tick
+        except Exception:
+            if not cancelled:
                 raise
-            cancelled = True
     if cancelled:
+        if task.exception() is not None:
+            log.error(
+                "work finished after its caller was cancelled failed", exc_info=task.exception()
+            )
         raise asyncio.CancelledError
-    return result
+    return task.result()

@@ -290,52 +290,68 @@ class OuterLoop:
             # what every member now holds: sending it back is a replay
             self.replays[phase].remember_mixed(round_no, outcome.value)
         self.committing = True  # from here the round lands (rounds.py does not cancel it)
-        try:  # a cancel waits: the new anchor is never left without its weights written
-            mixed = await to_completion(
-                self._commit(weights, round_no, delta, mixed, anchor, momentum, tokens)
+        try:  # a cancel waits: no new anchor without its weights written and its report made
+            report = await to_completion(
+                self._land(
+                    weights,
+                    prep,
+                    outcomes,
+                    (round_no, delta, mixed, anchor, momentum, tokens),
+                    (started, waited),
+                    blocked_s,
+                )
             )
         finally:
             self.committing = False
-        n = len(prep.delta_plan.members) if prep.delta_plan else 1
-        fmt = self.delta_encoder.fmt
-        if self.low_rank is not None:  # two mixes, each of its factors
-            numel = self.low_rank.first_numel + self.low_rank.second_numel
-        else:
-            numel = self.state.numel
-        deadline = self.config.deadlines.worst_case(numel, n, fmt)
-        report = round_report(
-            round_no,
-            prep.view,
-            self.config.group_size,
-            (prep.anchor, *outcomes),
-            (delta, mixed),
-            (started, waited, deadline),
-        )
-        if blocked_s is not None:
-            report.seconds_blocked = blocked_s()
-        self._account(report)
-        self._flag(report)
         del prep_task, prep, outcomes, delta, mixed, anchor, momentum  # this round's vectors
         await asyncio.to_thread(release_freed_memory)  # glibc keeps them otherwise (heap.py)
         return report
 
-    async def _commit(
+    async def _land(
         self,
         weights: Weights,
-        round_no: int,
-        delta: Tensor,
-        mixed: Tensor,
-        anchor: Tensor | None,
-        momentum: Tensor | None,
-        tokens: int,
-    ) -> Tensor:
-        """Take the outer step and write its new anchor into the weights; the
-        pseudo-gradient it applied."""
-        new, mixed = await asyncio.to_thread(
-            self._outer_step, round_no, delta, mixed, anchor, momentum, tokens
-        )
+        prep: _Prep,
+        outcomes: list[Outcome],
+        step: tuple[int, Tensor, Tensor, Tensor | None, Tensor | None, int],
+        times: tuple[float, float],
+        blocked_s: Callable[[], float] | None,
+    ) -> RoundReport:
+        """Take the outer step (`step`: the `_outer_step` arguments), write its new anchor
+        into the weights and make the round's report."""
+        new, applied = await asyncio.to_thread(self._outer_step, *step)
         await weights.write(new)
-        return mixed
+        round_no, delta = step[0], step[1]
+        report = self._report(round_no, prep, outcomes, (delta, applied), times)
+        if blocked_s is not None:
+            report.seconds_blocked = blocked_s()
+        self._account(report)
+        self._flag(report)
+        return report
+
+    def _report(
+        self,
+        round_no: int,
+        prep: _Prep,
+        outcomes: list[Outcome],
+        deltas: tuple[Tensor, Tensor],
+        times: tuple[float, float],
+    ) -> RoundReport:
+        """The round's report: `deltas` are the own and the applied pseudo-gradient,
+        `times` when the round ended and how long it waited for its matchmaking."""
+        n = len(prep.delta_plan.members) if prep.delta_plan else 1
+        if self.low_rank is not None:  # two mixes, each of its factors
+            numel = self.low_rank.first_numel + self.low_rank.second_numel
+        else:
+            numel = self.state.numel
+        deadline = self.config.deadlines.worst_case(numel, n, self.delta_encoder.fmt)
+        return round_report(
+            round_no,
+            prep.view,
+            self.config.group_size,
+            (prep.anchor, *outcomes),
+            deltas,
+            (*times, deadline),
+        )
 
     def _outer_step(
         self,

@@ -239,7 +239,9 @@ class StageService:
     async def drain(self, timeout: float) -> None:
         """Stop taking micro-batches, let the head and the ones in flight finish.
 
-        An outer round in progress is abandoned: nothing in it is worth the wait."""
+        An outer round in progress is abandoned (nothing in it is worth the wait), but an
+        outer step already taking place is finished first (seconds): the anchor it sets and
+        the weights it writes stay a pair for the leave's checkpoint."""
         self._stop.set()
         if self._rounds is not None:
             self._rounds.cancel()

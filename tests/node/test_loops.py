@@ -1,6 +1,7 @@
 """to_completion (node/loops.py): work that a cancel of its caller must not stop half way."""
 
 import asyncio
+import logging
 
 import pytest
 
@@ -41,3 +42,40 @@ async def test_the_works_result_and_errors_reach_an_uncancelled_caller():
     assert await to_completion(fine()) == 3
     with pytest.raises(ValueError, match="no"):
         await to_completion(broken())
+
+
+async def test_an_error_after_the_callers_cancel_is_logged_and_the_cancel_raised(caplog):
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def breaks() -> int:
+        started.set()
+        await release.wait()
+        raise ValueError("failed late")
+
+    caller = asyncio.create_task(to_completion(breaks()))
+    await started.wait()
+    caller.cancel()
+    await asyncio.sleep(0)
+    release.set()
+    with (
+        caplog.at_level(logging.ERROR, logger="agora_node.node.loops"),
+        pytest.raises(asyncio.CancelledError),
+    ):
+        await caller
+    assert any("failed late" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
+
+
+async def test_a_cancel_in_the_tick_the_work_ends_is_still_raised():
+    """The work has returned, the caller has not resumed yet: its cancel is not lost."""
+    ended = []
+
+    async def quick() -> int:
+        ended.append(True)
+        return 5
+
+    caller = asyncio.create_task(to_completion(quick()))
+    while not ended:  # bounded by the test's timeout; each turn lets one step run
+        await asyncio.sleep(0)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller

@@ -489,15 +489,18 @@ async def test_a_blocking_round_cancelled_while_its_step_commits_writes_its_weig
         wa.optimizer.steps += 4
         await _until(entered.is_set, [task], "the outer step never ran")  # window 0.3 s
         anchor, epoch = oa.state.anchor.clone(), rounds._epoch
+        assert rounds._lock.locked() and wa.hold_steps and oa.committing
         task.cancel()  # drain's order
         rounds.abandon()
         release.set()
         await asyncio.gather(task, return_exceptions=True)
         assert task.cancelled()
         assert oa.state.round == 1 and not torch.equal(oa.state.anchor, anchor)
+        assert not rounds._lock.locked() and not wa.hold_steps and not oa.committing
+        assert oa.last_report is not None and oa.last_report.round == 0  # reported, flags set
+        assert rounds._epoch > epoch  # a cached state blob of the old anchor is not served
         async with wa.frozen() as weights:
             torch.testing.assert_close(await weights.read(), oa.state.anchor)
-        assert rounds._epoch > epoch  # a cached state blob of the old anchor is not served
     finally:
         release.set()
         await _stop(rounds, task, replicas)

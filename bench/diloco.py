@@ -35,6 +35,11 @@ Every method spends the same number of training tokens in total:
   progress made since the round's end added to it (what node/rounds.py does when the
   mixes take that long). Not in the default list.
 
+With --curve-every N the JSON also has `curve` (per outer method, [tokens, val_loss]
+every N rounds and at the end; an overlapped round's point is taken with its pending
+anchor landed) and `tail_rel_drop` (its fall over the last quarter, as ddp's; None for a
+curve of one point).
+
 `refused` counts, per method, the parts reducers refused (norm, direction): a codec that
 makes honest parts look like outliers shows here. `val_loss_of_mean` is the validation
 loss of the replicas' mean weights, a diagnostic: equal to `val_loss` when the replicas
@@ -229,8 +234,8 @@ async def run_outer(
         refused += sum(len(rep.outliers) + len(rep.direction_outliers) for rep in reports)
         if args.curve_every and done % args.curve_every == 0 and done < rounds:
             # evaluation draws no random numbers: the run trains exactly as without it
-            point = sum(t.evaluate() for t in trainers) / r
-            curve.append([done * r * h * tokens_per_step, round(point, 4)])
+            point = landed_loss(trainers, landing)
+            curve.append([done * r * h * tokens_per_step, point])
             print(f"{method}: round {done}/{rounds}, val_loss {point:.4f}", file=sys.stderr)
     for pending in landing:  # the last round's anchors, with no progress since
         started = time.perf_counter()
@@ -238,17 +243,36 @@ async def run_outer(
         blocked += time.perf_counter() - started
     val = sum(t.evaluate() for t in trainers) / r
     if args.curve_every:
-        curve.append([rounds * r * h * tokens_per_step, round(val, 4)])
+        curve.append([rounds * r * h * tokens_per_step, val])
     return val, sent / r, blocked / r, refused, consensus_loss(trainers), curve
 
 
-def tail_drops(curves: dict[str, list[list[float]]]) -> dict[str, float]:
+def landed_loss(trainers: list[LocalTrainer], landing: list[Landing]) -> float:
+    """Mean validation loss of the replicas, each with its pending anchor landed (overlap:
+    the weights it would have, not its eager step); their weights are put back after."""
+    total = 0.0
+    for k, t in enumerate(trainers):
+        kept = landing[k].flat() if landing else None
+        if landing:
+            landing[k].land()
+        total += t.evaluate()
+        if kept is not None:
+            landing[k].load(kept)
+    return total / len(trainers)
+
+
+def tail_drops(curves: dict[str, list[list[float]]]) -> dict[str, float | None]:
     """Per method, the fall of validation loss over the last quarter of its curve, relative
-    to its final loss (ddp's `tail_rel_drop`); the point nearest three quarters is used."""
-    drops = {}
+    to its final loss (ddp's `tail_rel_drop`), from the earlier point nearest three
+    quarters of the tokens; None for a curve of one point."""
+    drops: dict[str, float | None] = {}
     for method, curve in curves.items():
         final_tokens, final = curve[-1]
-        _, at = min(curve, key=lambda point: abs(point[0] - 0.75 * final_tokens))
+        earlier = curve[:-1]
+        if not earlier:
+            drops[method] = None
+            continue
+        _, at = min(earlier, key=lambda point: abs(point[0] - 0.75 * final_tokens))
         drops[method] = round((at - final) / final, 5)
     return drops
 
@@ -275,13 +299,13 @@ class Landing:
 
     def __init__(self, model: nn.Module, state: OuterState, eager: bool) -> None:
         self.model = model
-        self.at_end = self.start = self._flat()
+        self.at_end = self.start = self.flat()
         self.new: torch.Tensor | None = None
         if eager:  # go on from the outer step the own pseudo-gradient would make
             self.start = state.preview(state.anchor - self.at_end)
-            self._load(self.start)
+            self.load(self.start)
 
-    def _flat(self) -> torch.Tensor:
+    def flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self.model.parameters()])
 
     async def read(self) -> torch.Tensor:
@@ -291,10 +315,10 @@ class Landing:
         self.new = flat
 
     def land(self) -> None:
-        self._load(self.new + (self._flat() - self.start))
+        self.load(self.new + (self.flat() - self.start))
 
     @torch.no_grad()
-    def _load(self, flat: torch.Tensor) -> None:
+    def load(self, flat: torch.Tensor) -> None:
         offset = 0
         for p in self.model.parameters():
             p.copy_(flat[offset : offset + p.numel()].view_as(p))
@@ -378,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.curve_every < 0:
+        p.error("--curve-every must be 0 (off) or a number of rounds")
     unknown = set(args.methods.split(",")) - set(KNOWN)
     if unknown:
         p.error(f"unknown methods {sorted(unknown)}; known: {', '.join(KNOWN)}")
@@ -434,7 +460,14 @@ def main(argv: list[str] | None = None) -> int:
             ),
         },
         "ddp": ddp,
-        **({"curve": curves, "tail_rel_drop": tail_drops(curves)} if args.curve_every else {}),
+        **(
+            {
+                "curve": {m: [[t, round(v, 4)] for t, v in c] for m, c in curves.items()},
+                "tail_rel_drop": tail_drops(curves),
+            }
+            if args.curve_every
+            else {}
+        ),
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
     }
     if args.json:

@@ -90,7 +90,12 @@ def test_the_manifest_names_the_anchor_codec_and_auto_keeps_run_ids_and_the_old_
     for name in DENSE_CODEC_NAMES:
         m = dataclasses.replace(tiny, outer=dataclasses.replace(tiny.outer, anchor_codec=name))
         assert OuterConfig.from_manifest(m).anchor_format().part is from_name(name)
-        assert m.run_id != tiny.run_id  # members of one run agree on their anchors' wire
+        if name == "bf16":  # what auto means with tiny's int8: the same wire, the same run
+            assert m.run_id == tiny.run_id and m.outer.anchor_codec == "auto"
+        else:  # members of one run agree on their anchors' wire
+            assert m.run_id != tiny.run_id
+    fp32 = dataclasses.replace(tiny.outer, codec="fp32", anchor_codec="fp32")
+    assert fp32 == dataclasses.replace(tiny.outer, codec="fp32")
     with pytest.raises(ManifestError, match="outer.anchor_codec.*must be auto or one of fp32"):
         dataclasses.replace(tiny.outer, anchor_codec="topk4")
 

@@ -18,8 +18,7 @@ run H inner steps, then end_round, overlapping the anchor mix.
 - The anchor mix averages the anchors (optionally also the outer momenta) of a
   random group as they were at round start (inputs frozen: neither changes during a round),
   overlapped with the inner steps. A group whose states already agree (same
-  digest) skips it, so with one group of everyone nothing is sent; so does one group of
-  everyone where a strict majority agrees (the others take its state: rounds.py).
+  digest) skips it, so with one group of everyone nothing is sent.
 - The pseudo-gradient mix averages delta = anchor - weights over another random
   group, compressed with error feedback.
 - Then m := momentum * (mixed m) + mixed delta, anchor := mixed anchor - lr *
@@ -431,7 +430,8 @@ class OuterLoop:
                 self.book.register(factor_plan)
         mixed = self.state.mixed_state(self.config.mix_momentum)
         anchor_plan = None
-        if view.anchors_to_mix(anchor_group):  # not when they agree, or most of them do
+        digests = {(view.entry(p).digest if view.entry(p) else p) for p in anchor_group}
+        if len(digests) > 1:  # a group that already agrees has nothing to mix
             anchor_plan = self._plan(round_no, "anchor", anchor_group, mixed.numel())
         anchor = None
         if anchor_plan is not None:

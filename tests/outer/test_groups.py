@@ -8,7 +8,7 @@ import time
 import pytest
 
 from agora_node.comms.collective import Matchmaker, MatchmakingConfig, MemoryBoard, RoundEntry
-from agora_node.comms.collective.groups import EntryError, RoundView, close_view, excluded
+from agora_node.comms.collective.groups import EntryError, close_view, excluded
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.names import outer_round_key
 
@@ -253,27 +253,3 @@ def test_only_the_expected_replicas_vote_to_leave_a_peer_out() -> None:
     assert excluded(entries) == {"a", "b"}  # every entry a vote: the strangers win
     assert excluded(entries, {"a", "b", "c", "x"}) == frozenset()  # 2 of 4: no majority
     assert excluded(entries, {"a", "b", "c"}) == {"x"}  # 2 of the 3 replicas
-
-
-def test_anchors_are_mixed_where_digests_differ_and_no_majority_of_everyone_agrees():
-    """One group of everyone where a strict majority claims one digest mixes no anchors:
-    one peer claiming another (a liar, or a replica restarted from an old checkpoint)
-    made every member send its whole anchor every round, and pulled theirs toward its
-    own. Gossip's smaller groups mix whenever digests differ."""
-
-    def view(*digests: str) -> RoundView:
-        entries = tuple(
-            dataclasses.replace(entry(f"p{i}", float(i)), digest=d) for i, d in enumerate(digests)
-        )
-        return RoundView("r", 0, 1, "p0", entries)
-
-    everyone = ("p0", "p1", "p2", "p3")
-    assert not view("a", "a", "a", "a").anchors_to_mix(everyone)  # they agree
-    assert not view("a", "a", "a", "b").anchors_to_mix(everyone)  # 3 of 4: the majority's
-    assert not view("b", "a", "a", "a").anchors_to_mix(everyone)  # and the one outvoted
-    assert view("a", "a", "b", "b").anchors_to_mix(everyone)  # no strict majority
-    assert view("a", "b", "c", "a").anchors_to_mix(everyone)
-    assert view("a", "b").anchors_to_mix(("p0", "p1"))  # two: neither outvotes the other
-    assert view("a", "a", "a", "b").anchors_to_mix(("p0", "p3"))  # gossip: a smaller group
-    # an entry without a digest agrees with nobody, not even another without one
-    assert view("", "", "", "a").anchors_to_mix(everyone)

@@ -261,22 +261,6 @@ class RoundView:
     def entry(self, peer: str) -> RoundEntry | None:
         return next((e for e in self.entries if e.peer_id == peer), None)
 
-    def anchors_to_mix(self, group: tuple[str, ...]) -> bool:
-        """Whether `group` mixes its anchors this round: their digests (as the entries
-        claim them) differ, and, where the group is every participant, no strict majority
-        of it claims one digest. With such a majority nobody mixes: its members keep their
-        anchor and the others take it by a state copy (node/rounds.py, `outvoted`), so
-        one peer claiming another digest, true or false, no longer makes the whole stage
-        send its anchors every round, and a stale replica no longer pulls theirs back.
-        Gossip's smaller groups mix whenever digests differ: nothing else joins them."""
-        claimed = [e.digest if (e := self.entry(p)) and e.digest else f"?{p}" for p in group]
-        if len(set(claimed)) <= 1:
-            return False
-        if set(group) != set(self.peers):
-            return True
-        most = max(claimed.count(d) for d in set(claimed))
-        return 2 * most <= len(claimed)
-
 
 class Board(Protocol):
     """Where round entries are published and read (a DHT, or memory in simulations)."""

@@ -177,6 +177,22 @@ async def test_sparse_parts_and_results_keep_replicas_identical_for_a_fraction_o
     assert float(move @ want / (move.norm() * want.norm())) > 0.3  # the same way, roughly
 
 
+async def test_a_replica_apart_is_pulled_back_though_a_liar_claims_the_others_digest() -> None:
+    """Replica 1's anchor differs (an inconsistent or lone round); replica 2 claims replica
+    0's digest. The digests differ, so the group of everyone mixes anchors and the two
+    honest replicas agree again. (A rule that skipped the mix where a majority of the
+    view claims one digest left them 2.71 apart every round: the liar's copied claim
+    made the majority, and no state copy repaired replica 1.)"""
+    loops = swarm(3, config())
+    with torch.no_grad():
+        loops[1].state.anchor += 0.05
+        loops[1].state.load_weights(loops[1].state.anchor.clone())
+    loops[2].state.digest = lambda *a: loops[0].state.digest(*a)
+    reports = [await play_round(loops, r, [1000, 1000, 1000]) for r in range(2)]
+    assert all(rep.anchor_mixed for rep in reports[0])
+    assert float((loops[0].state.anchor - loops[1].state.anchor).norm()) < 1e-3
+
+
 async def test_a_warming_newcomer_has_zero_weight_for_one_round() -> None:
     loops = swarm(3, config())
     newcomer = loops[2]

@@ -405,24 +405,28 @@ async def test_an_overlapped_round_abandoned_before_it_lands_undoes_its_eager_st
         await _stop(rounds, task, replicas)
 
 
+def _hold_outer_step(outer: OuterLoop) -> tuple[threading.Event, threading.Event]:
+    """Make `outer`'s step wait on its thread: (entered, release)."""
+    entered, release = threading.Event(), threading.Event()
+    step = outer._outer_step
+
+    def slow(*args):  # noqa: ANN002, ANN202
+        entered.set()
+        release.wait(30)
+        return step(*args)
+
+    outer._outer_step = slow
+    return entered, release
+
+
 async def test_an_overlapped_round_abandoned_while_its_step_commits_lands():
     """Once the outer step runs (on a thread nothing can stop) the round lands: its anchor
     and the weights stay a pair."""
-    entered, release = threading.Event(), threading.Event()
-
-    def slow_step(outer: OuterLoop) -> None:
-        step = outer._outer_step
-
-        def slow(*args):  # noqa: ANN002, ANN202
-            entered.set()
-            release.wait(30)
-            return step(*args)
-
-        outer._outer_step = slow
-
+    held: list[threading.Event] = []
     rounds, task, wa, oa, at_end, progress, replicas = await _overlapped_round_under_way(
-        0.3, before_end=slow_step
+        0.3, before_end=lambda outer: held.extend(_hold_outer_step(outer))
     )
+    entered, release = held
     try:
         await _until(entered.is_set, [task], "the outer step never ran")  # window 0.3 s
         assert oa.committing
@@ -466,18 +470,10 @@ async def test_a_blocking_round_cancelled_while_its_step_commits_writes_its_weig
     its thread: the step goes on and changes the anchor, so the weights it computed are
     written too (the cancel was raised before the write, and the leave's checkpoint saved
     the new anchor beside the round's end weights)."""
-    entered, release = threading.Event(), threading.Event()
     network, board = LocalNetwork(), MemoryBoard()
     replicas = [_replica(i, network, board, window=0.3) for i in range(2)]
     (wa, oa), _ = replicas
-    step = oa._outer_step
-
-    def slow(*args):  # noqa: ANN002, ANN202
-        entered.set()
-        release.wait(30)
-        return step(*args)
-
-    oa._outer_step = slow
+    entered, release = _hold_outer_step(oa)
     rounds = OuterRounds(
         oa, wa, inner_steps=4, replica_rounds=list, replica_count=lambda: 2, poll_s=0.02
     )

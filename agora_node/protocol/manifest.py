@@ -238,9 +238,13 @@ class OuterSpec:
     anchor_codec: str = "auto"
     """How anchors travel when a group mixes them (gossip every round; a group of everyone
     only when its digests differ): a dense codec, or "auto": fp32 when `codec` is fp32,
-    else bf16 (naming the codec auto resolves to is auto, with its run id). int8 moved
+    else bf16 (naming the codec auto resolves to gives auto's run id). int8 moved
     21-23% fewer bytes than bf16 for gossip_int8 at the same loss (docs/benchmarks.md,
     "Anchors in int8")."""
+
+    def auto_anchor_codec(self) -> str:
+        """What anchor_codec "auto" means with this codec."""
+        return "fp32" if self.codec == "fp32" else "bf16"
 
     def __post_init__(self) -> None:
         _positive(self, "outer", "inner_steps", "lr")
@@ -268,9 +272,6 @@ class OuterSpec:
                 self.anchor_codec,
                 f"must be auto or one of {', '.join(DENSE_CODEC_NAMES)}",
             )
-        if self.anchor_codec == ("fp32" if self.codec == "fp32" else "bf16"):
-            # what auto means here: the same bytes on the wire, so the same run id
-            object.__setattr__(self, "anchor_codec", "auto")
         if self.rank and self.codec not in DENSE_CODEC_NAMES:
             _fail(
                 "outer.codec",
@@ -342,6 +343,8 @@ class Manifest:
 
     def canonical_bytes(self) -> bytes:
         out = self.to_dict()
+        if self.outer.anchor_codec == self.outer.auto_anchor_codec():
+            out["outer"]["anchor_codec"] = "auto"  # the same bytes on the wire: the same run
         for (table, name), default in CANONICAL_DEFAULTS.items():
             if out[table].get(name) == default:
                 del out[table][name]

@@ -91,11 +91,12 @@ def test_the_manifest_names_the_anchor_codec_and_auto_keeps_run_ids_and_the_old_
         m = dataclasses.replace(tiny, outer=dataclasses.replace(tiny.outer, anchor_codec=name))
         assert OuterConfig.from_manifest(m).anchor_format().part is from_name(name)
         if name == "bf16":  # what auto means with tiny's int8: the same wire, the same run
-            assert m.run_id == tiny.run_id and m.outer.anchor_codec == "auto"
+            assert m.run_id == tiny.run_id and m.outer.anchor_codec == "bf16"  # kept as written
         else:  # members of one run agree on their anchors' wire
             assert m.run_id != tiny.run_id
-    fp32 = dataclasses.replace(tiny.outer, codec="fp32", anchor_codec="fp32")
-    assert fp32 == dataclasses.replace(tiny.outer, codec="fp32")
+    fp32 = dataclasses.replace(tiny.outer, codec="fp32")
+    named = dataclasses.replace(tiny, outer=dataclasses.replace(fp32, anchor_codec="fp32"))
+    assert named.run_id == dataclasses.replace(tiny, outer=fp32).run_id
     with pytest.raises(ManifestError, match="outer.anchor_codec.*must be auto or one of fp32"):
         dataclasses.replace(tiny.outer, anchor_codec="topk4")
 

@@ -292,7 +292,7 @@ class OuterLoop:
         self.committing = True  # from here the round lands (rounds.py does not cancel it)
         try:  # a cancel waits: no new anchor without its weights written and its report made
             report = await to_completion(
-                self._land(
+                self._commit(
                     weights,
                     prep,
                     outcomes,
@@ -307,7 +307,7 @@ class OuterLoop:
         await asyncio.to_thread(release_freed_memory)  # glibc keeps them otherwise (heap.py)
         return report
 
-    async def _land(
+    async def _commit(
         self,
         weights: Weights,
         prep: _Prep,

@@ -43,6 +43,4 @@ class OverlappedWeights:
     async def restore(self) -> None:
         """Undo the eager step of a round that will not land (its progress stays); only
         before `write` (OuterRounds calls it when no outer step was taken)."""
-        async with self.worker.frozen() as weights:
-            now = await weights.read()
-            await weights.write(self.at_end + (now - self.start))
+        await self.write(self.at_end)

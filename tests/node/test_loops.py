@@ -24,7 +24,7 @@ async def test_a_cancelled_caller_waits_for_the_work_and_is_cancelled_after():
     caller.cancel()
     await asyncio.sleep(0)  # the cancel reaches the caller while the work still waits
     caller.cancel()  # a second cancel does not stop it either
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn of the loop (no time passes): that cancel is delivered
     assert not caller.done() and not finished
     release.set()
     with pytest.raises(asyncio.CancelledError):
@@ -55,7 +55,7 @@ async def test_an_error_after_the_callers_cancel_is_logged_and_the_cancel_raised
     caller = asyncio.create_task(to_completion(breaks()))
     await started.wait()
     caller.cancel()
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn of the loop: the cancel is delivered before the error
     release.set()
     with (
         caplog.at_level(logging.ERROR, logger="agora_node.node.loops"),

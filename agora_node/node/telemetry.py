@@ -65,6 +65,20 @@ STATUS_FIELDS = (
 )
 
 
+def _read_ending(client: Any) -> None:
+    """Have the client's record of why its connection ended read as soon as it is set.
+
+    aiomqtt 2 keeps that in a private future, replaced on connecting if the line already
+    dropped, and read only by a later publish: a drop right after the broker's CONNACK, or
+    while a publish awaits its acknowledgement, leaves it unread, and asyncio reports "Future
+    exception was never retrieved" when it is collected. The failure it holds is the one the
+    connection loop logs, so reading it loses nothing. Call after creating and after entering.
+    """
+    ended = getattr(client, "_disconnected", None)
+    if isinstance(ended, asyncio.Future):
+        ended.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
 @dataclass(frozen=True)
 class Broker:
     host: str
@@ -311,7 +325,10 @@ class Telemetry:
         rng = random.Random()
         while True:
             try:
-                async with self._client(aiomqtt) as client:
+                client = self._client(aiomqtt)
+                _read_ending(client)
+                async with client:
+                    _read_ending(client)
                     self.connected, self.connects = True, self.connects + 1
                     log.info(
                         "telemetry: publishing to %s:%d under %s%s",
@@ -320,7 +337,6 @@ class Telemetry:
                         self.prefix,
                         f" (after {self.failures} failed attempts)" if self.failures else "",
                     )
-                    self.failures = 0
                     await self._drain(client)
                     return  # closing, and everything queued is out
             except Exception as exc:  # the broker's trouble is never the node's
@@ -364,6 +380,9 @@ class Telemetry:
             while self.queue:
                 msg = self.queue[0]
                 await client.publish(msg.topic, msg.payload, qos=1, retain=msg.retain)
+                # A broker that accepts and then drops every connection is not back: the
+                # back-off (and the warnings' spacing) resets on an acknowledged message.
+                self.failures = 0
                 if self.queue and self.queue[0] is msg:
                     self.queue.popleft()
             if self._closing:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import math
@@ -207,3 +208,34 @@ async def test_a_broker_that_is_down_costs_a_bounded_queue(mosquitto):
         began = time.monotonic()
         await telemetry.stop()
         assert time.monotonic() - began < 2
+
+
+async def test_a_broker_that_drops_the_line_after_connack_leaves_no_unread_error():
+    """aiomqtt records why a connection ended in a future that, for a drop right after
+    CONNACK, nothing reads: asyncio then prints "Future exception was never retrieved" at
+    exit. A real socket on loopback plays that broker (mosquitto will not do it on cue)."""
+    reported: list[dict] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+    lines: list[asyncio.StreamWriter] = []
+
+    async def accept_then_drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        lines.append(writer)
+        await reader.read(1)  # the client's CONNECT has begun
+        writer.write(bytes([0x20, 2, 0, 0]))  # CONNACK, accepted
+        await writer.drain()
+        writer.transport.abort()
+
+    server = await asyncio.start_server(accept_then_drop, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    telemetry = Telemetry(f"mqtt://127.0.0.1:{port}", FakeNode().snapshot, backoff=(0.05, 0.1))
+    try:
+        telemetry.start()
+        await until(lambda: telemetry.connects >= 3, 20, "three dropped connections")
+    finally:
+        await telemetry.stop()
+        server.close()
+    assert len(lines) >= 3  # each attempt got as far as CONNACK
+    assert telemetry.failures >= 2  # no message acknowledged: the back-off keeps growing
+    gc.collect()  # a future with an unread exception reports it when it is collected
+    await asyncio.sleep(0)  # one turn of the loop, for a report scheduled by the collection
+    assert [ctx["message"] for ctx in reported] == []

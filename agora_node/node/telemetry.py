@@ -34,6 +34,10 @@ from agora_node.node.errors import UsageError
 from agora_node.protocol.names import telemetry_prefix
 
 log = logging.getLogger(__name__)
+_client_log = logging.getLogger(__name__ + ".mqtt")
+"""aiomqtt's and paho's own lines: errors only. Their warnings ("Could not gracefully
+disconnect", each time a dropped line is left) repeat what the connection loop logs, spaced."""
+_client_log.setLevel(logging.ERROR)
 
 INSTALL_HINT = "--mqtt-url needs the mqtt extra: pip install 'agora-node[mqtt]'"
 PORTS = {"mqtt": 1883, "mqtts": 8883}
@@ -66,17 +70,24 @@ STATUS_FIELDS = (
 
 
 def _read_ending(client: Any) -> None:
-    """Have the client's record of why its connection ended read as soon as it is set.
+    """Have the client's record of why its connection ended read (and logged at debug level)
+    as soon as it is set.
 
     aiomqtt 2 keeps that in a private future, replaced on connecting if the line already
-    dropped, and read only by a later publish: a drop right after the broker's CONNACK, or
-    while a publish awaits its acknowledgement, leaves it unread, and asyncio reports "Future
-    exception was never retrieved" when it is collected. The failure it holds is the one the
-    connection loop logs, so reading it loses nothing. Call after creating and after entering.
+    dropped, and read only by a later publish. A drop right after the broker's CONNACK leaves
+    it unread, and asyncio reports "Future exception was never retrieved" when it is
+    collected. The loop logs the failure the client raised instead ("not currently
+    connected", a timeout), so the cause goes to the debug log. Call after creating the
+    client and again after entering it (entering may replace the future).
     """
     ended = getattr(client, "_disconnected", None)
     if isinstance(ended, asyncio.Future):
-        ended.add_done_callback(lambda f: f.cancelled() or f.exception())
+        ended.add_done_callback(_log_ending)
+
+
+def _log_ending(ended: asyncio.Future) -> None:
+    if not ended.cancelled() and ended.exception() is not None:
+        log.debug("telemetry: the connection ended: %r", ended.exception())
 
 
 @dataclass(frozen=True)
@@ -330,13 +341,6 @@ class Telemetry:
                 async with client:
                     _read_ending(client)
                     self.connected, self.connects = True, self.connects + 1
-                    log.info(
-                        "telemetry: publishing to %s:%d under %s%s",
-                        self.broker.host,
-                        self.broker.port,
-                        self.prefix,
-                        f" (after {self.failures} failed attempts)" if self.failures else "",
-                    )
                     await self._drain(client)
                     return  # closing, and everything queued is out
             except Exception as exc:  # the broker's trouble is never the node's
@@ -367,6 +371,7 @@ class Telemetry:
             # lands before our next status) instead of lingering until its keepalive ends;
             # 21 letters and digits, which every MQTT 3.1.1 broker must accept.
             identifier="agora" + hashlib.sha256(self.prefix.encode()).hexdigest()[:16],
+            logger=_client_log,
             will=aiomqtt.Will(self.prefix + "/status", encode(will), qos=1, retain=True),
             keepalive=self.keepalive_s,
             timeout=self.timeout_s,
@@ -376,13 +381,23 @@ class Telemetry:
         )
 
     async def _drain(self, client: Any) -> None:
+        announced = False
         while True:
             while self.queue:
                 msg = self.queue[0]
                 await client.publish(msg.topic, msg.payload, qos=1, retain=msg.retain)
                 # A broker that accepts and then drops every connection is not back: the
                 # back-off (and the warnings' spacing) resets on an acknowledged message.
-                self.failures = 0
+                if not announced:
+                    announced = True
+                    log.info(
+                        "telemetry: publishing to %s:%d under %s%s",
+                        self.broker.host,
+                        self.broker.port,
+                        self.prefix,
+                        f" (after {self.failures} failed attempts)" if self.failures else "",
+                    )
+                    self.failures = 0
                 if self.queue and self.queue[0] is msg:
                     self.queue.popleft()
             if self._closing:

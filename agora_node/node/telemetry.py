@@ -35,9 +35,25 @@ from agora_node.protocol.names import telemetry_prefix
 
 log = logging.getLogger(__name__)
 _client_log = logging.getLogger(__name__ + ".mqtt")
-"""aiomqtt's and paho's own lines: errors only. Their warnings ("Could not gracefully
-disconnect", each time a dropped line is left) repeat what the connection loop logs, spaced."""
-_client_log.setLevel(logging.ERROR)
+"""aiomqtt's and paho's own lines (see `_DemoteLineTrouble`)."""
+
+
+class _DemoteLineTrouble(logging.Filter):
+    """Demotes the clients' lines to debug, except reports of an exception in a callback.
+
+    Their warnings and errors about a line ("Could not gracefully disconnect", "failed to
+    receive on socket") come on every dropped connection, and repeat what the connection
+    loop logs spaced 1, 2, 4, 8... attempts apart; with `-v` they are all still there.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info or str(record.msg).startswith("Caught exception"):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return _client_log.isEnabledFor(logging.DEBUG)
+
+
+_client_log.addFilter(_DemoteLineTrouble())
 
 INSTALL_HINT = "--mqtt-url needs the mqtt extra: pip install 'agora-node[mqtt]'"
 PORTS = {"mqtt": 1883, "mqtts": 8883}
@@ -69,7 +85,7 @@ STATUS_FIELDS = (
 )
 
 
-def _read_ending(client: Any) -> None:
+def _read_ending(client: Any, seen: Any = None) -> Any:
     """Have the client's record of why its connection ended read (and logged at debug level)
     as soon as it is set.
 
@@ -78,11 +94,13 @@ def _read_ending(client: Any) -> None:
     it unread, and asyncio reports "Future exception was never retrieved" when it is
     collected. The loop logs the failure the client raised instead ("not currently
     connected", a timeout), so the cause goes to the debug log. Call after creating the
-    client and again after entering it (entering may replace the future).
+    client and again after entering it (entering may replace the future), passing what
+    the first call returned as `seen`.
     """
     ended = getattr(client, "_disconnected", None)
-    if isinstance(ended, asyncio.Future):
+    if isinstance(ended, asyncio.Future) and ended is not seen:
         ended.add_done_callback(_log_ending)
+    return ended
 
 
 def _log_ending(ended: asyncio.Future) -> None:
@@ -337,9 +355,9 @@ class Telemetry:
         while True:
             try:
                 client = self._client(aiomqtt)
-                _read_ending(client)
+                first = _read_ending(client)
                 async with client:
-                    _read_ending(client)
+                    _read_ending(client, seen=first)
                     self.connected, self.connects = True, self.connects + 1
                     await self._drain(client)
                     return  # closing, and everything queued is out

@@ -48,6 +48,8 @@ agree (diloco), below it by what their disagreement costs each replica (gossip).
 Replicas run the real OuterLoop over an in-process transport and board, so bytes are
 what the collective would put on the wire (payload frames, per replica, sent).
 val_loss is the mean over replicas of each replica's own model on a fixed validation set.
+With `--unsent weights` a replica's model is its anchor less what its parts have not sent
+yet, so the replicas differ (`val_loss_of_mean` says by how much it matters).
 """
 
 from __future__ import annotations
@@ -181,6 +183,7 @@ def outer_config(method: str, args: argparse.Namespace) -> OuterConfig:
         rank=args.rank if low_rank else 0,
         result_codec=args.result_codec if codec != "fp32" and not low_rank else None,
         anchor_codec=args.anchor_codec,
+        unsent=args.unsent if codec in ("int8", "int4", "topk4") and not low_rank else "feedback",
         deadlines=PATIENT,
         matchmaking=TOGETHER,
         mix_momentum=args.momentum_mix,
@@ -393,6 +396,14 @@ def main(argv: list[str] | None = None) -> int:
         help="anchors of the anchor mixes (gossip) on the wire (default: fp32 with fp32 "
         "deltas, else bf16)",
     )
+    p.add_argument(
+        "--unsent",
+        default="feedback",
+        choices=("feedback", "weights"),
+        help="methods with error feedback (int8, int4, topk4): what a part leaves out goes "
+        "into the next part (feedback) or stays in the replica's weights (manifest "
+        "outer.unsent)",
+    )
     p.add_argument("--rank", type=int, default=4, help="*_lowrank: the factors' rank (4)")
     p.add_argument(
         "--factor-codec",
@@ -454,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             "rank": args.rank,
             "factor_codec": args.factor_codec,
             "consensus": args.consensus,
+            "unsent": args.unsent,
             "warmup_steps": manifest.inner.warmup_steps,
             "inner_steps_per_replica": (
                 args.tokens // (args.replicas * manifest.inner.local_batch * manifest.model.seq_len)

@@ -279,6 +279,8 @@ class OuterLoop:
                 log.exception("outer round %d: pseudo-gradient mix failed", self.state.round)
                 if self.low_rank is not None:
                     self.low_rank.abandon()
+                if self.config.unsent == "weights":  # the whole delta is applied: none unsent
+                    self.delta_encoder.take_residual()
                 prep.delta_plan, outcomes, mixed = None, [], delta
         anchor = momentum = None
         if prep.anchor is not None:
@@ -318,7 +320,10 @@ class OuterLoop:
     ) -> RoundReport:
         """Take the outer step (`step`: the `_outer_step` arguments), write its new anchor
         into the weights and make the round's report."""
+        unsent = self.delta_encoder.take_residual() if self.config.unsent == "weights" else None
         new, applied = await asyncio.to_thread(self._outer_step, *step)
+        if unsent is not None:  # a pseudo-gradient is anchor - weights: the next holds it again
+            new = await asyncio.to_thread(Tensor.sub, new, unsent)
         await weights.write(new)
         round_no, delta = step[0], step[1]
         report = self._report(round_no, prep, outcomes, (delta, applied), times)

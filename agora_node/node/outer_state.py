@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from agora_node.comms.collective import AggregationSpec, Deadlines, MatchmakingConfig, WireFormat
 from agora_node.protocol.codecs import CODEC_NAMES, DENSE_CODEC_NAMES, Codec, from_name
-from agora_node.protocol.manifest import Manifest
+from agora_node.protocol.manifest import UNSENT, Manifest
 from agora_node.stages.flat import host_flat, write_flat
 
 
@@ -42,6 +42,10 @@ class OuterConfig:
     """0: pseudo-gradients travel whole. r > 0: as rank-r factors of each weight matrix in
     two mixes (lowrank.py), encoded with `codec` (a dense one), no error feedback on the
     factors (the factorization keeps its own residual)."""
+    unsent: str = "feedback"
+    """"feedback": what a compressed part leaves out is added to the next round's part.
+    "weights": it stays in this replica's weights (written as the new anchor less it), and
+    the encoder keeps no residual (manifest `outer.unsent`)."""
     mix_momentum: bool = False
     """Also average the outer momentum in the anchor mix. It did not lower validation loss in
     bench/diloco.py (docs/outer.md), so it is off here; the daemon turns it on
@@ -66,6 +70,10 @@ class OuterConfig:
     def __post_init__(self) -> None:
         if self.rank < 0:
             raise ValueError(f"outer rank must be >= 0, not {self.rank}")
+        if self.unsent not in UNSENT:
+            raise ValueError(f"unsent must be one of {UNSENT}, not {self.unsent!r}")
+        if self.unsent == "weights" and (self.rank or not from_name(self.codec).is_quantized):
+            raise ValueError("unsent = weights needs a codec with error feedback and rank 0")
         if self.rank:
             from_name(self.codec, what="outer codec with rank > 0", allowed=DENSE_CODEC_NAMES)
         for name in ("codec", "result_codec", "anchor_codec"):
@@ -86,6 +94,7 @@ class OuterConfig:
             "codec": o.codec,
             "rank": o.rank,
             "anchor_codec": None if o.anchor_codec == "auto" else o.anchor_codec,
+            "unsent": o.unsent,
             "verify_results": True,
             # Replicas whose momenta drifted apart (one mixed a round alone, e.g. at
             # start-up) otherwise never hold equal anchors again; mixing the momentum

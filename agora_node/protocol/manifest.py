@@ -28,6 +28,7 @@ TOKENIZERS = ("bytes",)  # or a path ending in .json (HF tokenizers)
 DATA_FORMATS = ("text", "jsonl")
 AGGREGATIONS = ("centered_clip", "trimmed_mean", "mean")
 KV_COMPRESS = ("all", "remote")
+UNSENT = ("feedback", "weights")
 # Fields added after manifest version 1 with a default: left out of the canonical form
 # (and so of the run id) while they hold it, so existing runs keep their ids.
 DEFAULT_MIN_COSINE = 0.1
@@ -40,6 +41,7 @@ CANONICAL_DEFAULTS = {
     ("outer", "overlap"): False,
     ("outer", "rank"): 0,
     ("outer", "anchor_codec"): "auto",
+    ("outer", "unsent"): "feedback",
     ("inner", "weight_prediction"): False,
     ("model", "cp_degree"): 1,
     ("model", "kv_rank"): 0,
@@ -242,6 +244,15 @@ class OuterSpec:
     21-23% fewer bytes than bf16 for gossip_int8 at the same loss (docs/benchmarks.md,
     "Anchors in int8")."""
 
+    unsent: str = "feedback"
+    """Where what a compressed pseudo-gradient part leaves out goes. "feedback": into the
+    next round's part (error feedback; the weights restart from the new anchor). "weights":
+    it stays in the replica's weights, which restart from the new anchor less it, so the
+    next pseudo-gradient holds it again and the inner steps go on from where they got to.
+    The anchors stay identical; each replica's weights differ from them by what it has not
+    sent. Needs a codec with error feedback (int8, int4, topk4) and rank 0. With topk4 it
+    turns the sparse codec from trailing fp32 DiLoCo to beating it (docs/benchmarks.md)."""
+
     def auto_anchor_codec(self) -> str:
         """What anchor_codec "auto" means with this codec."""
         return "fp32" if self.codec == "fp32" else "bf16"
@@ -271,6 +282,14 @@ class OuterSpec:
                 "outer.anchor_codec",
                 self.anchor_codec,
                 f"must be auto or one of {', '.join(DENSE_CODEC_NAMES)}",
+            )
+        if self.unsent not in UNSENT:
+            _fail("outer.unsent", self.unsent, f"must be one of {', '.join(UNSENT)}")
+        if self.unsent == "weights" and (self.rank or self.codec in ("fp32", "bf16")):
+            _fail(
+                "outer.unsent",
+                self.unsent,
+                "needs a codec with error feedback (int8, int4, topk4) and outer.rank = 0",
             )
         if self.rank and self.codec not in DENSE_CODEC_NAMES:
             _fail(

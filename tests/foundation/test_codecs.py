@@ -101,6 +101,32 @@ def test_the_manifest_names_the_anchor_codec_and_auto_keeps_run_ids_and_the_old_
         dataclasses.replace(tiny.outer, anchor_codec="topk4")
 
 
+def test_unsent_in_the_weights_is_a_manifest_choice_that_keeps_old_run_ids():
+    from agora_node.node.outer_state import OuterConfig
+    from agora_node.stages.manifest_files import load_manifest
+
+    tiny = load_manifest("tiny")
+    assert tiny.outer.unsent == "feedback" and b"unsent" not in tiny.canonical_bytes()
+    assert OuterConfig.from_manifest(tiny).unsent == "feedback"
+    for codec in ("int8", "int4", "topk4"):
+        outer = dataclasses.replace(tiny.outer, codec=codec, unsent="weights")
+        m = dataclasses.replace(tiny, outer=outer)
+        assert OuterConfig.from_manifest(m).unsent == "weights"
+        assert (
+            m.run_id
+            != dataclasses.replace(tiny, outer=dataclasses.replace(outer, unsent="feedback")).run_id
+        )
+    for codec, rank in (("fp32", 0), ("bf16", 0), ("int8", 4)):  # nothing left out to keep
+        with pytest.raises(ManifestError, match="outer.unsent.*needs a codec with error feedback"):
+            dataclasses.replace(tiny.outer, codec=codec, rank=rank, unsent="weights")
+        with pytest.raises(ValueError, match="unsent = weights needs a codec with error feedback"):
+            OuterConfig(codec=codec, rank=rank, unsent="weights")
+    with pytest.raises(ManifestError, match="outer.unsent.*must be one of feedback, weights"):
+        dataclasses.replace(tiny.outer, unsent="anchor")
+    with pytest.raises(ValueError, match="unsent must be one of"):
+        OuterConfig(unsent="anchor")
+
+
 def test_low_rank_factors_take_a_dense_codec_and_a_rank_of_at_least_zero():
     from agora_node.node.outer_state import OuterConfig
 

@@ -8,6 +8,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from torch import nn
 
 from agora_node.comms.collective import LocalNetwork, MatchmakingConfig, MemoryBoard
+from agora_node.comms.collective.payload import EF_NAME
 from agora_node.node.outer import OuterLoop, part_signing
 from agora_node.node.outer_state import OuterConfig, OuterState
 from agora_node.node.round_report import RoundReport
@@ -175,6 +176,28 @@ async def test_sparse_parts_and_results_keep_replicas_identical_for_a_fraction_o
     start, expected = flat(model()), dense[0].state.weights()
     move, want = got - start, expected - start
     assert float(move @ want / (move.norm() * want.norm())) > 0.3  # the same way, roughly
+
+
+async def test_unsent_kept_in_the_weights_is_error_feedback_whose_memory_is_the_weights():
+    """With the same inner moves, a replica that keeps what its part left out in its weights
+    sends the same parts as one with error feedback (each is the new move plus what is still
+    unsent), so the anchors agree round by round; its weights are the anchor less that."""
+    tokens = [1000, 1000, 1000]
+    feedback = swarm(3, config(codec="topk4", block=256))
+    kept = swarm(3, config(codec="topk4", block=256, unsent="weights"))
+    for r in range(3):
+        await play_round(feedback, r, tokens)
+        reports = await play_round(kept, r, tokens)
+        assert all(rep.consistent and not rep.rejected for rep in reports)
+        for f, k in zip(feedback, kept, strict=True):
+            torch.testing.assert_close(k.state.anchor, f.state.anchor, rtol=0, atol=1e-6)
+            residual = f.delta_encoder.feedback.residual(EF_NAME)
+            assert float(residual.norm()) > 0.5 * float((f.state.anchor - flat(model())).norm())
+            torch.testing.assert_close(
+                k.state.weights(), f.state.anchor - residual, rtol=0, atol=1e-6
+            )
+            assert k.delta_encoder.feedback.residual(EF_NAME) is None  # not sent twice
+    assert not torch.equal(kept[0].state.weights(), kept[1].state.weights())  # each its own
 
 
 async def test_a_replica_apart_is_pulled_back_though_a_liar_claims_the_others_digest() -> None:

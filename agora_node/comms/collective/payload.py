@@ -89,6 +89,15 @@ class PartEncoder:
         if self.feedback is not None:
             self.feedback.reset()
 
+    def take_residual(self) -> Tensor | None:
+        """What the last encodings left out (flat, float32), forgotten here: the caller
+        keeps it elsewhere. None without error feedback or before any encoding."""
+        if self.feedback is None:
+            return None
+        residual = self.feedback.residual(EF_NAME)
+        self.feedback.reset()
+        return residual
+
 
 def slice_quantized(q: QuantizedTensor, lo: int, hi: int) -> QuantizedTensor:
     """Elements [lo, hi) of a flat encoded tensor; lo must be on a block boundary."""

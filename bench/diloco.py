@@ -30,6 +30,9 @@ Every method spends the same number of training tokens in total:
   factors in --factor-codec. Not in the default list;
 - gossip_lowrank: gossip (groups of --group-size) with diloco_lowrank's factors; anchors
   in bf16 (fp32 with fp32 factors). Not in the default list;
+- alone: every replica trains by itself and never mixes (groups of one, outer lr 1 and
+  no momentum, so the outer step lands on its own weights): the floor a method must beat
+  to show that its replicas learn from each other. Not in the default list;
 - diloco_overlap: diloco whose rounds overlap inner steps (manifest `outer.overlap`): each
   round's new anchor lands --overlap-steps inner steps into the next round, with the
   progress made since the round's end added to it (what node/rounds.py does when the
@@ -49,7 +52,9 @@ Replicas run the real OuterLoop over an in-process transport and board, so bytes
 what the collective would put on the wire (payload frames, per replica, sent).
 val_loss is the mean over replicas of each replica's own model on a fixed validation set.
 With `--unsent weights` a replica's model is its anchor less what its parts have not sent
-yet, so the replicas differ (`val_loss_of_mean` says by how much it matters).
+yet, so the replicas differ (`val_loss_of_mean` says by how much it matters), and
+`val_loss_anchor` is the mean loss of their anchors, what the replicas share, attest
+and hand a joiner (equal to `val_loss` otherwise, where the weights are the anchors).
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ KNOWN = (
     "diloco_lowrank",
     "gossip_lowrank",
     "diloco_overlap",
+    "alone",
 )
 # In one process nothing fails and nobody is late: deadlines only need to be generous.
 PATIENT = Deadlines(base=600.0)
@@ -175,6 +181,8 @@ def outer_config(method: str, args: argparse.Namespace) -> OuterConfig:
     low_rank = method.endswith("_lowrank")
     codec = args.factor_codec if low_rank else CODECS.get(method, "fp32")
     group = 0 if method.startswith("diloco") else args.group_size
+    if method == "alone":  # a group of one whose outer step lands on its own weights
+        return OuterConfig(lr=1.0, momentum=0.0, group_size=1, deadlines=PATIENT)
     return OuterConfig(
         lr=args.outer_lr,
         momentum=args.outer_momentum,
@@ -193,7 +201,7 @@ def outer_config(method: str, args: argparse.Namespace) -> OuterConfig:
 
 async def run_outer(
     manifest: Manifest, method: str, args: argparse.Namespace
-) -> tuple[float, float, float, int, float, list[list[float]]]:
+) -> tuple[float, float, float, int, tuple[float, float], list[list[float]]]:
     r, h = args.replicas, args.inner_steps
     tokens_per_step = manifest.inner.local_batch * manifest.model.seq_len
     rounds = max(1, args.tokens // (r * h * tokens_per_step))
@@ -247,7 +255,9 @@ async def run_outer(
     val = sum(t.evaluate() for t in trainers) / r
     if args.curve_every:
         curve.append([rounds * r * h * tokens_per_step, val])
-    return val, sent / r, blocked / r, refused, consensus_loss(trainers), curve
+    kept_apart = any(lp.config.unsent == "weights" for lp in loops)
+    anchors = anchor_loss(trainers, loops) if kept_apart else val
+    return val, sent / r, blocked / r, refused, (consensus_loss(trainers), anchors), curve
 
 
 def landed_loss(trainers: list[LocalTrainer], landing: list[Landing]) -> float:
@@ -281,18 +291,34 @@ def tail_drops(curves: dict[str, list[list[float]]]) -> dict[str, float | None]:
 
 
 @torch.no_grad()
+def loss_at(trainer: LocalTrainer, flat: torch.Tensor) -> float:
+    """Validation loss of `trainer`'s model holding the weights `flat`; its own are put back."""
+    params = list(trainer.model.parameters())
+    kept = [p.detach().clone() for p in params]
+    offset = 0
+    for p in params:
+        p.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    try:
+        return trainer.evaluate()
+    finally:
+        for p, k in zip(params, kept, strict=True):
+            p.copy_(k)
+
+
 def consensus_loss(trainers: list[LocalTrainer]) -> float:
     """Validation loss of the replicas' mean weights (a diagnostic: below `val_loss` by
     what the replicas' disagreement costs each of them; equal when they agree)."""
-    params = [list(t.model.parameters()) for t in trainers]
-    kept = [p.detach().clone() for p in params[0]]
-    for i, p in enumerate(params[0]):
-        p.copy_(torch.stack([ps[i].detach() for ps in params]).mean(0))
-    try:
-        return trainers[0].evaluate()
-    finally:
-        for p, k in zip(params[0], kept, strict=True):
-            p.copy_(k)
+    flats = [torch.cat([p.detach().reshape(-1) for p in t.model.parameters()]) for t in trainers]
+    return loss_at(trainers[0], torch.stack(flats).mean(0))
+
+
+def anchor_loss(trainers: list[LocalTrainer], loops: list[OuterLoop]) -> float:
+    """Mean validation loss of the replicas' anchors: what they share, attest and hand a
+    joiner. The replicas' weights are their anchors except with `--unsent weights`."""
+    return sum(loss_at(t, lp.state.anchor) for t, lp in zip(trainers, loops, strict=True)) / len(
+        trainers
+    )
 
 
 class Landing:
@@ -420,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown methods {sorted(unknown)}; known: {', '.join(KNOWN)}")
     manifest = load_manifest(args.manifest)
     val, sent, seconds, blocking, refused, of_mean, ddp = {}, {}, {}, {}, {}, {}, None
+    of_anchor: dict[str, float] = {}
     curves: dict[str, list[list[float]]] = {}
     for method in args.methods.split(","):
         started = time.perf_counter()
@@ -435,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             outcome = asyncio.run(run_outer(manifest, method, args))
             val[method], sent[method], blocking[method], refused[method] = outcome[:4]
-            of_mean[method] = outcome[4]
+            of_mean[method], of_anchor[method] = outcome[4]
             if args.curve_every:
                 curves[method] = outcome[5]
         seconds[method] = time.perf_counter() - started
@@ -449,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         "blocking_s": {k: round(v, 2) for k, v in blocking.items()},
         "refused": refused,
         "val_loss_of_mean": of_mean,
+        "val_loss_anchor": of_anchor,
         "config": {
             "manifest": args.manifest,
             "replicas": args.replicas,

@@ -6,7 +6,8 @@ How one round runs (when rounds happen is decided in rounds.py):
                                        # start the anchor mix in the background
     report = await outer.end_round(tokens=n, weights=w)
                                        # blocking pseudo-gradient mix, the Nesterov
-                                       # step, weights := new anchor (written via `w`)
+                                       # step, weights := new anchor (written via `w`;
+                                       # less what stays unsent, `unsent = "weights"`)
 
 The daemon calls begin_round right before end_round, once its replica's H inner
 steps are done or another replica opened the round (rounds.py; with `outer.overlap`
@@ -23,7 +24,9 @@ run H inner steps, then end_round, overlapping the anchor mix.
   group, compressed with error feedback.
 - Then m := momentum * (mixed m) + mixed delta, anchor := mixed anchor - lr *
   (mixed delta + momentum * m) (torch SGD's Nesterov form), and the weights := anchor. With one
-  group of everyone and no compression this is exactly DiLoCo.
+  group of everyone and no compression this is exactly DiLoCo. With `unsent = "weights"`
+  the weights := anchor less what this replica's part left out (`_keep_unsent`), which the
+  next delta then holds again, instead of the encoder keeping it.
 
 A newcomer (`warming`, e.g. after a state transfer) contributes weight 0 to both
 mixes until it has completed one round. Contribution weight is the tokens processed
@@ -153,6 +156,9 @@ class OuterLoop:
         self._prep: asyncio.Task[_Prep] | None = None
         self.committing = False
         """True while a round's outer step and weight write run: not to be cancelled."""
+        self.carried: Tensor | None = None
+        """With `config.unsent == "weights"`: what the weights hold unsent from earlier
+        rounds (the new anchor less them was written), so next round's delta holds it."""
         self._closers: list[Any] = []
 
     # ---- construction --------------------------------------------------------------------
@@ -251,7 +257,8 @@ class OuterLoop:
         weights: Weights | None = None,
         blocked_s: Callable[[], float] | None = None,
     ) -> RoundReport:
-        """Mix pseudo-gradients, take the outer step, write the new anchor into the weights.
+        """Mix pseudo-gradients, take the outer step, write the new anchor into the weights
+        (less what stays unsent, with `unsent = "weights"`).
 
         weights: where to read and write them (default: the module, directly); the
         daemon passes its frozen stage worker's, or with overlap `overlap.OverlappedWeights`.
@@ -259,6 +266,8 @@ class OuterLoop:
         call's wall time, which it spends holding the inner loop)."""
         weights = weights or ModuleWeights(self.state)
         started = time.monotonic()
+        if self.config.unsent == "weights":  # a round cancelled after its mix left one
+            self.delta_encoder.take_residual()
         if self._prep is None:
             await self.begin_round()
         delta = self.state.anchor - await weights.read()
@@ -279,8 +288,6 @@ class OuterLoop:
                 log.exception("outer round %d: pseudo-gradient mix failed", self.state.round)
                 if self.low_rank is not None:
                     self.low_rank.abandon()
-                if self.config.unsent == "weights":  # the whole delta is applied: none unsent
-                    self.delta_encoder.take_residual()
                 prep.delta_plan, outcomes, mixed = None, [], delta
         anchor = momentum = None
         if prep.anchor is not None:
@@ -320,10 +327,9 @@ class OuterLoop:
     ) -> RoundReport:
         """Take the outer step (`step`: the `_outer_step` arguments), write its new anchor
         into the weights and make the round's report."""
-        unsent = self.delta_encoder.take_residual() if self.config.unsent == "weights" else None
         new, applied = await asyncio.to_thread(self._outer_step, *step)
-        if unsent is not None:  # a pseudo-gradient is anchor - weights: the next holds it again
-            new = await asyncio.to_thread(Tensor.sub, new, unsent)
+        if self.config.unsent == "weights":
+            new = await asyncio.to_thread(self._keep_unsent, new, applied, step[1], outcomes)
         await weights.write(new)
         round_no, delta = step[0], step[1]
         report = self._report(round_no, prep, outcomes, (delta, applied), times)
@@ -370,13 +376,29 @@ class OuterLoop:
         """The outer step from the mixes' results, taken within this replica's own bounds
         (outer_bounds.py); returns the new anchor and the pseudo-gradient it applied."""
         mixed, anchor, momentum, notes = bound_mixes(
-            self.state, delta, mixed, anchor, momentum, self._shortfall(tokens)
+            self.state, delta, mixed, anchor, momentum, self._shortfall(tokens), self.carried
         )
         if notes:
             log.warning(
                 "outer round %d: %s (this replica's own bounds)", round_no, "; ".join(notes)
             )
         return self.state.step(mixed, anchor, momentum, self.config.consensus), mixed
+
+    def _keep_unsent(
+        self, anchor: Tensor, applied: Tensor, delta: Tensor, outcomes: list[Outcome]
+    ) -> Tensor:
+        """The weights for `outer.unsent = "weights"`: the new anchor less what this round's
+        part left out (a delta is anchor - weights, so the next one holds it again). Where
+        the own delta was applied whole (the mix refused or failed, or a span fell back to
+        the own part) nothing of it is left out."""
+        unsent = self.delta_encoder.take_residual()
+        if unsent is None or applied is delta:
+            self.carried = None
+            return anchor
+        for lo, hi in outcomes[0].own_spans if outcomes else ():
+            unsent[lo:hi] = 0
+        self.carried = unsent
+        return unsent.neg().add_(anchor)  # not in place: `anchor` is the state's
 
     def _shortfall(self, tokens: int) -> float:
         """How many times more tokens a full round processes than this replica did (1 when
@@ -533,6 +555,7 @@ class OuterLoop:
 
     def _forget_residuals(self) -> None:
         self.delta_encoder.reset()
+        self.carried = None  # the weights were replaced: they carry nothing unsent
         if self.low_rank is not None:
             self.low_rank.reset()
 

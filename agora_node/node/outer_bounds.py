@@ -52,13 +52,17 @@ def bound_mixes(
     anchor: Tensor | None,
     momentum: Tensor | None,
     shortfall: float,
+    carried: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, list[str]]:
     """(mixed delta, mixed anchor, mixed momentum) as this replica takes them, and notes
     of what was refused or cut. `shortfall`: how many times more tokens a full round
-    processes than this replica did (its delta is scaled up by it). A non-finite `delta`
-    is zeroed in place."""
+    processes than this replica did (its delta is scaled up by it). `carried`: what
+    `delta` holds of earlier rounds (`outer.unsent = "weights"`), left out of the own
+    move the bounds are measured by. A non-finite `delta` is zeroed in place."""
     notes: list[str] = []
-    own = flat_norm(delta) * shortfall  # a full round's own delta
+    moved = delta if carried is None else delta - carried
+    own = flat_norm(moved) * shortfall  # a full round's own move
+    del moved
     if not math.isfinite(own):  # its inner steps went wrong: they are not stepped in
         notes.append("stepped without its own delta (not finite)")
         delta.zero_()  # in place: the round's report shows the delta stepped, 0

@@ -2,7 +2,8 @@
 
 - `OuterConfig`: learning rate, momentum, group size and the codecs of the two mixes,
   from the manifest (`from_manifest`) or set directly by tests and benchmarks.
-- `OuterState`: the anchor (weights at the last outer step), the outer momentum and the
+- `OuterState`: the anchor (the weights after the last outer step, but for what stays
+  unsent with `unsent = "weights"`), the outer momentum and the
   round counter, as flat float32 vectors on the host, and the Nesterov outer step.
 - `Weights`: where a round reads and writes the replica's weights (the stage worker's
   frozen view in the daemon, `ModuleWeights` elsewhere).

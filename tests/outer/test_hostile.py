@@ -223,6 +223,7 @@ async def test_a_forged_final_is_not_adopted(n: int, keep_mask: bool) -> None:
         assert torch.equal(out.value[lo:hi], values[p][lo:hi])  # its own: nothing forged
         assert forger in out.stats.mismatched and out.stats.rejected["result mismatch"] == 1
         assert not out.consistent and out.stats.fallback_spans == 1
+        assert out.own_spans == ((lo, hi),)  # applied whole: the outer loop keeps none of it
 
 
 class Late(Responder):

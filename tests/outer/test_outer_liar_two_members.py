@@ -82,14 +82,15 @@ def _warnings(caplog) -> list[str]:
     ]
 
 
+def huge_delta(liar):  # delta = anchor - weights = -1e37 everywhere
+    with torch.no_grad():
+        for p in liar.state.params:
+            p.fill_(1e37)
+
+
 @pytest.mark.parametrize("method", [Aggregation.CENTERED_CLIP, Aggregation.MEAN])
 def test_a_liars_huge_delta_in_a_group_of_two_is_refused(method, caplog) -> None:
     loops = swarm(2, config(aggregation=AggregationSpec(method=method)))
-
-    def huge_delta(liar):  # delta = anchor - weights = -1e37 everywhere
-        with torch.no_grad():
-            for p in liar.state.params:
-                p.fill_(1e37)
 
     with caplog.at_level(logging.WARNING, logger="agora_node.node.outer"):
         own = _liar_round(loops, huge_delta)
@@ -99,6 +100,32 @@ def test_a_liars_huge_delta_in_a_group_of_two_is_refused(method, caplog) -> None
     assert loops[0].state.round == 1
     (warning,) = _warnings(caplog)  # one, from the honest replica
     assert "mixed pseudo-gradient" in warning and "own" in warning
+
+
+def test_unsent_kept_in_the_weights_is_dropped_where_the_own_delta_was_applied_whole() -> None:
+    """With `unsent = "weights"` the weights are the new anchor less what the own part left
+    out; when the mix is refused the own delta is applied whole, and keeping that residual
+    too would apply it twice."""
+    loops = swarm(2, config(codec="topk4", block=256, unsent="weights"))
+    own = _liar_round(loops, huge_delta)
+    honest_ = loops[0]
+    assert torch.equal(honest_.state.anchor, own) and torch.equal(honest_.state.weights(), own)
+    assert honest_.carried is None
+
+
+def test_with_unsent_in_the_weights_the_bounds_measure_the_own_move_not_what_it_carries():
+    from agora_node.node import outer_bounds
+
+    (loop,) = swarm(1, config())
+    g = torch.Generator().manual_seed(5)
+    move = 1e-3 * torch.randn(loop.state.numel, generator=g)
+    carried = 1e-1 * torch.randn(loop.state.numel, generator=g)  # 100x the move
+    delta = carried + move
+    mixed = 5 * delta  # within 10x the delta, far beyond 10x the move
+    taken, *_ = outer_bounds.bound_mixes(loop.state, delta, mixed, None, None, 1.0)
+    assert taken is mixed
+    taken, *_, notes = outer_bounds.bound_mixes(loop.state, delta, mixed, None, None, 1.0, carried)
+    assert taken is delta and "refused the mixed pseudo-gradient" in notes[0]
 
 
 def test_a_liars_huge_anchor_in_a_group_of_two_is_cut_to_a_few_steps(caplog) -> None:

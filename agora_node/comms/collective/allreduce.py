@@ -102,6 +102,9 @@ class Outcome:
     seconds: float
     consistent: bool
     members: tuple[str, ...]
+    own_spans: tuple[tuple[int, int], ...] = ()
+    """[lo, hi) of the spans every owner failed: `value` holds this member's own exact part
+    there, applied whole (nothing of it is left unsent)."""
 
 
 class AllReduce(Checking, Backup):
@@ -198,6 +201,7 @@ class AllReduce(Checking, Backup):
             seconds=time.monotonic() - self.t0,
             consistent=not self.fallback,
             members=self.plan.members,
+            own_spans=tuple(self.plan.spans[j] for j in sorted(self.fallback)),
         )
 
     def _encode(self, flat: Tensor, weight: float) -> tuple[list[bytes], list[Tensor], list]:

@@ -182,7 +182,9 @@ def outer_config(method: str, args: argparse.Namespace) -> OuterConfig:
     codec = args.factor_codec if low_rank else CODECS.get(method, "fp32")
     group = 0 if method.startswith("diloco") else args.group_size
     if method == "alone":  # a group of one whose outer step lands on its own weights
-        return OuterConfig(lr=1.0, momentum=0.0, group_size=1, deadlines=PATIENT)
+        return OuterConfig(
+            lr=1.0, momentum=0.0, group_size=1, deadlines=PATIENT, matchmaking=TOGETHER
+        )
     return OuterConfig(
         lr=args.outer_lr,
         momentum=args.outer_momentum,

@@ -555,7 +555,10 @@ class OuterLoop:
 
     def _forget_residuals(self) -> None:
         self.delta_encoder.reset()
-        self.carried = None  # the weights were replaced: they carry nothing unsent
+        # The weights were replaced (a state transfer): they carry nothing unsent. Weights
+        # reloaded from the node's own checkpoint may: until the next round ends, the
+        # bounds then measure the whole delta (looser), as with error feedback.
+        self.carried = None
         if self.low_rank is not None:
             self.low_rank.reset()
 

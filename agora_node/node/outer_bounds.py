@@ -60,9 +60,7 @@ def bound_mixes(
     `delta` holds of earlier rounds (`outer.unsent = "weights"`), left out of the own
     move the bounds are measured by. A non-finite `delta` is zeroed in place."""
     notes: list[str] = []
-    moved = delta if carried is None else delta - carried
-    own = flat_norm(moved) * shortfall  # a full round's own move
-    del moved
+    own = flat_norm(delta, minus=carried) * shortfall  # a full round's own move
     if not math.isfinite(own):  # its inner steps went wrong: they are not stepped in
         notes.append("stepped without its own delta (not finite)")
         delta.zero_()  # in place: the round's report shows the delta stepped, 0

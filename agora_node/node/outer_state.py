@@ -140,13 +140,17 @@ NORM_CHUNK = 1 << 22
 """Values per chunk of `flat_norm` (float64 copies of a chunk, never of a whole stage)."""
 
 
-def flat_norm(x: Tensor) -> float:
-    """The L2 norm of a (flat) tensor, accumulated in float64 a chunk at a time: exact
-    enough for a stage's billions of values, and finite up to float32's limit."""
+def flat_norm(x: Tensor, minus: Tensor | None = None) -> float:
+    """The L2 norm of a (flat) tensor, or of `x - minus`, accumulated in float64 a chunk at
+    a time: exact enough for a stage's billions of values, finite up to float32's limit,
+    and no stage-sized copy."""
     flat = x.reshape(-1)
+    other = None if minus is None else minus.reshape(-1)
     total = 0.0
     for lo in range(0, flat.numel(), NORM_CHUNK):
         chunk = flat[lo : lo + NORM_CHUNK]
+        if other is not None:
+            chunk = chunk - other[lo : lo + NORM_CHUNK]
         total += float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2
     return math.sqrt(total)
 

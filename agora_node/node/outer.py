@@ -270,8 +270,7 @@ class OuterLoop:
             self.delta_encoder.take_residual()
         if self._prep is None:
             await self.begin_round()
-        # a stage-sized subtraction: on a thread, not the event loop
-        delta = await asyncio.to_thread(Tensor.sub, self.state.anchor, await weights.read())
+        delta = self.state.anchor - await weights.read()
         prep_task, self._prep = self._prep, None
         prep = await prep_task
         waited = time.monotonic() - started

@@ -21,7 +21,8 @@ class OverlappedWeights:
     went on from `start`: the outer step this replica's own pseudo-gradient makes
     (`OuterState.preview`, an eager step; `at_end` itself works too). `write(new)`
     freezes the worker only to set `new + (now - start)`: the mixed round's anchor (less
-    what stays unsent, with `unsent = "weights"`) plus whatever the inner steps added since. `blocked_s` is how long the worker was frozen.
+    what stays unsent, with `unsent = "weights"`) plus whatever the inner steps added
+    since. `blocked_s` is how long the worker was frozen.
     A round abandoned before its write (`restore`) sets `at_end + (now - start)`: the
     weights go back to what the unchanged anchor and momentum belong to, progress kept."""
 

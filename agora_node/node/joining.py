@@ -218,10 +218,38 @@ RESYNC_DEADLINE_S = 30.0
 """A running replica's search for its stage's majority state gives up after this: its outer
 rounds wait meanwhile, and a later round's anchor mix may still bring it back."""
 STATE_POLL_S = 1.0
+"""Between directory reads while no strict majority attests a state."""
+HELD_POLL_S = 0.25
+"""Between directory reads while a state newer than the majority's is held (`_Held`)."""
+HOLD_S = 15.0
+"""How long a joiner keeps a state newer than what the records it read attest, waiting for
+a strict majority to attest it (their records are refreshed every few seconds)."""
 GOOD_STATE_RATE = 4 << 20
 """Bytes per second (32 Mbit/s) at which a source always gets the time its stage's state
 needs, within the search's time left, however many sources are left to ask."""
-"""Between directory reads while no strict majority attests a state."""
+
+
+@dataclass
+class _Fetched:
+    """A state a source sent that decoded strictly, with its recomputed anchor digest."""
+
+    state: state_blob.AnchorState
+    anchor_digest: str
+    outer_digest: str | None
+    """Of anchor and momentum (None: it came without momentum)."""
+    source: str
+
+
+@dataclass
+class _Held:
+    """A state of a round newer than the majority read before asking (its source finished a
+    round while this joiner read the directory and fetched): adopted if a strict majority
+    comes to attest exactly its round and digest, dropped when they attest another, or
+    after HOLD_S. Without it, a stage whose rounds are shorter than a read and a transfer
+    was never joined: every source was a round ahead of its record each time it was asked."""
+
+    fetched: _Fetched
+    until: float
 
 
 @dataclass
@@ -255,6 +283,7 @@ async def _from_replicas(
     deadline = time.monotonic() + search.deadline_s
     stale: set[str] = set()
     last: attestation.Attestation | None = None
+    held: _Held | None = None
     while True:
         records = (await ctx.fetch_records()).get(stage, [])
         search.replicas = attestation.live_replicas(records, stage, ctx.peer_id)
@@ -272,13 +301,24 @@ async def _from_replicas(
         prefer = attestation.prefer_replicas(plan, checkpoint_round, partners, away_s)
         if checkpoint_round is not None and not prefer:
             return None  # no majority attests a round newer than the own checkpoint's
-        if plan.majority is not None and not plan.sources and not stale:
+        if held is not None and plan.majority is not None:
+            got = held.fetched
+            verdict = attestation.check(plan, got.state.round, got.anchor_digest)
+            if verdict == attestation.Verdict.ADOPT:
+                return await _adopt(worker, plan, got, search)
+            if verdict == attestation.Verdict.REJECT:
+                held = None  # the majority attests another state of its round, or a later one
+        if held is not None and time.monotonic() >= held.until:
+            held = None  # no majority came to attest it: ask again
+        if plan.majority is not None and not plan.sources and not stale and held is None:
             return None  # every attester of the majority was rejected
         # who could not send before is asked last, and no source may spend more than its
         # share of the time left, or what the state takes at GOOD_STATE_RATE when that is
         # more: a liar that claims to be idle and then trickles bytes would otherwise be
         # asked first every pass and hold the whole search
-        sources = sorted(plan.sources, key=lambda p: p in search.unavailable)
+        sources = (
+            [] if held is not None else sorted(plan.sources, key=search.unavailable.__contains__)
+        )
         for i, source in enumerate(sources):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -287,10 +327,20 @@ async def _from_replicas(
             budget = min(remaining, max(remaining / (len(sources) - i), needs))
             verdict, got = await _try_source(ctx, stage, numel, source, plan, budget)
             if verdict == attestation.Verdict.ADOPT:
-                return await _adopt(worker, source, plan, got, search.rejected, search.unavailable)
+                return await _adopt(worker, plan, got, search)
             if verdict == attestation.Verdict.STALE:
+                log.info(
+                    "state from %s is of round %d, past the attested round %d: waiting up to "
+                    "%.0fs for the records to attest it",
+                    source[-8:],
+                    got.state.round,
+                    plan.majority.round,
+                    HOLD_S,
+                )
                 stale.add(source)
-            elif verdict == attestation.Verdict.UNAVAILABLE:
+                held = _Held(got, time.monotonic() + HOLD_S)
+                break  # read the records again: they may attest it by now
+            if verdict == attestation.Verdict.UNAVAILABLE:
                 search.unavailable[source] = got
             else:
                 search.rejected[source] = got
@@ -302,7 +352,8 @@ async def _from_replicas(
                 _why(plan, search.replicas, search.rejected),
             )
             return None
-        await asyncio.sleep(min(STATE_POLL_S, max(0.0, deadline - time.monotonic())))
+        poll_s = STATE_POLL_S if held is None else HELD_POLL_S
+        await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
 async def resync_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState | None:
@@ -372,8 +423,8 @@ async def _try_source(
     plan: attestation.SourcePlan,
     remaining: float,
 ) -> tuple[str, Any]:
-    """(ADOPT, AnchorState) | (STALE, AnchorState) | (REJECT or UNAVAILABLE, reason);
-    never raises for the source's sake."""
+    """(ADOPT or STALE, _Fetched) | (REJECT or UNAVAILABLE, reason); never raises for the
+    source's sake."""
     m = ctx.manifest
     try:
         async with asyncio.timeout(remaining):
@@ -387,7 +438,7 @@ async def _try_source(
             )
             got = await asyncio.to_thread(state_blob.decode, blob, numel)
             del blob
-            anchor_digest, _ = await asyncio.to_thread(got.digests)
+            anchor_digest, outer_digest = await asyncio.to_thread(got.digests)
     except (state_transfer.StateTransferError, TimeoutError) as exc:
         reason = f"transfer: {str(exc) or 'deadline'}"[:300]
         log.warning("state from %s failed (%s); trying another replica", source[-8:], reason)
@@ -399,7 +450,7 @@ async def _try_source(
     else:
         verdict = attestation.check(plan, got.round, anchor_digest)
         if verdict != attestation.Verdict.REJECT:
-            return verdict, got
+            return verdict, _Fetched(got, anchor_digest, outer_digest, source)
         reason = f"digest: round {got.round} {anchor_digest} is not the attested one"
     log.warning("state from %s rejected (%s); trying another replica", source[-8:], reason[:300])
     return attestation.Verdict.REJECT, reason[:300]
@@ -407,15 +458,13 @@ async def _try_source(
 
 async def _adopt(
     worker: StageWorker,
-    source: str,
     plan: attestation.SourcePlan,
-    got: state_blob.AnchorState,
-    rejected: dict[str, str],
-    unavailable: dict[str, str],
+    fetched: _Fetched,
+    search: _Search,
 ) -> LoadedState:
     """Weights := the attested anchor; momentum only if a strict majority attests it."""
-    _, outer_digest = got.digests()
-    momentum_ok = got.momentum is not None and plan.momentum_attested(outer_digest)
+    got, source = fetched.state, fetched.source
+    momentum_ok = got.momentum is not None and plan.momentum_attested(fetched.outer_digest)
     momentum = got.momentum if momentum_ok else torch.zeros_like(got.anchor)
     await worker.call(worker.adopt_anchor, got.anchor)
     majority = plan.majority
@@ -430,7 +479,7 @@ async def _adopt(
         plan.votes,
         plan.replicas,
         "attested" if momentum_ok else "reset",
-        f", {len(rejected)} source(s) rejected" if rejected else "",
+        f", {len(search.rejected)} source(s) rejected" if search.rejected else "",
     )
     origin = await _origin(worker, "replica", source)
     origin.update(
@@ -439,8 +488,8 @@ async def _adopt(
         attested_by=plan.votes,
         replicas=plan.replicas,
         momentum="attested" if momentum_ok else "reset",
-        rejected=rejected,
-        unavailable=unavailable,
+        rejected=search.rejected,
+        unavailable=search.unavailable,
     )
     outer = {"round": got.round, "anchor": got.anchor, "momentum": momentum}
     return LoadedState(outer, True, origin)

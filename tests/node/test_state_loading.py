@@ -232,6 +232,56 @@ async def test_a_source_one_round_ahead_makes_the_joiner_read_again(worker, tmp_
     assert loaded.origin["rejected"] == {}
 
 
+async def test_a_stage_whose_rounds_outrun_each_read_and_transfer_is_joined(
+    worker, tmp_path, monkeypatch
+):
+    # Every source finishes a round while it sends, and its record attests that round only
+    # by the next read: each state fetched is one round ahead of the records read before.
+    base = _honest(worker, 6)
+
+    def at(round_no: int):
+        return round_no, base[1] + 0.01 * round_no, base[2]
+
+    stage_round = 6
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, [], deadline_s=5.0)
+
+    async def fetch_records():
+        return {STAGE: [_record("p1", at(stage_round)), _record("p2", at(stage_round))]}
+
+    async def fetch_state(p2p, run_id, peer_id, stage, **_):
+        nonlocal stage_round
+        stage_round += 1
+        return {}, state_blob.encode(*at(stage_round))
+
+    ctx.fetch_records = fetch_records
+    monkeypatch.setattr(state_transfer, "fetch_state", fetch_state)
+    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+    loaded = await joining.load_state(ctx, worker)
+    assert loaded.origin["kind"] == "replica" and loaded.outer["round"] == 7
+    assert torch.equal(loaded.outer["anchor"], at(7)[1]) and stage_round == 7  # asked once
+
+
+async def test_a_state_from_a_round_no_majority_reaches_is_dropped_and_others_asked(
+    worker, tmp_path, monkeypatch
+):
+    # A liar attests the majority (so it is asked, first: it claims to be idle), then sends
+    # a self-consistent state of a far later round. It is held, never adopted, and dropped
+    # after HOLD_S; the honest replicas are asked then.
+    honest = _honest(worker, 6)
+    future = (10**6, honest[1] + 1, honest[2])
+    blobs = {"liar": state_blob.encode(*future), "p1": state_blob.encode(*honest)}
+    asked = _serve(monkeypatch, {**blobs, "p2": blobs["p1"]})
+    records = [_record("liar", honest, queue=0), _record("p1", honest, queue=2)]
+    records.append(_record("p2", honest, queue=2))
+    monkeypatch.setattr(joining, "HOLD_S", 0.2)
+    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+    started = time.monotonic()
+    loaded = await joining.load_state(_Ctx(load_manifest("tiny"), tmp_path, records), worker)
+    assert asked == ["liar", "p1"] and time.monotonic() - started >= 0.2
+    assert loaded.origin["source"] == "p1" and loaded.outer["round"] == 6
+    assert torch.equal(loaded.outer["anchor"], honest[1])
+
+
 # ---- the replica's side ---------------------------------------------------------------
 
 

@@ -223,7 +223,7 @@ HELD_POLL_S = 0.25
 """Between directory reads while a state newer than the majority's is held (`_Held`)."""
 HOLD_S = 15.0
 """How long a joiner keeps a state newer than what the records it read attest, waiting for
-a strict majority to attest it (their records are refreshed every few seconds)."""
+a strict majority to attest it (at least 3 of its own record refresh intervals)."""
 GOOD_STATE_RATE = 4 << 20
 """Bytes per second (32 Mbit/s) at which a source always gets the time its stage's state
 needs, within the search's time left, however many sources are left to ask."""
@@ -243,13 +243,44 @@ class _Fetched:
 @dataclass
 class _Held:
     """A state of a round newer than the majority read before asking (its source finished a
-    round while this joiner read the directory and fetched): adopted if a strict majority
-    comes to attest exactly its round and digest, dropped when they attest another, or
-    after HOLD_S. Without it, a stage whose rounds are shorter than a read and a transfer
-    was never joined: every source was a round ahead of its record each time it was asked."""
+    round while this joiner read the directory and fetched), kept while the search goes on:
+    adopted if a strict majority comes to attest exactly its round and digest; dropped when
+    they attest a later round, another digest for its round (its source is then rejected),
+    or nothing of it by `until`. Without it, a stage whose rounds were shorter than a read
+    and a transfer was never joined: every source was a round ahead of its record each time
+    it was asked. One is kept, the nearest round (the first the records can attest), the
+    later arrival on a tie: a liar's far round or junk takes no honest state's place."""
 
     fetched: _Fetched
     until: float
+
+    def takes_over(self, fetched: _Fetched) -> bool:
+        """Whether `fetched` (also newer than the majority) should be held instead."""
+        return fetched.state.round <= self.fetched.state.round
+
+    def settle(self, plan: attestation.SourcePlan, search: _Search) -> str:
+        """ADOPT (its round and digest are the majority's now), STALE (keep waiting) or
+        REJECT (drop it; a source that sent another digest for the attested round is
+        rejected for the rest of the search)."""
+        got = self.fetched
+        if plan.majority is not None:
+            verdict = attestation.check(plan, got.state.round, got.anchor_digest)
+            if verdict == attestation.Verdict.ADOPT:
+                return verdict
+            if verdict == attestation.Verdict.REJECT:
+                if got.state.round == plan.majority.round:
+                    reason = f"digest: round {got.state.round} {got.anchor_digest} is not attested"
+                    search.rejected[got.source] = reason
+                    log.warning("state held from %s rejected (%s)", got.source[-8:], reason)
+                return verdict
+        if time.monotonic() >= self.until:
+            log.info(
+                "state of round %d from %s was not attested in time: dropped",
+                got.state.round,
+                got.source[-8:],
+            )
+            return attestation.Verdict.REJECT
+        return attestation.Verdict.STALE
 
 
 @dataclass
@@ -284,6 +315,7 @@ async def _from_replicas(
     stale: set[str] = set()
     last: attestation.Attestation | None = None
     held: _Held | None = None
+    hold_s = max(HOLD_S, 3 * ctx.config.refresh_s)
     while True:
         records = (await ctx.fetch_records()).get(stage, [])
         search.replicas = attestation.live_replicas(records, stage, ctx.peer_id)
@@ -293,32 +325,34 @@ async def _from_replicas(
         if plan.majority is not None and plan.majority != last:
             stale.clear()  # the stage moved on: sources behind before may hold it now
             last = plan.majority
-        banned = ctx.suspects.banned()  # counted in the majority, never asked for bytes
-        plan = attestation.plan_sources(
-            search.replicas, exclude=set(search.rejected) | stale | banned
+        settled = held.settle(plan, search) if held is not None else None
+        # banned peers count in the majority, never asked for bytes; whether to leave the
+        # own checkpoint weighs every attester not rejected, those asked this round too
+        excluded = set(search.rejected) | ctx.suspects.banned()
+        prefer = attestation.prefer_replicas(
+            attestation.plan_sources(search.replicas, exclude=excluded),
+            checkpoint_round,
+            partners,
+            away_s,
         )
+        plan = attestation.plan_sources(search.replicas, exclude=excluded | stale)
         search.plan = plan
-        prefer = attestation.prefer_replicas(plan, checkpoint_round, partners, away_s)
-        if checkpoint_round is not None and not prefer:
-            return None  # no majority attests a round newer than the own checkpoint's
-        if held is not None and plan.majority is not None:
-            got = held.fetched
-            verdict = attestation.check(plan, got.state.round, got.anchor_digest)
-            if verdict == attestation.Verdict.ADOPT:
-                return await _adopt(worker, plan, got, search)
-            if verdict == attestation.Verdict.REJECT:
-                held = None  # the majority attests another state of its round, or a later one
-        if held is not None and time.monotonic() >= held.until:
-            held = None  # no majority came to attest it: ask again
-        if plan.majority is not None and not plan.sources and not stale and held is None:
-            return None  # every attester of the majority was rejected
+        wanted = checkpoint_round is None or prefer
+        if settled == attestation.Verdict.ADOPT and wanted:
+            assert held is not None
+            return await _adopt(worker, plan, held.fetched, search)
+        if settled in (attestation.Verdict.ADOPT, attestation.Verdict.REJECT):
+            held = None  # (attested, but not enough to leave the own checkpoint for)
+        if held is None:
+            if not wanted:
+                return None  # no majority attests a round newer than the own checkpoint's
+            if plan.majority is not None and not plan.sources and not stale:
+                return None  # every attester of the majority was rejected
         # who could not send before is asked last, and no source may spend more than its
         # share of the time left, or what the state takes at GOOD_STATE_RATE when that is
         # more: a liar that claims to be idle and then trickles bytes would otherwise be
         # asked first every pass and hold the whole search
-        sources = (
-            [] if held is not None else sorted(plan.sources, key=search.unavailable.__contains__)
-        )
+        sources = sorted(plan.sources, key=search.unavailable.__contains__) if wanted else []
         for i, source in enumerate(sources):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -329,18 +363,18 @@ async def _from_replicas(
             if verdict == attestation.Verdict.ADOPT:
                 return await _adopt(worker, plan, got, search)
             if verdict == attestation.Verdict.STALE:
-                log.info(
-                    "state from %s is of round %d, past the attested round %d: waiting up to "
-                    "%.0fs for the records to attest it",
-                    source[-8:],
-                    got.state.round,
-                    plan.majority.round,
-                    HOLD_S,
-                )
-                stale.add(source)
-                held = _Held(got, time.monotonic() + HOLD_S)
-                break  # read the records again: they may attest it by now
-            if verdict == attestation.Verdict.UNAVAILABLE:
+                stale.add(source)  # asked again once the records move
+                if held is None or held.takes_over(got):
+                    held = _Held(got, time.monotonic() + hold_s)
+                    log.info(
+                        "state from %s is of round %d, past the attested round %d: kept up "
+                        "to %.0fs for the records to attest it",
+                        source[-8:],
+                        got.state.round,
+                        plan.majority.round,
+                        hold_s,
+                    )
+            elif verdict == attestation.Verdict.UNAVAILABLE:
                 search.unavailable[source] = got
             else:
                 search.rejected[source] = got

@@ -37,7 +37,7 @@ class _Ctx:
 
     @property
     def config(self):
-        return SimpleNamespace(state_deadline_s=self.deadline_s)
+        return SimpleNamespace(state_deadline_s=self.deadline_s, refresh_s=1.0)
 
     async def fetch_records(self):
         return {STAGE: list(self.records)}
@@ -235,8 +235,9 @@ async def test_a_source_one_round_ahead_makes_the_joiner_read_again(worker, tmp_
 async def test_a_stage_whose_rounds_outrun_each_read_and_transfer_is_joined(
     worker, tmp_path, monkeypatch
 ):
-    # Every source finishes a round while it sends, and its record attests that round only
-    # by the next read: each state fetched is one round ahead of the records read before.
+    # The stage finishes a round between each directory read and the transfers after it,
+    # and its records attest that round by the next read: every state sent is one round
+    # ahead of the records read before asking (each pass used to end in STALE).
     base = _honest(worker, 6)
 
     def at(round_no: int):
@@ -246,11 +247,11 @@ async def test_a_stage_whose_rounds_outrun_each_read_and_transfer_is_joined(
     ctx = _Ctx(load_manifest("tiny"), tmp_path, [], deadline_s=5.0)
 
     async def fetch_records():
-        return {STAGE: [_record("p1", at(stage_round)), _record("p2", at(stage_round))]}
-
-    async def fetch_state(p2p, run_id, peer_id, stage, **_):
         nonlocal stage_round
         stage_round += 1
+        return {STAGE: [_record(p, at(stage_round - 1)) for p in ("p1", "p2", "p3")]}
+
+    async def fetch_state(p2p, run_id, peer_id, stage, **_):
         return {}, state_blob.encode(*at(stage_round))
 
     ctx.fetch_records = fetch_records
@@ -258,28 +259,109 @@ async def test_a_stage_whose_rounds_outrun_each_read_and_transfer_is_joined(
     monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
     loaded = await joining.load_state(ctx, worker)
     assert loaded.origin["kind"] == "replica" and loaded.outer["round"] == 7
-    assert torch.equal(loaded.outer["anchor"], at(7)[1]) and stage_round == 7  # asked once
+    assert torch.equal(loaded.outer["anchor"], at(7)[1]) and loaded.origin["rejected"] == {}
+    assert loaded.origin["momentum"] == "attested"
 
 
-async def test_a_state_from_a_round_no_majority_reaches_is_dropped_and_others_asked(
+async def test_a_liars_far_round_is_kept_in_no_honest_states_place(worker, tmp_path, monkeypatch):
+    # A liar attests the majority (so it is asked, first: it claims to be idle) and sends a
+    # self-consistent state of a far later round; the honest replicas have moved one round
+    # past their records. The search goes on past the liar's state, keeps the nearest
+    # round, adopts it once the records attest it, and never waits for the liar's.
+    old, new = _honest(worker, 6), _honest(worker, 7)
+    new = (7, new[1] + 0.5, new[2])
+    future = (10**6, old[1] + 1, old[2])
+    blobs = {"liar": state_blob.encode(*future), "p1": state_blob.encode(*new)}
+    asked = _serve(monkeypatch, {**blobs, "p2": blobs["p1"]})
+    reads = 0
+
+    def records(honest):
+        liar = _record("liar", honest, queue=0)
+        return [liar] + [_record(p, honest, queue=2) for p in ("p1", "p2")]
+
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, records(old))
+    original = ctx.fetch_records
+
+    async def fetch_records():
+        nonlocal reads
+        reads += 1
+        if reads > 1:  # the honest records catch up; the liar copies their attestation
+            ctx.records = records(new)
+        return await original()
+
+    ctx.fetch_records = fetch_records
+    monkeypatch.setattr(joining, "HOLD_S", 3600.0)
+    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+    loaded = await joining.load_state(ctx, worker)
+    assert asked == ["liar", "p1", "p2"] and reads == 2
+    assert loaded.origin["source"] in ("p1", "p2") and loaded.outer["round"] == 7
+    assert torch.equal(loaded.outer["anchor"], new[1])
+
+
+async def test_a_held_state_another_digest_for_the_attested_round_rejects_its_source(
     worker, tmp_path, monkeypatch
 ):
-    # A liar attests the majority (so it is asked, first: it claims to be idle), then sends
-    # a self-consistent state of a far later round. It is held, never adopted, and dropped
-    # after HOLD_S; the honest replicas are asked then.
-    honest = _honest(worker, 6)
-    future = (10**6, honest[1] + 1, honest[2])
-    blobs = {"liar": state_blob.encode(*future), "p1": state_blob.encode(*honest)}
-    asked = _serve(monkeypatch, {**blobs, "p2": blobs["p1"]})
-    records = [_record("liar", honest, queue=0), _record("p1", honest, queue=2)]
-    records.append(_record("p2", honest, queue=2))
-    monkeypatch.setattr(joining, "HOLD_S", 0.2)
+    # The liar sends a state of the next round that the honest replicas, busy finishing it
+    # when asked, then attest with another digest: dropped, the liar rejected.
+    old, new = _honest(worker, 6), _honest(worker, 7)
+    new = (7, new[1] + 0.5, new[2])
+    fake = (7, new[1] + 1, new[2])
+    busy = state_transfer.StateTransferError("busy")
+    blobs = {"liar": state_blob.encode(*fake), "p1": busy, "p2": busy}
+    asked = _serve(monkeypatch, blobs)
+    queues = (("liar", 0), ("p1", 2), ("p2", 2))
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, [_record(p, old, queue=q) for p, q in queues])
+    original = ctx.fetch_records
+    reads = 0
+
+    async def fetch_records():
+        nonlocal reads
+        reads += 1
+        if reads == 2:  # they have finished it, and say so; the liar copies their record
+            ctx.records = [_record(p, new, queue=q) for p, q in queues]
+            blobs.update(p1=state_blob.encode(*new), p2=state_blob.encode(*new))
+        return await original()
+
+    ctx.fetch_records = fetch_records
     monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
-    started = time.monotonic()
-    loaded = await joining.load_state(_Ctx(load_manifest("tiny"), tmp_path, records), worker)
-    assert asked == ["liar", "p1"] and time.monotonic() - started >= 0.2
-    assert loaded.origin["source"] == "p1" and loaded.outer["round"] == 6
-    assert torch.equal(loaded.outer["anchor"], honest[1])
+    loaded = await joining.load_state(ctx, worker)
+    assert asked == ["liar", "p1", "p2", "p1"] and reads == 2
+    assert "liar" in loaded.origin["rejected"] and loaded.outer["round"] == 7
+    assert torch.equal(loaded.outer["anchor"], new[1])
+
+
+async def test_a_partner_one_round_past_its_record_replaces_the_checkpoint(
+    worker, tmp_path, monkeypatch
+):
+    # A stage of two: this node's only partner trained on while it was away, and has just
+    # finished a round its record does not attest yet. Held until it does; never the
+    # old checkpoint meanwhile.
+    old, mid, new = _honest(worker, 6), _honest(worker, 8), _honest(worker, 9)
+    mid = (8, mid[1] + 0.25, mid[2])
+    new = (9, new[1] + 0.5, new[2])
+    m = load_manifest("tiny")
+    state = worker.state_dict()
+    state["outer"] = {"round": 6, "anchor": old[1], "momentum": old[2]}
+    state["replicas"], state["saved_at"] = ["p1"], time.time() - 3600  # away an hour
+    ckpt = dict(run_id=m.run_id, stage=STAGE, step=3, state=state, peer_id="me-joiner")
+    save_checkpoint(tmp_path / f"stage-{STAGE}", **ckpt)
+    _serve(monkeypatch, {"p1": state_blob.encode(*new)})
+    ctx = _Ctx(m, tmp_path, [_record("p1", mid)])
+    original = ctx.fetch_records
+    reads = 0
+
+    async def fetch_records():
+        nonlocal reads
+        reads += 1
+        if reads == 4:  # the record catches up a few reads later
+            ctx.records = [_record("p1", new)]
+        return await original()
+
+    ctx.fetch_records = fetch_records
+    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+    loaded = await joining.load_state(ctx, worker)
+    assert loaded.origin["kind"] == "replica" and loaded.outer["round"] == 9 and reads == 4
+    assert torch.equal(loaded.outer["anchor"], new[1])
 
 
 # ---- the replica's side ---------------------------------------------------------------

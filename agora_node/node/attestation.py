@@ -87,8 +87,7 @@ def plan_sources(replicas: Sequence[NodeRecord], exclude: Iterable[str] = ()) ->
     Sources are the attesters of the majority minus `exclude` (peers already
     rejected), least loaded first (`queue`), then fastest (`throughput`), then by
     peer id: a hostile peer can put itself first by claiming to be idle and fast,
-    which costs the joiner a transfer (one each time the majority moves on while it
-    searches), never the state."""
+    which costs the joiner a transfer (once per round it claims), never the state."""
     n = len(replicas)
     attested = {r.peer_id: a for r in replicas if (a := attestation_of(r)) is not None}
     counts = Counter((a.round, a.anchor) for a in attested.values())
@@ -151,8 +150,8 @@ def prefer_replicas(
 class Verdict:
     ADOPT = "adopt"
     STALE = "stale"
-    """The source moved to a newer round than the attestations we read: its state is kept
-    while the records are read again (joining._Held)."""
+    """The source moved to a newer round than the attestations we read: read them again
+    (the last such state is kept meanwhile, joining._Held)."""
     REJECT = "reject"
     """It sent what must not be adopted: never asked again in this search."""
     UNAVAILABLE = "unavailable"

@@ -190,7 +190,9 @@ class NodeConfig:
         help=f"seconds a directory record lives unless refreshed (at most {MAX_RECORD_TTL_S:g})",
     )
     refresh_s: float = option(
-        3.0, name="refresh", help="seconds between record refreshes and directory reads"
+        3.0,
+        name="refresh",
+        help="seconds between record refreshes and directory reads (and at each round's end)",
     )
     settle_s: float = 1.5
     """Interval between a joiner's directory reads before it commits to a stage."""

@@ -109,6 +109,8 @@ class Node:
         self.suspects = Suspects(me=self.peer_id, ban_s=config.ban_s)
         """Peers this node caught misbehaving; outlives stage services (node/suspects.py)."""
         self.stop_event = asyncio.Event()
+        self.attested = asyncio.Event()
+        """The stage's outer attestation changed: the refresh loop publishes at once."""
         self.manifest: Manifest | None = None
         self.host: Host | None = None
         self.directory: Directory | None = None
@@ -296,6 +298,7 @@ class Node:
             allow=self.admittance.allow,
             suspects=self.suspects,
             compute=self.compute,
+            on_attested=self.attested.set,
         )
         self.service = await StageService.open(ctx, stage, self._loop_failed)
 
@@ -322,10 +325,12 @@ class Node:
         self.stop_event.set()  # a node that lost a loop is broken: leave cleanly
 
     async def _refresh_loop(self) -> None:
-        """Refresh our record and re-read the directory every refresh_s; the manifest and
-        the runs the swarm announces every MANIFEST_REFRESH_S."""
+        """Refresh our record and re-read the directory every refresh_s, and as soon as the
+        stage's attestation changes (a round ended); the manifest and the runs the swarm
+        announces every MANIFEST_REFRESH_S."""
         progress_at, manifest_at = time.monotonic(), -math.inf
         while not self.stop_event.is_set():
+            self.attested.clear()
             await self._publish()
             if time.monotonic() - manifest_at >= MANIFEST_REFRESH_S:
                 manifest_at = time.monotonic()
@@ -345,7 +350,7 @@ class Node:
                 if self.service is not None:
                     self.waits.take(self.service.rounds.outer.totals["seconds_blocked"])
                 log.info(progress_line(self))
-            await self._wait_stop(self.config.refresh_s)
+            await self._wait_stop(self.config.refresh_s, wake=self.attested)
 
     def _sync_rejections(self) -> None:
         for reason, count in self.directory.rejected.items():
@@ -408,9 +413,18 @@ class Node:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _wait_stop(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.stop_event.wait(), seconds)
+    async def _wait_stop(self, seconds: float, wake: asyncio.Event | None = None) -> None:
+        """Up to `seconds`, or until the node stops (or `wake` is set)."""
+        if wake is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop_event.wait(), seconds)
+            return
+        waits = [asyncio.ensure_future(self.stop_event.wait()), asyncio.ensure_future(wake.wait())]
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def _checkpoint_loop(self) -> None:
         while not self.stop_event.is_set():

@@ -220,10 +220,7 @@ rounds wait meanwhile, and a later round's anchor mix may still bring it back.""
 STATE_POLL_S = 1.0
 """Between directory reads while no strict majority attests a state."""
 HELD_POLL_S = 0.25
-"""Between directory reads while a state newer than the majority's is held (`_Held`)."""
-HOLD_S = 15.0
-"""How long a joiner keeps a state newer than what the records it read attest, waiting for
-a strict majority to attest it (at least 3 of its own record refresh intervals)."""
+"""Between directory reads while a state newer than the majority's is kept (`_Held`)."""
 GOOD_STATE_RATE = 4 << 20
 """Bytes per second (32 Mbit/s) at which a source always gets the time its stage's state
 needs, within the search's time left, however many sources are left to ask."""
@@ -240,47 +237,50 @@ class _Fetched:
     source: str
 
 
-@dataclass
 class _Held:
-    """A state of a round newer than the majority read before asking (its source finished a
-    round while this joiner read the directory and fetched), kept while the search goes on:
-    adopted if a strict majority comes to attest exactly its round and digest; dropped when
-    they attest a later round, another digest for its round (its source is then rejected),
-    or nothing of it by `until`. Without it, a stage whose rounds were shorter than a read
-    and a transfer was never joined: every source was a round ahead of its record each time
-    it was asked. One is kept, the nearest round (the first the records can attest), the
-    later arrival on a tie: a liar's far round or junk takes no honest state's place."""
+    """Sources that sent a state of a round past the majority's (they finished a round
+    while this joiner read the directory and fetched), and the last such state, kept: it is
+    adopted if a strict majority comes to attest exactly its round and digest, so a stage
+    whose rounds are shorter than a read and a transfer can still be joined (every state
+    fetched was a round ahead of the records read before asking, and was thrown away).
 
-    fetched: _Fetched
-    until: float
+    A source that sent round r is not asked again before the majority attests round r: a
+    liar's far-future round costs one transfer per search. The last state fetched is kept
+    (the stage's newest, the likeliest to be attested next), at most one, so a liar's can
+    stand in for an honest one until the next arrives or the majority passes it; a source
+    whose state the majority then attests with another digest is rejected."""
 
-    def takes_over(self, fetched: _Fetched) -> bool:
-        """Whether `fetched` (also newer than the majority) should be held instead."""
-        return fetched.state.round <= self.fetched.state.round
+    def __init__(self) -> None:
+        self.state: _Fetched | None = None
+        self.sent: dict[str, int] = {}
+        """Source -> the round of the state it sent."""
 
-    def settle(self, plan: attestation.SourcePlan, search: _Search) -> str:
-        """ADOPT (its round and digest are the majority's now), STALE (keep waiting) or
-        REJECT (drop it; a source that sent another digest for the attested round is
-        rejected for the rest of the search)."""
-        got = self.fetched
-        if plan.majority is not None:
-            verdict = attestation.check(plan, got.state.round, got.anchor_digest)
-            if verdict == attestation.Verdict.ADOPT:
-                return verdict
-            if verdict == attestation.Verdict.REJECT:
-                if got.state.round == plan.majority.round:
-                    reason = f"digest: round {got.state.round} {got.anchor_digest} is not attested"
-                    search.rejected[got.source] = reason
-                    log.warning("state held from %s rejected (%s)", got.source[-8:], reason)
-                return verdict
-        if time.monotonic() >= self.until:
-            log.info(
-                "state of round %d from %s was not attested in time: dropped",
-                got.state.round,
-                got.source[-8:],
-            )
-            return attestation.Verdict.REJECT
-        return attestation.Verdict.STALE
+    def keep(self, fetched: _Fetched) -> None:
+        self.sent[fetched.source] = fetched.state.round
+        self.state = fetched
+
+    def waiting(self, majority: attestation.Attestation | None) -> set[str]:
+        """Sources not to ask yet: their round is past what the majority attests."""
+        at = -1 if majority is None else majority.round
+        return {source for source, round_no in self.sent.items() if round_no > at}
+
+    def settle(self, plan: attestation.SourcePlan, search: _Search) -> _Fetched | None:
+        """The kept state if the majority attests exactly it now (else None); dropped when
+        the majority has passed it, its source rejected when the majority attests another
+        digest for its round."""
+        got, majority = self.state, plan.majority
+        if got is None or majority is None:
+            return None
+        verdict = attestation.check(plan, got.state.round, got.anchor_digest)
+        if verdict == attestation.Verdict.ADOPT:
+            return got
+        if verdict == attestation.Verdict.REJECT:
+            self.state = None
+            if got.state.round == majority.round:
+                reason = f"digest: round {got.state.round} {got.anchor_digest} is not attested"
+                search.rejected[got.source] = reason
+                log.warning("state kept from %s rejected (%s)", got.source[-8:], reason)
+        return None
 
 
 @dataclass
@@ -312,47 +312,32 @@ async def _from_replicas(
     stage = worker.index
     numel = worker.trainable_numel()
     deadline = time.monotonic() + search.deadline_s
-    stale: set[str] = set()
-    last: attestation.Attestation | None = None
-    held: _Held | None = None
-    hold_s = max(HOLD_S, 3 * ctx.config.refresh_s)
+    held = _Held()
     while True:
         records = (await ctx.fetch_records()).get(stage, [])
         search.replicas = attestation.live_replicas(records, stage, ctx.peer_id)
         if not search.replicas:
             return None
-        plan = attestation.plan_sources(search.replicas)
-        if plan.majority is not None and plan.majority != last:
-            stale.clear()  # the stage moved on: sources behind before may hold it now
-            last = plan.majority
-        settled = held.settle(plan, search) if held is not None else None
+        kept = held.settle(attestation.plan_sources(search.replicas), search)
         # banned peers count in the majority, never asked for bytes; whether to leave the
-        # own checkpoint weighs every attester not rejected, those asked this round too
+        # own checkpoint weighs every attester not rejected, those not to ask yet too
         excluded = set(search.rejected) | ctx.suspects.banned()
-        prefer = attestation.prefer_replicas(
-            attestation.plan_sources(search.replicas, exclude=excluded),
-            checkpoint_round,
-            partners,
-            away_s,
-        )
-        plan = attestation.plan_sources(search.replicas, exclude=excluded | stale)
+        plan = attestation.plan_sources(search.replicas, exclude=excluded)
+        prefer = attestation.prefer_replicas(plan, checkpoint_round, partners, away_s)
+        if checkpoint_round is not None and not prefer:
+            return None  # no majority attests a round newer than the own checkpoint's
+        if kept is not None:
+            return await _adopt(worker, plan, kept, search)
+        waiting = held.waiting(plan.majority)
+        plan = attestation.plan_sources(search.replicas, exclude=excluded | waiting)
         search.plan = plan
-        wanted = checkpoint_round is None or prefer
-        if settled == attestation.Verdict.ADOPT and wanted:
-            assert held is not None
-            return await _adopt(worker, plan, held.fetched, search)
-        if settled in (attestation.Verdict.ADOPT, attestation.Verdict.REJECT):
-            held = None  # (attested, but not enough to leave the own checkpoint for)
-        if held is None:
-            if not wanted:
-                return None  # no majority attests a round newer than the own checkpoint's
-            if plan.majority is not None and not plan.sources and not stale:
-                return None  # every attester of the majority was rejected
+        if plan.majority is not None and not plan.sources and not waiting:
+            return None  # every attester of the majority was rejected
         # who could not send before is asked last, and no source may spend more than its
         # share of the time left, or what the state takes at GOOD_STATE_RATE when that is
         # more: a liar that claims to be idle and then trickles bytes would otherwise be
         # asked first every pass and hold the whole search
-        sources = sorted(plan.sources, key=search.unavailable.__contains__) if wanted else []
+        sources = sorted(plan.sources, key=search.unavailable.__contains__)
         for i, source in enumerate(sources):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -363,18 +348,16 @@ async def _from_replicas(
             if verdict == attestation.Verdict.ADOPT:
                 return await _adopt(worker, plan, got, search)
             if verdict == attestation.Verdict.STALE:
-                stale.add(source)  # asked again once the records move
-                if held is None or held.takes_over(got):
-                    held = _Held(got, time.monotonic() + hold_s)
-                    log.info(
-                        "state from %s is of round %d, past the attested round %d: kept up "
-                        "to %.0fs for the records to attest it",
-                        source[-8:],
-                        got.state.round,
-                        plan.majority.round,
-                        hold_s,
-                    )
-            elif verdict == attestation.Verdict.UNAVAILABLE:
+                held.keep(got)
+                log.info(
+                    "state from %s is of round %d, past the attested round %d: kept while "
+                    "the records are read again",
+                    source[-8:],
+                    got.state.round,
+                    plan.majority.round,
+                )
+                break  # they may attest it by now; the sources not asked yet come next
+            if verdict == attestation.Verdict.UNAVAILABLE:
                 search.unavailable[source] = got
             else:
                 search.rejected[source] = got
@@ -386,7 +369,7 @@ async def _from_replicas(
                 _why(plan, search.replicas, search.rejected),
             )
             return None
-        poll_s = STATE_POLL_S if held is None else HELD_POLL_S
+        poll_s = STATE_POLL_S if held.state is None else HELD_POLL_S
         await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 

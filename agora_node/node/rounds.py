@@ -164,10 +164,15 @@ class OuterRounds:
         poll_s: float = 0.5,
         overlap: bool = False,
         resync: Callable[[], Awaitable[Any]] | None = None,
+        on_attested: Callable[[], None] = lambda: None,
     ) -> None:
         """`resync`: adopt the state a strict majority of the stage's replicas attest and
-        return it (joining.resync_state: a LoadedState, or None when none was adopted)."""
+        return it (joining.resync_state: a LoadedState, or None when none was adopted).
+        `on_attested`: called when the attestation changes (a round ended), for the node
+        to publish its record now: a joiner compares what a replica sends with what its
+        record attests, and one lagging a refresh behind made fast rounds unjoinable."""
         self.replica_ids, self.overlap, self.resync = replica_ids, overlap, resync
+        self.on_attested = on_attested
         self._resynced: set[int] = set()
         """Rounds this replica took the majority's state for (once each)."""
         self._landing: asyncio.Task | None = None
@@ -230,6 +235,7 @@ class OuterRounds:
             self.anchor_digests[state.anchor_round] = anchor
             for old in sorted(self.anchor_digests)[:-KEPT_DIGESTS]:
                 del self.anchor_digests[old]
+            self.on_attested()
         return self._attested[1]
 
     async def transfer_blob(self) -> tuple[Attestation, bytes, str]:

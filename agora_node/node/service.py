@@ -79,6 +79,8 @@ class ServiceContext:
     """Peers this node banned: routed around, their parts and claims ignored."""
     compute: Compute = CPU
     """The device and precision the stage worker computes with."""
+    on_attested: Callable[[], None] = lambda: None
+    """The outer state's attestation changed: the node publishes its record now."""
 
     @property
     def peer_id(self) -> str:
@@ -202,6 +204,7 @@ class StageService:
             replica_ids=replicas,
             overlap=ctx.manifest.outer.overlap,
             resync=lambda: joining.resync_state(ctx, worker),
+            on_attested=ctx.on_attested,
         )
         service = cls(ctx, worker, rounds, loaded.origin, on_failure)
         if Cells.wanted(worker):

@@ -130,3 +130,18 @@ def _guard_refusals(status: dict | None) -> dict:
         if kept:
             out[protocol] = kept
     return out
+
+
+def test_a_replica_announces_each_new_anchor_without_waiting_for_its_refresh(swarm, tmp_path):
+    # A joiner adopts a replica's state only once the records attest it, and a record that
+    # lagged the anchor by a refresh made stages with short rounds hard to join. With a
+    # refresh of 120 s, the node's own record, read back from the DHT, follows its rounds.
+    manifest = small_manifest(tmp_path / "one.toml", stages=1, layers=2, inner_steps=3)
+    swarm.bootstrap(manifest)
+    node = swarm.join("node", "--stage", "0", "--refresh", "120", "--record-ttl", "300")
+    swarm.serving(node)
+
+    def own_record_round() -> int:
+        return next((p["outer_step"] for p in swarm.peers(node) or [] if p["is_self"]), 0)
+
+    poll(lambda: own_record_round() >= 3, 90, "its record, read back, at outer round 3")

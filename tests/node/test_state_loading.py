@@ -263,69 +263,116 @@ async def test_a_stage_whose_rounds_outrun_each_read_and_transfer_is_joined(
     assert loaded.origin["momentum"] == "attested"
 
 
-async def test_a_liars_far_round_is_kept_in_no_honest_states_place(worker, tmp_path, monkeypatch):
-    # A liar attests the majority (so it is asked, first: it claims to be idle) and sends a
-    # self-consistent state of a far later round; the honest replicas have moved one round
-    # past their records. The search goes on past the liar's state, keeps the nearest
-    # round, adopts it once the records attest it, and never waits for the liar's.
-    old, new = _honest(worker, 6), _honest(worker, 7)
-    new = (7, new[1] + 0.5, new[2])
-    future = (10**6, old[1] + 1, old[2])
-    blobs = {"liar": state_blob.encode(*future), "p1": state_blob.encode(*new)}
-    asked = _serve(monkeypatch, {**blobs, "p2": blobs["p1"]})
-    reads = 0
+async def test_a_stage_that_finishes_a_round_during_each_transfer_is_joined(
+    worker, tmp_path, monkeypatch
+):
+    # Records are current when read, but every transfer outlasts a round: each state sent
+    # is of the round after the one the records attested when it was asked for.
+    base = _honest(worker, 6)
 
-    def records(honest):
-        liar = _record("liar", honest, queue=0)
-        return [liar] + [_record(p, honest, queue=2) for p in ("p1", "p2")]
+    def at(round_no: int):
+        return round_no, base[1] + 0.01 * round_no, base[2]
 
-    ctx = _Ctx(load_manifest("tiny"), tmp_path, records(old))
+    stage_round = 6
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, [], deadline_s=5.0)
+    asked: list[str] = []
+
+    async def fetch_records():
+        return {STAGE: [_record(p, at(stage_round)) for p in ("p1", "p2", "p3")]}
+
+    async def fetch_state(p2p, run_id, peer_id, stage, **_):
+        nonlocal stage_round
+        stage_round += 1
+        asked.append(peer_id)
+        return {}, state_blob.encode(*at(stage_round))
+
+    ctx.fetch_records = fetch_records
+    monkeypatch.setattr(state_transfer, "fetch_state", fetch_state)
+    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+    loaded = await joining.load_state(ctx, worker)
+    assert loaded.origin["kind"] == "replica" and loaded.outer["round"] == 7 and asked == ["p1"]
+    assert torch.equal(loaded.outer["anchor"], at(7)[1])
+
+
+def _moving(ctx, steps: dict[int, list[NodeRecord]]):
+    """ctx.fetch_records that shows steps[n] from the n-th read on; returns the read count."""
+    reads = [0]
     original = ctx.fetch_records
 
     async def fetch_records():
-        nonlocal reads
-        reads += 1
-        if reads > 1:  # the honest records catch up; the liar copies their attestation
-            ctx.records = records(new)
+        reads[0] += 1
+        if reads[0] in steps:
+            ctx.records = steps[reads[0]]
         return await original()
 
     ctx.fetch_records = fetch_records
-    monkeypatch.setattr(joining, "HOLD_S", 3600.0)
-    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
-    loaded = await joining.load_state(ctx, worker)
-    assert asked == ["liar", "p1", "p2"] and reads == 2
-    assert loaded.origin["source"] in ("p1", "p2") and loaded.outer["round"] == 7
-    assert torch.equal(loaded.outer["anchor"], new[1])
+    return reads
 
 
-async def test_a_held_state_another_digest_for_the_attested_round_rejects_its_source(
+async def test_a_liars_far_round_is_asked_for_once_and_takes_no_honest_states_place(
     worker, tmp_path, monkeypatch
 ):
-    # The liar sends a state of the next round that the honest replicas, busy finishing it
-    # when asked, then attest with another digest: dropped, the liar rejected.
+    # A liar attests the majority (so it is asked, first: it claims to be idle) and sends a
+    # self-consistent state of a far later round. It is not asked again when the stage
+    # moves on, and the honest state is adopted when the records attest it.
     old, new = _honest(worker, 6), _honest(worker, 7)
     new = (7, new[1] + 0.5, new[2])
-    fake = (7, new[1] + 1, new[2])
     busy = state_transfer.StateTransferError("busy")
-    blobs = {"liar": state_blob.encode(*fake), "p1": busy, "p2": busy}
+    blobs = {"liar": state_blob.encode(10**6, old[1] + 1, old[2]), "p1": busy, "p2": busy}
     asked = _serve(monkeypatch, blobs)
     queues = (("liar", 0), ("p1", 2), ("p2", 2))
     ctx = _Ctx(load_manifest("tiny"), tmp_path, [_record(p, old, queue=q) for p, q in queues])
-    original = ctx.fetch_records
-    reads = 0
+    reads = _moving(ctx, {3: [_record(p, new, queue=q) for p, q in queues]})
+    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+    real_sleep = asyncio.sleep
 
-    async def fetch_records():
-        nonlocal reads
-        reads += 1
-        if reads == 2:  # they have finished it, and say so; the liar copies their record
-            ctx.records = [_record(p, new, queue=q) for p, q in queues]
+    async def sleep(seconds):  # the honest replicas finish round 7 while the joiner waits
+        if reads[0] == 2:
             blobs.update(p1=state_blob.encode(*new), p2=state_blob.encode(*new))
-        return await original()
+        await real_sleep(min(seconds, 0.01))
 
-    ctx.fetch_records = fetch_records
+    monkeypatch.setattr(joining.asyncio, "sleep", sleep)
+    loaded = await joining.load_state(ctx, worker)
+    assert asked == ["liar", "p1", "p2", "p1"] and reads[0] == 3
+    assert loaded.origin["source"] == "p1" and loaded.outer["round"] == 7
+    assert torch.equal(loaded.outer["anchor"], new[1])
+
+
+async def test_a_liars_next_round_stands_in_for_no_newer_honest_state(
+    worker, tmp_path, monkeypatch
+):
+    # The honest replicas run rounds shorter than their record refreshes: asked while their
+    # records attest round 6, they send round 8, and their records go from 6 to 8. The liar
+    # sends junk of round 7. The honest state, fetched last, is kept and adopted.
+    old, new = _honest(worker, 6), _honest(worker, 8)
+    new = (8, new[1] + 0.5, new[2])
+    blobs = {"liar": state_blob.encode(7, old[1] + 1, old[2]), "p1": state_blob.encode(*new)}
+    asked = _serve(monkeypatch, {**blobs, "p2": blobs["p1"]})
+    queues = (("liar", 0), ("p1", 2), ("p2", 2))
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, [_record(p, old, queue=q) for p, q in queues])
+    reads = _moving(ctx, {3: [_record(p, new, queue=q) for p, q in queues]})
     monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
     loaded = await joining.load_state(ctx, worker)
-    assert asked == ["liar", "p1", "p2", "p1"] and reads == 2
+    assert asked == ["liar", "p1"] and reads[0] == 3
+    assert loaded.origin["source"] == "p1" and loaded.outer["round"] == 8
+    assert torch.equal(loaded.outer["anchor"], new[1])
+
+
+async def test_a_kept_state_the_majority_attests_otherwise_rejects_its_source(
+    worker, tmp_path, monkeypatch
+):
+    # The liar sends a state of the next round that the honest replicas then attest with
+    # another digest: dropped, and the liar rejected for the rest of the search.
+    old, new = _honest(worker, 6), _honest(worker, 7)
+    new = (7, new[1] + 0.5, new[2])
+    blobs = {"liar": state_blob.encode(7, new[1] + 1, new[2]), "p1": state_blob.encode(*new)}
+    asked = _serve(monkeypatch, {**blobs, "p2": blobs["p1"]})
+    queues = (("liar", 0), ("p1", 2), ("p2", 2))
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, [_record(p, old, queue=q) for p, q in queues])
+    reads = _moving(ctx, {2: [_record(p, new, queue=q) for p, q in queues]})
+    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+    loaded = await joining.load_state(ctx, worker)
+    assert asked == ["liar", "p1"] and reads[0] == 2
     assert "liar" in loaded.origin["rejected"] and loaded.outer["round"] == 7
     assert torch.equal(loaded.outer["anchor"], new[1])
 
@@ -347,20 +394,10 @@ async def test_a_partner_one_round_past_its_record_replaces_the_checkpoint(
     save_checkpoint(tmp_path / f"stage-{STAGE}", **ckpt)
     _serve(monkeypatch, {"p1": state_blob.encode(*new)})
     ctx = _Ctx(m, tmp_path, [_record("p1", mid)])
-    original = ctx.fetch_records
-    reads = 0
-
-    async def fetch_records():
-        nonlocal reads
-        reads += 1
-        if reads == 4:  # the record catches up a few reads later
-            ctx.records = [_record("p1", new)]
-        return await original()
-
-    ctx.fetch_records = fetch_records
+    reads = _moving(ctx, {4: [_record("p1", new)]})  # the record catches up a few reads later
     monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
     loaded = await joining.load_state(ctx, worker)
-    assert loaded.origin["kind"] == "replica" and loaded.outer["round"] == 9 and reads == 4
+    assert loaded.origin["kind"] == "replica" and loaded.outer["round"] == 9 and reads[0] == 4
     assert torch.equal(loaded.outer["anchor"], new[1])
 
 
@@ -372,12 +409,14 @@ async def test_concurrent_joiners_cost_one_serialization_per_round(monkeypatch):
     from agora_node.node.rounds import OuterRounds
 
     state = OuterState(torch.nn.Linear(8, 8), lr=0.7, momentum=0.9)
+    announced: list[int] = []  # the node publishes its record on each (daemon.attested)
     rounds = OuterRounds(
         SimpleNamespace(state=state),
         None,
         inner_steps=1,
         replica_rounds=list,
         replica_count=lambda: 1,
+        on_attested=lambda: announced.append(rounds.attested.round),
     )
     encodes = []
     real = state_blob.encode
@@ -389,6 +428,7 @@ async def test_concurrent_joiners_cost_one_serialization_per_round(monkeypatch):
     monkeypatch.setattr(state_blob, "encode", counting)
     results = await asyncio.gather(*(rounds.transfer_blob() for _ in range(8)))
     assert encodes == [0] and len({id(blob) for _, blob, _ in results}) == 1
+    assert announced == [0]
     attested, blob, _ = results[0]
     assert attested == rounds.attested and attested.anchor == state.digest()
     assert attested.outer == state.digest(with_momentum=True)
@@ -398,6 +438,7 @@ async def test_concurrent_joiners_cost_one_serialization_per_round(monkeypatch):
     rounds._epoch += 1
     await asyncio.gather(*(rounds.transfer_blob() for _ in range(3)))
     assert encodes == [0, 1] and rounds.attested.anchor == state.digest()
+    assert announced == [0, 1]
 
 
 class _FakeStream:

@@ -87,7 +87,8 @@ def plan_sources(replicas: Sequence[NodeRecord], exclude: Iterable[str] = ()) ->
     Sources are the attesters of the majority minus `exclude` (peers already
     rejected), least loaded first (`queue`), then fastest (`throughput`), then by
     peer id: a hostile peer can put itself first by claiming to be idle and fast,
-    which costs the joiner a transfer (once per round it claims), never the state."""
+    which costs the joiner a transfer, never the state (joining._Held: one that sent a
+    later round is asked again only once the majority gets there, after the others)."""
     n = len(replicas)
     attested = {r.peer_id: a for r in replicas if (a := attestation_of(r)) is not None}
     counts = Counter((a.round, a.anchor) for a in attested.values())

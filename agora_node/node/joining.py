@@ -221,6 +221,10 @@ STATE_POLL_S = 1.0
 """Between directory reads while no strict majority attests a state."""
 HELD_POLL_S = 0.25
 """Between directory reads while a state newer than the majority's is kept (`_Held`)."""
+KEPT_AHEAD = 2
+"""Rounds past the majority's a state may be to be kept (`_Held`): the rounds a replica may
+finish while a joiner reads the directory and fetches. One further ahead is not kept (its
+source is not asked again before the majority gets there)."""
 GOOD_STATE_RATE = 4 << 20
 """Bytes per second (32 Mbit/s) at which a source always gets the time its stage's state
 needs, within the search's time left, however many sources are left to ask."""
@@ -244,20 +248,25 @@ class _Held:
     whose rounds are shorter than a read and a transfer can still be joined (every state
     fetched was a round ahead of the records read before asking, and was thrown away).
 
-    A source that sent round r is not asked again before the majority attests round r: a
-    liar's far-future round costs one transfer per search. The last state fetched is kept
-    (the stage's newest, the likeliest to be attested next), at most one, so a liar's can
-    stand in for an honest one until the next arrives or the majority passes it; a source
-    whose state the majority then attests with another digest is rejected."""
+    A source that sent round r is not asked again before the majority attests round r (a
+    liar's far-future round costs one transfer per search), and after the sources that sent
+    nothing too new. The last state fetched within KEPT_AHEAD rounds is kept (the stage's
+    newest, the likeliest to be attested next), at most one, so a liar's can stand in for an
+    honest one until the next arrives or the majority passes it; a source whose state the
+    majority then attests with another digest is rejected."""
 
     def __init__(self) -> None:
         self.state: _Fetched | None = None
         self.sent: dict[str, int] = {}
         """Source -> the round of the state it sent."""
 
-    def keep(self, fetched: _Fetched) -> None:
+    def keep(self, fetched: _Fetched, majority_round: int) -> bool:
+        """Note what its source sent, and keep it if it is near (KEPT_AHEAD): whether kept."""
         self.sent[fetched.source] = fetched.state.round
+        if fetched.state.round > majority_round + KEPT_AHEAD:
+            return False
         self.state = fetched
+        return True
 
     def waiting(self, majority: attestation.Attestation | None) -> set[str]:
         """Sources not to ask yet: their round is past what the majority attests."""
@@ -337,7 +346,10 @@ async def _from_replicas(
         # share of the time left, or what the state takes at GOOD_STATE_RATE when that is
         # more: a liar that claims to be idle and then trickles bytes would otherwise be
         # asked first every pass and hold the whole search
-        sources = sorted(plan.sources, key=search.unavailable.__contains__)
+        # (and who sent a state too new before, after the others: a liar that claims to be
+        # idle, sends next-round junk and takes a round doing it would be asked first each
+        # round, and the majority would pass its junk each time before it could be judged)
+        sources = sorted(plan.sources, key=lambda p: (p in search.unavailable, p in held.sent))
         for i, source in enumerate(sources):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -348,15 +360,15 @@ async def _from_replicas(
             if verdict == attestation.Verdict.ADOPT:
                 return await _adopt(worker, plan, got, search)
             if verdict == attestation.Verdict.STALE:
-                held.keep(got)
+                near = held.keep(got, plan.majority.round)
                 log.info(
-                    "state from %s is of round %d, past the attested round %d: kept while "
-                    "the records are read again",
+                    "state from %s is of round %d, past the attested round %d: %s",
                     source[-8:],
                     got.state.round,
                     plan.majority.round,
+                    "kept while the records are read again" if near else "too far ahead",
                 )
-                break  # they may attest it by now; the sources not asked yet come next
+                break  # the records may attest it by now: read them before the next source
             if verdict == attestation.Verdict.UNAVAILABLE:
                 search.unavailable[source] = got
             else:

@@ -238,6 +238,16 @@ class OuterRounds:
             self.on_attested()
         return self._attested[1]
 
+    async def restart_from_weights(self) -> None:
+        """Anchor := the worker's weights, momentum := 0 (a cell helper whose cell is gone):
+        a new outer state, attested and announced as after a round (the record and the
+        state a joiner is sent changed together; the blob of the old anchor is dropped)."""
+        async with self._lock:
+            await self.worker.call(self.outer.reset_to_weights)
+            self._epoch += 1
+            self._blob = None
+        await self.attest()
+
     async def transfer_blob(self) -> tuple[Attestation, bytes, str]:
         """The anchor state for a joiner, serialized once per outer state (one at a time,
         cached until the next round): concurrent joiners cost one copy, not the worker.

@@ -235,8 +235,7 @@ class StageService:
         """A helper whose cell is gone trains on from the weights it last mirrored; its
         outer anchor, untouched while it helped, restarts from them (as after loading
         weights without outer state)."""
-        async with self.rounds.consistent():
-            await self.worker.call(self.rounds.outer.reset_to_weights)
+        await self.rounds.restart_from_weights()
         log.info("cell: no longer helping; this replica trains on from the cell's last weights")
 
     async def drain(self, timeout: float) -> None:

@@ -132,7 +132,7 @@ def _guard_refusals(status: dict | None) -> dict:
     return out
 
 
-def test_a_replica_announces_each_new_anchor_without_waiting_for_its_refresh(swarm, tmp_path):
+def test_a_replica_announces_each_round_without_waiting_for_its_refresh(swarm, tmp_path):
     # A joiner adopts a replica's state only once the records attest it, and a record that
     # lagged the anchor by a refresh made stages with short rounds hard to join. With a
     # refresh of 120 s, the node's own record, read back from the DHT, follows its rounds.

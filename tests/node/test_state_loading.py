@@ -294,13 +294,16 @@ async def test_a_stage_that_finishes_a_round_during_each_transfer_is_joined(
     assert torch.equal(loaded.outer["anchor"], at(7)[1])
 
 
-def _moving(ctx, steps: dict[int, list[NodeRecord]]):
-    """ctx.fetch_records that shows steps[n] from the n-th read on; returns the read count."""
+def _moving(ctx, steps: dict[int, list[NodeRecord]], on_read=None):
+    """ctx.fetch_records that shows steps[n] from the n-th read on (and calls on_read(n)
+    first); returns the read count."""
     reads = [0]
     original = ctx.fetch_records
 
     async def fetch_records():
         reads[0] += 1
+        if on_read is not None:
+            on_read(reads[0])
         if reads[0] in steps:
             ctx.records = steps[reads[0]]
         return await original()
@@ -309,12 +312,12 @@ def _moving(ctx, steps: dict[int, list[NodeRecord]]):
     return reads
 
 
-async def test_a_liars_far_round_is_asked_for_once_and_takes_no_honest_states_place(
+async def test_a_liars_far_round_is_not_kept_and_its_source_asked_for_once(
     worker, tmp_path, monkeypatch
 ):
     # A liar attests the majority (so it is asked, first: it claims to be idle) and sends a
-    # self-consistent state of a far later round. It is not asked again when the stage
-    # moves on, and the honest state is adopted when the records attest it.
+    # self-consistent state of a far later round: not kept, and not asked again when the
+    # stage moves on; the honest state is adopted when the records attest it.
     old, new = _honest(worker, 6), _honest(worker, 7)
     new = (7, new[1] + 0.5, new[2])
     busy = state_transfer.StateTransferError("busy")
@@ -322,20 +325,54 @@ async def test_a_liars_far_round_is_asked_for_once_and_takes_no_honest_states_pl
     asked = _serve(monkeypatch, blobs)
     queues = (("liar", 0), ("p1", 2), ("p2", 2))
     ctx = _Ctx(load_manifest("tiny"), tmp_path, [_record(p, old, queue=q) for p, q in queues])
-    reads = _moving(ctx, {3: [_record(p, new, queue=q) for p, q in queues]})
-    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
-    real_sleep = asyncio.sleep
 
-    async def sleep(seconds):  # the honest replicas finish round 7 while the joiner waits
-        if reads[0] == 2:
+    def finished_round_7(n: int) -> None:  # while the joiner waited after its second read
+        if n == 3:
             blobs.update(p1=state_blob.encode(*new), p2=state_blob.encode(*new))
-        await real_sleep(min(seconds, 0.01))
 
-    monkeypatch.setattr(joining.asyncio, "sleep", sleep)
+    reads = _moving(ctx, {3: [_record(p, new, queue=q) for p, q in queues]}, finished_round_7)
+    monkeypatch.setattr(joining, "STATE_POLL_S", 0.01)
+    monkeypatch.setattr(joining, "HELD_POLL_S", 3600.0)  # kept, it would hold the search
     loaded = await joining.load_state(ctx, worker)
     assert asked == ["liar", "p1", "p2", "p1"] and reads[0] == 3
     assert loaded.origin["source"] == "p1" and loaded.outer["round"] == 7
     assert torch.equal(loaded.outer["anchor"], new[1])
+
+
+async def test_a_slow_liar_sending_next_round_junk_is_not_asked_first_every_round(
+    worker, tmp_path, monkeypatch
+):
+    # The liar claims to be idle (asked first), sends junk of the round after the attested
+    # one and takes two of the stage's rounds doing it: by the next read the majority has
+    # passed its junk, which is dropped unjudged. The honest replicas come before it next.
+    base = _honest(worker, 6)
+
+    def at(round_no: int):
+        return round_no, base[1] + 0.01 * round_no, base[2]
+
+    stage_round = 6
+    queues = (("liar", 0), ("p1", 2), ("p2", 2))
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, [], deadline_s=5.0)
+    asked: list[str] = []
+
+    async def fetch_records():
+        return {STAGE: [_record(p, at(stage_round), queue=q) for p, q in queues]}
+
+    async def fetch_state(p2p, run_id, peer_id, stage, **_):
+        nonlocal stage_round
+        asked.append(peer_id)
+        if peer_id != "liar":
+            return {}, state_blob.encode(*at(stage_round))
+        junk = state_blob.encode(stage_round + 1, base[1] - 1, base[2])
+        stage_round += 2
+        return {}, junk
+
+    ctx.fetch_records = fetch_records
+    monkeypatch.setattr(state_transfer, "fetch_state", fetch_state)
+    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+    loaded = await joining.load_state(ctx, worker)
+    assert asked == ["liar", "p1"] and loaded.origin["source"] == "p1"
+    assert loaded.outer["round"] == 8 and torch.equal(loaded.outer["anchor"], at(8)[1])
 
 
 async def test_a_liars_next_round_stands_in_for_no_newer_honest_state(
@@ -439,6 +476,38 @@ async def test_concurrent_joiners_cost_one_serialization_per_round(monkeypatch):
     await asyncio.gather(*(rounds.transfer_blob() for _ in range(3)))
     assert encodes == [0, 1] and rounds.attested.anchor == state.digest()
     assert announced == [0, 1]
+
+
+async def test_a_replica_restarting_from_its_weights_attests_and_serves_the_new_anchor():
+    # A cell helper whose cell is gone restarts its anchor from its weights: its record and
+    # what it sends a joiner must change together (the old attestation with the new anchor
+    # made every joiner reject this honest replica).
+    from agora_node.node.outer_state import OuterState
+    from agora_node.node.rounds import OuterRounds
+
+    state = OuterState(torch.nn.Linear(8, 8), lr=0.7, momentum=0.9)
+
+    def reset_to_weights() -> None:
+        state.anchor = state.anchor + 1
+
+    async def call(fn, *args):
+        return fn(*args)
+
+    announced: list[int] = []
+    rounds = OuterRounds(
+        SimpleNamespace(state=state, reset_to_weights=reset_to_weights),
+        SimpleNamespace(call=call),
+        inner_steps=1,
+        replica_rounds=list,
+        replica_count=lambda: 1,
+        on_attested=lambda: announced.append(rounds.attested.round),
+    )
+    before, _, _ = await rounds.transfer_blob()
+    await rounds.restart_from_weights()
+    after, blob, _ = await rounds.transfer_blob()
+    assert after.anchor == state.digest() != before.anchor and announced == [0, 0]
+    assert rounds.attested == after
+    assert state_blob.decode(blob, state.anchor.numel()).digests()[0] == after.anchor
 
 
 class _FakeStream:

@@ -232,35 +232,50 @@ async def test_a_source_one_round_ahead_makes_the_joiner_read_again(worker, tmp_
     assert loaded.origin["rejected"] == {}
 
 
+class _Stage:
+    """A stage whose round moves as a test makes it (`round`), its state at round r being
+    `at(r)`; `serve` answers a joiner's reads with records(stage) and its transfers with
+    send(stage, peer) (bytes), noting who was asked."""
+
+    def __init__(self, worker, round_no: int = 6) -> None:
+        self.round = round_no
+        self.base = _honest(worker, round_no)
+        self.asked: list[str] = []
+
+    def at(self, round_no: int):
+        return round_no, self.base[1] + 0.01 * round_no, self.base[2]
+
+    def serve(self, ctx, monkeypatch, records, send) -> None:
+        async def fetch_records():
+            return {STAGE: records(self)}
+
+        async def fetch_state(p2p, run_id, peer_id, stage, **_):
+            self.asked.append(peer_id)
+            return {}, send(self, peer_id)
+
+        ctx.fetch_records = fetch_records
+        monkeypatch.setattr(state_transfer, "fetch_state", fetch_state)
+        monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+
+
 async def test_a_stage_whose_rounds_outrun_each_read_and_transfer_is_joined(
     worker, tmp_path, monkeypatch
 ):
     # The stage finishes a round between each directory read and the transfers after it,
     # and its records attest that round by the next read: every state sent is one round
     # ahead of the records read before asking (each pass used to end in STALE).
-    base = _honest(worker, 6)
-
-    def at(round_no: int):
-        return round_no, base[1] + 0.01 * round_no, base[2]
-
-    stage_round = 6
+    stage = _Stage(worker)
     ctx = _Ctx(load_manifest("tiny"), tmp_path, [], deadline_s=5.0)
 
-    async def fetch_records():
-        nonlocal stage_round
-        stage_round += 1
-        return {STAGE: [_record(p, at(stage_round - 1)) for p in ("p1", "p2", "p3")]}
+    def records(s: _Stage):
+        s.round += 1
+        return [_record(p, s.at(s.round - 1)) for p in ("p1", "p2", "p3")]
 
-    async def fetch_state(p2p, run_id, peer_id, stage, **_):
-        return {}, state_blob.encode(*at(stage_round))
-
-    ctx.fetch_records = fetch_records
-    monkeypatch.setattr(state_transfer, "fetch_state", fetch_state)
-    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+    stage.serve(ctx, monkeypatch, records, lambda s, _: state_blob.encode(*s.at(s.round)))
     loaded = await joining.load_state(ctx, worker)
     assert loaded.origin["kind"] == "replica" and loaded.outer["round"] == 7
-    assert torch.equal(loaded.outer["anchor"], at(7)[1]) and loaded.origin["rejected"] == {}
-    assert loaded.origin["momentum"] == "attested"
+    assert torch.equal(loaded.outer["anchor"], stage.at(7)[1]) and stage.asked == ["p1"]
+    assert loaded.origin["momentum"] == "attested" and loaded.origin["rejected"] == {}
 
 
 async def test_a_stage_that_finishes_a_round_during_each_transfer_is_joined(
@@ -268,30 +283,18 @@ async def test_a_stage_that_finishes_a_round_during_each_transfer_is_joined(
 ):
     # Records are current when read, but every transfer outlasts a round: each state sent
     # is of the round after the one the records attested when it was asked for.
-    base = _honest(worker, 6)
-
-    def at(round_no: int):
-        return round_no, base[1] + 0.01 * round_no, base[2]
-
-    stage_round = 6
+    stage = _Stage(worker)
     ctx = _Ctx(load_manifest("tiny"), tmp_path, [], deadline_s=5.0)
-    asked: list[str] = []
 
-    async def fetch_records():
-        return {STAGE: [_record(p, at(stage_round)) for p in ("p1", "p2", "p3")]}
+    def send(s: _Stage, _peer: str) -> bytes:
+        s.round += 1
+        return state_blob.encode(*s.at(s.round))
 
-    async def fetch_state(p2p, run_id, peer_id, stage, **_):
-        nonlocal stage_round
-        stage_round += 1
-        asked.append(peer_id)
-        return {}, state_blob.encode(*at(stage_round))
-
-    ctx.fetch_records = fetch_records
-    monkeypatch.setattr(state_transfer, "fetch_state", fetch_state)
-    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+    records = lambda s: [_record(p, s.at(s.round)) for p in ("p1", "p2", "p3")]  # noqa: E731
+    stage.serve(ctx, monkeypatch, records, send)
     loaded = await joining.load_state(ctx, worker)
-    assert loaded.origin["kind"] == "replica" and loaded.outer["round"] == 7 and asked == ["p1"]
-    assert torch.equal(loaded.outer["anchor"], at(7)[1])
+    assert loaded.origin["kind"] == "replica" and loaded.outer["round"] == 7
+    assert torch.equal(loaded.outer["anchor"], stage.at(7)[1]) and stage.asked == ["p1"]
 
 
 def _moving(ctx, steps: dict[int, list[NodeRecord]], on_read=None):
@@ -345,34 +348,34 @@ async def test_a_slow_liar_sending_next_round_junk_is_not_asked_first_every_roun
     # The liar claims to be idle (asked first), sends junk of the round after the attested
     # one and takes two of the stage's rounds doing it: by the next read the majority has
     # passed its junk, which is dropped unjudged. The honest replicas come before it next.
-    base = _honest(worker, 6)
-
-    def at(round_no: int):
-        return round_no, base[1] + 0.01 * round_no, base[2]
-
-    stage_round = 6
-    queues = (("liar", 0), ("p1", 2), ("p2", 2))
+    stage = _Stage(worker)
     ctx = _Ctx(load_manifest("tiny"), tmp_path, [], deadline_s=5.0)
-    asked: list[str] = []
+    queues = (("liar", 0), ("p1", 2), ("p2", 2))
 
-    async def fetch_records():
-        return {STAGE: [_record(p, at(stage_round), queue=q) for p, q in queues]}
+    def send(s: _Stage, peer: str) -> bytes:
+        if peer != "liar":
+            return state_blob.encode(*s.at(s.round))
+        s.round += 2
+        return state_blob.encode(s.round - 1, s.base[1] - 1, s.base[2])
 
-    async def fetch_state(p2p, run_id, peer_id, stage, **_):
-        nonlocal stage_round
-        asked.append(peer_id)
-        if peer_id != "liar":
-            return {}, state_blob.encode(*at(stage_round))
-        junk = state_blob.encode(stage_round + 1, base[1] - 1, base[2])
-        stage_round += 2
-        return {}, junk
-
-    ctx.fetch_records = fetch_records
-    monkeypatch.setattr(state_transfer, "fetch_state", fetch_state)
-    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+    records = lambda s: [_record(p, s.at(s.round), queue=q) for p, q in queues]  # noqa: E731
+    stage.serve(ctx, monkeypatch, records, send)
     loaded = await joining.load_state(ctx, worker)
-    assert asked == ["liar", "p1"] and loaded.origin["source"] == "p1"
-    assert loaded.outer["round"] == 8 and torch.equal(loaded.outer["anchor"], at(8)[1])
+    assert stage.asked == ["liar", "p1"] and loaded.origin["source"] == "p1"
+    assert loaded.outer["round"] == 8 and torch.equal(loaded.outer["anchor"], stage.at(8)[1])
+
+
+def _a_liar_before_two_honest(monkeypatch, tmp_path, liar, then, now, moves_at: int):
+    """A liar that claims to be idle (asked first) and sends `liar`; two honest replicas that
+    send `now` and whose records (the liar copies them) attest `then`, and `now` from the
+    `moves_at`-th directory read on. Returns (ctx, asked, reads)."""
+    blobs = {"liar": state_blob.encode(*liar), "p1": state_blob.encode(*now)}
+    asked = _serve(monkeypatch, {**blobs, "p2": blobs["p1"]})
+    queues = (("liar", 0), ("p1", 2), ("p2", 2))
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, [_record(p, then, queue=q) for p, q in queues])
+    reads = _moving(ctx, {moves_at: [_record(p, now, queue=q) for p, q in queues]})
+    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+    return ctx, asked, reads
 
 
 async def test_a_liars_next_round_stands_in_for_no_newer_honest_state(
@@ -383,12 +386,8 @@ async def test_a_liars_next_round_stands_in_for_no_newer_honest_state(
     # sends junk of round 7. The honest state, fetched last, is kept and adopted.
     old, new = _honest(worker, 6), _honest(worker, 8)
     new = (8, new[1] + 0.5, new[2])
-    blobs = {"liar": state_blob.encode(7, old[1] + 1, old[2]), "p1": state_blob.encode(*new)}
-    asked = _serve(monkeypatch, {**blobs, "p2": blobs["p1"]})
-    queues = (("liar", 0), ("p1", 2), ("p2", 2))
-    ctx = _Ctx(load_manifest("tiny"), tmp_path, [_record(p, old, queue=q) for p, q in queues])
-    reads = _moving(ctx, {3: [_record(p, new, queue=q) for p, q in queues]})
-    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+    junk = (7, old[1] + 1, old[2])
+    ctx, asked, reads = _a_liar_before_two_honest(monkeypatch, tmp_path, junk, old, new, 3)
     loaded = await joining.load_state(ctx, worker)
     assert asked == ["liar", "p1"] and reads[0] == 3
     assert loaded.origin["source"] == "p1" and loaded.outer["round"] == 8
@@ -402,12 +401,8 @@ async def test_a_kept_state_the_majority_attests_otherwise_rejects_its_source(
     # another digest: dropped, and the liar rejected for the rest of the search.
     old, new = _honest(worker, 6), _honest(worker, 7)
     new = (7, new[1] + 0.5, new[2])
-    blobs = {"liar": state_blob.encode(7, new[1] + 1, new[2]), "p1": state_blob.encode(*new)}
-    asked = _serve(monkeypatch, {**blobs, "p2": blobs["p1"]})
-    queues = (("liar", 0), ("p1", 2), ("p2", 2))
-    ctx = _Ctx(load_manifest("tiny"), tmp_path, [_record(p, old, queue=q) for p, q in queues])
-    reads = _moving(ctx, {2: [_record(p, new, queue=q) for p, q in queues]})
-    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+    fake = (7, new[1] + 1, new[2])
+    ctx, asked, reads = _a_liar_before_two_honest(monkeypatch, tmp_path, fake, old, new, 2)
     loaded = await joining.load_state(ctx, worker)
     assert asked == ["liar", "p1"] and reads[0] == 2
     assert "liar" in loaded.origin["rejected"] and loaded.outer["round"] == 7

@@ -87,8 +87,8 @@ def plan_sources(replicas: Sequence[NodeRecord], exclude: Iterable[str] = ()) ->
     Sources are the attesters of the majority minus `exclude` (peers already
     rejected), least loaded first (`queue`), then fastest (`throughput`), then by
     peer id: a hostile peer can put itself first by claiming to be idle and fast,
-    which costs the joiner a transfer, never the state (joining._Held: one that sent a
-    later round is asked again only once the majority gets there, after the others)."""
+    which costs the joiner a transfer, never the state (the joiner then asks who took
+    least time first, joining._Search.spent)."""
     n = len(replicas)
     attested = {r.peer_id: a for r in replicas if (a := attestation_of(r)) is not None}
     counts = Counter((a.round, a.anchor) for a in attested.values())

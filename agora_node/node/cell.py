@@ -21,7 +21,8 @@ one order.
 In outer rounds a cell is one replica, its leader (node/service.py counts `routable`
 peers): helpers take no rounds while they help, and a leader never waits for them. A
 helper mirrors the weights it is sent into its own replica; if the leader vanishes it
-trains on from them as a replica of its own, its outer anchor reset to them.
+trains on from them as a replica of its own, its outer anchor reset to them (or, where a
+strict majority of its stage attests another anchor for that round, the stage's).
 
 Failure: a helper that dies, stalls or refuses fails the leader's exchange at once
 (`CellLink.abort`). The leader trains that micro-batch whole instead, recomputing from

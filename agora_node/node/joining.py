@@ -222,9 +222,10 @@ STATE_POLL_S = 1.0
 HELD_POLL_S = 0.25
 """Between directory reads while a state newer than the majority's is kept (`_Held`)."""
 KEPT_AHEAD = 2
-"""Rounds past the majority's a state may be to be kept (`_Held`): the rounds a replica may
-finish while a joiner reads the directory and fetches. One further ahead is not kept (its
-source is not asked again before the majority gets there)."""
+"""Rounds past the latest majority's a kept state may be for the joiner to read the records
+every HELD_POLL_S (beyond, every STATE_POLL_S: a liar's far-future round is kept, but does
+not make the joiner read the directory 4 times a second), and to keep it over a farther
+one (`_Held.keep`)."""
 GOOD_STATE_RATE = 4 << 20
 """Bytes per second (32 Mbit/s) at which a source always gets the time its stage's state
 needs, within the search's time left, however many sources are left to ask."""
@@ -249,24 +250,31 @@ class _Held:
     fetched was a round ahead of the records read before asking, and was thrown away).
 
     A source that sent round r is not asked again before the majority attests round r (a
-    liar's far-future round costs one transfer per search), and after the sources that sent
-    nothing too new. The last state fetched within KEPT_AHEAD rounds is kept (the stage's
-    newest, the likeliest to be attested next), at most one, so a liar's can stand in for an
-    honest one until the next arrives or the majority passes it; a source whose state the
-    majority then attests with another digest is rejected."""
+    liar's far-future round costs one transfer per search). The last state fetched is kept
+    (the stage's newest, the likeliest to be attested next), at most one, unless it is far
+    ahead and the one kept is near (KEPT_AHEAD); so a liar's can stand in for an honest
+    one until the next arrives or the majority passes it, and a source whose state the
+    majority then attests with another digest is rejected. (Sources are asked in the order
+    of the time they have taken, `_Search.spent`: a liar that sends junk slowly comes after
+    the honest replicas that answered.)"""
 
     def __init__(self) -> None:
         self.state: _Fetched | None = None
         self.sent: dict[str, int] = {}
         """Source -> the round of the state it sent."""
 
-    def keep(self, fetched: _Fetched, majority_round: int) -> bool:
-        """Note what its source sent, and keep it if it is near (KEPT_AHEAD): whether kept."""
+    def keep(self, fetched: _Fetched, majority: attestation.Attestation) -> bool:
+        """Note what its source sent and keep it, unless it is far ahead and the state kept
+        is near: whether kept."""
         self.sent[fetched.source] = fetched.state.round
-        if fetched.state.round > majority_round + KEPT_AHEAD:
+        if self.near(majority) and not _near(fetched, majority):
             return False
         self.state = fetched
         return True
+
+    def near(self, majority: attestation.Attestation | None) -> bool:
+        """Whether a state is kept within KEPT_AHEAD rounds of `majority`'s."""
+        return self.state is not None and majority is not None and _near(self.state, majority)
 
     def waiting(self, majority: attestation.Attestation | None) -> set[str]:
         """Sources not to ask yet: their round is past what the majority attests."""
@@ -292,6 +300,10 @@ class _Held:
         return None
 
 
+def _near(fetched: _Fetched, majority: attestation.Attestation) -> bool:
+    return fetched.state.round <= majority.round + KEPT_AHEAD
+
+
 @dataclass
 class _Search:
     """One search for a stage's attested state among its replicas."""
@@ -304,6 +316,8 @@ class _Search:
     """Sources whose bytes must not be adopted: not asked again."""
     unavailable: dict[str, str] = field(default_factory=dict)
     """Sources that could not send (gone, busy, slow): asked on the next pass."""
+    spent: dict[str, float] = field(default_factory=dict)
+    """Seconds each source has taken in this search: who took least is asked first."""
     replicas: list = field(default_factory=list)
 
 
@@ -327,7 +341,7 @@ async def _from_replicas(
         search.replicas = attestation.live_replicas(records, stage, ctx.peer_id)
         if not search.replicas:
             return None
-        kept = held.settle(attestation.plan_sources(search.replicas), search)
+        adoptable = held.settle(attestation.plan_sources(search.replicas), search)
         # banned peers count in the majority, never asked for bytes; whether to leave the
         # own checkpoint weighs every attester not rejected, those not to ask yet too
         excluded = set(search.rejected) | ctx.suspects.banned()
@@ -335,38 +349,38 @@ async def _from_replicas(
         prefer = attestation.prefer_replicas(plan, checkpoint_round, partners, away_s)
         if checkpoint_round is not None and not prefer:
             return None  # no majority attests a round newer than the own checkpoint's
-        if kept is not None:
-            return await _adopt(worker, plan, kept, search)
+        if adoptable is not None:
+            return await _adopt(worker, plan, adoptable, search)
         waiting = held.waiting(plan.majority)
         plan = attestation.plan_sources(search.replicas, exclude=excluded | waiting)
         search.plan = plan
         if plan.majority is not None and not plan.sources and not waiting:
             return None  # every attester of the majority was rejected
-        # who could not send before is asked last, and no source may spend more than its
-        # share of the time left, or what the state takes at GOOD_STATE_RATE when that is
-        # more: a liar that claims to be idle and then trickles bytes would otherwise be
-        # asked first every pass and hold the whole search
-        # (and who sent a state too new before, after the others: a liar that claims to be
-        # idle, sends next-round junk and takes a round doing it would be asked first each
-        # round, and the majority would pass its junk each time before it could be judged)
-        sources = sorted(plan.sources, key=lambda p: (p in search.unavailable, p in held.sent))
+        # who has taken least time in this search is asked first, and no source may spend
+        # more than its share of the time left, or what the state takes at GOOD_STATE_RATE
+        # when that is more: a liar that claims to be idle and then trickles bytes (or
+        # sends junk of a round the stage passes while it sends) would otherwise be asked
+        # first every pass and hold the whole search
+        sources = sorted(plan.sources, key=lambda p: search.spent.get(p, 0.0))
         for i, source in enumerate(sources):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             needs = state_blob.max_bytes(numel) / GOOD_STATE_RATE
             budget = min(remaining, max(remaining / (len(sources) - i), needs))
+            started = time.monotonic()
             verdict, got = await _try_source(ctx, stage, numel, source, plan, budget)
+            search.spent[source] = search.spent.get(source, 0.0) + time.monotonic() - started
             if verdict == attestation.Verdict.ADOPT:
                 return await _adopt(worker, plan, got, search)
             if verdict == attestation.Verdict.STALE:
-                near = held.keep(got, plan.majority.round)
+                kept = held.keep(got, plan.majority)
                 log.info(
                     "state from %s is of round %d, past the attested round %d: %s",
                     source[-8:],
                     got.state.round,
                     plan.majority.round,
-                    "kept while the records are read again" if near else "too far ahead",
+                    "kept while the records are read again" if kept else "not kept (far ahead)",
                 )
                 break  # the records may attest it by now: read them before the next source
             if verdict == attestation.Verdict.UNAVAILABLE:
@@ -381,7 +395,7 @@ async def _from_replicas(
                 _why(plan, search.replicas, search.rejected),
             )
             return None
-        poll_s = STATE_POLL_S if held.state is None else HELD_POLL_S
+        poll_s = HELD_POLL_S if held.near(plan.majority) else STATE_POLL_S
         await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 

@@ -241,7 +241,9 @@ class OuterRounds:
     async def restart_from_weights(self) -> None:
         """Anchor := the worker's weights, momentum := 0 (a cell helper whose cell is gone):
         a new outer state, attested and announced as after a round (the record and the
-        state a joiner is sent changed together; the blob of the old anchor is dropped)."""
+        state a joiner is sent changed together; the blob of the old anchor is dropped).
+        Where a strict majority of the stage attests another anchor for that round, the
+        next poll finds this replica outvoted and it takes theirs (`_resync_if_outvoted`)."""
         async with self._lock:
             await self.worker.call(self.outer.reset_to_weights)
             self._epoch += 1

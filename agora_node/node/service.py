@@ -234,7 +234,9 @@ class StageService:
     async def _own_replica_again(self) -> None:
         """A helper whose cell is gone trains on from the weights it last mirrored; its
         outer anchor, untouched while it helped, restarts from them (as after loading
-        weights without outer state)."""
+        weights without outer state), and its record attests that anchor. Where a strict
+        majority of its stage attests another for that round (3+ replicas, all-replica
+        rounds), it takes the stage's attested state instead (rounds: outvoted)."""
         await self.rounds.restart_from_weights()
         log.info("cell: no longer helping; this replica trains on from the cell's last weights")
 

@@ -252,9 +252,8 @@ class OuterSpec:
     The anchors stay identical; each replica's weights differ from them by what it has not
     sent. Needs a codec with error feedback (int8, int4, topk4) and rank 0. With topk4 at
     H = 50 it took the sparse codec from 28% behind fp32 DiLoCo to 1.9% behind after 12
-    rounds (each replica's own weights); at H = 6 the anchors, which hold only what was
-    sent, fell far behind (docs/benchmarks.md, "What a part leaves out, kept in the
-    weights")."""
+    rounds (each replica's own weights); the anchors, which hold only what was sent, fell
+    far behind (docs/benchmarks.md, "What a part leaves out, kept in the weights")."""
 
     def auto_anchor_codec(self) -> str:
         """What anchor_codec "auto" means with this codec."""

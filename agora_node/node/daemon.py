@@ -415,11 +415,8 @@ class Node:
 
     async def _wait_stop(self, seconds: float, wake: asyncio.Event | None = None) -> None:
         """Up to `seconds`, or until the node stops (or `wake` is set)."""
-        if wake is None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop_event.wait(), seconds)
-            return
-        waits = [asyncio.ensure_future(self.stop_event.wait()), asyncio.ensure_future(wake.wait())]
+        events = [self.stop_event] if wake is None else [self.stop_event, wake]
+        waits = [asyncio.ensure_future(event.wait()) for event in events]
         try:
             await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
         finally:

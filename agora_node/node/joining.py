@@ -241,6 +241,10 @@ class _Fetched:
     """Of anchor and momentum (None: it came without momentum)."""
     source: str
 
+    def near(self, majority: attestation.Attestation) -> bool:
+        """Within KEPT_AHEAD rounds of `majority`'s."""
+        return self.state.round <= majority.round + KEPT_AHEAD
+
 
 class _Held:
     """Sources that sent a state of a round past the majority's (they finished a round
@@ -267,14 +271,14 @@ class _Held:
         """Note what its source sent and keep it, unless it is far ahead and the state kept
         is near: whether kept."""
         self.sent[fetched.source] = fetched.state.round
-        if self.near(majority) and not _near(fetched, majority):
+        if self.near(majority) and not fetched.near(majority):
             return False
         self.state = fetched
         return True
 
     def near(self, majority: attestation.Attestation | None) -> bool:
         """Whether a state is kept within KEPT_AHEAD rounds of `majority`'s."""
-        return self.state is not None and majority is not None and _near(self.state, majority)
+        return self.state is not None and majority is not None and self.state.near(majority)
 
     def waiting(self, majority: attestation.Attestation | None) -> set[str]:
         """Sources not to ask yet: their round is past what the majority attests."""
@@ -298,10 +302,6 @@ class _Held:
                 search.rejected[got.source] = reason
                 log.warning("state kept from %s rejected (%s)", got.source[-8:], reason)
         return None
-
-
-def _near(fetched: _Fetched, majority: attestation.Attestation) -> bool:
-    return fetched.state.round <= majority.round + KEPT_AHEAD
 
 
 @dataclass

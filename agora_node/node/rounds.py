@@ -238,6 +238,12 @@ class OuterRounds:
             self.on_attested()
         return self._attested[1]
 
+    def _state_changed(self) -> None:
+        """The outer state moved (a round, a resync, a restart): the next attest computes a
+        new attestation, and the blob of the old state is dropped."""
+        self._epoch += 1
+        self._blob = None
+
     async def restart_from_weights(self) -> None:
         """Anchor := the worker's weights, momentum := 0 (a cell helper whose cell is gone):
         a new outer state, attested and announced as after a round (the record and the
@@ -246,8 +252,7 @@ class OuterRounds:
         next poll finds this replica outvoted and it takes theirs (`_resync_if_outvoted`)."""
         async with self._lock:
             await self.worker.call(self.outer.reset_to_weights)
-            self._epoch += 1
-            self._blob = None
+            self._state_changed()
         await self.attest()
 
     async def transfer_blob(self) -> tuple[Attestation, bytes, str]:
@@ -319,8 +324,7 @@ class OuterRounds:
         try:
             await self.outer.end_round(tokens=tokens, weights=weights, blocked_s=blocked)
         finally:  # also when cancelled once the step committed: the state moved on
-            self._epoch += 1
-            self._blob = None
+            self._state_changed()
 
     async def _overlap(self, start_tokens: int) -> int:
         """Freeze the worker to read the round's end and set the eager step, then start the
@@ -414,8 +418,7 @@ class OuterRounds:
                 log.warning("outer round %d: no attested state adopted; mixing on", round_no)
                 return False
             self.outer.load_state_dict(loaded.outer, warming=loaded.warming)
-            self._epoch += 1
-            self._blob = None
+            self._state_changed()
         await self.attest()
         return True
 

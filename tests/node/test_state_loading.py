@@ -253,7 +253,7 @@ class _Stage:
 
         async def fetch_state(p2p, run_id, peer_id, stage, **_):
             self.asked.append(peer_id)
-            await asyncio.sleep(self.delay.get(peer_id, 0.0))
+            await asyncio.sleep(self.delay.get(peer_id, 0.0))  # time taken: under test
             return {}, send(self, peer_id)
 
         ctx.fetch_records = fetch_records

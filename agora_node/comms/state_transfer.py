@@ -7,7 +7,7 @@ may hold one transfer at a time, a few at most run together, each has read,
 drain and overall deadlines (`LIMITS`, enforced by comms/guard.py). The client refuses a header announcing more than the bound
 the stage's parameter count gives (before it buffers anything) and checks the
 sha256 (integrity only: authenticity comes from the replicas' attestations,
-joining.load_state), and reports progress as it goes.
+state_search.load_state), and reports progress as it goes.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def plan_sources(replicas: Sequence[NodeRecord], exclude: Iterable[str] = ()) ->
     rejected), least loaded first (`queue`), then fastest (`throughput`), then by
     peer id: a hostile peer can put itself first by claiming to be idle and fast,
     which costs the joiner a transfer, never the state (the joiner then asks who took
-    least time first, joining._Search.spent)."""
+    least time first, state_search._Search.spent)."""
     n = len(replicas)
     attested = {r.peer_id: a for r in replicas if (a := attestation_of(r)) is not None}
     counts = Counter((a.round, a.anchor) for a in attested.values())
@@ -152,7 +152,7 @@ class Verdict:
     ADOPT = "adopt"
     STALE = "stale"
     """The source moved to a newer round than the attestations we read: read them again
-    (the last such state is kept meanwhile, joining._Held)."""
+    (the last such state is kept meanwhile, state_search._Held)."""
     REJECT = "reject"
     """It sent what must not be adopted: never asked again in this search."""
     UNAVAILABLE = "unavailable"

@@ -167,7 +167,7 @@ class OuterRounds:
         on_attested: Callable[[], None] = lambda: None,
     ) -> None:
         """`resync`: adopt the state a strict majority of the stage's replicas attest and
-        return it (joining.resync_state: a LoadedState, or None when none was adopted).
+        return it (state_search.resync_state: a LoadedState, or None when none was adopted).
         `on_attested`: called when the attestation changes (a round ended), for the node
         to publish its record now: a joiner compares what a replica sends with what its
         record attests, and one lagging a refresh behind made fast rounds unjoinable."""

@@ -28,7 +28,7 @@ from agora_node.comms import admission, state_transfer, streams
 from agora_node.comms.guard import Guard, Limits, Reason
 from agora_node.comms.host import Host
 from agora_node.comms.pipeline_wire import Code, Status, error_response
-from agora_node.node import joining
+from agora_node.node import state_search
 from agora_node.node.cell import Cells, standing_replicas
 from agora_node.node.checkpoint import save_checkpoint
 from agora_node.node.config import NodeConfig, PipelineConfig
@@ -158,7 +158,7 @@ class StageService:
             )
         )
         try:
-            loaded = await joining.load_state(ctx, worker)
+            loaded = await state_search.load_state(ctx, worker)
             outer = await OuterLoop.create(
                 ctx.host.dht,
                 worker.stage,
@@ -203,7 +203,7 @@ class StageService:
             replica_count=lambda: len(replicas()) or 1,
             replica_ids=replicas,
             overlap=ctx.manifest.outer.overlap,
-            resync=lambda: joining.resync_state(ctx, worker),
+            resync=lambda: state_search.resync_state(ctx, worker),
             on_attested=ctx.on_attested,
         )
         service = cls(ctx, worker, rounds, loaded.origin, on_failure)
@@ -283,7 +283,7 @@ class StageService:
             async with self.rounds.consistent():
                 state = await self.worker.call(self.worker.state_dict)
                 state["outer"] = self.rounds.state_dict()
-            # its partners: whose word alone may replace this state at a restart (joining):
+            # its partners: whose word alone may replace this state at a restart (state_search):
             # the stage's other peers, cell helpers included, none that this node banned
             suspects = self.ctx.suspects
             partners = [p for p in self.ctx.peers_of(self.index) if not suspects.is_banned(p)]

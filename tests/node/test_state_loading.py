@@ -1,4 +1,4 @@
-"""A joiner's state search (joining.load_state) and a replica's state handler, with the
+"""A joiner's state search (state_search.load_state) and a replica's state handler, with the
 network replaced by in-memory sources (real daemons: tests/integration/test_state_trust.py)."""
 
 import asyncio
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from agora_node.comms import state_transfer
-from agora_node.node import joining
+from agora_node.node import state_search
 from agora_node.node.checkpoint import save_checkpoint
 from agora_node.node.suspects import Reason, Suspects
 from agora_node.node.worker import StageWorker
@@ -114,7 +114,7 @@ async def test_hostile_sources_are_rejected_and_the_attested_anchor_adopted(
     honest_records = [_record(f"honest-{i}", honest, queue=3) for i in range(1, 7)]
     asked = _serve(monkeypatch, blobs)
     ctx = _Ctx(load_manifest("tiny"), tmp_path, liars + honest_records)
-    loaded = await joining.load_state(ctx, worker)
+    loaded = await state_search.load_state(ctx, worker)
     assert asked == ["h-altered", "h-garbage", "h-nan", "h-pickle", "honest-1"]
     origin = loaded.origin
     assert origin["kind"] == "replica" and origin["source"] == "honest-1"
@@ -137,7 +137,7 @@ async def test_a_liar_alone_against_two_honest_replicas_is_never_asked(
     asked = _serve(monkeypatch, {**blobs, "p2": blobs["p1"]})
     records = [_record("hostile", fake, inner_step=10**9, queue=0), _record("p1", honest)]
     records.append(_record("p2", honest))
-    loaded = await joining.load_state(_Ctx(load_manifest("tiny"), tmp_path, records), worker)
+    loaded = await state_search.load_state(_Ctx(load_manifest("tiny"), tmp_path, records), worker)
     assert asked == ["p1"] and loaded.origin["source"] == "p1"
 
 
@@ -145,7 +145,7 @@ async def test_unattested_momentum_is_reset(worker, tmp_path, monkeypatch):
     honest = _honest(worker)
     _serve(monkeypatch, {"p1": state_blob.encode(*honest), "p2": state_blob.encode(*honest)})
     records = [_record("p1", honest), _record("p2", honest, outer_digest="")]
-    loaded = await joining.load_state(_Ctx(load_manifest("tiny"), tmp_path, records), worker)
+    loaded = await state_search.load_state(_Ctx(load_manifest("tiny"), tmp_path, records), worker)
     assert loaded.origin["momentum"] == "reset"
     assert not loaded.outer["momentum"].any()
 
@@ -162,27 +162,27 @@ async def test_own_checkpoint_wins_unless_a_majority_attests_a_newer_round(
     save_checkpoint(tmp_path / f"stage-{STAGE}", **ckpt)
     # The only replica claims a huge inner step at the same round: the checkpoint wins.
     records = [_record("p1", honest, inner_step=10**9)]
-    loaded = await joining.load_state(_Ctx(m, tmp_path, records), worker)
+    loaded = await state_search.load_state(_Ctx(m, tmp_path, records), worker)
     assert loaded.origin["kind"] == "checkpoint" and asked == []
     # The only replica attests round 7: its word alone does not replace the checkpoint.
     newer = (7, honest[1], honest[2])
     blobs = {p: state_blob.encode(*newer) for p in ("p1", "p2")}
     asked = _serve(monkeypatch, blobs)
-    loaded = await joining.load_state(_Ctx(m, tmp_path, [_record("p1", newer)]), worker)
+    loaded = await state_search.load_state(_Ctx(m, tmp_path, [_record("p1", newer)]), worker)
     assert loaded.origin["kind"] == "checkpoint" and asked == []
     # Two replicas attest round 7: fetched.
     records = [_record("p1", newer), _record("p2", newer)]
-    loaded = await joining.load_state(_Ctx(m, tmp_path, records), worker)
+    loaded = await state_search.load_state(_Ctx(m, tmp_path, records), worker)
     assert loaded.origin["kind"] == "replica" and len(asked) == 1
     # A partner of when the checkpoint was saved: after a long absence its word alone is
     # believed (it trained on meanwhile; resuming the old state dragged it back).
     state["replicas"], state["saved_at"] = ["p1"], time.time() - 60  # a crash a minute ago
     save_checkpoint(tmp_path / f"stage-{STAGE}", **{**ckpt, "state": state})
-    loaded = await joining.load_state(_Ctx(m, tmp_path, [_record("p1", newer)]), worker)
+    loaded = await state_search.load_state(_Ctx(m, tmp_path, [_record("p1", newer)]), worker)
     assert loaded.origin["kind"] == "checkpoint"
     state["saved_at"] = time.time() - 3600  # away an hour
     save_checkpoint(tmp_path / f"stage-{STAGE}", **{**ckpt, "state": state})
-    loaded = await joining.load_state(_Ctx(m, tmp_path, [_record("p1", newer)]), worker)
+    loaded = await state_search.load_state(_Ctx(m, tmp_path, [_record("p1", newer)]), worker)
     assert loaded.origin["kind"] == "replica" and asked[-1] == "p1"
 
 
@@ -195,7 +195,7 @@ async def test_the_search_is_bounded_in_time_then_falls_back_to_init(
     loop = asyncio.get_running_loop()
     started = loop.time()
     with caplog.at_level(logging.INFO):
-        loaded = await joining.load_state(ctx, worker)
+        loaded = await state_search.load_state(ctx, worker)
     assert loop.time() - started < 5
     assert loaded.origin["kind"] == "init" and "p1" in loaded.origin["unavailable"]
     assert "starting from the manifest's init" in caplog.text
@@ -207,7 +207,7 @@ async def test_no_majority_falls_back_to_init_after_the_deadline(worker, tmp_pat
     _serve(monkeypatch, {})
     records = [_record("p1", honest), _record("p2", other)]
     ctx = _Ctx(load_manifest("tiny"), tmp_path, records, deadline_s=1.5)
-    loaded = await joining.load_state(ctx, worker)
+    loaded = await state_search.load_state(ctx, worker)
     assert loaded.origin["kind"] == "init" and loaded.outer is None
 
 
@@ -227,7 +227,7 @@ async def test_a_source_one_round_ahead_makes_the_joiner_read_again(worker, tmp_
 
     ctx.fetch_records = fetch_records
     _serve(monkeypatch, {"p1": state_blob.encode(*new), "p2": state_blob.encode(*new)})
-    loaded = await joining.load_state(ctx, worker)
+    loaded = await state_search.load_state(ctx, worker)
     assert loaded.origin["kind"] == "replica" and loaded.outer["round"] == 7
     assert loaded.origin["rejected"] == {}
 
@@ -258,7 +258,7 @@ class _Stage:
 
         ctx.fetch_records = fetch_records
         monkeypatch.setattr(state_transfer, "fetch_state", fetch_state)
-        monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+        monkeypatch.setattr(state_search, "HELD_POLL_S", 0.01)
 
 
 @pytest.mark.parametrize("rounds", [1, 3])
@@ -276,7 +276,7 @@ async def test_a_stage_whose_rounds_outrun_each_read_and_transfer_is_joined(
         return [_record(p, s.at(s.round - rounds)) for p in ("p1", "p2", "p3")]
 
     stage.serve(ctx, monkeypatch, records, lambda s, _: state_blob.encode(*s.at(s.round)))
-    loaded = await joining.load_state(ctx, worker)
+    loaded = await state_search.load_state(ctx, worker)
     assert loaded.origin["kind"] == "replica" and loaded.outer["round"] == 6 + rounds
     assert torch.equal(loaded.outer["anchor"], stage.at(6 + rounds)[1]) and stage.asked == ["p1"]
     assert loaded.origin["momentum"] == "attested" and loaded.origin["rejected"] == {}
@@ -296,7 +296,7 @@ async def test_a_stage_that_finishes_a_round_during_each_transfer_is_joined(
 
     records = lambda s: [_record(p, s.at(s.round)) for p in ("p1", "p2", "p3")]  # noqa: E731
     stage.serve(ctx, monkeypatch, records, send)
-    loaded = await joining.load_state(ctx, worker)
+    loaded = await state_search.load_state(ctx, worker)
     assert loaded.origin["kind"] == "replica" and loaded.outer["round"] == 7
     assert torch.equal(loaded.outer["anchor"], stage.at(7)[1]) and stage.asked == ["p1"]
 
@@ -338,9 +338,9 @@ async def test_a_liars_far_round_is_not_kept_and_its_source_asked_for_once(
             blobs.update(p1=state_blob.encode(*new), p2=state_blob.encode(*new))
 
     reads = _moving(ctx, {3: [_record(p, new, queue=q) for p, q in queues]}, finished_round_7)
-    monkeypatch.setattr(joining, "STATE_POLL_S", 0.01)
-    monkeypatch.setattr(joining, "HELD_POLL_S", 3600.0)  # kept, it would hold the search
-    loaded = await joining.load_state(ctx, worker)
+    monkeypatch.setattr(state_search, "STATE_POLL_S", 0.01)
+    monkeypatch.setattr(state_search, "HELD_POLL_S", 3600.0)  # kept, it would hold the search
+    loaded = await state_search.load_state(ctx, worker)
     assert asked[:3] == ["liar", "p1", "p2"] and asked[3] in ("p1", "p2") and reads[0] == 3
     assert loaded.origin["source"] == asked[3] and loaded.outer["round"] == 7
     assert torch.equal(loaded.outer["anchor"], new[1])
@@ -368,8 +368,8 @@ async def test_a_slow_liar_sending_next_round_junk_is_not_asked_first_every_roun
 
     records = lambda s: [_record(p, s.at(s.round), queue=q) for p, q in queues]  # noqa: E731
     stage.serve(ctx, monkeypatch, records, send)
-    monkeypatch.setattr(joining, "STATE_POLL_S", 0.01)
-    loaded = await joining.load_state(ctx, worker)
+    monkeypatch.setattr(state_search, "STATE_POLL_S", 0.01)
+    loaded = await state_search.load_state(ctx, worker)
     # (the liar is asked again after them in the second pass, and the stage moves on)
     assert stage.asked[:3] == ["liar", "p1", "p2"] and stage.asked.count("liar") <= 2
     assert loaded.origin["source"] == stage.asked[-1] != "liar"
@@ -386,7 +386,7 @@ def _a_liar_before_two_honest(monkeypatch, tmp_path, liar, then, now, moves_at: 
     queues = (("liar", 0), ("p1", 2), ("p2", 2))
     ctx = _Ctx(load_manifest("tiny"), tmp_path, [_record(p, then, queue=q) for p, q in queues])
     reads = _moving(ctx, {moves_at: [_record(p, now, queue=q) for p, q in queues]})
-    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
+    monkeypatch.setattr(state_search, "HELD_POLL_S", 0.01)
     return ctx, asked, reads
 
 
@@ -400,7 +400,7 @@ async def test_a_liars_next_round_stands_in_for_no_newer_honest_state(
     new = (8, new[1] + 0.5, new[2])
     junk = (7, old[1] + 1, old[2])
     ctx, asked, reads = _a_liar_before_two_honest(monkeypatch, tmp_path, junk, old, new, 3)
-    loaded = await joining.load_state(ctx, worker)
+    loaded = await state_search.load_state(ctx, worker)
     assert asked == ["liar", "p1"] and reads[0] == 3
     assert loaded.origin["source"] == "p1" and loaded.outer["round"] == 8
     assert torch.equal(loaded.outer["anchor"], new[1])
@@ -415,7 +415,7 @@ async def test_a_kept_state_the_majority_attests_otherwise_rejects_its_source(
     new = (7, new[1] + 0.5, new[2])
     fake = (7, new[1] + 1, new[2])
     ctx, asked, reads = _a_liar_before_two_honest(monkeypatch, tmp_path, fake, old, new, 2)
-    loaded = await joining.load_state(ctx, worker)
+    loaded = await state_search.load_state(ctx, worker)
     assert asked == ["liar", "p1"] and reads[0] == 2
     assert "liar" in loaded.origin["rejected"] and loaded.outer["round"] == 7
     assert torch.equal(loaded.outer["anchor"], new[1])
@@ -439,8 +439,8 @@ async def test_a_partner_one_round_past_its_record_replaces_the_checkpoint(
     _serve(monkeypatch, {"p1": state_blob.encode(*new)})
     ctx = _Ctx(m, tmp_path, [_record("p1", mid)])
     reads = _moving(ctx, {4: [_record("p1", new)]})  # the record catches up a few reads later
-    monkeypatch.setattr(joining, "HELD_POLL_S", 0.01)
-    loaded = await joining.load_state(ctx, worker)
+    monkeypatch.setattr(state_search, "HELD_POLL_S", 0.01)
+    loaded = await state_search.load_state(ctx, worker)
     assert loaded.origin["kind"] == "replica" and loaded.outer["round"] == 9 and reads[0] == 4
     assert torch.equal(loaded.outer["anchor"], new[1])
 
@@ -588,7 +588,7 @@ async def test_a_busy_source_is_asked_again_a_liar_is_not(worker, tmp_path, monk
     monkeypatch.setattr(state_transfer, "fetch_state", fetch_state)
     records = [_record("busy", honest, queue=1), _record("liar", honest, queue=0)]
     records.append(_record("third", honest, state="warming", anchor_digest=""))
-    loaded = await joining.load_state(_Ctx(load_manifest("tiny"), tmp_path, records), worker)
+    loaded = await state_search.load_state(_Ctx(load_manifest("tiny"), tmp_path, records), worker)
     assert asked == ["liar", "busy", "busy"]
     assert loaded.origin["source"] == "busy" and set(loaded.origin["rejected"]) == {"liar"}
     assert set(loaded.origin["unavailable"]) == {"busy"}
@@ -602,7 +602,7 @@ async def test_a_banned_replica_is_never_asked_for_state(worker, tmp_path, monke
     asked = _serve(monkeypatch, blobs)
     ctx = _Ctx(load_manifest("tiny"), tmp_path, records)
     ctx.suspects.flag("banned", Reason.MISMATCH, "test")
-    loaded = await joining.load_state(ctx, worker)
+    loaded = await state_search.load_state(ctx, worker)
     assert "banned" not in asked and loaded.origin["source"].startswith("honest")
 
 
@@ -621,7 +621,7 @@ async def test_a_liar_that_claims_to_be_idle_and_then_stalls_costs_only_its_shar
     ctx = _Ctx(load_manifest("tiny"), tmp_path, records, deadline_s=12.0)
     loop = asyncio.get_running_loop()
     started = loop.time()
-    loaded = await joining.load_state(ctx, worker)
+    loaded = await state_search.load_state(ctx, worker)
     assert loop.time() - started < 6  # its share (4 s), not the 12 s deadline
     assert asked == ["staller", "p1"]
     assert loaded.origin["kind"] == "replica" and loaded.origin["source"] == "p1"
@@ -645,8 +645,8 @@ async def test_a_source_that_could_not_send_is_asked_after_the_others_next_pass(
         return {"bytes": len(good)}, good
 
     monkeypatch.setattr(state_transfer, "fetch_state", fetch_state)
-    monkeypatch.setattr(joining, "STATE_POLL_S", 0.01)
-    loaded = await joining.load_state(ctx, worker)
+    monkeypatch.setattr(state_search, "STATE_POLL_S", 0.01)
+    loaded = await state_search.load_state(ctx, worker)
     # pass 2: the replica not yet asked before the one that failed, whatever it claims
     assert asked == ["first", "joined"]
     assert loaded.origin["source"] == "joined"
@@ -684,6 +684,6 @@ async def test_a_slow_honest_source_gets_the_time_its_state_takes_at_a_good_rate
     monkeypatch.setattr(state_transfer, "fetch_state", fetch_state)
     records = [_record("p1", honest, queue=0), _record("p2", honest, queue=1)]
     ctx = _Ctx(load_manifest("tiny"), tmp_path, records, deadline_s=3.0)
-    assert 1.8 < state_blob.max_bytes(worker.trainable_numel()) / joining.GOOD_STATE_RATE < 3.0
-    loaded = await joining.load_state(ctx, worker)
+    assert 1.8 < state_blob.max_bytes(worker.trainable_numel()) / state_search.GOOD_STATE_RATE < 3.0
+    loaded = await state_search.load_state(ctx, worker)
     assert asked == ["p1"] and loaded.origin["source"] == "p1"

@@ -333,7 +333,7 @@ class Landing:
         self.at_end = self.start = self.flat()
         self.new: torch.Tensor | None = None
         if eager:  # go on from the outer step the own pseudo-gradient would make
-            self.start = state.preview(state.anchor - self.at_end)
+            self.start = state.preview_from(self.at_end)
             self.load(self.start)
 
     def flat(self) -> torch.Tensor:

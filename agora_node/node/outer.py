@@ -270,7 +270,8 @@ class OuterLoop:
             self.delta_encoder.take_residual()
         if self._prep is None:
             await self.begin_round()
-        delta = self.state.anchor - await weights.read()
+        # a stage-sized subtraction: on a thread, not the event loop
+        delta = await asyncio.to_thread(Tensor.sub, self.state.anchor, await weights.read())
         prep_task, self._prep = self._prep, None
         prep = await prep_task
         waited = time.monotonic() - started
@@ -332,7 +333,10 @@ class OuterLoop:
             new = await asyncio.to_thread(self._keep_unsent, new, applied, step[1], outcomes)
         await weights.write(new)
         round_no, delta = step[0], step[1]
-        report = self._report(round_no, prep, outcomes, (delta, applied), times)
+        # on a thread: the report measures the stage-sized deltas' norms
+        report = await asyncio.to_thread(
+            self._report, round_no, prep, outcomes, (delta, applied), times
+        )
         if blocked_s is not None:
             report.seconds_blocked = blocked_s()
         self._account(report)
@@ -455,14 +459,15 @@ class OuterLoop:
             if low_rank is not None:
                 factor_plan = self._plan(round_no, "factor", delta_group, low_rank.second_numel)
                 self.book.register(factor_plan)
-        mixed = self.state.mixed_state(self.config.mix_momentum)
         anchor_plan = None
         digests = {(view.entry(p).digest if view.entry(p) else p) for p in anchor_group}
         if len(digests) > 1:  # a group that already agrees has nothing to mix
-            anchor_plan = self._plan(round_no, "anchor", anchor_group, mixed.numel())
+            numel = self.state.numel * (2 if self.config.mix_momentum else 1)
+            anchor_plan = self._plan(round_no, "anchor", anchor_group, numel)
         anchor = None
         if anchor_plan is not None:
             weight = 0.0 if self.state.warming else 1.0
+            mixed = await asyncio.to_thread(self.state.mixed_state, self.config.mix_momentum)
             anchor = await self._mix(anchor_plan, mixed, weight, self.anchor_encoder)
         return _Prep(view, delta_plan, anchor, factor_plan)
 

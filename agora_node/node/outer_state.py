@@ -255,6 +255,11 @@ class OuterState:
         momentum = self.momentum * self.mu + delta
         return self.anchor - self.lr * (delta + self.mu * momentum)
 
+    def preview_from(self, weights: Tensor) -> Tensor:
+        """`preview` of the pseudo-gradient that ends at `weights` (stage-sized: the daemon
+        calls it on a thread)."""
+        return self.preview(self.anchor - weights)
+
     def apply(
         self,
         mixed_delta: Tensor,

@@ -7,6 +7,7 @@ what `OuterLoop.end_round` reads and writes meanwhile (an `outer.Weights`).
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from torch import Tensor
@@ -38,10 +39,16 @@ class OverlappedWeights:
         started = time.monotonic()
         async with self.worker.frozen() as weights:
             now = await weights.read()
-            await weights.write(new + (now - self.start))
+            landed = await asyncio.to_thread(_plus_progress, new, now, self.start)
+            await weights.write(landed)
         self.blocked_s += time.monotonic() - started
 
     async def restore(self) -> None:
         """Undo the eager step of a round that will not land (its progress stays); only
         before `write` (OuterRounds calls it when no outer step was taken)."""
         await self.write(self.at_end)
+
+
+def _plus_progress(new: Tensor, now: Tensor, start: Tensor) -> Tensor:
+    """`new + (now - start)`, stage-sized: run on a thread, off the event loop."""
+    return (now - start).add_(new)

@@ -338,7 +338,7 @@ class OuterRounds:
             async with self.worker.frozen() as weights:
                 end_tokens = self.worker.stats.trained_tokens  # steps are held from here
                 at_end = await weights.read()
-                start = await asyncio.to_thread(state.preview, state.anchor - at_end)
+                start = await asyncio.to_thread(state.preview_from, at_end)
                 await weights.write(start)
             blocked = time.monotonic() - started
             overlapped = OverlappedWeights(self.worker, at_end, start, blocked)
@@ -417,7 +417,9 @@ class OuterRounds:
             if loaded is None or loaded.outer is None:
                 log.warning("outer round %d: no attested state adopted; mixing on", round_no)
                 return False
-            self.outer.load_state_dict(loaded.outer, warming=loaded.warming)
+            await asyncio.to_thread(
+                self.outer.load_state_dict, loaded.outer, warming=loaded.warming
+            )
             self._state_changed()
         await self.attest()
         return True

@@ -172,7 +172,7 @@ class StageService:
                 known=lambda peer: ctx.seen_at(stage, peer),
             )
             if loaded.outer is not None:
-                outer.load_state_dict(loaded.outer, warming=loaded.warming)
+                await asyncio.to_thread(outer.load_state_dict, loaded.outer, warming=loaded.warming)
             else:
                 await worker.call(outer.reset_to_weights)
         except BaseException:
@@ -282,7 +282,7 @@ class StageService:
                     await asyncio.shield(self._saving)
             async with self.rounds.consistent():
                 state = await self.worker.call(self.worker.state_dict)
-                state["outer"] = self.rounds.state_dict()
+                state["outer"] = await asyncio.to_thread(self.rounds.state_dict)  # copies the state
             # its partners: whose word alone may replace this state at a restart (state_search):
             # the stage's other peers, cell helpers included, none that this node banned
             suspects = self.ctx.suspects

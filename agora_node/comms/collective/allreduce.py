@@ -187,7 +187,10 @@ class AllReduce(Checking, Backup):
         finally:
             for task in (*pushes, reduce_task):
                 task.cancel()
-        value = torch.cat([self._span_value(j) for j in range(self.plan.size)])
+        # the whole mixed vector, stage-sized: joined on a thread, not the event loop
+        value = await asyncio.to_thread(
+            torch.cat, [self._span_value(j) for j in range(self.plan.size)]
+        )
         self.stats.late_spans = sum(
             1
             for j in range(self.plan.size)

@@ -8,7 +8,9 @@ of its squared norm held by: the top 4 of each block of 256 values (what `topk4`
 over every parameter), and the best rank-r approximation of each weight matrix
 (r = 1..16, over the matrices, which hold nearly all of it). A rank-r factor pair of an
 m x n matrix is r(m + n) values: for 512 x 512, rank 4 is 1/64 of the values, as many as
-top-4 of 256 keeps, without positions.
+top-4 of 256 keeps, without positions. Also the share of the largest 1/64 and 1/32 of the
+values chosen over the whole stage instead of per block (what a stage-wide top-k would
+keep, before its longer positions).
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ RANKS = (1, 2, 4, 8, 16)
 def shares(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict:
     total = matrices = topk = 0.0
     by_rank = dict.fromkeys(RANKS, 0.0)
+    flats = []
     for name, old in before.items():
         delta = (after[name] - old).float()
         energy = float(delta.pow(2).sum())
         total += energy
         flat = delta.flatten()
+        flats.append(flat)
         blocks = torch.cat([flat, flat.new_zeros((-flat.numel()) % 256)]).view(-1, 256)
         topk += float(blocks.abs().topk(4, dim=1).values.pow(2).sum())
         if delta.dim() == 2 and min(delta.shape) >= 2 * max(RANKS):
@@ -43,9 +47,15 @@ def shares(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> d
             singular = torch.linalg.svdvals(delta).pow(2)
             for r in RANKS:
                 by_rank[r] += float(singular[:r].sum())
+    squares = torch.cat(flats).pow(2)
+    wide = {
+        f"stage_top_1_{d}": float(squares.topk(squares.numel() // d).values.sum()) / total
+        for d in (64, 32)
+    }
     return {
         "matrix_share": round(matrices / total, 4),
         "top4_of_256": round(topk / total, 4),
+        **{k: round(v, 4) for k, v in wide.items()},
         **{f"rank{r}": round(v / matrices, 4) for r, v in by_rank.items()},
     }
 

@@ -248,7 +248,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--data-dir",
         help=f"the daemon's data dir, for its control socket (default AGORA_DATA_DIR, else "
-        f"{datadir.HOME})",
+        f"the one AGORA_IDENTITY_PATH names, else {datadir.HOME}; a daemon started with "
+        f"--identity-path NAME.key: {datadir.HOME}/nodes/NAME)",
     )
     p.add_argument(
         "--timeout",

@@ -52,6 +52,10 @@ KEPT_AHEAD = 2
 every HELD_POLL_S (beyond, every STATE_POLL_S: a liar's far-future round is kept, but does
 not make the joiner read the directory 4 times a second), and to keep it over a farther
 one (`_Held.keep`)."""
+SPLIT_READS = 3
+"""Directory reads a node holding a checkpoint makes while no strict majority attests any
+state but some replica attests a round newer than the checkpoint's (replicas caught
+mid-change, their records a round apart), before it resumes the checkpoint."""
 GOOD_STATE_RATE = 4 << 20
 """Bytes per second (32 Mbit/s) at which a source always gets the time its stage's state
 needs, within the search's time left, however many sources are left to ask."""
@@ -162,6 +166,7 @@ async def _from_replicas(
     numel = worker.trainable_numel()
     deadline = time.monotonic() + search.deadline_s
     held = _Held()
+    split_reads = 0
     while True:
         records = (await ctx.fetch_records()).get(stage, [])
         search.replicas = attestation.live_replicas(records, stage, ctx.peer_id)
@@ -174,7 +179,11 @@ async def _from_replicas(
         plan = attestation.plan_sources(search.replicas, exclude=excluded)
         prefer = attestation.prefer_replicas(plan, checkpoint_round, partners, away_s)
         if checkpoint_round is not None and not prefer:
-            return None  # no majority attests a round newer than the own checkpoint's
+            split_reads += 1
+            if not _split_past(plan, search.replicas, checkpoint_round, split_reads):
+                return None  # no majority attests a round newer than the own checkpoint's
+            await asyncio.sleep(min(STATE_POLL_S, max(0.0, deadline - time.monotonic())))
+            continue
         if adoptable is not None:
             return await _adopt(worker, plan, adoptable, search)
         waiting = held.waiting(plan.majority)
@@ -223,6 +232,18 @@ async def _from_replicas(
             return None
         poll_s = HELD_POLL_S if held.near(plan.majority) else STATE_POLL_S
         await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+
+def _split_past(
+    plan: attestation.SourcePlan, replicas: list, checkpoint_round: int, reads: int
+) -> bool:
+    """Read the records again before resuming the checkpoint? While no strict majority
+    attests anything, some replica attests a round newer than the checkpoint's, and the
+    reads so far are fewer than SPLIT_READS."""
+    if plan.majority is not None or reads >= SPLIT_READS:
+        return False
+    rounds = (a.round for r in replicas if (a := attestation.attestation_of(r)) is not None)
+    return any(round_no > checkpoint_round for round_no in rounds)
 
 
 async def resync_state(ctx: ServiceContext, worker: StageWorker) -> LoadedState | None:

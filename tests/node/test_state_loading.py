@@ -445,6 +445,63 @@ async def test_a_partner_one_round_past_its_record_replaces_the_checkpoint(
     assert torch.equal(loaded.outer["anchor"], new[1])
 
 
+def _checkpoint_at(worker, tmp_path, state_at) -> None:
+    """This node's own checkpoint, of outer state `state_at` (round, anchor, momentum)."""
+    m = load_manifest("tiny")
+    state = worker.state_dict()
+    state["outer"] = dict(zip(("round", "anchor", "momentum"), state_at, strict=True))
+    save_checkpoint(
+        tmp_path / f"stage-{STAGE}",
+        run_id=m.run_id,
+        stage=STAGE,
+        step=3,
+        state=state,
+        peer_id="me-joiner",
+    )
+
+
+async def test_a_checkpoint_holder_reads_again_while_newer_replicas_are_a_round_apart(
+    worker, tmp_path, monkeypatch
+):
+    # A stage of three: the two others trained on while this node was away and are caught
+    # mid-change (one attests round 8, the other still round 7): no strict majority at
+    # the first read. Not the old checkpoint: it reads again and adopts round 8.
+    old, r7, r8 = _honest(worker, 6), _honest(worker, 7), _honest(worker, 8)
+    r7, r8 = (7, r7[1] + 0.25, r7[2]), (8, r8[1] + 0.5, r8[2])
+    _checkpoint_at(worker, tmp_path, old)
+    _serve(monkeypatch, {"p1": state_blob.encode(*r8), "p2": state_blob.encode(*r8)})
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, [_record("p1", r8), _record("p2", r7)])
+    reads = _moving(ctx, {2: [_record("p1", r8), _record("p2", r8)]})
+    monkeypatch.setattr(state_search, "STATE_POLL_S", 0.01)
+    loaded = await state_search.load_state(ctx, worker)
+    assert loaded.origin["kind"] == "replica" and loaded.outer["round"] == 8 and reads[0] == 2
+    assert torch.equal(loaded.outer["anchor"], r8[1])
+
+
+async def test_a_checkpoint_holder_resumes_it_when_the_stage_stays_split(
+    worker, tmp_path, monkeypatch
+):
+    # The two others attest different states for good (or a stranger attests a far round
+    # alone): SPLIT_READS reads, then the own checkpoint; nobody is asked for bytes.
+    old, r7 = _honest(worker, 6), _honest(worker, 7)
+    other = (7, r7[1] + 1, r7[2])
+    _checkpoint_at(worker, tmp_path, old)
+    asked = _serve(monkeypatch, {})
+    ctx = _Ctx(load_manifest("tiny"), tmp_path, [_record("p1", r7), _record("p2", other)])
+    reads = _moving(ctx, {})
+    monkeypatch.setattr(state_search, "STATE_POLL_S", 0.01)
+    loaded = await state_search.load_state(ctx, worker)
+    assert loaded.origin["kind"] == "checkpoint" and asked == []
+    assert reads[0] == state_search.SPLIT_READS
+    # split, but neither newer than the checkpoint: resumed at the first read
+    ctx = _Ctx(
+        load_manifest("tiny"), tmp_path, [_record("p1", old), _record("p2", (6, *other[1:]))]
+    )
+    reads = _moving(ctx, {})
+    loaded = await state_search.load_state(ctx, worker)
+    assert loaded.origin["kind"] == "checkpoint" and reads[0] == 1
+
+
 # ---- the replica's side ---------------------------------------------------------------
 
 

@@ -333,10 +333,10 @@ class OuterLoop:
             new = await asyncio.to_thread(self._keep_unsent, new, applied, step[1], outcomes)
         await weights.write(new)
         round_no, delta = step[0], step[1]
-        # on a thread: the report measures the stage-sized deltas' norms
-        report = await asyncio.to_thread(
-            self._report, round_no, prep, outcomes, (delta, applied), times
-        )
+        # the stage-sized norms on a thread; the report on the loop, whose handlers may
+        # still count late parts into the outcomes' stats
+        norms = await asyncio.to_thread(lambda: (float(delta.norm()), float(applied.norm())))
+        report = self._report(round_no, prep, outcomes, norms, times)
         if blocked_s is not None:
             report.seconds_blocked = blocked_s()
         self._account(report)
@@ -348,10 +348,10 @@ class OuterLoop:
         round_no: int,
         prep: _Prep,
         outcomes: list[Outcome],
-        deltas: tuple[Tensor, Tensor],
+        norms: tuple[float, float],
         times: tuple[float, float],
     ) -> RoundReport:
-        """The round's report: `deltas` are the own and the applied pseudo-gradient,
+        """The round's report: `norms` are of the own and the applied pseudo-gradient,
         `times` when the round ended and how long it waited for its matchmaking."""
         n = len(prep.delta_plan.members) if prep.delta_plan else 1
         if self.low_rank is not None:  # two mixes, each of its factors
@@ -364,7 +364,7 @@ class OuterLoop:
             prep.view,
             self.config.group_size,
             (prep.anchor, *outcomes),
-            deltas,
+            norms,
             (*times, deadline),
         )
 

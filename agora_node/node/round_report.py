@@ -8,8 +8,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import Tensor
-
 from agora_node.comms.collective import Outcome, RoundView
 
 
@@ -89,15 +87,15 @@ def round_report(
     view: RoundView,
     group_size: int,
     mixes: tuple[Outcome | None, ...],
-    vectors: tuple[Tensor, Tensor],
+    norms: tuple[float, float],
     times: tuple[float, float, float],
 ) -> RoundReport:
     """What one round did, from its mixes' outcomes (`mixes`: the anchor mix's, then the
-    delta mix's, or a low-rank round's two), `vectors` (own and mixed delta) and `times`
+    delta mix's, or a low-rank round's two), `norms` (of the own and the mixed delta) and `times`
     (monotonic start of end_round, seconds waiting for the round's preparation,
     worst-case deadline)."""
     anchor, *deltas = mixes
-    delta, mixed = vectors
+    delta_norm, mixed_norm = norms
     started, waited, deadline = times
     outcomes = [o for o in mixes if o is not None]
     radii = [r for o in deltas if o is not None for r in o.stats.clip_radii]
@@ -119,8 +117,8 @@ def round_report(
         seconds_blocked=time.monotonic() - started,
         seconds_waiting_prep=waited,
         deadline=deadline,
-        delta_norm=float(delta.norm()),
-        mixed_norm=float(mixed.norm()),
+        delta_norm=delta_norm,
+        mixed_norm=mixed_norm,
         clip_radius=math.sqrt(sum(r * r for r in radii)) if radii else None,
         repaired_spans=sum(o.stats.repaired_spans for o in outcomes),
         outliers=sorted({p for o in outcomes for p in o.stats.outliers}),

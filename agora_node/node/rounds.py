@@ -39,6 +39,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from agora_node.node.attestation import Attestation
+from agora_node.node.loops import to_completion
 from agora_node.node.outer import OuterLoop
 from agora_node.node.overlap import OverlappedWeights
 from agora_node.node.worker import StageWorker
@@ -417,10 +418,13 @@ class OuterRounds:
             if loaded is None or loaded.outer is None:
                 log.warning("outer round %d: no attested state adopted; mixing on", round_no)
                 return False
-            await asyncio.to_thread(
-                self.outer.load_state_dict, loaded.outer, warming=loaded.warming
-            )
-            self._state_changed()
+            try:  # on a thread, and whole: a cancel (a leave) waits for it under the lock
+                load = asyncio.to_thread(
+                    self.outer.load_state_dict, loaded.outer, warming=loaded.warming
+                )
+                await to_completion(load)
+            finally:
+                self._state_changed()
         await self.attest()
         return True
 

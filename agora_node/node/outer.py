@@ -330,7 +330,7 @@ class OuterLoop:
         into the weights and make the round's report."""
         new, applied = await asyncio.to_thread(self._outer_step, *step)
         if self.config.unsent == "weights":
-            new = await asyncio.to_thread(self._keep_unsent, new, applied, step[1], outcomes)
+            new = await asyncio.to_thread(self._keep_unsent, new, applied, step[1])
         await weights.write(new)
         round_no, delta = step[0], step[1]
         # the stage-sized norms on a thread; the report on the loop, whose handlers may
@@ -388,19 +388,16 @@ class OuterLoop:
             )
         return self.state.step(mixed, anchor, momentum, self.config.consensus), mixed
 
-    def _keep_unsent(
-        self, anchor: Tensor, applied: Tensor, delta: Tensor, outcomes: list[Outcome]
-    ) -> Tensor:
+    def _keep_unsent(self, anchor: Tensor, applied: Tensor, delta: Tensor) -> Tensor:
         """The weights for `outer.unsent = "weights"`: the new anchor less what this round's
         part left out (a delta is anchor - weights, so the next one holds it again). Where
-        the own delta was applied whole (the mix refused or failed, or a span fell back to
-        the own part) nothing of it is left out."""
+        the own delta was applied whole (the mix refused or failed) nothing of it is left
+        out. (A span that fell back to the own part applied the part as sent: what it left
+        out stays unsent, as in a span that was mixed.)"""
         unsent = self.delta_encoder.take_residual()
         if unsent is None or applied is delta:
             self.carried = None
             return anchor
-        for lo, hi in outcomes[0].own_spans if outcomes else ():
-            unsent[lo:hi] = 0
         self.carried = unsent
         return unsent.neg().add_(anchor)  # not in place: `anchor` is the state's
 

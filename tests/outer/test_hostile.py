@@ -9,11 +9,18 @@ import torch
 
 from agora_node.comms.collective import GroupPlan, LocalNetwork, RoundBook
 from agora_node.comms.collective.handlers import MAX_WAITING, MAX_WAITING_PER_PEER, Responder
-from agora_node.comms.collective.payload import decode_span, encode_result, plain_format
+from agora_node.comms.collective.payload import (
+    PartEncoder,
+    WireFormat,
+    decode_span,
+    encode_result,
+    plain_format,
+)
 from agora_node.comms.collective.plan import span_bounds
 from agora_node.comms.collective.state import MAX_PENDING
 from agora_node.comms.collective.verify import members_mask, sketch, sketches_match
 from agora_node.comms.collective.wire import Code, Header, Reply
+from agora_node.protocol.codecs import Codec
 from tests.outer.helpers import all_equal, peers, random_values, run_group
 
 pytestmark = pytest.mark.timeout(60)
@@ -223,7 +230,31 @@ async def test_a_forged_final_is_not_adopted(n: int, keep_mask: bool) -> None:
         assert torch.equal(out.value[lo:hi], values[p][lo:hi])  # its own: nothing forged
         assert forger in out.stats.mismatched and out.stats.rejected["result mismatch"] == 1
         assert not out.consistent and out.stats.fallback_spans == 1
-        assert out.own_spans == ((lo, hi),)  # applied whole: the outer loop keeps none of it
+        assert out.own_spans == ((lo, hi),)
+
+
+@pytest.mark.parametrize("codec", [Codec.INT4, Codec.TOPK4], ids=["int4", "topk4"])
+async def test_a_span_that_falls_back_applies_the_own_part_as_sent(codec: Codec) -> None:
+    """With error feedback the encoder keeps what a part left out, to send it next round.
+    A span that falls back (its owner forged a result) used to take the member's exact
+    values: what the encoder kept was then applied now and again later. It takes the part
+    as sent, so applied + kept back = the own values there, as in every mixed span."""
+    n, forger = 3, "peer1"
+    network = LocalNetwork()
+    for p in peers(n):
+        network.join(p)
+    network.responders[forger] = Forging(network.responders[forger].book, keep_mask=True)
+    fmt = WireFormat(part=codec, result=Codec.INT8, seed=None, error_feedback=True)
+    encoders = {p: PartEncoder(fmt) for p in peers(n)}
+    values = random_values(n, 4096, seed=7)
+    outs = await run_group(
+        values, network=network, verify=True, fmt=fmt, encoders=encoders, block=256
+    )
+    lo, hi = span_bounds(4096, n, 256)[peers(n).index(forger)]
+    for p in (p for p in peers(n) if p != forger):
+        out, kept = outs[p], encoders[p].take_residual()
+        assert out.own_spans == ((lo, hi),) and kept[lo:hi].abs().sum() > 0
+        torch.testing.assert_close(out.value[lo:hi] + kept[lo:hi], values[p][lo:hi])
 
 
 class Late(Responder):

@@ -103,8 +103,8 @@ class Outcome:
     consistent: bool
     members: tuple[str, ...]
     own_spans: tuple[tuple[int, int], ...] = ()
-    """[lo, hi) of the spans every owner failed: `value` holds this member's own exact part
-    there, applied whole (nothing of it is left unsent)."""
+    """[lo, hi) of the spans every owner failed: `value` holds this member's own part there,
+    as it sent it (decoded), so what the encoder kept back of it stays unsent."""
 
 
 class AllReduce(Checking, Backup):
@@ -463,9 +463,10 @@ class AllReduce(Checking, Backup):
     # ---- 4. last resort ----------------------------------------------------------------
     def _fall_back(self, j: int) -> None:
         lo, hi = self.plan.spans[j]
-        self.fallback[j] = self.flat[
-            lo:hi
-        ].clone()  # exact, not the decoded part: nothing was mixed
+        # the part it sent, decoded (exact in fp32): with error feedback the encoder keeps
+        # what the part left out, so applying the exact values would apply that twice
+        sent = self.state.my_values
+        self.fallback[j] = (sent[j] if sent is not None else self.flat[lo:hi]).clone()
         self.stats.fallback_spans += 1
         log.warning(
             "span %d of %s round %d: every owner failed, using own part",

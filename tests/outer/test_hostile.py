@@ -233,18 +233,25 @@ async def test_a_forged_final_is_not_adopted(n: int, keep_mask: bool) -> None:
         assert out.own_spans == ((lo, hi),)
 
 
-@pytest.mark.parametrize("codec", [Codec.INT4, Codec.TOPK4], ids=["int4", "topk4"])
-async def test_a_span_that_falls_back_applies_the_own_part_as_sent(codec: Codec) -> None:
+@pytest.mark.parametrize(
+    ("codec", "feedback"),
+    [(Codec.INT4, True), (Codec.TOPK4, True), (Codec.INT4, False), (Codec.BF16, False)],
+    ids=["int4", "topk4", "int4-no-feedback", "bf16"],
+)
+async def test_a_span_that_falls_back_applies_the_own_part_as_sent(
+    codec: Codec, feedback: bool
+) -> None:
     """With error feedback the encoder keeps what a part left out, to send it next round.
     A span that falls back (its owner forged a result) used to take the member's exact
     values: what the encoder kept was then applied now and again later. It takes the part
-    as sent, so applied + kept back = the own values there, as in every mixed span."""
+    as sent, so applied + kept back = the own values there, as in every mixed span.
+    Without error feedback nothing is kept: the exact values, as before."""
     n, forger = 3, "peer1"
     network = LocalNetwork()
     for p in peers(n):
         network.join(p)
     network.responders[forger] = Forging(network.responders[forger].book, keep_mask=True)
-    fmt = WireFormat(part=codec, result=Codec.INT8, seed=None, error_feedback=True)
+    fmt = WireFormat(part=codec, result=Codec.INT8, seed=None, error_feedback=feedback)
     encoders = {p: PartEncoder(fmt) for p in peers(n)}
     values = random_values(n, 4096, seed=7)
     outs = await run_group(
@@ -253,8 +260,12 @@ async def test_a_span_that_falls_back_applies_the_own_part_as_sent(codec: Codec)
     lo, hi = span_bounds(4096, n, 256)[peers(n).index(forger)]
     for p in (p for p in peers(n) if p != forger):
         out, kept = outs[p], encoders[p].take_residual()
-        assert out.own_spans == ((lo, hi),) and kept[lo:hi].abs().sum() > 0
-        torch.testing.assert_close(out.value[lo:hi] + kept[lo:hi], values[p][lo:hi])
+        assert out.own_spans == ((lo, hi),)
+        if feedback:
+            assert kept[lo:hi].abs().sum() > 0
+            torch.testing.assert_close(out.value[lo:hi] + kept[lo:hi], values[p][lo:hi])
+        else:
+            assert kept is None and torch.equal(out.value[lo:hi], values[p][lo:hi])
 
 
 class Late(Responder):

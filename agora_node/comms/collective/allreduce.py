@@ -17,6 +17,7 @@ Protocol for one member of a group of n (plan.py gives the spans and owner chain
    or its own deadline for it passed; state.may_promise): an earlier query is held
    until then. Others fetch the span from the backup. This repeats down the chain.
 4. If every owner of a span failed, the member keeps its own values for that span
+   (with error feedback, its part as sent: the encoder keeps what the part left out)
    and reports the round as inconsistent.
 
 With `verify` (verify.py), each member also pushes its part of span j to the span's
@@ -104,7 +105,8 @@ class Outcome:
     members: tuple[str, ...]
     own_spans: tuple[tuple[int, int], ...] = ()
     """[lo, hi) of the spans every owner failed: `value` holds this member's own part there,
-    as it sent it (decoded), so what the encoder kept back of it stays unsent."""
+    its exact values, or with error feedback the part as it sent it (decoded), so what the
+    encoder kept back of it stays unsent."""
 
 
 class AllReduce(Checking, Backup):
@@ -463,9 +465,9 @@ class AllReduce(Checking, Backup):
     # ---- 4. last resort ----------------------------------------------------------------
     def _fall_back(self, j: int) -> None:
         lo, hi = self.plan.spans[j]
-        # the part it sent, decoded (exact in fp32): with error feedback the encoder keeps
-        # what the part left out, so applying the exact values would apply that twice
-        sent = self.state.my_values
+        # with error feedback, the part as sent (decoded): the encoder keeps what the part
+        # left out, which the exact values would apply twice; without, the exact values
+        sent = self.state.my_values if self.fmt.error_feedback else None
         self.fallback[j] = (sent[j] if sent is not None else self.flat[lo:hi]).clone()
         self.stats.fallback_spans += 1
         log.warning(

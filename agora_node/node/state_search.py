@@ -180,7 +180,7 @@ async def _from_replicas(
         prefer = attestation.prefer_replicas(plan, checkpoint_round, partners, away_s)
         if checkpoint_round is not None and not prefer:
             split_reads += 1
-            voters = [r for r in search.replicas if r.peer_id not in ctx.suspects.banned()]
+            voters = [r for r in search.replicas if r.peer_id not in excluded]
             if not _split_past(plan, voters, checkpoint_round, split_reads):
                 return None  # no majority attests a round newer than the own checkpoint's
             await asyncio.sleep(min(STATE_POLL_S, max(0.0, deadline - time.monotonic())))

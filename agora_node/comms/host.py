@@ -30,7 +30,7 @@ from functools import partial
 from typing import Any
 
 import hivemind
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
@@ -178,6 +178,21 @@ class Host:
             return dict.fromkeys(keys)
         return {key: _plain(found.get(key)) for key in keys}
 
+    async def meet(self, peer_ids: Sequence[str]) -> int:
+        """Ping, through the DHT, each of `peer_ids` its routing table lacks; how many answered.
+
+        An answer adds the peer to our routing table and us to its (hivemind's ping carries
+        the caller's node id). hivemind drops unresponsive peers from its routing table and
+        never asks its initial peers again, so the two halves of a healed partition each keep
+        a DHT of their own (and a directory without the other half's records) for ever,
+        although their libp2p daemons and SWIM meet again in seconds. Peers already in the
+        table cost nothing; malformed ids are skipped."""
+        future = self.dht.run_coroutine(partial(_meet, list(peer_ids)), return_future=True)
+        try:
+            return await asyncio.wait_for(_awaited(future), DHT_TIMEOUT_S)
+        except TimeoutError:
+            return 0
+
     def is_alive(self) -> bool:
         return self.dht.is_alive() and self.p2p.is_alive
 
@@ -214,6 +229,20 @@ async def _get_many(keys: list[str], latest: bool, _dht: object, node: Any) -> d
     """Runs in the DHT process (DHT.run_coroutine): {key: ValueWithExpiration or None}."""
     kwargs = {"sufficient_expiration_time": math.inf} if latest else {}
     return await node.get_many(keys, **kwargs)
+
+
+async def _meet(peer_ids: list[str], _dht: object, node: Any) -> int:
+    """Runs in the DHT process (DHT.run_coroutine): ping the peers the table lacks."""
+    missing = []
+    for text in peer_ids:
+        try:
+            peer = PeerID.from_base58(text)
+        except Exception:  # noqa: BLE001 - a peer id we were told is not ours to trust
+            continue
+        if peer not in node.protocol.routing_table:
+            missing.append(peer)
+    answers = await asyncio.gather(*(node.protocol.call_ping(peer) for peer in missing))
+    return sum(answer is not None for answer in answers)
 
 
 def _plain(found: Any) -> Any:

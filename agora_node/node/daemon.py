@@ -76,6 +76,11 @@ MANIFEST_TTL_S) and re-reads the runs announced; its record and the directory go
 refresh_s. (Until 2026-12-03 all of it went every 3 s: three of the eight DHT writes and
 reads of each refresh were the manifest's and the run list's.)"""
 
+MEET_EVERY_S = 10.0
+"""How often the DHT is asked to meet the peers SWIM sees but the directory lacks."""
+MEET_AT_MOST = 8
+"""Such peers pinged per meeting, at most (a crowd of strangers in SWIM costs no more)."""
+
 
 async def bounded(what: str, step: Awaitable[object], seconds: float) -> None:
     """Await one step of leaving; past its deadline or on failure, log it and go on."""
@@ -380,11 +385,25 @@ class Node:
 
     async def _reachability_loop(self) -> None:
         direct = [a for a in self.addrs if not is_relayed(a)]  # what peers are asked to dial
+        met_at = -math.inf
         while not self.stop_event.is_set():
             peers = set(self._others()) | reachability.peer_ids(self.config.initial_peers)
             await self.dialback.check_if_due(self.host, self.manifest.run_id, sorted(peers), direct)
             await self._refresh_relay(direct)
+            if time.monotonic() - met_at >= MEET_EVERY_S:
+                met_at = time.monotonic()
+                await self._meet_in_dht()
             await self._wait_stop(self.config.refresh_s)
+
+    async def _meet_in_dht(self) -> None:
+        """The DHT meets the peers SWIM finds alive but the directory lacks, and our initial
+        peers, where its routing table lost them: the halves of a healed partition merge
+        their DHTs (and so their directories) again (Host.meet)."""
+        wanted = self.liveness.unlisted(set(self._others()), MEET_AT_MOST)
+        wanted += sorted(reachability.peer_ids(self.config.initial_peers))
+        met = await self.host.meet(wanted)
+        if met:
+            log.info("DHT: met %d peer(s) its routing table had lost (a healed partition?)", met)
 
     async def _refresh_relay(self, direct: list[str]) -> None:
         """Relayed addresses to announce, and the routes of our streams through relays."""

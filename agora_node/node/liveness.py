@@ -7,6 +7,7 @@ instead of a record TTL.
 
 from __future__ import annotations
 
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -107,6 +108,15 @@ class Liveness:
             self._introduced.update(dict.fromkeys(fresh))
             for old in list(self._introduced)[: max(0, len(self._introduced) - MAX_INTRODUCED)]:
                 del self._introduced[old]
+
+    def unlisted(self, listed: set[str], limit: int) -> list[str]:
+        """Up to `limit` peers SWIM finds alive that are not in `listed` (the directory):
+        after a healed partition, the other half (SWIM meets it again, the DHT does not:
+        Host.meet). Random, so a crowd of unlisted strangers cannot hide the others."""
+        if self.service is None:
+            return []
+        found = [m.peer_id for m in self.service.alive_members() if m.peer_id not in listed]
+        return random.sample(found, min(limit, len(found)))
 
     def gone(self) -> set[str]:
         """Peers declared dead or that left (faster than record expiry)."""

@@ -73,6 +73,22 @@ def test_liveness_tells_its_listeners_of_each_death_and_leave_once():
     assert gone == ["B", "C"]
 
 
+def test_liveness_names_at_most_limit_alive_members_the_directory_lacks():
+    """What the DHT is asked to meet after a healed partition (daemon._meet_in_dht)."""
+
+    class Swim:
+        def alive_members(self) -> list[MemberView]:  # SWIM's alive and suspected
+            return [view(Status.ALIVE, peer=p) for p in ("A", "B", "C", "D", "E")]
+
+    live = Liveness()
+    assert live.unlisted(set(), 8) == []  # before SWIM starts
+    live.service = Swim()
+    assert sorted(live.unlisted({"A", "C"}, 8)) == ["B", "D", "E"]
+    two = live.unlisted({"A"}, 2)
+    assert len(two) == 2 and set(two) <= {"B", "C", "D", "E"}
+    assert live.unlisted({"A", "B", "C", "D", "E"}, 8) == []
+
+
 def test_anchor_agreement_per_kept_round():
     own = {4: "aa", 5: "bb"}
     others = {5: {"X": "bb", "Y": "cc"}, 9: {"X": "zz"}}

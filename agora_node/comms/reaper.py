@@ -15,14 +15,22 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
+import select
 import signal
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 _PR_SET_PDEATHSIG = 1
+PARENT_CHECK_S = 1.0
+"""How often the reaper also checks that its parent lives: the kernel's death signal is
+tied to the thread that started it, and a reaper that missed it would wait for ever (the
+node's forked children hold its stdin open)."""
 _MODULE = "agora_node.comms.reaper"
 """What a reaper runs (`python -m`), and how `is_reaper` tells one."""
 
@@ -68,18 +76,28 @@ class Reaper:
         if started is None:
             return
         self._watched.append((pid, started))
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.stdin.write(f"{pid} {started}\n".encode())
-            self._proc.stdin.flush()
+        self._tell(f"{pid} {started}")
 
     def remove_on_death(self, path: str) -> None:
         """Have the reaper remove the unix socket at `path` (absolute, one line) if this
         process dies; a file that is not a socket is left alone."""
         if "\n" in path or not path.startswith("/"):
             raise ValueError(f"not an absolute one-line path: {path!r}")
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.stdin.write(f"file {path}\n".encode())
-            self._proc.stdin.flush()
+        self._tell(f"file {path}")
+
+    def _tell(self, line: str) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is not None:
+            log.warning(
+                "the reaper (pid %d) exited with code %s: if this node is killed, its DHT "
+                "process and libp2p daemon may go on running",
+                self._proc.pid,
+                self._proc.returncode,
+            )
+            return
+        self._proc.stdin.write(f"{line}\n".encode())
+        self._proc.stdin.flush()
 
     def stop(self) -> None:
         """Normal shutdown: the children were stopped; dismiss the reaper, which kills any
@@ -122,7 +140,8 @@ def start_time(pid: int, parent: int | None = None) -> int | None:
 
 def _main(parent: int) -> None:
     """Read "PID START" and "file PATH" lines until "exit" (a clean stop: kill only what
-    still runs) or until the parent dies: SIGTERM (PR_SET_PDEATHSIG) or the end of stdin.
+    still runs) or until the parent dies: SIGTERM (PR_SET_PDEATHSIG), the end of stdin, or
+    another parent found at a check every PARENT_CHECK_S.
     Then kill and remove everything told, the lines the parent wrote just before it died
     included: the handler only makes stdin non-blocking, and the loop reads what is left
     before it acts (stdin may never end, as forked children of the parent hold the pipe's
@@ -143,6 +162,10 @@ def _main(parent: int) -> None:
         on_term()
     pending = b""
     while True:
+        if not dying and not select.select([0], [], [], PARENT_CHECK_S)[0]:
+            if os.getppid() != parent:  # it died, and its death signal did not reach us
+                on_term()
+            continue
         try:
             chunk = os.read(0, 4096)
         except BlockingIOError:  # dying and nothing more was written

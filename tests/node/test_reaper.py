@@ -74,6 +74,74 @@ def test_a_sigkilled_node_leaves_neither_its_helper_nor_its_socket(tmp_path, who
             os.kill(helper, signal.SIGKILL)
 
 
+_NODE_WITHOUT_DEATH_SIGNAL = textwrap.dedent(
+    """
+    import os, subprocess, sys
+    from agora_node.comms.reaper import Reaper
+
+    # a reaper the kernel will not signal when we die (no PR_SET_PDEATHSIG), whose stdin
+    # a child of ours holds open too (as the DHT process, a fork, does): only its own
+    # check of its parent can tell it we died
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agora_node.comms.reaper", str(os.getpid())],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
+    reaper = Reaper(proc)
+    helper = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"], pass_fds=[proc.stdin.fileno()]
+    )
+    reaper.watch(helper.pid)
+    print(helper.pid, proc.pid, flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def _handles_sigterm(pid: int) -> bool:
+    """Has `pid` a SIGTERM handler, with SIGTERM not blocked (/proc/PID/status)?"""
+    try:
+        fields = dict(
+            line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        )
+    except OSError:
+        return False
+    bit = 1 << (signal.SIGTERM - 1)
+    return bool(int(fields["SigCgt"], 16) & bit) and not int(fields["SigBlk"], 16) & bit
+
+
+def test_a_reaper_that_missed_its_parent_s_death_signal_still_acts():
+    node = subprocess.Popen(
+        [sys.executable, "-c", _NODE_WITHOUT_DEATH_SIGNAL],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    helper = reaper = None
+    try:
+        helper, reaper = map(int, node.stdout.readline().split())
+        # its SIGTERM handler installed and unblocked: past the check at its start, which
+        # would find a parent dead already
+        deadline = time.monotonic() + 20
+        while not _handles_sigterm(reaper) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling under a deadline
+        assert _alive(helper) and _handles_sigterm(reaper)
+        node.send_signal(signal.SIGKILL)
+        node.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while (_alive(helper) or _alive(reaper)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling under a deadline
+        assert not _alive(helper), "the helper outlived its node"
+        assert not _alive(reaper), "the reaper outlived its node"
+    finally:
+        node.kill()
+        node.wait()
+        for pid in (helper, reaper):
+            if pid is not None and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_remove_on_death_refuses_a_path_that_could_smuggle_a_second_line():
     from agora_node.comms.reaper import Reaper
 

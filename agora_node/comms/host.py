@@ -192,6 +192,9 @@ class Host:
             return await asyncio.wait_for(_awaited(future), DHT_TIMEOUT_S)
         except TimeoutError:
             return 0
+        except Exception as exc:  # noqa: BLE001 - a DHT in trouble shows elsewhere (is_alive)
+            log.warning("the DHT could not ping peers it lost: %s", one_line(exc))
+            return 0
 
     def is_alive(self) -> bool:
         return self.dht.is_alive() and self.p2p.is_alive

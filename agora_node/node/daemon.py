@@ -221,6 +221,7 @@ class Node:
             await self._open_service(stage)
         self._loops.spawn(self._refresh_loop())
         self._loops.spawn(self._reachability_loop())
+        self._loops.spawn(self._meet_loop())
         self._loops.spawn(self._status_loop())
         self._loops.spawn(self._sample_waits())
         self._loops.spawn(self._checkpoint_loop())
@@ -385,25 +386,24 @@ class Node:
 
     async def _reachability_loop(self) -> None:
         direct = [a for a in self.addrs if not is_relayed(a)]  # what peers are asked to dial
-        met_at = -math.inf
         while not self.stop_event.is_set():
             peers = set(self._others()) | reachability.peer_ids(self.config.initial_peers)
             await self.dialback.check_if_due(self.host, self.manifest.run_id, sorted(peers), direct)
             await self._refresh_relay(direct)
-            if time.monotonic() - met_at >= MEET_EVERY_S:
-                met_at = time.monotonic()
-                await self._meet_in_dht()
             await self._wait_stop(self.config.refresh_s)
 
-    async def _meet_in_dht(self) -> None:
-        """The DHT meets the peers SWIM finds alive but the directory lacks, and our initial
-        peers, where its routing table lost them: the halves of a healed partition merge
-        their DHTs (and so their directories) again (Host.meet)."""
-        wanted = self.liveness.unlisted(set(self._others()), MEET_AT_MOST)
-        wanted += sorted(reachability.peer_ids(self.config.initial_peers))
-        met = await self.host.meet(wanted)
-        if met:
-            log.info("DHT: met %d peer(s) its routing table had lost (a healed partition?)", met)
+    async def _meet_loop(self) -> None:
+        """Every MEET_EVERY_S the DHT meets the peers SWIM finds alive but the directory
+        lacks, and our initial peers, where its routing table lost them: the halves of a
+        healed partition merge their DHTs (and so their directories) again (Host.meet)."""
+        while not self.stop_event.is_set():
+            await self._wait_stop(MEET_EVERY_S)
+            wanted = self.liveness.unlisted(set(self._others()), MEET_AT_MOST)
+            wanted += sorted(reachability.peer_ids(self.config.initial_peers))
+            if not self.stop_event.is_set() and (met := await self.host.meet(wanted)):
+                log.info(
+                    "DHT: met %d peer(s) its routing table had lost (a healed partition?)", met
+                )
 
     async def _refresh_relay(self, direct: list[str]) -> None:
         """Relayed addresses to announce, and the routes of our streams through relays."""

@@ -5,7 +5,7 @@ initial peers again, so after a partition healed each half kept a DHT (and a dir
 of its own for good, although SWIM met the other half again within seconds: the
 partition test of the network lab (test_netlab.py) timed out three times of three.
 `Host.meet` pings such peers through the DHT; the daemon asks it for the peers SWIM
-finds alive that its directory lacks (daemon._meet_in_dht)."""
+finds alive that its directory lacks (Node._meet_loop)."""
 
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ def test_liveness_tells_its_listeners_of_each_death_and_leave_once():
 
 
 def test_liveness_names_at_most_limit_alive_members_the_directory_lacks():
-    """What the DHT is asked to meet after a healed partition (daemon._meet_in_dht)."""
+    """What the DHT is asked to meet after a healed partition (Node._meet_loop)."""
 
     class Swim:
         def alive_members(self) -> list[MemberView]:  # SWIM's alive and suspected

@@ -20,11 +20,12 @@ import glob
 import logging
 import math
 import os
+import random
 import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -49,6 +50,8 @@ from agora_node.comms.reaper import Reaper, proc_stat, remove_socket
 log = logging.getLogger(__name__)
 
 DHT_TIMEOUT_S = 10.0
+MEET_DIAL_S = 5.0
+"""How long `Host.meet` tries to dial an initial peer at its addresses before the ping."""
 SHUTDOWN_STEP_S = 5.0
 MAX_RELAYS = 8
 """Initial peers offered to AutoRelay as relays, at most."""
@@ -178,23 +181,32 @@ class Host:
             return dict.fromkeys(keys)
         return {key: _plain(found.get(key)) for key in keys}
 
-    async def meet(self, peer_ids: Sequence[str]) -> int:
-        """Ping, through the DHT, each of `peer_ids` its routing table lacks; how many answered.
+    async def meet(self, peers: Mapping[str, Sequence[str]], at_most: int) -> tuple[int, int]:
+        """Ping, through the DHT, peers its routing table lacks: (how many of `peers` it
+        lacked, how many of those answered).
 
         An answer adds the peer to our routing table and us to its (hivemind's ping carries
         the caller's node id). hivemind drops unresponsive peers from its routing table and
         never asks its initial peers again, so the two halves of a healed partition each keep
         a DHT of their own (and a directory without the other half's records) for ever,
-        although their libp2p daemons and SWIM meet again in seconds. Peers already in the
-        table cost nothing; malformed ids are skipped."""
-        future = self.dht.run_coroutine(partial(_meet, list(peer_ids)), return_future=True)
+        although their libp2p daemons and SWIM meet again in seconds.
+
+        `peers`: peer id -> addresses to dial it at first (an initial peer's: libp2p forgets
+        the addresses of peers it has long been cut off from) or none (a peer libp2p can
+        reach, say one SWIM just did). Every lacking peer with addresses is pinged, and up
+        to `at_most` of the others, at random. Peers in the table cost nothing; malformed
+        ids and our own are skipped."""
         try:
+            future = self.dht.run_coroutine(
+                partial(_meet, {k: list(v) for k, v in peers.items()}, at_most),
+                return_future=True,
+            )
             return await asyncio.wait_for(_awaited(future), DHT_TIMEOUT_S)
         except TimeoutError:
-            return 0
+            return 0, 0
         except Exception as exc:  # noqa: BLE001 - a DHT in trouble shows elsewhere (is_alive)
             log.warning("the DHT could not ping peers it lost: %s", one_line(exc))
-            return 0
+            return 0, 0
 
     def is_alive(self) -> bool:
         return self.dht.is_alive() and self.p2p.is_alive
@@ -234,18 +246,30 @@ async def _get_many(keys: list[str], latest: bool, _dht: object, node: Any) -> d
     return await node.get_many(keys, **kwargs)
 
 
-async def _meet(peer_ids: list[str], _dht: object, node: Any) -> int:
-    """Runs in the DHT process (DHT.run_coroutine): ping the peers the table lacks."""
-    missing = []
-    for text in peer_ids:
+async def _meet(
+    peers: dict[str, list[str]], at_most: int, _dht: object, node: Any
+) -> tuple[int, int]:
+    """Runs in the DHT process (DHT.run_coroutine): Host.meet."""
+    dial, others = [], []
+    for text, addrs in peers.items():
         try:
             peer = PeerID.from_base58(text)
-        except Exception:  # noqa: BLE001 - a peer id we were told is not ours to trust
+            maddrs = [Multiaddr(a) for a in addrs]
+        except Exception:  # noqa: BLE001, S112 - what we were told is not ours to trust
             continue
-        if peer not in node.protocol.routing_table:
-            missing.append(peer)
-    answers = await asyncio.gather(*(node.protocol.call_ping(peer) for peer in missing))
-    return sum(answer is not None for answer in answers)
+        if peer != node.peer_id and peer not in node.protocol.routing_table:
+            (dial if maddrs else others).append((peer, maddrs))
+    chosen = dial + random.sample(others, min(at_most, len(others)))
+    answers = await asyncio.gather(*(_dial_and_ping(node, *each) for each in chosen))
+    return len(dial) + len(others), sum(answers)
+
+
+async def _dial_and_ping(node: Any, peer: PeerID, maddrs: list[Multiaddr]) -> bool:
+    if maddrs:
+        with contextlib.suppress(Exception):  # the ping says whether it can be reached
+            client = node.protocol.p2p._client  # noqa: SLF001 - no public connect
+            await asyncio.wait_for(client.connect(peer, maddrs), MEET_DIAL_S)
+    return await node.protocol.call_ping(peer) is not None
 
 
 def _plain(found: Any) -> Any:

@@ -362,4 +362,15 @@ def probe_listen(host_maddrs: Sequence[str]) -> str:
 def peer_ids(maddrs: Sequence[str]) -> set[str]:
     """The peer ids that multiaddrs such as --initial-peers end with (bootstrap peers
     serve dial-back checks too, so a node alone in its run still gets an answer)."""
-    return {m.rpartition("/p2p/")[2] for m in maddrs if "/p2p/" in m}
+    return set(addrs_by_peer(maddrs))
+
+
+def addrs_by_peer(maddrs: Sequence[str]) -> dict[str, list[str]]:
+    """Multiaddrs such as --initial-peers by the peer id they end with, each without
+    that /p2p/ID (what libp2p dials: p2pd refuses a connect to an address that has it)."""
+    grouped: dict[str, list[str]] = {}
+    for m in maddrs:
+        if "/p2p/" in m:
+            addr, _, peer = m.rpartition("/p2p/")
+            grouped.setdefault(peer, []).extend([addr] if addr else [])
+    return grouped

@@ -28,9 +28,10 @@ log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 PARENT_CHECK_S = 1.0
-"""How often the reaper also checks that its parent lives: the kernel's death signal is
-tied to the thread that started it, and a reaper that missed it would wait for ever (the
-node's forked children hold its stdin open)."""
+"""How often the reaper also checks that its parent lives, should the kernel's death
+signal not come (a reaper without it would wait for ever: the node's forked children
+hold its stdin open). The signal is tied to the thread that started the reaper, which
+must live as long as the node: Host.start runs on the event loop's, the main thread."""
 _MODULE = "agora_node.comms.reaper"
 """What a reaper runs (`python -m`), and how `is_reaper` tells one."""
 
@@ -155,6 +156,12 @@ def _main(parent: int) -> None:
         dying = True
         os.set_blocking(0, False)
 
+    # a signal also writes a byte here, so the wait below ends at once (PEP 475 would
+    # otherwise resume it for the rest of its timeout after the handler ran)
+    woken, wake = os.pipe()
+    for fd in (woken, wake):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake)
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the node; it shuts down cleanly
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked until now: _arm
@@ -162,10 +169,15 @@ def _main(parent: int) -> None:
         on_term()
     pending = b""
     while True:
-        if not dying and not select.select([0], [], [], PARENT_CHECK_S)[0]:
-            if os.getppid() != parent:  # it died, and its death signal did not reach us
+        if not dying:
+            ready = select.select([0, woken], [], [], PARENT_CHECK_S)[0]
+            if woken in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(woken, 512)
+            elif not ready and os.getppid() != parent:  # it died; its signal did not come
                 on_term()
-            continue
+            if not dying and 0 not in ready:
+                continue
         try:
             chunk = os.read(0, 4096)
         except BlockingIOError:  # dying and nothing more was written

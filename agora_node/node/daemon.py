@@ -79,7 +79,11 @@ reads of each refresh were the manifest's and the run list's.)"""
 MEET_EVERY_S = 10.0
 """How often the DHT is asked to meet the peers SWIM sees but the directory lacks."""
 MEET_AT_MOST = 8
-"""Such peers pinged per meeting, at most (a crowd of strangers in SWIM costs no more)."""
+"""Such peers pinged per meeting, at most (a crowd of strangers in SWIM costs no more;
+the initial peers are pinged whenever the DHT lacks them)."""
+MEET_CANDIDATES = 64
+"""Unlisted peers SWIM finds alive offered to each meeting, of which those the routing
+table lacks are chosen from: most unlisted peers are in the table already."""
 
 
 async def bounded(what: str, step: Awaitable[object], seconds: float) -> None:
@@ -398,11 +402,18 @@ class Node:
         healed partition merge their DHTs (and so their directories) again (Host.meet)."""
         while not self.stop_event.is_set():
             await self._wait_stop(MEET_EVERY_S)
-            wanted = self.liveness.unlisted(set(self._others()), MEET_AT_MOST)
-            wanted += sorted(reachability.peer_ids(self.config.initial_peers))
-            if not self.stop_event.is_set() and (met := await self.host.meet(wanted)):
+            if self.stop_event.is_set():
+                break
+            unlisted = self.liveness.unlisted(set(self._others()), MEET_CANDIDATES)
+            wanted = dict.fromkeys(unlisted, ()) | reachability.addrs_by_peer(
+                self.config.initial_peers
+            )
+            lacked, met = await self.host.meet(wanted, MEET_AT_MOST)
+            if met:
                 log.info(
-                    "DHT: met %d peer(s) its routing table had lost (a healed partition?)", met
+                    "DHT: met %d of %d peer(s) its routing table lacked (a healed partition?)",
+                    met,
+                    lacked,
                 )
 
     async def _refresh_relay(self, direct: list[str]) -> None:

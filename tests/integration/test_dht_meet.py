@@ -5,7 +5,7 @@ initial peers again, so after a partition healed each half kept a DHT (and a dir
 of its own for good, although SWIM met the other half again within seconds: the
 partition test of the network lab (test_netlab.py) timed out three times of three.
 `Host.meet` pings such peers through the DHT; the daemon asks it for the peers SWIM
-finds alive that its directory lacks (Node._meet_loop)."""
+finds alive that its directory lacks and for its initial peers (Node._meet_loop)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import pytest
 from hivemind.p2p import PeerID
 
 from agora_node.comms.host import Host, HostConfig
+from agora_node.comms.reachability import addrs_by_peer
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.names import manifest_key
 from agora_node.stages.manifest_files import load_manifest
@@ -74,10 +75,32 @@ async def test_a_dht_that_lost_a_peer_meets_it_again(tmp_path: Path) -> None:
         assert await a.store(key, manifest.canonical_bytes(), 60)
         assert await b.get(key) is None
 
-        assert await b.meet([a_id, "not a peer id"]) == 1
+        own = b.p2p.peer_id.to_base58()
+        assert await b.meet({a_id: [], "not a peer id": [], own: []}, 8) == (1, 1)
         assert await both_know()  # the ping carries b's node id: a took b back too
         assert await b.get(key) == manifest.canonical_bytes()
-        assert await b.meet([a_id]) == 0  # in the table: no call
+        assert await b.meet({a_id: []}, 8) == (0, 0)  # in the table: nothing to meet
+    finally:
+        for host in hosts:
+            await host.shutdown()
+
+
+async def test_an_initial_peer_libp2p_never_dialed_is_met_at_its_addresses(
+    tmp_path: Path,
+) -> None:
+    """An initial peer after a long outage: libp2p has forgotten its addresses, the DHT
+    lost it. Two DHTs that never met stand for that: the ping alone cannot reach it, a
+    dial at the addresses given first does."""
+    hosts: list[Host] = []
+    try:
+        hosts.append(await _start(tmp_path, "a"))
+        hosts.append(await _start(tmp_path, "b"))
+        a, b = hosts
+        a_id, b_id = a.p2p.peer_id.to_base58(), b.p2p.peer_id.to_base58()
+        assert await b.meet({a_id: []}, 8) == (1, 0)  # no address to reach it at
+        maddrs = addrs_by_peer([str(m) for m in await a.visible_maddrs()])[a_id]
+        assert await b.meet({a_id: maddrs}, 0) == (1, 1)  # with addresses: met, whatever at_most
+        assert await _in_dht(a, _knows, b_id) and await _in_dht(b, _knows, a_id)
     finally:
         for host in hosts:
             await host.shutdown()

@@ -116,6 +116,11 @@ def test_one_dial_back_makes_a_node_reachable_and_silence_changes_nothing():
 def test_bootstrap_peers_are_asked_too_and_probes_listen_where_the_node_does():
     boot = f"/ip4/10.0.0.1/tcp/31337/p2p/{OTHER}"
     assert r.peer_ids([boot, "/ip4/10.0.0.2/tcp/1"]) == {OTHER}
+    # what the DHT dials an initial peer at (Host.meet): without the /p2p/ID p2pd refuses
+    also = f"/ip4/10.0.0.3/udp/5/quic/p2p/{OTHER}"
+    assert r.addrs_by_peer([boot, also, f"/p2p/{OTHER}", "/ip4/10.0.0.2/tcp/1"]) == {
+        OTHER: ["/ip4/10.0.0.1/tcp/31337", "/ip4/10.0.0.3/udp/5/quic"]
+    }
     assert r.probe_listen(["/ip4/127.0.0.1/tcp/31337"]) == "/ip4/127.0.0.1/tcp/0"
     assert r.probe_listen(["/ip6/::/tcp/5"]) == "/ip6/::/tcp/0"
     assert r.probe_listen([]) == "/ip4/127.0.0.1/tcp/0"

@@ -3,23 +3,35 @@ dial-back checks (comms/reachability.py) and relays for nodes behind NAT
 (comms/relay.py). It serves no stage.
 
 It only makes the swarm findable: once peers know each other it may die, and
-any live peer works as `--initial-peers` (every node republishes the manifest).
+any live peer works as `--initial-peers` (every node republishes the manifest). It
+remembers some of the run's active peers in its data dir (peerbook.py,
+`bootstrap-peers.json`) and meets them when it starts again: a bootstrap that came back
+alone had a DHT of its own, and a newcomer that joined through it found no replica and
+started its stage from scratch beside the swarm's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shlex
 import signal
+import time
 
-from agora_node.comms.directory import MANIFEST_TTL_S, publish_manifest
+from agora_node.comms.directory import MANIFEST_TTL_S, Directory, publish_manifest
 from agora_node.comms.host import Host, HostConfig
+from agora_node.comms.reachability import addrs_by_peer
 from agora_node.node.dialback import DialBack
+from agora_node.node.peerbook import BOOTSTRAP_FILE_NAME, PeerBook
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.manifest import Manifest
 
 log = logging.getLogger(__name__)
+
+REMEMBER_EVERY_S = 10.0
+"""How often the bootstrap reads the run's directory for peers to remember (the peer book
+writes at most every 30 s); it republishes the manifest every MANIFEST_TTL_S / 4."""
 
 
 async def run_bootstrap(
@@ -29,6 +41,7 @@ async def run_bootstrap(
     announce_maddrs: list[str],
     initial_peers: list[str],
     *,
+    data_dir: str | None = None,
     relay_for_others: bool = True,
     ready: asyncio.Event | None = None,
 ) -> int:
@@ -46,8 +59,14 @@ async def run_bootstrap(
             public=True,  # its joiners dial it: their relay reservations must not be dropped
         )
     )
+    peerbook = PeerBook(data_dir, file_name=BOOTSTRAP_FILE_NAME) if data_dir else None
     dialback = DialBack()
     try:
+        if peerbook is not None and peerbook.saved:
+            # not initial peers: a bootstrap must start when none of them answers
+            lacked, met = await host.meet(addrs_by_peer(peerbook.saved), 0)
+            log.info("met %d of %d remembered peer(s) of the run", met, lacked)
+        directory = Directory(host, identity, manifest.run_id, manifest.num_stages)
         await dialback.serve(host, manifest.run_id, host_maddrs, None)
         # nodes behind NAT reserve their libp2p relay slot here first (their initial peer)
         await dialback.serve_relaying(
@@ -65,11 +84,18 @@ async def run_bootstrap(
         )
         if ready is not None:
             ready.set()
+        published = time.monotonic()
         while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), MANIFEST_TTL_S / 4)
-            except TimeoutError:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), REMEMBER_EVERY_S)
+            if stop.is_set():
+                break
+            if time.monotonic() - published >= MANIFEST_TTL_S / 4:
                 await publish_manifest(host, manifest, identity)
+                published = time.monotonic()
+            if peerbook is not None:
+                view = await directory.fetch()
+                peerbook.update((r for rs in view.values() for r in rs), host.peer_id)
         log.info("bootstrap stopping")
         return 0
     finally:

@@ -255,6 +255,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
                 config.host_maddrs,
                 config.announce_maddrs,
                 config.initial_peers,
+                data_dir=config.data_dir,
                 relay_for_others=config.relay_for_others == "on",
             )
         )

@@ -26,6 +26,8 @@ from agora_node.protocol.records import NodeRecord, NodeState
 log = logging.getLogger(__name__)
 
 FILE_NAME = "peers.json"
+BOOTSTRAP_FILE_NAME = "bootstrap-peers.json"
+"""A bootstrap's (it may share a data dir with a node of another run)."""
 MAX_PEERS = 8
 MAX_ADDR_CHARS = 256
 MAX_FILE_BYTES = 16 * 1024
@@ -67,8 +69,8 @@ def pick(records: Iterable[NodeRecord], me: str, salt: bytes = b"") -> list[str]
     return chosen
 
 
-def load(data_dir: str | os.PathLike) -> list[str]:
-    path = Path(data_dir) / FILE_NAME
+def load(data_dir: str | os.PathLike, file_name: str = FILE_NAME) -> list[str]:
+    path = Path(data_dir) / file_name
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
             raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
@@ -83,8 +85,8 @@ def load(data_dir: str | os.PathLike) -> list[str]:
     return [a for a in raw if usable(a)][:MAX_PEERS]
 
 
-def save(data_dir: str | os.PathLike, addrs: list[str]) -> None:
-    path = Path(data_dir) / FILE_NAME
+def save(data_dir: str | os.PathLike, addrs: list[str], file_name: str = FILE_NAME) -> None:
+    path = Path(data_dir) / file_name
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(addrs[:MAX_PEERS]))
     os.replace(tmp, path)
@@ -93,10 +95,15 @@ def save(data_dir: str | os.PathLike, addrs: list[str]) -> None:
 class PeerBook:
     """The node's remembered peers: what to add to `--initial-peers`, and saving the view."""
 
-    def __init__(self, data_dir: str | os.PathLike, clock=time.monotonic) -> None:  # noqa: ANN001
-        self.data_dir, self.clock = data_dir, clock
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        clock=time.monotonic,  # noqa: ANN001
+        file_name: str = FILE_NAME,
+    ) -> None:
+        self.data_dir, self.clock, self.file_name = data_dir, clock, file_name
         self.salt = os.urandom(16)
-        self.saved = load(data_dir)
+        self.saved = load(data_dir, file_name)
         self._saved_at = -SAVE_EVERY_S
 
     def initial_peers(self, given: list[str]) -> list[str]:
@@ -112,7 +119,7 @@ class PeerBook:
         if self.clock() - self._saved_at < SAVE_EVERY_S:
             return False
         try:
-            save(self.data_dir, chosen)
+            save(self.data_dir, chosen, self.file_name)
         except OSError as exc:
             log.warning("could not remember peers in %s: %s", self.data_dir, exc)
             return False

@@ -79,3 +79,13 @@ def test_a_book_saves_changes_at_most_every_interval_and_never_forgets_on_an_emp
     restarted = PeerBook(tmp_path)
     assert restarted.initial_peers(given) == given + only
     assert restarted.initial_peers(only) == only  # no duplicates
+
+
+def test_a_bootstrap_s_book_is_a_file_of_its_own(tmp_path):
+    """A bootstrap may share its data dir with a node (of another run, say)."""
+    node = PeerBook(tmp_path)
+    boot = PeerBook(tmp_path, file_name=peerbook.BOOTSTRAP_FILE_NAME)
+    assert node.update([_record(IDS[1])], IDS[0]) and boot.update([_record(IDS[2])], IDS[0])
+    assert [a[-len(IDS[1]) :] for a in peerbook.load(tmp_path)] == [IDS[1]]
+    restarted = PeerBook(tmp_path, file_name=peerbook.BOOTSTRAP_FILE_NAME)
+    assert [a[-len(IDS[2]) :] for a in restarted.saved] == [IDS[2]]

@@ -62,11 +62,10 @@ async def run_bootstrap(
     peerbook = PeerBook(data_dir, file_name=BOOTSTRAP_FILE_NAME) if data_dir else None
     dialback = DialBack()
     try:
+        directory = Directory(host, identity, manifest.run_id, manifest.num_stages)
         if peerbook is not None and peerbook.saved:
             # not initial peers: a bootstrap must start when none of them answers
-            lacked, met = await host.meet(addrs_by_peer(peerbook.saved), 0)
-            log.info("met %d of %d remembered peer(s) of the run", met, lacked)
-        directory = Directory(host, identity, manifest.run_id, manifest.num_stages)
+            await _remember(host, peerbook, directory, read=False)
         await dialback.serve(host, manifest.run_id, host_maddrs, None)
         # nodes behind NAT reserve their libp2p relay slot here first (their initial peer)
         await dialback.serve_relaying(
@@ -94,10 +93,33 @@ async def run_bootstrap(
                 await publish_manifest(host, manifest, identity)
                 published = time.monotonic()
             if peerbook is not None:
-                view = await directory.fetch()
-                peerbook.update((r for rs in view.values() for r in rs), host.peer_id)
+                await _remember(host, peerbook, directory)
         log.info("bootstrap stopping")
         return 0
     finally:
         await dialback.close()
         await host.shutdown()
+
+
+async def _remember(
+    host: Host, peerbook: PeerBook, directory: Directory, read: bool = True
+) -> None:
+    """Meet the remembered peers the DHT lacks (every time: a first try may find the
+    network not up yet; nothing to do once they are in the routing table), then, with
+    `read`, remember the directory's active peers. Never fatal: the bootstrap goes on."""
+    try:
+        lacked, met = await host.meet(addrs_by_peer(peerbook.saved), 0)
+        if lacked and met:
+            log.info("met %d of %d remembered peer(s) of the run", met, lacked)
+        elif lacked and not read:  # at start; later tries stay quiet
+            log.warning(
+                "none of the %d remembered peer(s) of the run answered (%s): until one does, "
+                "a newcomer joining through this bootstrap may find no replica",
+                lacked,
+                peerbook.data_dir,
+            )
+        if read:
+            view = await directory.fetch()
+            peerbook.update((r for rs in view.values() for r in rs), host.peer_id)
+    except Exception as exc:  # noqa: BLE001 - the next round tries again
+        log.warning("could not read or meet the run's peers: %r", exc)

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from agora_node.comms.host import is_relayed, is_valid_maddr
+from agora_node.comms.reachability import address_scope
 from agora_node.protocol.records import NodeRecord, NodeState
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,16 @@ def usable(addr: object) -> bool:
     return is_valid_maddr(addr)
 
 
+_NEVER = frozenset({"link-local", "multicast", "unspecified"})
+_RANK = {"global": 0, "other": 1, "private": 2, "loopback": 3}
+
+
+def _preference(addr: str) -> int:
+    """Public addresses first, then DNS and the like, then private ones, loopback last:
+    the one most likely dialable from elsewhere is remembered."""
+    return _RANK.get(address_scope(addr), 4)
+
+
 def pick(records: Iterable[NodeRecord], me: str, salt: bytes = b"") -> list[str]:
     """One address of each active peer other than `me`, at most MAX_PEERS, in the order of
     sha256(salt + peer id): stable from one refresh to the next, and with a secret salt
@@ -52,8 +63,10 @@ def pick(records: Iterable[NodeRecord], me: str, salt: bytes = b"") -> list[str]
         if record.peer_id == me or record.state != NodeState.ACTIVE:
             continue
         suffix = f"/p2p/{record.peer_id}"
-        for addr in record.addrs:
-            if is_relayed(addr):  # a relay's address: may not be dialable as a first peer
+        for addr in sorted(record.addrs, key=_preference):
+            if is_relayed(addr) or address_scope(addr) in _NEVER:
+                # a relay's address may not be dialable as a first peer; the others are
+                # no peer's (a stranger's record may list them to aim our dials there)
                 continue
             if addr.endswith(suffix):
                 full = addr

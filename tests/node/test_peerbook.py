@@ -89,3 +89,18 @@ def test_a_bootstrap_s_book_is_a_file_of_its_own(tmp_path):
     assert [a[-len(IDS[1]) :] for a in peerbook.load(tmp_path)] == [IDS[1]]
     restarted = PeerBook(tmp_path, file_name=peerbook.BOOTSTRAP_FILE_NAME)
     assert [a[-len(IDS[2]) :] for a in restarted.saved] == [IDS[2]]
+
+
+def test_the_address_remembered_is_the_most_dialable_and_never_one_of_no_peer():
+    """A record lists its addresses in any order (a node on 0.0.0.0 may list loopback
+    first), and a stranger's may list addresses that are no peer's."""
+    suffix = f"/p2p/{IDS[1]}"
+    loopback, lan, public = "/ip4/127.0.0.1/tcp/1", "/ip4/192.168.1.5/tcp/3", "/ip4/1.2.3.4/tcp/4"
+    nobody = ["/ip4/169.254.169.254/tcp/80", "/ip4/0.0.0.0/tcp/2", "/ip4/224.0.0.1/tcp/5"]
+    for addrs, chosen in [
+        ([loopback, *nobody, lan, public], [public + suffix]),
+        ([loopback, lan], [lan + suffix]),
+        ([loopback], [loopback + suffix]),
+        (nobody, []),
+    ]:
+        assert peerbook.pick([_record(IDS[1], addrs=addrs)], IDS[0]) == chosen

@@ -322,8 +322,8 @@ class BootstrapConfig:
     )
     data_dir: str = option(
         "",
-        help="where the identity and the lock live (default ~/.agora-node, or "
-        "~/.agora-node/nodes/NAME when only --identity-path NAME.key is given)",
+        help="where the identity, the lock and the remembered peers live (default "
+        "~/.agora-node, or ~/.agora-node/nodes/NAME when only --identity-path NAME.key is given)",
     )
     host_maddrs: list[str] = option(factory=lambda: [LISTEN], help=_LISTEN_HELP)
     announce_maddrs: list[str] = option(

@@ -42,13 +42,6 @@ def set_parent_death_signal() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _arm() -> None:
-    """In the reaper's child before exec: SIGTERM when the parent dies, held back (the mask
-    survives exec) until the reaper's handler is installed, so an early death is not lost."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    set_parent_death_signal()
-
-
 class Reaper:
     def __init__(self, proc: subprocess.Popen | None) -> None:
         self._proc = proc
@@ -59,10 +52,14 @@ class Reaper:
     def start(cls) -> Reaper:
         if not sys.platform.startswith("linux"):
             return cls(None)  # no PR_SET_PDEATHSIG: rely on process-group kills
+        # No preexec_fn: with one, the child of this (threaded, gRPC-serving) process runs
+        # Python and gRPC's fork handlers before exec, and gRPC aborted it there (SIGABRT,
+        # 4 reapers of 60 in tests/node/test_reaper.py's measure): a node without a reaper
+        # left its DHT process and libp2p daemon running when killed. Without one, Python
+        # spawns by vfork, which runs no fork handlers; the reaper arms its death signal.
         proc = subprocess.Popen(
             [sys.executable, "-m", _MODULE, str(os.getpid())],
             stdin=subprocess.PIPE,
-            preexec_fn=_arm,  # noqa: PLW1509 - must run in the child
             close_fds=True,
             # its own session: a SIGKILL of the node's whole process group (an operator's
             # `kill -9 -PGID`, a service manager) must not take the reaper with it
@@ -164,7 +161,7 @@ def _main(parent: int) -> None:
     signal.set_wakeup_fd(wake)
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the node; it shuts down cleanly
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked until now: _arm
+    set_parent_death_signal()  # the thread that started us: Host.start's, the event loop's
     if os.getppid() != parent:  # the parent died before the signal was armed
         on_term()
     pending = b""

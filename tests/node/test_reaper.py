@@ -221,3 +221,57 @@ def test_a_clean_stop_kills_what_the_node_did_not_stop_and_spares_a_reused_pid()
         for proc in (survivor, stranger):
             proc.kill()
             proc.wait()
+
+
+_GRPC_NODE = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    from pathlib import Path
+    import grpc
+    from agora_node.comms.reaper import Reaper
+
+    def handles_sigterm(pid):  # its handler installed, SIGTERM not blocked: running
+        try:
+            lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        except OSError:
+            return False
+        fields = dict(line.split(":\\t", 1) for line in lines)
+        return bool(int(fields["SigCgt"], 16) & 0x4000) and not int(fields["SigBlk"], 16) & 0x4000
+
+    async def main():
+        server = grpc.aio.server()
+        server.add_insecure_port(f"unix:{sys.argv[1]}")
+        await server.start()
+        dead = []
+        for _ in range(int(sys.argv[2])):
+            reaper = Reaper.start()
+            deadline = time.monotonic() + 20
+            while reaper._proc.poll() is None and not handles_sigterm(reaper._proc.pid):
+                assert time.monotonic() < deadline, "a reaper neither started nor died"
+                await asyncio.sleep(0.01)  # polling under a deadline
+            if reaper._proc.poll() is not None:
+                dead.append(reaper._proc.returncode)
+            reaper.stop()
+        await server.stop(None)
+        print(dead, flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_reapers_started_by_a_process_serving_grpc_all_live(tmp_path):
+    """A node serves its control API over gRPC (control.py). A reaper started with a
+    preexec_fn ran Python and gRPC's fork handlers between fork and exec, and gRPC aborted
+    it there: 5-8 reapers of 100 died at birth (SIGABRT; seen in a process of its own,
+    not inside pytest's), and a node without a reaper left its DHT process and libp2p
+    daemon running when it was killed."""
+    done = subprocess.run(
+        [sys.executable, "-c", _GRPC_NODE, str(tmp_path / "control.sock"), "100"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout

@@ -37,7 +37,9 @@ _MODULE = "agora_node.comms.reaper"
 
 
 def set_parent_death_signal() -> None:
-    """In a child, before exec (preexec_fn): SIGTERM when the parent dies, even by SIGKILL."""
+    """SIGTERM to this process when its parent (the thread that started it) dies, even by
+    SIGKILL: called by the reaper itself, and by the demo's nodes before exec (preexec_fn;
+    the demo process serves no gRPC, see Reaper.start)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 

@@ -168,16 +168,6 @@ class Admission:
             while len(self.admitted_by) > MAX_ADMITTERS:
                 del self.admitted_by[next(iter(self.admitted_by))]
 
-    def undecided(self) -> bool:
-        """No peer has admitted us, and some peer seen has not answered yet (silent, or
-        turned the ask away busy): asking again may settle it."""
-        if self.admitted_by:
-            return False
-        return any(
-            self.verdicts.get(p, Verdict.UNKNOWN) in (Verdict.UNKNOWN, Verdict.BUSY)
-            for p in self.seen
-        )
-
     def refusal(self) -> str | None:
         """The line to stop with, or None. Only once every peer seen has answered (one
         turned away busy may be an honest peer a stranger keeps busy; one silent

@@ -76,8 +76,6 @@ MANIFEST_TTL_S) and re-reads the runs announced; its record and the directory go
 refresh_s. (Until 2026-12-03 all of it went every 3 s: three of the eight DHT writes and
 reads of each refresh were the manifest's and the run list's.)"""
 
-ADMISSION_RETRY_S = 1.0
-"""Between a joiner's admission asks while some peer has not answered."""
 MEET_EVERY_S = 10.0
 """How often the DHT is asked to meet the peers SWIM sees but the directory lacks."""
 MEET_AT_MOST = 8
@@ -195,7 +193,7 @@ class Node:
         stage = await self._choose_stage()
         self.view = await self.directory.fetch()
         self.recent.note(self.view)
-        refusal = await self._settle_admission()
+        refusal = await self._ask_admission()
         if refusal is not None:  # an unlisted node: say so now, not after waiting for state
             raise JoinError(refusal)
         self._note_stage_change(None, stage, self.stage_choice_reason)
@@ -379,22 +377,6 @@ class Node:
 
     async def _ask_admission(self) -> str | None:
         return await self.admittance.ask(self.host.p2p, self.manifest.run_id, self._others())
-
-    async def _settle_admission(self) -> str | None:
-        """Before a joiner loads state: ask the peers whether they admit it, again every
-        ADMISSION_RETRY_S (up to admission.SILENT_ASKS asks) while none admitted it and
-        some did not answer. Asked once, a silent peer (a stranger's record, planted at no
-        cost) left an unlisted joiner asking the stage's replicas for state they refuse,
-        until its state deadline, instead of saying it is not on their lists."""
-        refusal = await self._ask_admission()
-        for _ in range(admission.SILENT_ASKS - 1):
-            if refusal is not None or not self.admittance.asked.undecided():
-                break
-            await self._wait_stop(ADMISSION_RETRY_S)
-            if self.stop_event.is_set():
-                break
-            refusal = await self._ask_admission()
-        return refusal
 
     async def _admission_loop(self) -> None:
         """Peers that appear later are asked too; the allow list is re-read when it changes."""

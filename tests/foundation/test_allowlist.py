@@ -132,21 +132,6 @@ def test_a_peer_that_never_answers_does_not_keep_an_unlisted_joiner_waiting():
     assert adm.refusal() is None  # "old" is silent: it may still admit us
 
 
-def test_undecided_while_no_peer_admitted_and_some_have_not_answered():
-    """What keeps a joiner asking before it loads state (daemon._settle_admission)."""
-    adm = Admission(recheck_s=60)
-    adm.to_ask(["p1", "quiet"], now=0)
-    adm.note("p1", Verdict.REFUSED, "no from p1", now=0)
-    assert adm.undecided()  # "quiet" never asked yet
-    adm.note("quiet", Verdict.BUSY, "", now=0)
-    assert adm.undecided()
-    adm.note("quiet", Verdict.REFUSED, "no from quiet", now=1)
-    assert not adm.undecided() and adm.refusal() == "no from p1"
-    adm.note("p1", Verdict.ADMITTED, "", now=2)
-    adm.note("quiet", Verdict.UNKNOWN, "", now=2)
-    assert not adm.undecided()  # admitted once: nothing to wait for
-
-
 def test_strangers_alone_never_stop_a_node_that_was_admitted():
     """A stranger with a record answers "refused"; an honest peer that admitted the node
     once gives no answer now (busy, or gone): the node quit, in an open swarm."""

@@ -85,16 +85,13 @@ def test_listed_nodes_train_and_an_unlisted_node_is_turned_away(swarm, tmp_path)
     ]
     for node in listed:
         swarm.serving(node)
-    # a stranger's records first: the unlisted node asks it too, and it never answers (no
-    # daemon behind them). Asked once, that left the unlisted node asking the replicas for
-    # state they refused until its state deadline (seen: 2 runs of 3 timed out here)
-    _plant_unlisted_inputs(swarm, swarm.status(listed[0])["run_id"], ids["stranger"][0])
     unlisted = swarm.join("u", "--stage", "1", "--identity-path", ids["u"][1])
-    poll(
-        lambda: (s := swarm.status(listed[0])) and s["microbatches"].get("ok", 0) > 0,
+    head = poll(
+        lambda: (s := swarm.status(listed[0])) and s["microbatches"].get("ok", 0) > 0 and s,
         120,
         "the listed nodes training together",
     )
+    _plant_unlisted_inputs(swarm, head["run_id"], ids["stranger"][0])
     assert unlisted.proc.wait(timeout=90) == 1
     me = ids["u"][0].peer_id
     lines = [line for line in swarm.log(unlisted).splitlines() if "admits only listed" in line]

@@ -1,10 +1,11 @@
 """Peers a node has seen, remembered in its data dir, so that a restart can rejoin the
 swarm when the peers on its command line are gone (the bootstrap is only an entry point).
 
-`peers.json` holds at most `MAX_PEERS` multiaddrs, each ending in `/p2p/<peer id>`
-(libp2p refuses a connection to a host whose key is not that peer's, so an address a
-hostile record lists can waste a dial, not redirect us). The node writes it from the
-directory (`pick`: active peers, one address each) when the set changes, at most once
+`peers.json` holds at most `MAX_ADDRS` multiaddrs (two of each of `MAX_PEERS` peers),
+each ending in `/p2p/<peer id>` (libp2p refuses a connection to a host whose key is not
+that peer's, so an address a hostile record lists can waste a dial, not redirect us).
+The node writes it from the directory (`pick`: active peers, their most dialable
+address, and a private one beside a public one) when the set changes, at most once
 per `SAVE_EVERY_S`, atomically; `load` reads it back bounded and checked, and treats a
 missing, oversized or malformed file as empty (one warning), never as a reason not to
 start.
@@ -30,6 +31,8 @@ FILE_NAME = "peers.json"
 BOOTSTRAP_FILE_NAME = "bootstrap-peers.json"
 """A bootstrap's (it may share a data dir with a node of another run)."""
 MAX_PEERS = 8
+MAX_ADDRS = 2 * MAX_PEERS
+"""Addresses kept: a public and a private one of each peer, at most."""
 MAX_ADDR_CHARS = 256
 MAX_FILE_BYTES = 16 * 1024
 SAVE_EVERY_S = 30.0
@@ -43,41 +46,54 @@ def usable(addr: object) -> bool:
 
 
 _NEVER = frozenset({"link-local", "multicast", "unspecified"})
-_RANK = {"global": 0, "other": 1, "private": 2, "loopback": 3}
+_RANK = {"global": 0, "private": 1, "other": 2, "loopback": 3}
 
 
 def _preference(addr: str) -> int:
-    """Public addresses first, then DNS and the like, then private ones, loopback last:
-    the one most likely dialable from elsewhere is remembered."""
+    """Public addresses first, then private ones, then names and the like, loopback
+    last: the one most likely dialable from elsewhere is remembered."""
     return _RANK.get(address_scope(addr), 4)
 
 
+def _dialable(addr: str, suffix: str) -> str | None:
+    """`addr` ending in `suffix` (the record's peer), or None for one that is a relay's,
+    another peer's or no peer's (a stranger's record may list such addresses to aim our
+    dials there: link-local, multicast, unspecified, a zoned IPv6 one)."""
+    if is_relayed(addr) or address_scope(addr) in _NEVER or addr.startswith("/ip6zone/"):
+        return None
+    if addr.endswith(suffix):
+        full = addr
+    elif "/p2p/" in addr:  # another peer's id: not an address of this one
+        return None
+    else:
+        full = addr + suffix
+    return full if usable(full) else None
+
+
 def pick(records: Iterable[NodeRecord], me: str, salt: bytes = b"") -> list[str]:
-    """One address of each active peer other than `me`, at most MAX_PEERS, in the order of
-    sha256(salt + peer id): stable from one refresh to the next, and with a secret salt
-    (PeerBook's) not an order a stranger can grind peer ids to come first in (by peer id,
-    eight ground ids took every place)."""
+    """The most dialable address of each active peer other than `me` (and its best
+    private one too when that is a public one: hosts behind the same NAT may not reach
+    their public address), for at most MAX_PEERS peers, in the order of sha256(salt +
+    peer id): stable from one refresh to the next, and with a secret salt (PeerBook's)
+    not an order a stranger can grind peer ids to come first in (by peer id, eight
+    ground ids took every place)."""
     chosen: list[str] = []
+    peers = 0
     order = sorted(records, key=lambda r: hashlib.sha256(salt + r.peer_id.encode()).digest())
     for record in order:
         if record.peer_id == me or record.state != NodeState.ACTIVE:
             continue
         suffix = f"/p2p/{record.peer_id}"
-        for addr in sorted(record.addrs, key=_preference):
-            if is_relayed(addr) or address_scope(addr) in _NEVER:
-                # a relay's address may not be dialable as a first peer; the others are
-                # no peer's (a stranger's record may list them to aim our dials there)
-                continue
-            if addr.endswith(suffix):
-                full = addr
-            elif "/p2p/" in addr:  # another peer's id: not an address of this one
-                continue
-            else:
-                full = addr + suffix
-            if usable(full):
-                chosen.append(full)
-                break
-        if len(chosen) == MAX_PEERS:
+        found = [a for a in map(lambda a: _dialable(a, suffix), record.addrs) if a]
+        if not found:
+            continue
+        found.sort(key=_preference)
+        chosen.append(found[0])
+        private = [a for a in found if address_scope(a) == "private"]
+        if address_scope(found[0]) == "global" and private:
+            chosen.append(private[0])
+        peers += 1
+        if peers == MAX_PEERS:
             break
     return chosen
 
@@ -95,13 +111,13 @@ def load(data_dir: str | os.PathLike, file_name: str = FILE_NAME) -> list[str]:
     except (OSError, ValueError) as exc:
         log.warning("ignoring remembered peers in %s: %s", path, exc)
         return []
-    return [a for a in raw if usable(a)][:MAX_PEERS]
+    return [a for a in raw if usable(a)][:MAX_ADDRS]
 
 
 def save(data_dir: str | os.PathLike, addrs: list[str], file_name: str = FILE_NAME) -> None:
     path = Path(data_dir) / file_name
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(addrs[:MAX_PEERS]))
+    tmp.write_text(json.dumps(addrs[:MAX_ADDRS]))
     os.replace(tmp, path)
 
 

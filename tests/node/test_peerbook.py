@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from agora_node.node import peerbook
-from agora_node.node.peerbook import MAX_PEERS, SAVE_EVERY_S, PeerBook
+from agora_node.node.peerbook import MAX_ADDRS, MAX_PEERS, SAVE_EVERY_S, PeerBook
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.records import NodeRecord
 
@@ -54,9 +54,9 @@ def test_peers_whose_ids_sort_first_do_not_take_every_place():
 def test_load_is_bounded_and_a_bad_file_means_no_remembered_peers(tmp_path):
     path = tmp_path / peerbook.FILE_NAME
     assert peerbook.load(tmp_path) == []  # none yet
-    good = [f"/ip4/127.0.0.1/tcp/{i}/p2p/{p}" for i, p in enumerate(IDS, 1)]
+    good = [f"/ip4/127.0.0.1/tcp/{i}/p2p/{p}" for i, p in enumerate(IDS + IDS, 1)]
     path.write_text(json.dumps(["/ip4/127.0.0.1/tcp/9", 7, "x" * 300, *good]))
-    assert peerbook.load(tmp_path) == good[:MAX_PEERS]  # no peer id, not a string, too long
+    assert peerbook.load(tmp_path) == good[:MAX_ADDRS]  # no peer id, not a string, too long
     for bad in ("{", json.dumps({"a": 1}), json.dumps(["y" * 100] * 200)):
         path.write_text(bad)
         assert peerbook.load(tmp_path) == []
@@ -93,14 +93,24 @@ def test_a_bootstrap_s_book_is_a_file_of_its_own(tmp_path):
 
 def test_the_address_remembered_is_the_most_dialable_and_never_one_of_no_peer():
     """A record lists its addresses in any order (a node on 0.0.0.0 may list loopback
-    first), and a stranger's may list addresses that are no peer's."""
+    first), and a stranger's may list addresses that are no peer's. Beside a public
+    address the best private one is kept: hosts behind the same NAT may not reach it."""
     suffix = f"/p2p/{IDS[1]}"
     loopback, lan, public = "/ip4/127.0.0.1/tcp/1", "/ip4/192.168.1.5/tcp/3", "/ip4/1.2.3.4/tcp/4"
-    nobody = ["/ip4/169.254.169.254/tcp/80", "/ip4/0.0.0.0/tcp/2", "/ip4/224.0.0.1/tcp/5"]
+    name = "/dns4/node.example/tcp/5"
+    nobody = [
+        "/ip4/169.254.169.254/tcp/80",
+        "/ip4/0.0.0.0/tcp/2",
+        "/ip4/224.0.0.1/tcp/5",
+        "/ip6zone/eth0/ip6/fe80::1/tcp/6",
+    ]
     for addrs, chosen in [
-        ([loopback, *nobody, lan, public], [public + suffix]),
-        ([loopback, lan], [lan + suffix]),
-        ([loopback], [loopback + suffix]),
+        ([loopback, *nobody, name, lan, public], [public, lan]),
+        ([loopback, name, public], [public]),
+        ([loopback, name, lan], [lan]),
+        ([loopback, name], [name]),
+        ([loopback], [loopback]),
         (nobody, []),
     ]:
-        assert peerbook.pick([_record(IDS[1], addrs=addrs)], IDS[0]) == chosen
+        found = peerbook.pick([_record(IDS[1], addrs=addrs)], IDS[0])
+        assert found == [a + suffix for a in chosen], (addrs, found)

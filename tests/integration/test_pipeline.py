@@ -156,7 +156,7 @@ def test_killing_a_middle_replica_mid_training_loses_only_in_flight_work(swarm):
 def test_a_frozen_replica_is_given_up_once_declared_dead_not_after_the_hop_timeout(swarm):
     """SIGSTOP keeps a replica's connections open and silent, as a cut link does: what
     waits on it must move to the other replica when SWIM declares it dead, long before
-    the (here 600 s) hop timeout."""
+    the (here 600 s) hop timeout. Woken (a laptop back from sleep), it serves again."""
     nodes, completed = _training_with_two_middle_replicas(swarm, "--hop-timeout", "600")
     before = completed()
     swarm.kill(nodes[1], signal.SIGSTOP)
@@ -167,6 +167,13 @@ def test_a_frozen_replica_is_given_up_once_declared_dead_not_after_the_hop_timeo
         assert (swarm.status(nodes[0]) or {})["microbatches"].get("dropped", 0) == 0
     finally:
         swarm.kill(nodes[1], signal.SIGCONT)
+
+    def served() -> int:
+        return ((swarm.status(nodes[1]) or {}).get("microbatches") or {}).get("ok", 0)
+
+    poll(lambda: swarm.status(nodes[1]) is not None, 60, "the woken replica answering")
+    woke_at = served()
+    poll(lambda: served() >= woke_at + 20, 180, "the woken replica serving 20 micro-batches")
 
 
 async def _send_raw(

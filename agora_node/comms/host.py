@@ -203,9 +203,10 @@ class Host:
             )
             return await asyncio.wait_for(_awaited(future), DHT_TIMEOUT_S)
         except TimeoutError:
+            log.warning("the DHT did not finish pinging peers it lacks in %.0fs", DHT_TIMEOUT_S)
             return 0, 0
         except Exception as exc:  # noqa: BLE001 - a DHT in trouble shows elsewhere (is_alive)
-            log.warning("the DHT could not ping peers it lost: %s", one_line(exc))
+            log.warning("the DHT could not ping peers it lacks: %s", one_line(exc))
             return 0, 0
 
     def is_alive(self) -> bool:

@@ -56,7 +56,7 @@ class Reaper:
             return cls(None)  # no PR_SET_PDEATHSIG: rely on process-group kills
         # No preexec_fn: with one, the child of this (threaded, gRPC-serving) process runs
         # Python and gRPC's fork handlers before exec, and gRPC aborted it there (SIGABRT,
-        # 4 reapers of 60 in tests/node/test_reaper.py's measure): a node without a reaper
+        # 5-8 reapers of 100, tests/node/test_reaper.py): a node without a reaper
         # left its DHT process and libp2p daemon running when killed. Without one, Python
         # spawns by vfork, which runs no fork handlers; the reaper arms its death signal.
         proc = subprocess.Popen(

@@ -111,11 +111,11 @@ async def _remember(
         lacked, met = await host.meet(addrs_by_peer(peerbook.saved), 0)
         if lacked and met:
             log.info("met %d of %d remembered peer(s) of the run", met, lacked)
-        elif not read:  # at start (the DHT knows nobody yet); later tries stay quiet
+        elif lacked and not read:  # at start; later tries stay quiet (a timeout: Host.meet)
             log.warning(
                 "none of the %d remembered peer(s) of the run answered (%s): until one does, "
                 "a newcomer joining through this bootstrap may find no replica",
-                len(addrs_by_peer(peerbook.saved)),
+                lacked,
                 peerbook.data_dir,
             )
         if read:

@@ -406,7 +406,7 @@ class Node:
                 break
             unlisted = self.liveness.unlisted(set(self._others()), MEET_CANDIDATES)
             wanted = dict.fromkeys(unlisted, ()) | reachability.addrs_by_peer(
-                self.config.initial_peers
+                self.peerbook.initial_peers(self.config.initial_peers)  # and remembered ones
             )
             lacked, met = await self.host.meet(wanted, MEET_AT_MOST)
             if met:

@@ -58,7 +58,9 @@ def _preference(addr: str) -> int:
 def _dialable(addr: str, suffix: str) -> str | None:
     """`addr` ending in `suffix` (the record's peer), or None for one that is a relay's,
     another peer's or no peer's (a stranger's record may list such addresses to aim our
-    dials there: link-local, multicast, unspecified, a zoned IPv6 one)."""
+    dials there: link-local, multicast, unspecified, a zoned IPv6 one). A DNS name is
+    kept: where it resolves is not known here, and a dial to the wrong host fails on the
+    peer's key."""
     if is_relayed(addr) or address_scope(addr) in _NEVER or addr.startswith("/ip6zone/"):
         return None
     if addr.endswith(suffix):

@@ -151,7 +151,7 @@ def test_killing_a_middle_replica_mid_training_loses_only_in_flight_work(swarm):
     assert dropped <= 2, dropped  # at most what was in flight (one inner step's worth: 2)
 
 
-@pytest.mark.slow  # ~55 s, like the kill above; tests/node/test_peer_gone.py checks the
+@pytest.mark.slow  # ~30-60 s; tests/node/test_peer_gone.py checks the
 # pipeline's part in the default suite
 def test_a_frozen_replica_is_given_up_once_declared_dead_not_after_the_hop_timeout(swarm):
     """SIGSTOP keeps a replica's connections open and silent, as a cut link does: what

@@ -79,11 +79,15 @@ _NODE_WITHOUT_DEATH_SIGNAL = textwrap.dedent(
     import os, subprocess, sys
     from agora_node.comms.reaper import Reaper
 
-    # a reaper the kernel will not signal when we die (no PR_SET_PDEATHSIG), whose stdin
-    # a child of ours holds open too (as the DHT process, a fork, does): only its own
-    # check of its parent can tell it we died
+    # a reaper the kernel will not signal when we die (its PR_SET_PDEATHSIG disarmed),
+    # whose stdin a child of ours holds open too (as the DHT process, a fork, does): only
+    # its own check of its parent can tell it we died
+    disarmed = (
+        "import sys; from agora_node.comms import reaper; "
+        "reaper.set_parent_death_signal = lambda: None; reaper._main(int(sys.argv[1]))"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agora_node.comms.reaper", str(os.getpid())],
+        [sys.executable, "-c", disarmed, str(os.getpid())],
         stdin=subprocess.PIPE,
         start_new_session=True,
     )

@@ -21,7 +21,6 @@ import time
 
 from agora_node.comms.directory import MANIFEST_TTL_S, Directory, publish_manifest
 from agora_node.comms.host import Host, HostConfig
-from agora_node.comms.reachability import addrs_by_peer
 from agora_node.node.dialback import DialBack
 from agora_node.node.peerbook import BOOTSTRAP_FILE_NAME, PeerBook
 from agora_node.protocol.identity import Identity
@@ -65,7 +64,7 @@ async def run_bootstrap(
         directory = Directory(host, identity, manifest.run_id, manifest.num_stages)
         if peerbook is not None and peerbook.saved:
             # not initial peers: a bootstrap must start when none of them answers
-            await _remember(host, peerbook, directory, read=False)
+            await _meet_remembered(host, peerbook, at_start=True)
         await dialback.serve(host, manifest.run_id, host_maddrs, None)
         # nodes behind NAT reserve their libp2p relay slot here first (their initial peer)
         await dialback.serve_relaying(
@@ -93,6 +92,7 @@ async def run_bootstrap(
                 await publish_manifest(host, manifest, identity)
                 published = time.monotonic()
             if peerbook is not None:
+                await _meet_remembered(host, peerbook, at_start=False)
                 await _remember(host, peerbook, directory)
         log.info("bootstrap stopping")
         return 0
@@ -101,25 +101,27 @@ async def run_bootstrap(
         await host.shutdown()
 
 
-async def _remember(
-    host: Host, peerbook: PeerBook, directory: Directory, read: bool = True
-) -> None:
-    """Meet the remembered peers the DHT lacks (every time: a first try may find the
-    network not up yet; nothing to do once they are in the routing table), then, with
-    `read`, remember the directory's active peers. Never fatal: the bootstrap goes on."""
+async def _meet_remembered(host: Host, peerbook: PeerBook, *, at_start: bool) -> None:
+    """Meet the remembered peers the DHT lacks (at start, and at every read after: a first
+    try may find the network not up yet; nothing to do once they are in the routing
+    table). Host.meet never raises; it warns of a timeout itself."""
+    lacked, met = await host.meet(peerbook.to_meet([]), 0)
+    if met:
+        log.info("met %d of %d remembered peer(s) of the run", met, lacked)
+    elif lacked and at_start:  # later tries stay quiet
+        log.warning(
+            "none of the %d remembered peer(s) of the run answered (%s): until one does, "
+            "a newcomer joining through this bootstrap may find no replica",
+            lacked,
+            peerbook.data_dir,
+        )
+
+
+async def _remember(host: Host, peerbook: PeerBook, directory: Directory) -> None:
+    """Remember the directory's active peers. Never fatal: the next read tries again."""
     try:
-        lacked, met = await host.meet(addrs_by_peer(peerbook.saved), 0)
-        if lacked and met:
-            log.info("met %d of %d remembered peer(s) of the run", met, lacked)
-        elif lacked and not read:  # at start; later tries stay quiet (a timeout: Host.meet)
-            log.warning(
-                "none of the %d remembered peer(s) of the run answered (%s): until one does, "
-                "a newcomer joining through this bootstrap may find no replica",
-                lacked,
-                peerbook.data_dir,
-            )
-        if read:
-            view = await directory.fetch()
-            peerbook.update((r for rs in view.values() for r in rs), host.peer_id)
-    except Exception as exc:  # noqa: BLE001 - the next round tries again
-        log.warning("could not read or meet the run's peers: %r", exc)
+        view = await directory.fetch()
+    except Exception as exc:  # noqa: BLE001 - the bootstrap goes on serving
+        log.warning("could not read the run's peers: %r", exc)
+        return
+    peerbook.update((r for rs in view.values() for r in rs), host.peer_id)

@@ -405,9 +405,8 @@ class Node:
             if self.stop_event.is_set():
                 break
             unlisted = self.liveness.unlisted(set(self._others()), MEET_CANDIDATES)
-            wanted = dict.fromkeys(unlisted, ()) | reachability.addrs_by_peer(
-                self.peerbook.initial_peers(self.config.initial_peers)  # and remembered ones
-            )
+            # and the initial peers, those given and those remembered
+            wanted = dict.fromkeys(unlisted, ()) | self.peerbook.to_meet(self.config.initial_peers)
             lacked, met = await self.host.meet(wanted, MEET_AT_MOST)
             if met:
                 log.info(

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from agora_node.comms.host import is_relayed, is_valid_maddr
-from agora_node.comms.reachability import address_scope
+from agora_node.comms.reachability import address_scope, addrs_by_peer
 from agora_node.protocol.records import NodeRecord, NodeState
 
 log = logging.getLogger(__name__)
@@ -86,10 +86,9 @@ def pick(records: Iterable[NodeRecord], me: str, salt: bytes = b"") -> list[str]
         if record.peer_id == me or record.state != NodeState.ACTIVE:
             continue
         suffix = f"/p2p/{record.peer_id}"
-        found = [a for a in map(lambda a: _dialable(a, suffix), record.addrs) if a]
+        found = sorted(filter(None, (_dialable(a, suffix) for a in record.addrs)), key=_preference)
         if not found:
             continue
-        found.sort(key=_preference)
         chosen.append(found[0])
         private = [a for a in found if address_scope(a) == "private"]
         if address_scope(found[0]) == "global" and private:
@@ -140,6 +139,10 @@ class PeerBook:
     def initial_peers(self, given: list[str]) -> list[str]:
         """The peers given on the command line first, then the remembered ones."""
         return list(given) + [a for a in self.saved if a not in given]
+
+    def to_meet(self, given: list[str]) -> dict[str, list[str]]:
+        """`initial_peers(given)` as Host.meet takes them: peer id -> addresses to dial."""
+        return addrs_by_peer(self.initial_peers(given))
 
     def update(self, records: Iterable[NodeRecord], me: str) -> bool:
         """Remember the directory's active peers if they changed (rate-limited); True when

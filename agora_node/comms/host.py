@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import glob
 import logging
 import math
@@ -32,10 +31,10 @@ from typing import Any
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
+from agora_node.comms.control_calls import settle_cancelled_calls
 from agora_node.comms.dht_validator import SignedSubkeys
 from agora_node.comms.host_checks import (
     HostError,
@@ -289,53 +288,6 @@ def watch_p2p(reaper: Reaper, p2p: P2P) -> None:
     reaper.watch(p2p._child.pid)  # noqa: SLF001 - no public accessor for the daemon's pid
     for path in _socket_paths(p2p):
         reaper.remove_on_death(path)
-
-
-class CallsAnsweredAfterCancel(dict):
-    """hivemind's control client's pending calls (`ControlClient._pending_calls`), by call
-    id. Its reader sets a call's future when p2pd answers. A caller cancelled meanwhile (a
-    SWIM send past its timeout, a node stopping while it registers its handlers) has
-    cancelled that future already but removes it only a step later, and `set_result` on it
-    raised InvalidStateError, which ended the reader: from then on every call and handler
-    registration of the process waited forever and incoming unary requests (SWIM's) went
-    unanswered. Seen as "Task exception was never retrieved" after a SIGHUP 6 s into a
-    join. A cancelled call's answer, result or error, now goes nowhere (`_Discard`: a
-    throwaway future set with an error would log "Future exception was never retrieved").
-    Callers never get it: each reads its future right after putting it in."""
-
-    def __getitem__(self, call_id: Any) -> asyncio.Future | _Discard:
-        future = super().__getitem__(call_id)
-        return _DISCARD if future.cancelled() else future
-
-
-class _Discard:
-    """Where hivemind's reader puts a cancelled call's answer."""
-
-    def set_result(self, _result: Any) -> None:
-        pass
-
-    def set_exception(self, _exc: BaseException) -> None:
-        pass
-
-
-_DISCARD = _Discard()
-
-
-def settle_cancelled_calls() -> None:
-    """Every hivemind ControlClient made from now on keeps its pending calls in
-    `CallsAnsweredAfterCancel`: this process's, and its DHT process's (forked later).
-    Idempotent."""
-    init = ControlClient.__init__
-    if getattr(init, "settles_cancelled_calls", False):
-        return
-
-    @functools.wraps(init)
-    def __init__(self: ControlClient, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-        init(self, *args, **kwargs)
-        self._pending_calls = CallsAnsweredAfterCancel()
-
-    __init__.settles_cancelled_calls = True
-    ControlClient.__init__ = __init__
 
 
 async def create_p2p(**options: Any) -> P2P:

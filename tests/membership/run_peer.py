@@ -22,7 +22,8 @@ import threading
 from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import P2P, PeerID
 
-from agora_node.comms.host import settle_cancelled_calls, watch_p2p
+from agora_node.comms.control_calls import settle_cancelled_calls
+from agora_node.comms.host import watch_p2p
 from agora_node.comms.membership import messages as wire
 from agora_node.comms.membership.messages import MemberMeta, MsgKind
 from agora_node.comms.membership.p2p import (
@@ -83,7 +84,7 @@ async def send_forged(p2p: P2P, service: MembershipService, to: str) -> None:
 async def serve(args: argparse.Namespace) -> int:
     identity = Identity.load_or_create(args.identity)
     settings = MembershipSettings(**json.loads(args.settings_json))
-    settle_cancelled_calls()  # as a daemon's (comms/host.py): a late answer ends no reader
+    settle_cancelled_calls()  # as a daemon's (comms/control_calls.py): a late answer ends no reader
     # Ed25519 identity files trip hivemind's RSA-only "identity taken" check
     p2p = await P2P.create(
         initial_peers=args.seed or None,

@@ -1,5 +1,5 @@
 """hivemind's control client's reader survives p2pd answering a call whose caller was
-cancelled a moment before (comms/host.py `CallsAnsweredAfterCancel`): before, the
+cancelled a moment before (comms/control_calls.py `CallsAnsweredAfterCancel`): before, the
 InvalidStateError ended the reader, and every later call of the process waited forever."""
 
 import asyncio
@@ -11,7 +11,7 @@ import pytest
 from hivemind.p2p.p2p_daemon_bindings.control import ControlClient, DaemonConnector
 from hivemind.proto import p2pd_pb2 as p2pd_pb
 
-from agora_node.comms.host import CallsAnsweredAfterCancel, settle_cancelled_calls
+from agora_node.comms.control_calls import CallsAnsweredAfterCancel, settle_cancelled_calls
 
 pytestmark = pytest.mark.timeout(30)
 

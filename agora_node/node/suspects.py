@@ -179,6 +179,10 @@ class Suspects:
         }
 
 
+GAP_WEIGHT = 0.25
+"""How much of each new gap between a sender's norms goes into its usual gap."""
+
+
 class NormWatch:
     """Is a norm an outlier against the recent ones? (pipeline gradients, activations)
 
@@ -200,12 +204,16 @@ class NormWatch:
     traffic: early on `tiny`'s boundary activations grow about 400x in 40 steps, and a
     replica that sat idle for a few steps then refused every sender for good (seen in
     the lab's chaos run, and when a cell's helper was left alone). So the senders count.
-    Of the senders of the window's norms, those heard from (taken or refused) within
-    `active_s` are the active ones; when a strict majority of them (at least 2) had their
-    latest norm off the level (refused, or taken but too far to count), or the only
-    active one was off `sole_refusals` times in a row, and the norms off agree (one side
-    of the level, within sqrt(`factor`) of each other), the level moved for the swarm, not
-    for a liar: the watch re-bases on those norms (`rebased` says whom it had refused;
+    Of the senders of the window's norms, those heard from (taken or refused) lately are
+    the active ones: within `active_gaps` of the sender's usual gap between norms (a
+    moving average), at least `active_min_s` and at most `active_s`. A replica that went
+    quiet (a laptop asleep, a link down) stops counting within seconds when it sent
+    often, where a fixed 60 s had its frozen level refuse the one still sending for a
+    minute and more (the sender backs off); a slow sender keeps its vote between norms.
+    When a strict majority of the active ones (at least 2) had their latest norm off the
+    level (refused, or taken but too far to count), or the only active one was off
+    `sole_refusals` times in a row, and the norms off agree (one side of the level,
+    within sqrt(`factor`) of each other), the level moved for the swarm, not for a liar: the watch re-bases on those norms (`rebased` says whom it had refused;
     they were right). A sender's norm counted clears only its own, so a liar whose norms
     count cannot hold off a re-base. Senders never in the window, however many, and a
     minority of the active ones cannot move it. And recent means recent: when it took
@@ -219,12 +227,15 @@ class NormWatch:
         per_sender: int = 16,
         min_samples: int = 16,
         active_s: float = 60.0,
+        active_min_s: float = 10.0,
+        active_gaps: float = 8.0,
         sole_refusals: int = 4,
         max_age_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.factor, self.per_sender, self.min_samples = factor, per_sender, min_samples
         self.active_s, self.sole_refusals = active_s, sole_refusals
+        self.active_min_s, self.active_gaps = active_min_s, active_gaps
         self.max_age_s, self.clock = max_age_s, clock
         self._accepted_at = -math.inf
         """When the newest norm was taken (`clock`)."""
@@ -234,9 +245,10 @@ class NormWatch:
         """Norms taken since the start (or the last start-over)."""
         self._judging = False
         """Set once `min_samples` norms were taken; stays set across a re-base."""
-        self._heard: dict[str, float] = {}
-        """When each sender of the window's norms was last heard from (at most 2 x window
-        entries: only senders of norms taken are noted)."""
+        self._heard: dict[str, tuple[float, float]] = {}
+        """When each sender of the window's norms was last heard from, and its usual gap
+        between norms (a moving average; inf until it sent twice). At most 2 x window
+        entries: only senders of norms taken are noted."""
         self._off: dict[str, tuple[float, int, bool]] = {}
         """The senders of the window's norms whose latest norm was off the level: that
         norm, how many in a row were off that way, and whether it was refused (else taken,
@@ -280,10 +292,10 @@ class NormWatch:
             self._add(sender, norm)
             self._taken += 1
         if sender:
-            self._heard[sender] = now
+            self._hear(sender, now)
             if len(self._heard) > 2 * self._norms.maxlen:
                 known = {s for s, _ in self._norms}
-                self._heard = {p: t for p, t in self._heard.items() if p in known}
+                self._heard = {p: h for p, h in self._heard.items() if p in known}
         self._judging = self._judging or self._taken >= self.min_samples
         return False
 
@@ -294,6 +306,22 @@ class NormWatch:
         if len(mine) >= self.per_sender:
             del self._norms[mine[0]]
         self._norms.append((sender, norm))
+
+    def _hear(self, sender: str, now: float) -> None:
+        """Note a norm from `sender` at `now`, and fold the gap since its last one into its
+        usual gap (a sender can only shorten or lengthen its own)."""
+        last, gap = self._heard.get(sender, (None, math.inf))
+        if last is not None:
+            since = max(now - last, 0.0)
+            gap = since if math.isinf(gap) else gap + GAP_WEIGHT * (since - gap)
+        self._heard[sender] = (now, gap)
+
+    def _active(self, sender: str, now: float) -> bool:
+        """Heard from lately: within `active_gaps` usual gaps, clamped to
+        [`active_min_s`, `active_s`] (`active_s` until it sent twice)."""
+        last, gap = self._heard.get(sender, (-math.inf, math.inf))
+        lately = min(self.active_s, max(self.active_min_s, self.active_gaps * gap))
+        return now - last <= lately
 
     def _rebase(self, norms: dict[str, float], now: float) -> None:
         """Take `norms` (sender -> norm) instead of the window's; refusals are forgotten."""
@@ -321,12 +349,12 @@ class NormWatch:
         known = {s for s, _ in self._norms} - {""}
         if sender not in known:
             return None
-        self._heard[sender] = now
+        self._hear(sender, now)
         _, before, was_refused = self._off.get(sender, (norm, 0, refused))
         in_a_row = before + 1 if was_refused == refused else 1
         self._off = {p: o for p, o in self._off.items() if p in known}
         self._off[sender] = (norm, in_a_row, refused)
-        active = {p for p in known if now - self._heard.get(p, -math.inf) <= self.active_s}
+        active = {p for p in known if self._active(p, now)}
         off = {p: self._off[p][0] for p in active if p in self._off}
         if len(active) == 1:
             moved = in_a_row >= self.sole_refusals

@@ -165,11 +165,53 @@ def test_senders_gone_quiet_do_not_count_against_the_one_still_sending() -> None
     now = [0.0]
     w = NormWatch(factor=100, window=64, min_samples=16, active_s=60, clock=lambda: now[0])
     for _ in range(8):
+        now[0] += 0.5
         assert not w.outlier(1.0, "a") and not w.outlier(1.0, "b")
-    now[0] = 30.0
+    now[0] += 9.0
     assert all(w.outlier(300.0, "a") for _ in range(4))  # b active: 1 of 2 is no majority
-    now[0] = 61.0  # b not heard from for more than 60 s: a, refused 4 times in a row,
-    assert not w.outlier(300.0, "a") and w.rebased == ["a"]  # is the only active sender
+    now[0] += 2.0  # b, which sent every 0.5 s, not heard from for 11 s (> 10 s): a, refused
+    assert not w.outlier(300.0, "a") and w.rebased == ["a"]  # 4 times, is the only one
+
+
+def test_a_slow_sender_keeps_its_vote_between_its_norms_and_a_fast_one_loses_it_soon() -> None:
+    # "slow" sends every 20 s: silent for 50 s it is still active (8 gaps, at most 60 s),
+    # so the fast sender alone cannot move the level; silent for 61 s it is not
+    now = [0.0]
+    w = NormWatch(factor=100, window=64, min_samples=16, active_s=60, clock=lambda: now[0])
+    for i in range(64):
+        now[0] = i * 0.5
+        assert not w.outlier(1.0, "fast")
+        if i % 40 == 0:
+            assert not w.outlier(1.0, "slow")
+    for _ in range(8):  # 20 s apart, its gaps become the usual one
+        now[0] += 20.0
+        assert not w.outlier(1.0, "slow") and not w.outlier(1.0, "fast")
+    last_slow = now[0]
+    now[0] = last_slow + 50.0
+    assert all(w.outlier(300.0, "fast") for _ in range(8)) and w.rebased == []
+    now[0] = last_slow + 61.0
+    assert not w.outlier(300.0, "fast") and w.rebased == ["fast"]
+
+
+def test_a_replica_frozen_mid_stream_stops_holding_the_level_within_seconds() -> None:
+    # two senders every 0.3 s; "frozen" stops (SIGSTOP, a laptop asleep) while "awake"'s
+    # norms grow past the bound: "awake" was refused for 60 s and more before (its two
+    # micro-batches in flight retried after 2, 8, 32 s), now it is re-based on once the
+    # frozen one is 10 s silent
+    now = [0.0]
+    w = NormWatch(factor=100, window=64, min_samples=16, clock=lambda: now[0])
+    for _ in range(32):
+        now[0] += 0.3
+        assert not w.outlier(1.0, "frozen") and not w.outlier(1.0, "awake")
+    frozen_at = now[0]
+    refused_at = []
+    for t in (4.0, 4.0, 6.0, 6.0, 14.0, 14.0, 46.0, 46.0):
+        now[0] = frozen_at + t
+        if w.outlier(300.0, "awake"):
+            refused_at.append(t)
+        elif w.rebased == ["awake"]:
+            break
+    assert refused_at == [4.0, 4.0, 6.0, 6.0] and now[0] - frozen_at == 14.0
 
 
 def test_a_norm_watch_that_accepted_nothing_for_max_age_starts_over() -> None:

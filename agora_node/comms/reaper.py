@@ -49,6 +49,8 @@ class Reaper:
         self._proc = proc
         self._watched: list[tuple[int, int]] = []
         """(pid, start time) of each process told: `stop` kills those still running."""
+        self._warned = False
+        """Said once that the reaper exited (a node tells it up to four things)."""
 
     @classmethod
     def start(cls) -> Reaper:
@@ -89,6 +91,9 @@ class Reaper:
         if self._proc is None:
             return
         if self._proc.poll() is not None:
+            if self._warned:
+                return
+            self._warned = True
             log.warning(
                 "the reaper (pid %d) exited with code %s: if this node is killed, its DHT "
                 "process and libp2p daemon may go on running",

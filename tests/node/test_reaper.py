@@ -3,6 +3,7 @@ unix sockets are removed (a SIGKILLed libp2p daemon cannot remove its own)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -12,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from agora_node.comms.reaper import Reaper
 
 _NODE = textwrap.dedent(
     """
@@ -279,3 +282,16 @@ def test_reapers_started_by_a_process_serving_grpc_all_live(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_a_reaper_that_exited_is_warned_about_once(caplog) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], stdin=subprocess.PIPE)
+    proc.wait(timeout=30)
+    reaper = Reaper(proc)
+    with caplog.at_level(logging.WARNING, logger="agora_node.comms.reaper"):
+        for path in ("/tmp/a.sock", "/tmp/b.sock", "/tmp/c.sock"):
+            reaper.remove_on_death(path)
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        f"the reaper (pid {proc.pid}) exited with code 0"
+    ]
+    proc.stdin.close()

@@ -22,6 +22,7 @@ import signal
 import stat
 import subprocess
 import sys
+from collections.abc import MutableMapping
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -38,10 +39,28 @@ _MODULE = "agora_node.comms.reaper"
 
 def set_parent_death_signal() -> None:
     """SIGTERM to this process when its parent (the thread that started it) dies, even by
-    SIGKILL: called by the reaper itself, and by the demo's nodes before exec (preexec_fn;
-    the demo process serves no gRPC, see Reaper.start)."""
+    SIGKILL: called by the reaper itself, and by a node a demo started (`die_with_parent`)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+DIE_WITH_PARENT_ENV = "AGORA_DIE_WITH_PARENT"
+"""Set by whoever starts a node that must leave when its starter dies (the demo, the test
+harness): the starter's pid. Not a node option; the node removes it from its environment."""
+
+
+def die_with_parent(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Arm this process's death signal when `DIE_WITH_PARENT_ENV` asks for it, then check
+    that the parent named there still is ours (it may have died before the signal was
+    armed: then SIGTERM now, the same clean leave). Done by the node itself rather than in
+    a preexec_fn: a process with threads, or serving gRPC, must not run Python between fork
+    and exec (see Reaper.start)."""
+    value = environ.pop(DIE_WITH_PARENT_ENV, None)
+    if value is None or not sys.platform.startswith("linux"):
+        return
+    set_parent_death_signal()
+    if not value.isdigit() or os.getppid() != int(value):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Reaper:

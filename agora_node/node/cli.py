@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agora_node import __version__
+from agora_node.comms.reaper import die_with_parent
 from agora_node.node.datadir import DataDirError
 from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, UsageError
 from agora_node.protocol.manifest import ManifestError
@@ -164,4 +165,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
+    die_with_parent()
     sys.exit(main())

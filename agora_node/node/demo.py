@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agora_node.comms.reaper import set_parent_death_signal
+from agora_node.comms.reaper import DIE_WITH_PARENT_ENV
 from agora_node.node import datadir
 from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, UsageError
 from agora_node.stages.manifest_files import load_manifest
@@ -62,15 +62,15 @@ class Swarm:
         `prefix` it runs under); `append` continues the log of an earlier run of the same
         name."""
         log_path = self.workdir / f"{name}.log"
-        env = child_env(os.environ, env)
+        # If the demo itself dies (even by SIGKILL), every node gets SIGTERM and leaves:
+        # each node arms that itself (no preexec_fn: see reaper.die_with_parent).
+        env = child_env(os.environ, {**(env or {}), DIE_WITH_PARENT_ENV: str(os.getpid())})
         proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", module, *argv],
             stdout=open(log_path, "a" if append else "w"),  # noqa: SIM115 - owned by the child
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own group; its reaper stops what it started
-            # If the demo itself dies (even by SIGKILL), every node gets SIGTERM and leaves.
-            preexec_fn=set_parent_death_signal,  # noqa: PLW1509 - must run in the child
             env=env,
         )
         child = Child(name, proc, log_path, argv, status_port, prefix)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,9 @@ def test_a_spawned_node_sees_no_agora_option(tmp_path: Path, monkeypatch):
     )
     assert child.proc.wait(timeout=30) == 0
     seen = json.loads(child.log_path.read_text())
-    assert seen == {"AGORA_MALLOC_TRIM": "0", "AGORA_RUN": "x"}
+    # the starter's pid is no option: a node takes it out at start (reaper.die_with_parent)
+    parent = {"AGORA_DIE_WITH_PARENT": str(os.getpid())}
+    assert seen == {"AGORA_MALLOC_TRIM": "0", "AGORA_RUN": "x", **parent}
 
 
 # -- demo --nodes ---------------------------------------------------------------------

@@ -108,9 +108,9 @@ class Node:
         self.waits = Waits()
         """Where the stage's wall time went over the last progress interval."""
         self.refused: str | None = None
+        """Set when the swarm's peers refuse this node: the one line it stops with."""
         self.failure: BaseException | None = None
         """What stopped a background loop of this node (it then leaves and exits 1)."""
-        """Set when the swarm's peers refuse this node: the one line it stops with."""
         self.state = NodeState.JOINING
         self.started_at = time.time()
         self.metrics, self.history = Metrics(), History()
@@ -145,8 +145,8 @@ class Node:
         """Runs the swarm's run pointer announces (signed, fresh), for the status page."""
         self.stage: int | None = None  # announced while joining, then served
         self.can_hold: list[int] | None = None
-        """The stages this node can serve (its device's memory, the run's data); None: all."""
-        """The stages this node's device can hold (None: all; joining.stages_fitting)."""
+        """The stages this node can serve (its device's memory, the run's data; None: all;
+        joining.stages_fitting)."""
         self._loops = Loops(self._loop_failed, quiet=lambda: self.state == NodeState.LEAVING)
         self._status: StatusServer | None = None
         self._control = None

@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 from agora_node.comms.host import is_relayed, is_valid_maddr
@@ -72,27 +72,16 @@ def _dialable(addr: str, suffix: str) -> str | None:
     return full if usable(full) else None
 
 
-def pick(
-    records: Iterable[NodeRecord], me: str, salt: bytes = b"", keep: Collection[str] = ()
-) -> list[str]:
+def pick(records: Iterable[NodeRecord], me: str, salt: bytes = b"") -> list[str]:
     """The most dialable address of each active peer other than `me` (and its best
     private one too when that is a public one: hosts behind the same NAT may not reach
-    their public address), for at most MAX_PEERS peers: first the peers in `keep` (those
-    remembered already), then the others in the order of sha256(salt + peer id): stable
-    from one refresh to the next, and with a secret salt (PeerBook's) not an order a
-    stranger can grind peer ids to come first in (by peer id, eight ground ids took every
-    place). Keeping the peers remembered while they stay active means a flood of
-    strangers' records arriving later takes only the places left free (with the salt
-    alone, 100 of them took 7 or 8 of the 8 places for 171 of 200 salts)."""
+    their public address), for at most MAX_PEERS peers, in the order of sha256(salt +
+    peer id): stable from one refresh to the next, and with a secret salt (PeerBook's)
+    not an order a stranger can grind peer ids to come first in (by peer id, eight
+    ground ids took every place)."""
     chosen: list[str] = []
     peers = 0
-    order = sorted(
-        records,
-        key=lambda r: (
-            r.peer_id not in keep,
-            hashlib.sha256(salt + r.peer_id.encode()).digest(),
-        ),
-    )
+    order = sorted(records, key=lambda r: hashlib.sha256(salt + r.peer_id.encode()).digest())
     for record in order:
         if record.peer_id == me or record.state != NodeState.ACTIVE:
             continue
@@ -157,9 +146,8 @@ class PeerBook:
 
     def update(self, records: Iterable[NodeRecord], me: str) -> bool:
         """Remember the directory's active peers if they changed (rate-limited); True when
-        the file was written. An empty view never replaces a remembered one, and the
-        peers remembered keep their places while they stay active."""
-        chosen = pick(records, me, self.salt, keep=addrs_by_peer(self.saved).keys())
+        the file was written. An empty view never replaces a remembered one."""
+        chosen = pick(records, me, self.salt)
         if not chosen or set(chosen) == set(self.saved):
             return False
         if self.clock() - self._saved_at < SAVE_EVERY_S:

@@ -51,27 +51,6 @@ def test_peers_whose_ids_sort_first_do_not_take_every_place():
         assert not set(chosen) <= set(ground), chosen
 
 
-def test_peers_remembered_keep_their_places_against_a_flood_of_strangers(tmp_path):
-    """Eight honest peers remembered; then 100 strangers' records (self-declared active,
-    free to make) join the view. The honest ones stay while they are active; a place an
-    honest peer leaves goes to the others by the salt."""
-    now = [1000.0]
-    book = PeerBook(tmp_path, clock=lambda: now[0])
-    honest = [Identity.generate().peer_id for _ in range(MAX_PEERS)]
-    strangers = [Identity.generate().peer_id for _ in range(100)]
-    assert book.update([_record(p) for p in honest], "me")
-    now[0] += SAVE_EVERY_S
-    view = [_record(p) for p in honest + strangers]
-    assert not book.update(view, "me")  # nothing to change
-    remembered = {a.rsplit("/", 1)[1] for a in PeerBook(tmp_path).saved}
-    assert remembered == set(honest)
-    view[0] = _record(honest[0], state="leaving")
-    assert book.update(view, "me")
-    remembered = {a.rsplit("/", 1)[1] for a in PeerBook(tmp_path).saved}
-    assert remembered - set(honest) <= set(strangers) and len(remembered) == MAX_PEERS
-    assert remembered & set(honest) == set(honest[1:])
-
-
 def test_load_is_bounded_and_a_bad_file_means_no_remembered_peers(tmp_path):
     path = tmp_path / peerbook.FILE_NAME
     assert peerbook.load(tmp_path) == []  # none yet

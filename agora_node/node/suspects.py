@@ -213,8 +213,9 @@ class NormWatch:
     When a strict majority of the active ones (at least 2) had their latest norm off the
     level (refused, or taken but too far to count), or the only active one was off
     `sole_refusals` times in a row, and the norms off agree (one side of the level,
-    within sqrt(`factor`) of each other), the level moved for the swarm, not for a liar: the watch re-bases on those norms (`rebased` says whom it had refused;
-    they were right). A sender's norm counted clears only its own, so a liar whose norms
+    within sqrt(`factor`) of each other), the level moved for the swarm, not for a liar:
+    the watch re-bases on those norms (`rebased` says whom it had refused; they were
+    right). A sender's norm counted clears only its own, so a liar whose norms
     count cannot hold off a re-base. Senders never in the window, however many, and a
     minority of the active ones cannot move it. And recent means recent: when it took
     nothing for `max_age_s`, the watch starts over."""
@@ -273,12 +274,13 @@ class NormWatch:
             self._rebase({}, now)
             self._heard.clear()
             self._taken, self._judging = 0, False
-        counts = True
+        counts, heard = True, False
         if self._judging:
             level, near = self.level(), math.sqrt(self.factor)
             inside = level / self.factor <= norm <= self.factor * level
             counts = level / near <= norm <= near * level
             if not counts and sender:
+                heard = any(s == sender for s, _ in self._norms)  # _level_moved hears it
                 moved = self._level_moved(sender, norm, now, level, refused=not inside)
                 if moved is not None:
                     self.rebased = [p for p in moved if self._off[p][2]]  # refused ones
@@ -291,7 +293,7 @@ class NormWatch:
             self._off.pop(sender, None)
             self._add(sender, norm)
             self._taken += 1
-        if sender:
+        if sender and not heard:  # once per norm: a second gap of 0 would halve its usual gap
             self._hear(sender, now)
             if len(self._heard) > 2 * self._norms.maxlen:
                 known = {s for s, _ in self._norms}

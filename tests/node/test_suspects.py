@@ -173,24 +173,39 @@ def test_senders_gone_quiet_do_not_count_against_the_one_still_sending() -> None
     assert not w.outlier(300.0, "a") and w.rebased == ["a"]  # 4 times, is the only one
 
 
-def test_a_slow_sender_keeps_its_vote_between_its_norms_and_a_fast_one_loses_it_soon() -> None:
-    # "slow" sends every 20 s: silent for 50 s it is still active (8 gaps, at most 60 s),
-    # so the fast sender alone cannot move the level; silent for 61 s it is not
+def test_a_slower_sender_keeps_its_vote_for_8_of_its_gaps_and_no_longer() -> None:
+    # "slow" sends every 3 s (active for 24 s after its last norm), "fast" every 0.5 s;
+    # silent for 20 s "slow" still holds the level against "fast" alone (a fixed 10 s
+    # window would have let "fast" re-base), silent for 30 s it does not (a fixed 60 s
+    # window would have kept it)
     now = [0.0]
     w = NormWatch(factor=100, window=64, min_samples=16, active_s=60, clock=lambda: now[0])
-    for i in range(64):
+    for i in range(96):
         now[0] = i * 0.5
         assert not w.outlier(1.0, "fast")
-        if i % 40 == 0:
+        if i % 6 == 0:
             assert not w.outlier(1.0, "slow")
-    for _ in range(8):  # 20 s apart, its gaps become the usual one
-        now[0] += 20.0
-        assert not w.outlier(1.0, "slow") and not w.outlier(1.0, "fast")
-    last_slow = now[0]
-    now[0] = last_slow + 50.0
+    last_slow = now[0] = 96 * 0.5
+    assert not w.outlier(1.0, "slow")
+    now[0] = last_slow + 20.0
     assert all(w.outlier(300.0, "fast") for _ in range(8)) and w.rebased == []
-    now[0] = last_slow + 61.0
+    now[0] = last_slow + 30.0
     assert not w.outlier(300.0, "fast") and w.rebased == ["fast"]
+
+
+def test_a_norm_taken_but_too_far_to_count_is_heard_once() -> None:
+    # heard twice (the second time with a gap of 0), its usual gap shrank to 0.43x of
+    # the true one, and with it the time it keeps its vote
+    now = [0.0]
+    w = NormWatch(factor=100, window=64, min_samples=16, clock=lambda: now[0])
+    for i in range(32):
+        now[0] = i * 3.0
+        assert not w.outlier(1.0, "a") and not w.outlier(1.0, "b")
+    for i in range(32, 48):
+        now[0] = i * 3.0
+        assert not w.outlier(30.0, "a")  # within the bound, too far to count
+        assert not w.outlier(1.0, "b")
+    assert w._heard["a"][1] == pytest.approx(3.0)
 
 
 def test_a_replica_frozen_mid_stream_stops_holding_the_level_within_seconds() -> None:

@@ -52,7 +52,9 @@ harness): the starter's pid. Not a node option; the node removes it from its env
 def die_with_parent(environ: MutableMapping[str, str] = os.environ) -> None:
     """Arm this process's death signal when `DIE_WITH_PARENT_ENV` asks for it, then check
     that the parent named there still is ours (it may have died before the signal was
-    armed: then SIGTERM now, the same clean leave). Done by the node itself rather than in
+    armed: then SIGTERM now, whose default action ends it before anything started; a
+    starter must exec the node in place, as `ip netns exec` does, not through a wrapper
+    that forks, whose pid the node would see instead). Done by the node itself rather than in
     a preexec_fn: a process with threads, or serving gRPC, must not run Python between fork
     and exec (see Reaper.start)."""
     value = environ.pop(DIE_WITH_PARENT_ENV, None)
@@ -120,8 +122,11 @@ class Reaper:
                 self._proc.returncode,
             )
             return
-        self._proc.stdin.write(f"{line}\n".encode())
-        self._proc.stdin.flush()
+        try:
+            self._proc.stdin.write(f"{line}\n".encode())
+            self._proc.stdin.flush()
+        except BrokenPipeError:  # it exited since the poll: said at the next thing told
+            pass
 
     def stop(self) -> None:
         """Normal shutdown: the children were stopped; dismiss the reaper, which kills any

@@ -297,7 +297,16 @@ def test_a_reaper_that_exited_is_warned_about_once(caplog) -> None:
     proc.stdin.close()
 
 
-_ARMED = "from agora_node.comms import reaper; reaper.die_with_parent(); import os; print(os.environ.get(reaper.DIE_WITH_PARENT_ENV))"
+_ARMED = textwrap.dedent(
+    """
+    import ctypes, os
+    from agora_node.comms import reaper
+    reaper.die_with_parent()
+    armed = ctypes.c_int()
+    ctypes.CDLL("libc.so.6").prctl(2, ctypes.byref(armed))  # PR_GET_PDEATHSIG
+    print(armed.value, os.environ.get(reaper.DIE_WITH_PARENT_ENV))
+    """
+)
 
 
 @pytest.mark.parametrize("parent", ["ours", "gone", "garbage"])
@@ -305,12 +314,13 @@ def test_a_node_told_to_die_with_its_parent_checks_it_is_still_there(parent) -> 
     """The demo's nodes arm their own death signal (no preexec_fn): with the parent named
     they go on (the variable removed, so their own children do not act on it); when the
     parent named is not theirs (it died before they armed) they end by SIGTERM at once."""
-    value = {"ours": str(os.getpid()), "gone": "1", "garbage": "x"}[parent]
+    value = {"ours": str(os.getpid()), "gone": "0", "garbage": "x"}[parent]
     env = {**os.environ, "AGORA_DIE_WITH_PARENT": value}
     done = subprocess.run(
         [sys.executable, "-c", _ARMED], env=env, capture_output=True, text=True, timeout=60
     )
     if parent == "ours":
-        assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == [str(int(signal.SIGTERM)), "None"]  # armed, not passed on
     else:
         assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr)

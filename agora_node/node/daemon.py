@@ -353,7 +353,11 @@ class Node:
                 self.service.pipeline.update_view([r for rs in self.view.values() for r in rs])
                 self.service.regroup()
             self.liveness.introduce(self._others())
-            self.peerbook.update((r for rs in self.view.values() for r in rs), self.peer_id)
+            self.peerbook.update(
+                (r for rs in self.view.values() for r in rs),
+                self.peer_id,
+                answered=lambda peer: self.liveness.rtt(peer) is not None,
+            )
             self._sync_rejections()
             if time.monotonic() - progress_at >= 10:
                 progress_at = time.monotonic()

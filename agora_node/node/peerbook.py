@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from agora_node.comms.host import is_relayed, is_valid_maddr
@@ -72,16 +72,31 @@ def _dialable(addr: str, suffix: str) -> str | None:
     return full if usable(full) else None
 
 
-def pick(records: Iterable[NodeRecord], me: str, salt: bytes = b"") -> list[str]:
+def pick(
+    records: Iterable[NodeRecord],
+    me: str,
+    salt: bytes = b"",
+    answered: Callable[[str], bool] = lambda peer: False,
+) -> list[str]:
     """The most dialable address of each active peer other than `me` (and its best
     private one too when that is a public one: hosts behind the same NAT may not reach
-    their public address), for at most MAX_PEERS peers, in the order of sha256(salt +
-    peer id): stable from one refresh to the next, and with a secret salt (PeerBook's)
-    not an order a stranger can grind peer ids to come first in (by peer id, eight
-    ground ids took every place)."""
+    their public address), for at most MAX_PEERS peers: first those that `answered`
+    (the node's own membership probes, directly: a host runs behind that peer id), then
+    the others, each in the order of sha256(salt + peer id): stable from one refresh to
+    the next, and with a secret salt (PeerBook's) not an order a stranger can grind peer
+    ids to come first in (by peer id, eight ground ids took every place). Records are
+    free to publish, a host answering under each id is not: 100 strangers' records with
+    no host behind them took 7 or 8 of the 8 places for 171 of 200 salts, and take none
+    now while 8 peers answer."""
     chosen: list[str] = []
     peers = 0
-    order = sorted(records, key=lambda r: hashlib.sha256(salt + r.peer_id.encode()).digest())
+    order = sorted(
+        records,
+        key=lambda r: (
+            not answered(r.peer_id),
+            hashlib.sha256(salt + r.peer_id.encode()).digest(),
+        ),
+    )
     for record in order:
         if record.peer_id == me or record.state != NodeState.ACTIVE:
             continue
@@ -144,10 +159,16 @@ class PeerBook:
         """`initial_peers(given)` as Host.meet takes them: peer id -> addresses to dial."""
         return addrs_by_peer(self.initial_peers(given))
 
-    def update(self, records: Iterable[NodeRecord], me: str) -> bool:
-        """Remember the directory's active peers if they changed (rate-limited); True when
-        the file was written. An empty view never replaces a remembered one."""
-        chosen = pick(records, me, self.salt)
+    def update(
+        self,
+        records: Iterable[NodeRecord],
+        me: str,
+        answered: Callable[[str], bool] = lambda peer: False,
+    ) -> bool:
+        """Remember the directory's active peers if they changed (rate-limited), those that
+        `answered` first (`pick`); True when the file was written. An empty view never
+        replaces a remembered one."""
+        chosen = pick(records, me, self.salt, answered)
         if not chosen or set(chosen) == set(self.saved):
             return False
         if self.clock() - self._saved_at < SAVE_EVERY_S:

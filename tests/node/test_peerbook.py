@@ -51,6 +51,32 @@ def test_peers_whose_ids_sort_first_do_not_take_every_place():
         assert not set(chosen) <= set(ground), chosen
 
 
+def test_peers_that_answered_come_before_a_flood_of_records_with_no_host_behind_them():
+    """100 strangers' records (self-declared active, free to publish) beside 8 peers that
+    answered the node's own probes: the 8 take every place, whatever the salt; without
+    that evidence the salt alone gave strangers most places."""
+    honest = [Identity.generate().peer_id for _ in range(MAX_PEERS)]
+    strangers = [Identity.generate().peer_id for _ in range(100)]
+    records = [_record(p) for p in strangers + honest]
+    for salt in (b"a", b"b", b"c"):
+        chosen = {
+            a.rsplit("/", 1)[1]
+            for a in peerbook.pick(records, "me", salt, set(honest).__contains__)
+        }
+        assert chosen == set(honest)
+    blind = [
+        {a.rsplit("/", 1)[1] for a in peerbook.pick(records, "me", salt)}
+        for salt in (b"a", b"b", b"c")
+    ]
+    assert all(c - set(honest) for c in blind), blind  # strangers in each (1 - 2e-12)
+    # fewer answering than places: the rest by the salt, as before
+    few = {
+        a.rsplit("/", 1)[1]
+        for a in peerbook.pick(records, "me", b"a", set(honest[:3]).__contains__)
+    }
+    assert set(honest[:3]) <= few and len(few) == MAX_PEERS
+
+
 def test_load_is_bounded_and_a_bad_file_means_no_remembered_peers(tmp_path):
     path = tmp_path / peerbook.FILE_NAME
     assert peerbook.load(tmp_path) == []  # none yet

@@ -111,9 +111,14 @@ class Reaper:
     def _tell(self, line: str) -> None:
         if self._proc is None:
             return
-        if self._proc.poll() is not None:
-            if self._warned:
+        if self._proc.poll() is None:
+            try:
+                self._proc.stdin.write(f"{line}\n".encode())
+                self._proc.stdin.flush()
                 return
+            except BrokenPipeError:  # it exited since the poll
+                self._proc.wait(timeout=5)
+        if not self._warned:
             self._warned = True
             log.warning(
                 "the reaper (pid %d) exited with code %s: if this node is killed, its DHT "
@@ -121,12 +126,6 @@ class Reaper:
                 self._proc.pid,
                 self._proc.returncode,
             )
-            return
-        try:
-            self._proc.stdin.write(f"{line}\n".encode())
-            self._proc.stdin.flush()
-        except BrokenPipeError:  # it exited since the poll: said at the next thing told
-            pass
 
     def stop(self) -> None:
         """Normal shutdown: the children were stopped; dismiss the reaper, which kills any
@@ -134,9 +133,11 @@ class Reaper:
         killed here, before the reaper is dismissed: a reaper too slow to answer is killed."""
         _kill(self._watched)
         if self._proc is not None and self._proc.poll() is None:
-            self._proc.stdin.write(b"exit\n")
-            self._proc.stdin.flush()
-            self._proc.stdin.close()
+            with contextlib.suppress(BrokenPipeError):  # it exited since the poll
+                self._proc.stdin.write(b"exit\n")
+                self._proc.stdin.flush()
+            with contextlib.suppress(BrokenPipeError):
+                self._proc.stdin.close()
             try:
                 self._proc.wait(timeout=5)
             except subprocess.TimeoutExpired:  # what it had to do is done: do not wait on it

@@ -356,7 +356,7 @@ class Node:
             self.peerbook.update(
                 (r for rs in self.view.values() for r in rs),
                 self.peer_id,
-                answered=lambda peer: self.liveness.rtt(peer) is not None,
+                answered=self.liveness.answered,
             )
             self._sync_rejections()
             if time.monotonic() - progress_at >= 10:

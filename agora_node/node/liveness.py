@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agora_node.comms.host import Host
-from agora_node.comms.membership.members import MemberView
+from agora_node.comms.membership.members import LIVE, MemberView
 from agora_node.comms.membership.messages import MemberMeta, Status
 from agora_node.comms.membership.p2p import MembershipService
 from agora_node.protocol.identity import Identity
@@ -127,6 +127,15 @@ class Liveness:
     def rtt(self, peer_id: str) -> float | None:
         """Our probes' round trip to a peer (seconds), None until one was answered."""
         return None if self.service is None else self.service.rtt(peer_id)
+
+    def answered(self, peer_id: str) -> bool:
+        """Alive (or suspected) and answered our own probes directly at least once: a host
+        runs behind that peer id (an ack counts only from the peer probed, authenticated
+        by libp2p). A dead member keeps its round trips for a while: it does not count."""
+        if self.service is None or self.rtt(peer_id) is None:
+            return False
+        member = self.service.get(peer_id)
+        return member is not None and member.status in LIVE
 
     def rtt_ms(self, peer_id: str) -> float | None:
         """`rtt` in milliseconds, rounded for the status page."""

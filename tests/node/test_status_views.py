@@ -89,6 +89,30 @@ def test_liveness_names_at_most_limit_alive_members_the_directory_lacks():
     assert live.unlisted({"A", "B", "C", "D", "E"}, 8) == []
 
 
+def test_liveness_counts_as_answered_only_live_members_it_measured_a_round_trip_to():
+    """What the peer book puts first (PeerBook.update): a dead member keeps its round
+    trips for a while, a member never probed has none."""
+    members = {
+        "alive": view(Status.ALIVE, peer="alive"),
+        "suspect": view(Status.SUSPECT, peer="suspect"),
+        "dead": view(Status.DEAD, peer="dead"),
+        "unprobed": view(Status.ALIVE, peer="unprobed"),
+    }
+
+    class Swim:
+        def rtt(self, peer_id: str) -> float | None:
+            return None if peer_id in ("unprobed", "stranger") else 0.01
+
+        def get(self, peer_id: str) -> MemberView | None:
+            return members.get(peer_id)
+
+    live = Liveness()
+    assert not live.answered("alive")  # before SWIM starts
+    live.service = Swim()
+    answered = [p for p in (*members, "stranger") if live.answered(p)]
+    assert answered == ["alive", "suspect"]
+
+
 def test_anchor_agreement_per_kept_round():
     own = {4: "aa", 5: "bb"}
     others = {5: {"X": "bb", "Y": "cc"}, 9: {"X": "zz"}}

@@ -199,6 +199,10 @@ class MembershipService:
         """Measured round trip to a member (seconds; swim.Membership.rtt), None if unknown."""
         return None if self._machine is None else self._machine.rtt(peer_id)
 
+    def get(self, peer_id: str) -> MemberView | None:
+        """A member's view (status, stage), None if not in the table."""
+        return None if self._machine is None else self._machine.get(peer_id)
+
     def join(self, seeds: Iterable[str]) -> None:
         """Sync with more known peers (e.g. found in the DHT directory)."""
         self.machine.join([peer_id_of(s) for s in seeds], asyncio.get_running_loop().time())

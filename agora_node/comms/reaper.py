@@ -116,8 +116,9 @@ class Reaper:
                 self._proc.stdin.write(f"{line}\n".encode())
                 self._proc.stdin.flush()
                 return
-            except BrokenPipeError:  # it exited since the poll
-                self._proc.wait(timeout=5)
+            except BrokenPipeError:  # it exited (or closed its stdin) since the poll
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._proc.wait(timeout=1)  # for its exit code, if it has one
         if not self._warned:
             self._warned = True
             log.warning(

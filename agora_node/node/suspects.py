@@ -274,13 +274,15 @@ class NormWatch:
             self._rebase({}, now)
             self._heard.clear()
             self._taken, self._judging = 0, False
-        counts, heard = True, False
+        known = bool(sender) and any(s == sender for s, _ in self._norms)
+        if known:  # once per norm (a second gap of 0 would halve its usual gap)
+            self._hear(sender, now)
+        counts = True
         if self._judging:
             level, near = self.level(), math.sqrt(self.factor)
             inside = level / self.factor <= norm <= self.factor * level
             counts = level / near <= norm <= near * level
             if not counts and sender:
-                heard = any(s == sender for s, _ in self._norms)  # _level_moved hears it
                 moved = self._level_moved(sender, norm, now, level, refused=not inside)
                 if moved is not None:
                     self.rebased = [p for p in moved if self._off[p][2]]  # refused ones
@@ -293,7 +295,7 @@ class NormWatch:
             self._off.pop(sender, None)
             self._add(sender, norm)
             self._taken += 1
-        if sender and not heard:  # once per norm: a second gap of 0 would halve its usual gap
+        if sender and not known:  # a sender's first norm taken
             self._hear(sender, now)
             if len(self._heard) > 2 * self._norms.maxlen:
                 known = {s for s, _ in self._norms}
@@ -351,7 +353,6 @@ class NormWatch:
         known = {s for s, _ in self._norms} - {""}
         if sender not in known:
             return None
-        self._hear(sender, now)
         _, before, was_refused = self._off.get(sender, (norm, 0, refused))
         in_a_row = before + 1 if was_refused == refused else 1
         self._off = {p: o for p, o in self._off.items() if p in known}

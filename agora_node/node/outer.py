@@ -160,6 +160,8 @@ class OuterLoop:
         """With `config.unsent == "weights"`: what the weights hold unsent from earlier
         rounds (the new anchor less them was written), so next round's delta holds it."""
         self._closers: list[Any] = []
+        self._marks: set[asyncio.Task[None]] = set()
+        """Stores marking this replica's entries of finished rounds done (`_mark_done`)."""
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -235,6 +237,10 @@ class OuterLoop:
     async def close(self) -> None:
         if self._prep is not None:
             self._prep.cancel()
+        marks = list(self._marks)
+        for task in marks:
+            task.cancel()
+        await asyncio.gather(*marks, return_exceptions=True)
         for closer in self._closers:
             await closer()
 
@@ -296,6 +302,7 @@ class OuterLoop:
             if self.config.mix_momentum:
                 momentum = prep.anchor.value[self.state.numel :]
         round_no = self.state.round
+        self._mark_done(round_no)
         for phase, outcome in zip(("delta", "factor"), outcomes, strict=False):
             # what every member now holds: sending it back is a replay
             self.replays[phase].remember_mixed(round_no, outcome.value)
@@ -316,6 +323,22 @@ class OuterLoop:
         del prep_task, prep, outcomes, delta, mixed, anchor, momentum  # this round's vectors
         await asyncio.to_thread(release_freed_memory)  # glibc keeps them otherwise (heap.py)
         return report
+
+    def _mark_done(self, round_no: int) -> None:
+        """Mark this replica's entry of `round_no` done now that its mixes are over
+        (Matchmaker.finish), in the background: the round's end does not wait on the DHT."""
+
+        async def mark() -> None:
+            try:
+                await self.matchmaker.finish(round_no)
+            except Exception as exc:  # a late reader then waits on us, as before the mark
+                log.warning(
+                    "outer round %d: could not mark the round entry done: %r", round_no, exc
+                )
+
+        task = asyncio.create_task(mark())
+        self._marks.add(task)
+        task.add_done_callback(self._marks.discard)
 
     async def _commit(
         self,

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from agora_node.comms.collective import Matchmaker, MatchmakingConfig, MemoryBoard, RoundEntry
-from agora_node.comms.collective.groups import EntryError, close_view, excluded
+from agora_node.comms.collective.groups import EntryError, close_view, excluded, view_digest
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.names import outer_round_key
 
@@ -253,3 +253,127 @@ def test_only_the_expected_replicas_vote_to_leave_a_peer_out() -> None:
     assert excluded(entries) == {"a", "b"}  # every entry a vote: the strangers win
     assert excluded(entries, {"a", "b", "c", "x"}) == frozenset()  # 2 of 4: no majority
     assert excluded(entries, {"a", "b", "c"}) == {"x"}  # 2 of the 3 replicas
+
+
+async def test_a_finished_peers_entry_neither_ends_inner_steps_nor_joins_a_group() -> None:
+    """A replica that expected only itself closed its round at once and finished it; a
+    joiner that copied its state just then read the still-fresh entry, ended its inner
+    steps on it and formed a group of two that the other never formed (then waited on it,
+    bench/late_joiner.py). Marked done with another list, it no longer holds the joiner."""
+    board = MemoryBoard()
+    first, joiner = Identity.generate(), Identity.generate()
+    a = Matchmaker(board, first, run_id="r", stage=0, config=QUICK)
+    b = Matchmaker(board, joiner, run_id="r", stage=0, config=QUICK)
+    assert (await a.gather(6, expect={first.peer_id})).peers == [first.peer_id]
+    both = {first.peer_id, joiner.peer_id}
+    assert await b.opened_by_others(6, expect=both)  # not yet marked: it counts
+    assert await a.finish(6)
+    assert not await a.finish(6)  # marked once
+    assert await b.opened_by_others(6, expect=both)  # the round ran: end the inner steps
+    started = time.monotonic()
+    view = await b.gather(6, expect=both)
+    assert view.peers == [joiner.peer_id]
+    assert time.monotonic() - started < QUICK.waited()  # not waiting for the finished one
+    key = outer_round_key("r", 0, 6)
+    stored = {p: RoundEntry.verified(v, peer_id=p, run_id="r", stage=0, round_no=6)
+              for p, v in board.data[key].items()}  # fmt: skip
+    assert stored[first.peer_id].done and not stored[joiner.peer_id].done
+    assert stored[first.peer_id].view == view_digest([entry(first.peer_id, 0.0)])
+
+
+async def test_finish_marks_only_rounds_this_peer_entered() -> None:
+    board = MemoryBoard()
+    me = Identity.generate()
+    maker = Matchmaker(board, me, run_id="r", stage=0, config=QUICK)
+    assert not await maker.finish(3)  # never entered: nothing stored
+    assert board.data == {}
+    for round_no in range(10):  # only the last few are remembered
+        await maker.gather(round_no, expect={me.peer_id})
+    assert not await maker.finish(0)
+    assert await maker.finish(9)
+
+
+LONG_WINDOW = MatchmakingConfig(window=5.0, settle=0.1, poll_interval=0.02)
+"""Everyone arrives within the window: lists close early, once all expected are in."""
+
+
+async def test_peers_that_finished_without_a_late_one_are_not_expected_by_count_either() -> None:
+    board = MemoryBoard()
+    ids = [Identity.generate() for _ in range(3)]
+    makers = [Matchmaker(board, i, run_id="r", stage=0, config=LONG_WINDOW) for i in ids]
+    views = await asyncio.gather(*(m.gather(2, expect=2) for m in makers[:2]))
+    assert all(len(v.peers) == 2 for v in views)
+    assert all(await asyncio.gather(*(m.finish(2) for m in makers[:2])))
+    late = await makers[2].gather(2, expect=3)  # expects three: two of them finished
+    assert late.peers == [ids[2].peer_id]
+
+
+async def test_a_slow_reader_in_the_finished_peers_list_keeps_them() -> None:
+    """A member whose reads lag behind the others' whole mix (they finished first) closes
+    the list they closed, so its groups are theirs: gossip pairs stay matched."""
+    board = MemoryBoard()
+    ids = [Identity.generate() for _ in range(3)]
+    makers = [Matchmaker(board, i, run_id="r", stage=0, config=LONG_WINDOW) for i in ids]
+    slow = ids[2]
+    key = outer_round_key("r", 0, 2)
+    await board.publish(key, slow.peer_id, _signed_entry(slow, 2, time.time()), 1e12)
+    views = await asyncio.gather(*(m.gather(2, expect=3) for m in makers[:2]))
+    assert all(len(v.peers) == 3 for v in views)
+    assert all(await asyncio.gather(*(m.finish(2) for m in makers[:2])))
+    assert (await makers[2].gather(2, expect=3)).peers == views[0].peers
+
+
+def _done(ident: Identity, round_no: int, joined_at: float, view: str) -> dict:
+    e = RoundEntry(
+        peer_id=ident.peer_id, run_id="r", stage=0, round=round_no, joined_at=joined_at,
+        done=True, view=view,
+    )  # fmt: skip
+    return e.sign(ident)
+
+
+async def test_a_list_one_done_member_closed_stands_though_another_closed_a_different_one():
+    """A closed the list L = {A, C, X, Y} and finished; C finished on another list; Y is
+    still mixing on L. The slow reader X closes L (as before marks), not a list without
+    A and C that matches nobody's (a review's case: dropping C changed L's digest, then A
+    no longer matched either)."""
+    board = MemoryBoard()
+    a, c, x, y = (Identity.generate() for _ in range(4))
+    key, now = outer_round_key("r", 0, 5), time.time()
+    every = [entry(p.peer_id, now) for p in (a, c, x, y)]
+    await board.publish(key, a.peer_id, _done(a, 5, now, view_digest(every)), 1e12)
+    await board.publish(key, c.peer_id, _done(c, 5, now, view_digest(every[:2])), 1e12)
+    await board.publish(key, y.peer_id, _signed_entry(y, 5, now), 1e12)
+    slow = Matchmaker(board, x, run_id="r", stage=0, config=LONG_WINDOW)
+    view = await slow.gather(5, expect={p.peer_id for p in (a, c, x, y)})
+    assert set(view.peers) == {p.peer_id for p in (a, c, x, y)}
+
+
+async def test_a_stranger_marking_its_entry_done_changes_no_honest_list() -> None:
+    """M's entry is in the list P closed; M then re-stores it done with a junk digest. Q,
+    reading late, still closes P's list: P has not finished (it may be mixing with Q)."""
+    board = MemoryBoard()
+    m, p, q = (Identity.generate() for _ in range(3))
+    key, now = outer_round_key("r", 0, 5), time.time()
+    await board.publish(key, m.peer_id, _signed_entry(m, 5, now), 1e12)
+    await board.publish(key, q.peer_id, _signed_entry(q, 5, now), 1e12)
+    replicas = {p.peer_id, q.peer_id}
+    early = await Matchmaker(board, p, run_id="r", stage=0, config=LONG_WINDOW).gather(
+        5, expect=replicas
+    )
+    assert len(early.peers) == 3
+    await board.publish(key, m.peer_id, _done(m, 5, now, "0" * 32), 1e12)
+    late = await Matchmaker(board, q, run_id="r", stage=0, config=LONG_WINDOW).gather(
+        5, expect=replicas
+    )
+    assert late.peers == early.peers
+
+
+def test_entries_with_an_oversized_view_digest_are_refused() -> None:
+    me = Identity.generate()
+    body = {"peer_id": me.peer_id, "run_id": "r", "stage": 0, "round": 1, "joined_at": 1.0}
+    for extra in ({"done": True, "view": "f" * 33}, {"done": "yes"}, {"view": 5}):
+        data = json.dumps({**body, **extra}).encode()
+        with pytest.raises(EntryError):
+            RoundEntry.verified(
+                {"r": data, "s": me.sign(data)}, peer_id=me.peer_id, run_id="r", stage=0, round_no=1
+            )

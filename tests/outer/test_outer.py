@@ -7,13 +7,15 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from torch import nn
 
-from agora_node.comms.collective import LocalNetwork, MatchmakingConfig, MemoryBoard
+from agora_node.comms.collective import LocalNetwork, MatchmakingConfig, MemoryBoard, RoundEntry
+from agora_node.comms.collective.groups import view_digest
 from agora_node.comms.collective.payload import EF_NAME
 from agora_node.node.outer import OuterLoop, part_signing
 from agora_node.node.outer_state import OuterConfig, OuterState
 from agora_node.node.round_report import RoundReport
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.identity import verify as verify_signature
+from agora_node.protocol.names import outer_round_key
 from tests.outer.helpers import LOCAL
 
 pytestmark = pytest.mark.timeout(60)
@@ -300,3 +302,24 @@ async def test_a_rounds_collective_objects_are_freed_after_the_round() -> None:
         await play_round(loops, r, [500, 500, 500])
         counts.append(_all_reduces())
     assert max(counts[4:]) <= counts[3] + 3, counts
+
+
+async def test_a_replica_marks_its_round_entry_done_once_its_mixes_are_over() -> None:
+    """So a replica reaching the round later (a joiner) does not count or wait on it
+    (groups.py, Matchmaker.finish)."""
+    loops, _ = await run_swarm(2, 1, config(), [1000, 1000])
+    board = loops[0].matchmaker.board
+    key = outer_round_key("run", 0, 0)
+
+    def entries() -> list[RoundEntry]:
+        return [
+            RoundEntry.verified(v, peer_id=p, run_id="run", stage=0, round_no=0)
+            for p, v in board.data[key].items()
+        ]
+
+    deadline = asyncio.get_running_loop().time() + 10
+    while not all(e.done for e in entries()) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)  # polling interval of a bounded wait
+    both = entries()
+    assert [e.done for e in both] == [True, True]
+    assert all(e.view == view_digest(both) for e in both)  # the list they closed

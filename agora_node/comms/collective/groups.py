@@ -25,6 +25,18 @@ entries compute the same groups; a peer whose view differs ends up in a group th
 others do not recognize, is refused by them, and completes the round alone.
 A peer that arrives after t_close is alone for this round.
 
+Once its mixes of a round are over, a peer re-stores its entry marked `done`, with a
+digest of the participant list it closed (`Matchmaker.finish`). Peers that expected
+different replicas close different lists: a replica that expected only itself closes
+at once, and a joiner that copied its state just then, reading the still-fresh entry,
+formed a group of two with it that the other never formed, waited on it, and in the
+next round the same again: both out of step for up to a minute (bench/late_joiner.py).
+A peer still gathering a round whose closed list no done entry shares, while every
+other replica it expects in it is done, closes again without the done ones
+(`finished_apart`); any other list stands as before. `opened_by_others` still counts
+done entries: a replica behind a round that its stage ran ends its inner steps, and
+either catches up (rounds.py) or enters that round and, alone in it, closes at once.
+
 A replica still doing inner steps ends its round once q - 1 other replicas have
 entered it (`opened_by_others`), which makes it the q-th: one entry alone ends
 nobody's round unless the stage has at most three replicas.
@@ -43,12 +55,14 @@ the 8 KiB limit of hivemind DHT values.
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import json
 import logging
 import math
 import time
 from collections.abc import Callable, Collection
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 from agora_node.comms.collective.plan import group_of, partition, round_seed
@@ -60,6 +74,9 @@ MAX_ENTRY_BYTES = 1024
 MAX_FLAGS = 8
 """Peers one entry may name as banned (8 peer ids keep an entry under MAX_ENTRY_BYTES)."""
 MAX_PEER_ID_CHARS = 64
+VIEW_DIGEST_CHARS = 32
+KEPT_ENTRIES = 4
+"""Own entries a Matchmaker remembers until `finish` marks them done (rounds overlap by one)."""
 
 
 class EntryError(ValueError):
@@ -78,6 +95,13 @@ class RoundEntry:
     warming: bool = False
     flags: tuple[str, ...] = ()
     """Peers its author has banned (node/suspects.py); older peers ignore the field."""
+    done: bool = False
+    """Its author finished the round (`Matchmaker.finish`): it takes part in no more of the
+    round's mixes."""
+    view: str = ""
+    """With `done`: the digest of the participant list its author closed the round with
+    (`view_digest`); a peer still gathering the round compares it with its own
+    (`finished_apart`)."""
 
     @classmethod
     def _from_body(cls, body: Any) -> RoundEntry:
@@ -125,6 +149,8 @@ _FIELD_TYPES = {
     "digest": str,
     "warming": bool,
     "flags": list,
+    "done": bool,
+    "view": str,
 }
 
 
@@ -136,7 +162,7 @@ def _check_fields(body: Any) -> dict[str, Any]:
     known = {k: v for k, v in body.items() if k in _FIELD_TYPES and v is not None}
     for key, kind in _FIELD_TYPES.items():
         value = known.get(key)
-        if key in ("digest", "warming", "flags") and value is None:
+        if key in ("digest", "warming", "flags", "done", "view") and value is None:
             continue
         bad_bool = isinstance(value, bool) and kind is not bool
         if not isinstance(value, kind) or bad_bool:
@@ -149,7 +175,15 @@ def _check_fields(body: Any) -> dict[str, Any]:
     ):
         raise EntryError("flags are not a short list of peer ids")
     known["flags"] = tuple(dict.fromkeys(flags))
+    if len(known.get("view", "")) > VIEW_DIGEST_CHARS:
+        raise EntryError("view digest too long")
     return known
+
+
+def view_digest(entries: Collection[RoundEntry]) -> str:
+    """A closed participant list, as a short digest (the same list gives the same one)."""
+    ids = "\n".join(sorted({e.peer_id for e in entries}))
+    return hashlib.sha256(ids.encode()).hexdigest()[:VIEW_DIGEST_CHARS]
 
 
 def excluded(
@@ -184,6 +218,39 @@ a stranger's too, count towards closing early), or None (unknown: quorum 1)."""
 
 def expected_count(expect: Expect) -> int | None:
     return expect if expect is None or isinstance(expect, int) else len(set(expect))
+
+
+def without(expect: Expect, gone: Collection[str]) -> Expect:
+    """`expect` less the peers in `gone` (by count: one fewer each, at least one: this peer;
+    counts are for simulations, where any entry, a stranger's too, counts)."""
+    if not gone or expect is None:
+        return expect
+    if isinstance(expect, int):
+        return max(1, expect - len(gone))
+    return frozenset(expect) - frozenset(gone)
+
+
+def finished_apart(
+    closed: Collection[RoundEntry], me: str, ids: Collection[str] | None
+) -> frozenset[str]:
+    """The peers of the list `closed` (closed by this peer, `me`, on every entry it read)
+    that finished the round on another list, when none of its other members can still
+    mix with this peer: every other member it expects (`ids`; None: every member) is done,
+    and no done entry closed this same list. Those peers' groups never held this one (a
+    replica that did not expect a joiner closed without it); it closes again without them.
+
+    Otherwise nobody is set apart, and the list stands as every reader of these entries
+    closes it: a done member that closed this list finished with this peer in its groups
+    (its results are still served), and a peer still mixing may share the list, so one
+    stranger re-storing its entry done, with any digest, changes no one's list."""
+    seen = view_digest(closed) if closed else ""
+    done = [e for e in closed if e.done and e.peer_id != me]
+    if not done or any(e.view == seen for e in done):
+        return frozenset()
+    others = [e for e in closed if e.peer_id != me and (ids is None or e.peer_id in ids)]
+    if not all(e.done for e in others):
+        return frozenset()
+    return frozenset(e.peer_id for e in done)
 
 
 def quorum(expect: Expect) -> int:
@@ -306,6 +373,9 @@ class Matchmaker:
         """A private swarm's allow list: entries of other signers are dropped (and counted
         by `admit`) before the `max_entries` bound, so strangers cannot crowd listed peers out."""
         self.ignored = 0
+        self._entered: dict[int, tuple[RoundEntry, str]] = {}
+        """This peer's entries of its last rounds and the digests of the lists it closed
+        them with, until `finish` marks them done."""
 
     async def gather(
         self,
@@ -336,16 +406,23 @@ class Matchmaker:
         while True:
             entries = {e.peer_id: e for e in await self._read(key, round_no)}
             entries[me.peer_id] = me
-            closed = close_view(
-                list(entries.values()),
+            close = functools.partial(
+                close_view,
                 window=cfg.window,
                 settle=cfg.settle,
                 now=time.time(),
-                expect=expect,
                 since=me.joined_at,
                 patience=cfg.waited(),
             )
+            closed = close(list(entries.values()), expect=expect)
+            apart = finished_apart(closed or (), me.peer_id, expected_ids(expect))
+            if apart:  # they mix with nobody new: close without them
+                kept = [e for p, e in entries.items() if p not in apart]
+                closed = close(kept, expect=without(expect, apart))
             if closed is not None:
+                self._entered[round_no] = (me, view_digest(closed))
+                for old in sorted(self._entered)[:-KEPT_ENTRIES]:
+                    del self._entered[old]
                 out = excluded(closed, expected_ids(expect))
                 if out:
                     log.info(
@@ -356,6 +433,24 @@ class Matchmaker:
                     self.run_id, self.stage, round_no, me.peer_id, kept, tuple(sorted(out))
                 )
             await asyncio.sleep(cfg.poll_interval)
+
+    async def finish(self, round_no: int) -> bool:
+        """Mark this peer's entry of `round_no` done (its mixes of the round are over), with
+        the digest of the list it closed: a peer that reaches the round later (a joiner that
+        copied this one's state, or one that lagged) then forms no group with this peer
+        that this peer never formed (`gather`, `finished_apart`). One store, living `ttl`
+        from now (later than the entry's, so it replaces it); whether stored."""
+        entered = self._entered.pop(round_no, None)
+        if entered is None:  # never entered (mixed alone, or skipped the round catching up)
+            return False
+        me, seen = entered
+        key = outer_round_key(self.run_id, self.stage, round_no)
+        marked = replace(me, done=True, view=seen)
+        expiration = time.time() + self.config.ttl
+        stored = await self.board.publish(key, me.peer_id, marked.sign(self.identity), expiration)
+        if not stored:  # a late reader then waits on this peer, as before marks existed
+            log.debug("round %d: the entry marked done was not stored", round_no)
+        return stored
 
     async def _publish(self, key: str, me: RoundEntry) -> bool:
         """Store my entry; a store the DHT refused or lost under load is retried until the

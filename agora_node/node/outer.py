@@ -325,8 +325,9 @@ class OuterLoop:
         return report
 
     def _mark_done(self, round_no: int) -> None:
-        """Mark this replica's entry of `round_no` done now that its mixes are over
-        (Matchmaker.finish), in the background: the round's end does not wait on the DHT."""
+        """Mark this replica's entry of `round_no` done now that its mixes are over, or
+        that it has none (Matchmaker.finish; a second call for the round stores nothing),
+        in the background: the round does not wait on the DHT."""
 
         async def mark() -> None:
             try:
@@ -470,6 +471,8 @@ class OuterLoop:
         )
         g = self.config.group_size
         delta_group, anchor_group = view.group("delta", g), view.group("anchor", g)
+        if len(delta_group) < 2 and len(anchor_group) < 2:  # mixes with nobody this round
+            self._mark_done(round_no)  # now: a joiner reading the entry meanwhile waits on it
         low_rank = self.low_rank
         delta_numel = low_rank.first_numel if low_rank else self.state.numel
         delta_plan = self._plan(round_no, "delta", delta_group, delta_numel)

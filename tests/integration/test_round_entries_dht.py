@@ -1,6 +1,7 @@
 """Round entries over real hivemind DHT nodes on 127.0.0.1: an entry re-stored marked done
 (Matchmaker.finish) replaces the first one in the other peer's reads, so a replica that
-reaches the round later neither counts nor waits for its author (groups.py)."""
+reaches the round later, its only partner finished without it, is alone at once
+(groups.py, finished_apart) instead of forming a group of two the other never formed."""
 
 from __future__ import annotations
 

@@ -8,7 +8,14 @@ import time
 import pytest
 
 from agora_node.comms.collective import Matchmaker, MatchmakingConfig, MemoryBoard, RoundEntry
-from agora_node.comms.collective.groups import EntryError, close_view, excluded, view_digest
+from agora_node.comms.collective.groups import (
+    EntryError,
+    close_view,
+    excluded,
+    expected_ids,
+    finished_apart,
+    view_digest,
+)
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.names import outer_round_key
 
@@ -255,7 +262,7 @@ def test_only_the_expected_replicas_vote_to_leave_a_peer_out() -> None:
     assert excluded(entries, {"a", "b", "c"}) == {"x"}  # 2 of the 3 replicas
 
 
-async def test_a_finished_peers_entry_neither_ends_inner_steps_nor_joins_a_group() -> None:
+async def test_a_finished_peers_entry_ends_inner_steps_but_joins_no_group() -> None:
     """A replica that expected only itself closed its round at once and finished it; a
     joiner that copied its state just then read the still-fresh entry, ended its inner
     steps on it and formed a group of two that the other never formed (then waited on it,
@@ -377,3 +384,50 @@ def test_entries_with_an_oversized_view_digest_are_refused() -> None:
             RoundEntry.verified(
                 {"r": data, "s": me.sign(data)}, peer_id=me.peer_id, run_id="r", stage=0, round_no=1
             )
+
+
+def _decide(entries: list[RoundEntry], me: str, expect: set[str], now: float) -> list[str] | None:
+    """A reader's list as `Matchmaker.gather` closes it (window 5 s, settle 1 s)."""
+    mine = next(e for e in entries if e.peer_id == me)
+    closed = close_view(
+        entries, window=5.0, settle=1.0, now=now, expect=expect, since=mine.joined_at
+    )
+    if closed is not None and finished_apart(closed, me, expected_ids(expect)):
+        return [me]
+    return None if closed is None else sorted(e.peer_id for e in closed)
+
+
+def _finished(peer: str, joined: float, on: list[str]) -> RoundEntry:
+    digest = view_digest([entry(p, 0.0) for p in on])
+    return dataclasses.replace(entry(peer, joined), done=True, view=digest)
+
+
+def test_readers_of_the_same_entries_still_close_the_same_list() -> None:
+    """A review's cases against a rule that closed again without done entries: honest
+    readers whose expectations differ, a stranger's mark, and a late replica."""
+    t = 1000.0
+    # A closed alone and finished; P1 does not count the second joiner Y yet, Y counts P1
+    entries = [_finished("A", t, ["A"]), entry("P1", t + 1), entry("Y", t + 1.5)]
+    p1 = _decide(entries, "P1", {"A", "P1"}, t + 2)
+    assert p1 == _decide(entries, "Y", {"A", "P1", "Y"}, t + 2) == ["A", "P1", "Y"]
+    # a stranger S re-stores its entry done with a junk digest: P and Y keep one list
+    entries = [entry("P", t), dataclasses.replace(entry("S", t), done=True, view="0" * 32)]
+    entries.append(entry("Y", t + 0.5))
+    assert _decide(entries, "P", {"P"}, t + 1) == _decide(entries, "Y", {"P", "Y"}, t + 1)
+    # A and B finished on {A, B}; P entered 3 s later, Q after the close: both alone
+    entries = [_finished("A", t, ["A", "B"]), _finished("B", t, ["A", "B"])]
+    entries += [entry("P", t + 3), entry("Q", t + 9)]
+    every = {"A", "B", "P", "Q"}
+    assert _decide(entries, "P", every, t + 9.2) == ["P"]
+    q = _decide(entries, "Q", every, t + 9.2)
+    assert q is not None and "Q" not in q  # arrived after the close: alone (RoundView.group)
+    # the joiner: its only partner finished without it
+    entries = [_finished("A", t, ["A"]), entry("J", t + 1)]
+    assert _decide(entries, "J", {"A", "J"}, t + 1.1) == ["J"]
+    # a stranger's done entry claiming the joiner's list does not hold the joiner there
+    claim = view_digest([entry("A", 0.0), entry("J", 0.0), entry("S", 0.0)])
+    entries.append(dataclasses.replace(entry("S", t), done=True, view=claim))
+    assert _decide(entries, "J", {"A", "J"}, t + 1.1) == ["J"]
+    # a stranger whose entry is not done does: the list stands, as before marks existed
+    entries[-1] = entry("S", t)
+    assert _decide(entries, "J", {"A", "J"}, t + 1.1) == ["A", "J", "S"]

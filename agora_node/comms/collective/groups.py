@@ -25,17 +25,18 @@ entries compute the same groups; a peer whose view differs ends up in a group th
 others do not recognize, is refused by them, and completes the round alone.
 A peer that arrives after t_close is alone for this round.
 
-Once its mixes of a round are over, a peer re-stores its entry marked `done`, with a
-digest of the participant list it closed (`Matchmaker.finish`). Peers that expected
-different replicas close different lists: a replica that expected only itself closes
-at once, and a joiner that copied its state just then, reading the still-fresh entry,
-formed a group of two with it that the other never formed, waited on it, and in the
-next round the same again: both out of step for up to a minute (bench/late_joiner.py).
-A peer still gathering a round whose closed list no done entry shares, while every
-other replica it expects in it is done, closes again without the done ones
-(`finished_apart`); any other list stands as before. `opened_by_others` still counts
-done entries: a replica behind a round that its stage ran ends its inner steps, and
-either catches up (rounds.py) or enters that round and, alone in it, closes at once.
+Once its mixes of a round are over (or once its list leaves it alone in every group),
+a peer re-stores its entry marked `done`, with a digest of the list it closed
+(`Matchmaker.finish`). Peers that expected different replicas close different lists:
+a replica that expected only itself closes at once, and a joiner that copied its state
+just then, reading the still-fresh entry, formed a group of two with it that the other
+never formed, waited on it, and in the next round the same again: both out of step for
+up to a minute (bench/late_joiner.py). A peer whose list holds only done entries besides
+its own, none of an expected replica on this same list, is alone (`finished_apart`);
+any other list stands as before. The mark narrows the race rather than closing it: a
+joiner that reads before the mark is stored still waits on that round.
+`opened_by_others` counts done entries: the round ran (a replica behind ends its inner
+steps, then catches up, rounds.py, or enters the round and is alone in it at once).
 
 A replica still doing inner steps ends its round once q - 1 other replicas have
 entered it (`opened_by_others`), which makes it the q-th: one entry alone ends
@@ -55,7 +56,6 @@ the 8 KiB limit of hivemind DHT values.
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import json
 import logging
@@ -100,7 +100,7 @@ class RoundEntry:
     round's mixes."""
     view: str = ""
     """With `done`: the digest of the participant list its author closed the round with
-    (`view_digest`); a peer still gathering the round compares it with its own
+    (`view_digest`); a peer still gathering the round compares its own with it
     (`finished_apart`)."""
 
     @classmethod
@@ -220,37 +220,24 @@ def expected_count(expect: Expect) -> int | None:
     return expect if expect is None or isinstance(expect, int) else len(set(expect))
 
 
-def without(expect: Expect, gone: Collection[str]) -> Expect:
-    """`expect` less the peers in `gone` (by count: one fewer each, at least one: this peer;
-    counts are for simulations, where any entry, a stranger's too, counts)."""
-    if not gone or expect is None:
-        return expect
-    if isinstance(expect, int):
-        return max(1, expect - len(gone))
-    return frozenset(expect) - frozenset(gone)
+def finished_apart(closed: Collection[RoundEntry], me: str, ids: Collection[str] | None) -> bool:
+    """Whether this peer (`me`), having closed the list `closed` on every entry it read,
+    is in fact alone in the round: every other member of the list finished the round
+    (`done`), and none of the members it expects (`ids`; None: every member) finished on
+    this same list. Their groups never held this peer (a replica that did not expect a
+    joiner closed without it): it mixes with nobody, at once, instead of waiting on them.
 
-
-def finished_apart(
-    closed: Collection[RoundEntry], me: str, ids: Collection[str] | None
-) -> frozenset[str]:
-    """The peers of the list `closed` (closed by this peer, `me`, on every entry it read)
-    that finished the round on another list, when none of its other members can still
-    mix with this peer: every other member it expects (`ids`; None: every member) is done,
-    and no done entry closed this same list. Those peers' groups never held this one (a
-    replica that did not expect a joiner closed without it); it closes again without them.
-
-    Otherwise nobody is set apart, and the list stands as every reader of these entries
-    closes it: a done member that closed this list finished with this peer in its groups
-    (its results are still served), and a peer still mixing may share the list, so one
-    stranger re-storing its entry done, with any digest, changes no one's list."""
-    seen = view_digest(closed) if closed else ""
-    done = [e for e in closed if e.done and e.peer_id != me]
-    if not done or any(e.view == seen for e in done):
-        return frozenset()
-    others = [e for e in closed if e.peer_id != me and (ids is None or e.peer_id in ids)]
-    if not all(e.done for e in others):
-        return frozenset()
-    return frozenset(e.peer_id for e in done)
+    Otherwise the list stands as every reader of these entries closes it: a done member
+    that closed this list finished with this peer in its groups (its results are still
+    served), and a member not done, expected or not, may be mixing on it. So a stranger
+    cannot move an honest peer's list with its own mark, whatever digest it names; it can
+    keep the list as it was before marks existed (an entry not done, or this list's
+    digest claimed by one it does not expect does not count)."""
+    others = [e for e in closed if e.peer_id != me]
+    if not others or not all(e.done for e in others):
+        return False
+    seen = view_digest(closed)
+    return not any(e.view == seen for e in others if ids is None or e.peer_id in ids)
 
 
 def quorum(expect: Expect) -> int:
@@ -406,19 +393,17 @@ class Matchmaker:
         while True:
             entries = {e.peer_id: e for e in await self._read(key, round_no)}
             entries[me.peer_id] = me
-            close = functools.partial(
-                close_view,
+            closed = close_view(
+                list(entries.values()),
                 window=cfg.window,
                 settle=cfg.settle,
                 now=time.time(),
+                expect=expect,
                 since=me.joined_at,
                 patience=cfg.waited(),
             )
-            closed = close(list(entries.values()), expect=expect)
-            apart = finished_apart(closed or (), me.peer_id, expected_ids(expect))
-            if apart:  # they mix with nobody new: close without them
-                kept = [e for p, e in entries.items() if p not in apart]
-                closed = close(kept, expect=without(expect, apart))
+            if closed is not None and finished_apart(closed, me.peer_id, expected_ids(expect)):
+                closed = [me]  # the others finished without this peer: alone
             if closed is not None:
                 self._entered[round_no] = (me, view_digest(closed))
                 for old in sorted(self._entered)[:-KEPT_ENTRIES]:

@@ -11,7 +11,9 @@ replica (a1), which copies a0's state and joins its rounds. Prints, per run:
   logged as mixed by the two of them (None: not within `--deadline` seconds);
 - `a0_rounds_meanwhile`: the rounds a0 ended in that time (each one alone);
 - `mismatched`: rounds one replica logged as mixed by two (a group of 2/2) and the
-  other as mixed alone (1/1): a group only one side formed, which that side waits on.
+  other as mixed alone (1/1): a group only one side formed, which that side waits on;
+- `a1_alone`: rounds a1 logged as mixed alone before that first round together (it
+  entered a round a0 had closed without it, and saw so).
 
 `--load N` keeps N busy processes (pure Python loops, nice 0) running beside the swarm,
 as on a volunteer's machine doing other work; the mismatched groups showed on a loaded
@@ -95,10 +97,12 @@ def one_run(workdir: Path, after: int, deadline_s: float, rank: int, inner_steps
         except AssertionError:  # poll's timeout
             seconds = None
         g0, g1 = groups(swarm.log(a0)), groups(swarm.log(a1))
+        first = min((r for r, k in g1.items() if k == 2 and g0.get(r) == 2), default=None)
         return {
             "seconds_to_together": seconds,
             "a0_rounds_meanwhile": len(ROUND.findall(swarm.log(a0)[a0_at:])),
             "mismatched": sorted(r for r in g0.keys() & g1.keys() if g0[r] != g1[r]),
+            "a1_alone": sorted(r for r, k in g1.items() if k == 1 and (first is None or r < first)),
         }
     finally:
         swarm.stop(grace_s=10)
@@ -128,6 +132,7 @@ def main() -> None:
         "median_s": statistics.median(times) if times else None,
         "max_s": max(times, default=None),
         "runs_with_mismatched_rounds": sum(bool(r["mismatched"]) for r in runs),
+        "runs_with_a1_alone": sum(bool(r["a1_alone"]) for r in runs),
     }
     print(json.dumps(summary), file=sys.stderr)
     if args.json:

@@ -58,7 +58,8 @@ from agora_node.comms.collective import (
     RoundEntry,
     RoundView,
 )
-from agora_node.comms.collective.groups import MAX_FLAGS, Expect
+from agora_node.comms.collective.entries import MAX_FLAGS
+from agora_node.comms.collective.groups import Expect
 from agora_node.comms.collective.payload import max_frame_bytes
 from agora_node.comms.collective.proofs import Signing
 from agora_node.comms.collective.replay import ReplayMemory

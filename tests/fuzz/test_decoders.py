@@ -21,7 +21,7 @@ from hypothesis import event, example, given
 from hypothesis import strategies as st
 
 from agora_node.comms import pipeline_wire, streams
-from agora_node.comms.collective.groups import EntryError, RoundEntry
+from agora_node.comms.collective.entries import EntryError, RoundEntry
 from agora_node.comms.collective.payload import (
     WireFormat,
     decode_span,

@@ -37,7 +37,7 @@ def _plant_unlisted_inputs(swarm: TestSwarm, run_id: str, stranger: Identity) ->
     import hivemind
     from hivemind.utils import get_dht_time
 
-    from agora_node.comms.collective.groups import RoundEntry
+    from agora_node.comms.collective.entries import RoundEntry
     from agora_node.protocol.names import outer_round_key, stage_key
     from agora_node.protocol.records import NodeRecord
 

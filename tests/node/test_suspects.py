@@ -6,7 +6,8 @@ import asyncio
 import pytest
 
 from agora_node.comms.collective import Matchmaker, MatchmakingConfig, MemoryBoard, RoundEntry
-from agora_node.comms.collective.groups import MAX_FLAGS, EntryError, excluded
+from agora_node.comms.collective.entries import MAX_FLAGS, EntryError
+from agora_node.comms.collective.groups import excluded
 from agora_node.node.suspects import ROUND_EVIDENCE, STATUS_ROWS, NormWatch, Reason, Suspects
 from agora_node.protocol.identity import Identity
 from tests.node.clock import Clock

@@ -8,13 +8,12 @@ import time
 import pytest
 
 from agora_node.comms.collective import Matchmaker, MatchmakingConfig, MemoryBoard, RoundEntry
+from agora_node.comms.collective.entries import EntryError, view_digest
 from agora_node.comms.collective.groups import (
-    EntryError,
     close_view,
     excluded,
     expected_ids,
     finished_apart,
-    view_digest,
 )
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.names import outer_round_key

@@ -8,7 +8,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from torch import nn
 
 from agora_node.comms.collective import LocalNetwork, MatchmakingConfig, MemoryBoard, RoundEntry
-from agora_node.comms.collective.groups import view_digest
+from agora_node.comms.collective.entries import view_digest
 from agora_node.comms.collective.payload import EF_NAME
 from agora_node.node.outer import OuterLoop, part_signing
 from agora_node.node.outer_state import OuterConfig, OuterState

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from agora_node.comms.collective import GroupPlan, Matchmaker, MatchmakingConfig, MemoryBoard
-from agora_node.comms.collective.groups import RoundEntry
+from agora_node.comms.collective.entries import RoundEntry
 from agora_node.comms.collective.handlers import NOT_LISTED, Responder
 from agora_node.comms.collective.state import RoundBook
 from agora_node.comms.collective.wire import Code, Header

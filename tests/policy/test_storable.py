@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from agora_node.comms.collective.groups import RoundEntry
+from agora_node.comms.collective.entries import RoundEntry
 from agora_node.protocol.identity import Identity
 from agora_node.protocol.records import NodeRecord, RunPointer
 from agora_node.protocol.storable import STORE_SLACK_S, UNSTATED_LIFETIME_S, refusal

@@ -161,8 +161,6 @@ class OuterLoop:
         """With `config.unsent == "weights"`: what the weights hold unsent from earlier
         rounds (the new anchor less them was written), so next round's delta holds it."""
         self._closers: list[Any] = []
-        self._marks: set[asyncio.Task[None]] = set()
-        """Stores marking this replica's entries of finished rounds done (`_mark_done`)."""
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -238,10 +236,7 @@ class OuterLoop:
     async def close(self) -> None:
         if self._prep is not None:
             self._prep.cancel()
-        marks = list(self._marks)
-        for task in marks:
-            task.cancel()
-        await asyncio.gather(*marks, return_exceptions=True)
+        await self.matchmaker.close()
         for closer in self._closers:
             await closer()
 
@@ -303,7 +298,7 @@ class OuterLoop:
             if self.config.mix_momentum:
                 momentum = prep.anchor.value[self.state.numel :]
         round_no = self.state.round
-        self._mark_done(round_no)
+        self.matchmaker.finish_soon(round_no)  # its mixes are over (groups.py)
         for phase, outcome in zip(("delta", "factor"), outcomes, strict=False):
             # what every member now holds: sending it back is a replay
             self.replays[phase].remember_mixed(round_no, outcome.value)
@@ -324,23 +319,6 @@ class OuterLoop:
         del prep_task, prep, outcomes, delta, mixed, anchor, momentum  # this round's vectors
         await asyncio.to_thread(release_freed_memory)  # glibc keeps them otherwise (heap.py)
         return report
-
-    def _mark_done(self, round_no: int) -> None:
-        """Mark this replica's entry of `round_no` done now that its mixes are over, or
-        that it has none (Matchmaker.finish; a second call for the round stores nothing),
-        in the background: the round does not wait on the DHT."""
-
-        async def mark() -> None:
-            try:
-                await self.matchmaker.finish(round_no)
-            except Exception as exc:  # a late reader then waits on us, as before the mark
-                log.warning(
-                    "outer round %d: could not mark the round entry done: %r", round_no, exc
-                )
-
-        task = asyncio.create_task(mark())
-        self._marks.add(task)
-        task.add_done_callback(self._marks.discard)
 
     async def _commit(
         self,
@@ -473,7 +451,7 @@ class OuterLoop:
         g = self.config.group_size
         delta_group, anchor_group = view.group("delta", g), view.group("anchor", g)
         if len(delta_group) < 2 and len(anchor_group) < 2:  # mixes with nobody this round
-            self._mark_done(round_no)  # now: a joiner reading the entry meanwhile waits on it
+            self.matchmaker.finish_soon(round_no)  # now: a joiner reading it would wait on it
         low_rank = self.low_rank
         delta_numel = low_rank.first_numel if low_rank else self.state.numel
         delta_plan = self._plan(round_no, "delta", delta_group, delta_numel)

@@ -254,6 +254,8 @@ class Matchmaker:
         self._entered: dict[int, tuple[RoundEntry, str]] = {}
         """This peer's entries of its last rounds and the digests of the lists it closed
         them with, until `finish` marks them done."""
+        self._marks: set[asyncio.Task[None]] = set()
+        """Stores of `finish_soon` under way."""
 
     async def gather(
         self,
@@ -327,6 +329,28 @@ class Matchmaker:
         if not stored:  # a late reader then waits on this peer, as before marks existed
             log.debug("round %d: the entry marked done was not stored", round_no)
         return stored
+
+    def finish_soon(self, round_no: int) -> None:
+        """`finish` in the background: the round does not wait on the DHT (a second call
+        for the round stores nothing). A failure leaves late readers waiting on this peer,
+        as before marks existed."""
+
+        async def mark() -> None:
+            try:
+                await self.finish(round_no)
+            except Exception as exc:
+                log.warning("round %d: could not mark the round entry done: %r", round_no, exc)
+
+        task = asyncio.create_task(mark())
+        self._marks.add(task)
+        task.add_done_callback(self._marks.discard)
+
+    async def close(self) -> None:
+        """Cancel the marks still being stored (a leaving peer's last one is lost)."""
+        marks = list(self._marks)
+        for task in marks:
+            task.cancel()
+        await asyncio.gather(*marks, return_exceptions=True)
 
     async def _publish(self, key: str, me: RoundEntry) -> bool:
         """Store my entry; a store the DHT refused or lost under load is retried until the

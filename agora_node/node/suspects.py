@@ -298,8 +298,8 @@ class NormWatch:
         if sender and not known:  # a sender's first norm taken
             self._hear(sender, now)
             if len(self._heard) > 2 * self._norms.maxlen:
-                known = {s for s, _ in self._norms}
-                self._heard = {p: h for p, h in self._heard.items() if p in known}
+                window = {s for s, _ in self._norms}
+                self._heard = {p: h for p, h in self._heard.items() if p in window}
         self._judging = self._judging or self._taken >= self.min_samples
         return False
 

@@ -5,35 +5,23 @@ reaches the round later, its only partner finished without it, is alone at once
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
 
 from agora_node.comms.collective import Matchmaker, MatchmakingConfig
 from agora_node.comms.collective.groups import DHTBoard
-from agora_node.comms.host import Host, HostConfig
 from agora_node.protocol.identity import Identity
+from tests.outer.harness import start_local_host
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.integration]
 QUICK = MatchmakingConfig(window=0.5, settle=0.2, poll_interval=0.05)
 
 
-async def _host(identity: Identity, initial_peers: tuple[str, ...] = ()) -> Host:
-    with tempfile.TemporaryDirectory(prefix="agora-entries-") as tmp:
-        key_path = Path(tmp) / "identity.key"
-        key_path.write_bytes(identity.to_libp2p_bytes())
-        return await Host.start(
-            HostConfig(identity_path=str(key_path), initial_peers=initial_peers)
-        )
-
-
 async def test_an_entry_marked_done_replaces_the_first_in_the_other_peers_reads() -> None:
     first, joiner = Identity.generate(), Identity.generate()
-    a = await _host(first)
+    a = await start_local_host(first)
     b = None
     try:
-        b = await _host(joiner, tuple(str(m) for m in await a.visible_maddrs()))
+        b = await start_local_host(joiner, [str(m) for m in await a.visible_maddrs()])
         ma = Matchmaker(DHTBoard(a.dht), first, run_id="r", stage=0, config=QUICK)
         mb = Matchmaker(DHTBoard(b.dht), joiner, run_id="r", stage=0, config=QUICK)
         both = {first.peer_id, joiner.peer_id}

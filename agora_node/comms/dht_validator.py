@@ -42,9 +42,12 @@ class SignedSubkeys(RecordValidatorBase):
         def key_of_run(run_id: str) -> bool:
             return DHTID.generate(source=manifest_key(run_id)).to_bytes() == record.key
 
-        why = refusal(
-            subkey, value, record.expiration_time, key_of_run=key_of_run, now=get_dht_time()
-        )
+        try:
+            why = refusal(
+                subkey, value, record.expiration_time, key_of_run=key_of_run, now=get_dht_time()
+            )
+        except Exception as exc:  # noqa: BLE001 - a value no check foresaw: refused, not raised
+            why = f"{type(exc).__name__} while checking it"  # (into hivemind's batched answer)
         if why is not None:
             log.debug("DHT refused a value under %s: %s", str(subkey)[-8:], why)
         return why is None

@@ -123,16 +123,16 @@ def refusal(
             return "not a run pointer for this run"
         signer = body["publisher"]
     signed_at = body.get("issued_at", body.get("joined_at"))
-    if not _number(signed_at):
+    if not finite_number(signed_at):
         return "no time of signing"
     ttl = body.get("ttl")
     if ttl is None and max_ttl == MAX_RECORD_TTL_S:
         lifetime = UNSTATED_LIFETIME_S
-    elif _number(ttl) and 0 < ttl <= max_ttl:
+    elif finite_number(ttl) and 0 < ttl <= max_ttl:
         lifetime = float(ttl)
     else:
         return "lifetime out of range"
-    if not _number(expiration_time) or expiration_time > signed_at + lifetime + STORE_SLACK_S:
+    if not finite_number(expiration_time) or expiration_time > signed_at + lifetime + STORE_SLACK_S:
         return "expiry beyond the value's lifetime"
     if not verify(signer, data, value["s"]):  # last: the cheap checks cost no Ed25519 work
         return (
@@ -150,7 +150,7 @@ def _plain_refusal(
     if not isinstance(value, bytes) or len(value) > MAX_PLAIN_BYTES:
         return "a plain value that is not a manifest's bytes"
     now = time.time() if now is None else now
-    if not _number(expiration_time) or expiration_time > now + MAX_PLAIN_LIFETIME_S:
+    if not finite_number(expiration_time) or expiration_time > now + MAX_PLAIN_LIFETIME_S:
         return "expiry beyond a manifest's lifetime"
     run_id = hashlib.sha256(value).hexdigest()[:RUN_ID_CHARS]  # Manifest.run_id's hash
     if key_of_run is None or not key_of_run(run_id):
@@ -158,5 +158,12 @@ def _plain_refusal(
     return None
 
 
-def _number(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+def finite_number(x: Any) -> bool:
+    """`x` is an int or float (not a bool) within float range: JSON allows integers of
+    any size, and `math.isfinite(10**400)` raises instead of answering."""
+    if not isinstance(x, int | float) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False

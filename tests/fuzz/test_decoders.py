@@ -579,9 +579,13 @@ _ENTRY_BODY = json.loads(_ENTRY.canonical_bytes())
 _NULL_DIGEST = json.dumps({**_ENTRY_BODY, "digest": None}).encode()
 
 
+_HUGE_JOINED = json.dumps({**_ENTRY_BODY, "joined_at": 10**400}).encode()
+
+
 @FUZZ
 @given(signed_values(_ENTRY_BODY))
 @example({"r": _NULL_DIGEST, "s": ALICE.sign(_NULL_DIGEST)})  # was kept with digest None
+@example({"r": _HUGE_JOINED, "s": ALICE.sign(_HUGE_JOINED)})  # OverflowError, not EntryError
 def test_round_entries(value: object) -> None:
     try:
         entry = RoundEntry.verified(value, peer_id=ALICE.peer_id, run_id="run", stage=1, round_no=4)

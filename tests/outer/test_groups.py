@@ -213,6 +213,23 @@ async def test_entries_planted_for_future_rounds_are_ignored() -> None:
     assert all(m.ignored >= 1 for m in makers)
 
 
+async def test_an_entry_with_a_number_beyond_float_range_is_ignored_not_raised() -> None:
+    """One stranger's signed entry with joined_at = 10**400 (JSON allows it; the DHT's
+    validator reads the time of signing from an extra issued_at) raised OverflowError in
+    every reader: the outer-round loop ended and every replica of the stage stopped."""
+    board, stranger, me = MemoryBoard(), Identity.generate(), Identity.generate()
+    data = json.dumps(
+        {"peer_id": stranger.peer_id, "run_id": "r", "stage": 0, "round": 5}
+        | {"joined_at": 10**400, "issued_at": time.time()}
+    ).encode()
+    key = outer_round_key("r", 0, 5)
+    await board.publish(key, stranger.peer_id, {"r": data, "s": stranger.sign(data)}, 1e12)
+    maker = Matchmaker(board, me, run_id="r", stage=0, config=QUICK)
+    assert not await maker.opened_by_others(5, expect=2)
+    view = await maker.gather(5, expect={me.peer_id})
+    assert view.peers == [me.peer_id] and maker.ignored >= 2
+
+
 async def test_one_other_entry_ends_nobodys_round_in_a_stage_of_five() -> None:
     """A replica still doing inner steps joins once joining makes a majority, not on one
     stranger's (valid, fresh) entry; main ended every replica's round on any entry."""

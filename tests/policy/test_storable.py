@@ -60,6 +60,20 @@ def test_lifetimes_out_of_range_are_refused_before_any_signature_work():
         )
 
 
+def test_numbers_beyond_float_range_are_refused_not_raised():
+    """JSON allows integers of any size: math.isfinite(10**400) raises OverflowError, which
+    inside hivemind's store would throw away the whole batched answer."""
+    owner = Identity.generate()
+    for body in ({"issued_at": 10**400}, {"issued_at": time.time(), "ttl": 10**400}):
+        data = json.dumps(body).encode()
+        assert refusal(owner.peer_id, {"r": data, "s": owner.sign(data)}, time.time()) in (
+            "no time of signing",
+            "lifetime out of range",
+        )
+    record, issued = _record(owner)
+    assert refusal(owner.peer_id, record, 10**400) == "expiry beyond the value's lifetime"
+
+
 def test_round_entries_live_their_unstated_lifetime():
     owner = Identity.generate()
     entry = RoundEntry(

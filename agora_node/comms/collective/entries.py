@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from agora_node.protocol.identity import Identity, verify
+from agora_node.protocol.storable import finite_number
 
 MAX_ENTRY_BYTES = 1024
 MAX_FLAGS = 8
@@ -113,8 +113,8 @@ def _check_fields(body: Any) -> dict[str, Any]:
         bad_bool = isinstance(value, bool) and kind is not bool
         if not isinstance(value, kind) or bad_bool:
             raise EntryError(f"field {key} missing or of type {type(value).__name__}")
-    if not math.isfinite(known["joined_at"]):
-        raise EntryError("joined_at is not finite")
+    if not finite_number(known["joined_at"]):
+        raise EntryError("joined_at is not a finite number")
     flags = known.get("flags", [])
     if len(flags) > MAX_FLAGS or not all(
         isinstance(f, str) and 0 < len(f) <= MAX_PEER_ID_CHARS for f in flags

@@ -64,7 +64,6 @@ from typing import Any, Protocol
 
 from agora_node.comms.collective.entries import (
     MAX_FLAGS,
-    EntryError,
     RoundEntry,
     view_digest,
 )
@@ -391,7 +390,7 @@ class Matchmaker:
                 entry = RoundEntry.verified(
                     value, peer_id=peer, run_id=self.run_id, stage=self.stage, round_no=round_no
                 )
-            except EntryError as exc:
+            except Exception as exc:  # noqa: BLE001 - a stranger's bytes: never stop the round
                 self.ignored += 1
                 log.debug("ignored round entry under %s: %s", str(peer)[:16], exc)
                 continue

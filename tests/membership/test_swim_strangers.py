@@ -5,12 +5,16 @@ table. Real Ed25519 identities and the daemon's verifier, one machine, no networ
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 from swim_helpers import FAST, item, lone_machine, message
 
 from agora_node.comms.membership import messages as wire
 from agora_node.comms.membership.members import precedence
 from agora_node.comms.membership.messages import MemberMeta, MsgKind, Status
+from agora_node.comms.membership.p2p import MAX_IN_FLIGHT_TO_ONE, MembershipService
 from agora_node.comms.membership.swim import MAX_RELAYS_PER_ORIGIN, MAX_REPLY_ITEMS
 from agora_node.protocol.identity import Identity
 
@@ -38,6 +42,25 @@ def test_an_accusation_above_the_own_incarnation_is_ignored() -> None:
     machine.on_message(stranger.peer_id, _gossip(stranger, me.peer_id, 2, [honest]), 0.2)
     assert machine.incarnation == 1001
     machine.update_meta(MemberMeta(stage=1), 0.3)  # sends and signs as before
+
+
+def test_a_chain_of_accusations_in_one_message_is_refuted_once() -> None:
+    """Accusations at i, i+1, ..., i+254 in one message (fresh accusers): each was "at our
+    incarnation" once the one before it was refuted, so one 45 KB message raised the
+    incarnation by 255, the local-health score to its top and sent 510 messages to 256
+    hostless peer ids. Now: one refutation a message, its record to the accuser and the
+    sender only."""
+    me, stranger = Identity.generate(), Identity.generate()
+    machine, out = lone_machine(me, incarnation_start=1000)
+    chain = [item(Identity.generate(), Status.SUSPECT, me.peer_id, 1000 + k) for k in range(40)]
+    before = len(out.sent)
+    machine.on_message(stranger.peer_id, _gossip(stranger, me.peer_id, 1, chain), 0.1)
+    assert machine.incarnation == 1001 and machine.counters["refutations"] == 1
+    assert machine.awareness.score == 1
+    assert len(out.sent) - before <= 2  # the first item's accuser and the sender
+    again = item(Identity.generate(), Status.SUSPECT, me.peer_id, 1001)  # the next message
+    machine.on_message(stranger.peer_id, _gossip(stranger, me.peer_id, 2, [again]), 0.2)
+    assert machine.incarnation == 1002  # a new message at the new incarnation: refuted
 
 
 def test_an_accusation_above_a_member_s_known_incarnation_is_not_taken() -> None:
@@ -177,3 +200,26 @@ def test_the_incarnation_saturates_at_the_top_of_the_wire_format() -> None:
     assert machine.incarnation == TOP
     machine.update_meta(MemberMeta(stage=2), 0.2)  # signs and sends: no struct.error
     assert machine.incarnation == TOP and out.sent
+
+
+async def test_sends_held_to_one_peer_are_bounded() -> None:
+    """A stranger whose handler never answers (or a fresh key with no host) held a send slot
+    per message sent to it, up to the send timeout: enough of them filled all 256 and the
+    member dropped its acks to everyone else."""
+    me = Identity.generate()
+    p2p = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: me.peer_id))
+    service = MembershipService(p2p, me)
+    gate = asyncio.Event()
+
+    async def silent(to: str, data: bytes) -> None:
+        await gate.wait()
+
+    service._send_one = silent  # type: ignore[method-assign]
+    for _ in range(3 * MAX_IN_FLIGHT_TO_ONE):
+        service._send("silent-stranger", b"x")
+    service._send("honest", b"x")
+    assert service.send_overflows == 2 * MAX_IN_FLIGHT_TO_ONE
+    assert len(service._in_flight) == MAX_IN_FLIGHT_TO_ONE + 1  # the honest peer's went out
+    gate.set()
+    await asyncio.gather(*service._in_flight)
+    assert not service._in_flight and not service._in_flight_to

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 from google.protobuf.wrappers_pb2 import BytesValue
@@ -45,6 +46,12 @@ LIMITS = Limits(
     burst=100.0,
     deadline_s=5.0,
 )
+
+MAX_IN_FLIGHT_TO_ONE = 16
+"""Sends to one peer held at once (each up to the send timeout): a stranger whose handler
+never answers, or a fresh key with no host, cannot fill the node's 256 send slots and
+make it drop its acks to everyone else. Honest traffic to one peer is a few a second,
+each done in a round trip."""
 
 
 class MembershipServicer(GuardedServicer):
@@ -99,6 +106,7 @@ class MembershipService:
         self._max_in_flight = max_in_flight
         self._listeners: list[Callable[[MemberView], None]] = []
         self._in_flight: set[asyncio.Task] = set()
+        self._in_flight_to: Counter[str] = Counter()
         self._machine: Membership | None = None
         self._servicer = MembershipServicer(
             self._deliver, Guard("membership", LIMITS, on_refuse=on_refuse)
@@ -232,12 +240,20 @@ class MembershipService:
         self._wake.set()  # the message may have set an earlier timer
 
     def _send(self, to: str, data: bytes) -> None:
-        if len(self._in_flight) >= self._max_in_flight:
+        full = len(self._in_flight) >= self._max_in_flight
+        if full or self._in_flight_to[to] >= MAX_IN_FLIGHT_TO_ONE:
             self.send_overflows += 1  # like a full socket buffer: the datagram is lost
             return
         task = asyncio.create_task(self._send_one(to, data))
         self._in_flight.add(task)
-        task.add_done_callback(self._in_flight.discard)
+        self._in_flight_to[to] += 1
+        task.add_done_callback(lambda t: self._sent(t, to))
+
+    def _sent(self, task: asyncio.Task, to: str) -> None:
+        self._in_flight.discard(task)
+        self._in_flight_to[to] -= 1
+        if self._in_flight_to[to] <= 0:
+            del self._in_flight_to[to]
 
     async def _send_one(self, to: str, data: bytes) -> None:
         try:

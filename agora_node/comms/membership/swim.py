@@ -138,6 +138,8 @@ class Membership:
         )
         self._replies: dict[str, dict[bytes, None]] | None = None
         """Corrections owed to senders of the message being handled (None: not in one)."""
+        self._refuted = False
+        """An accusation in the message being handled made us refute: one a message."""
         self._budgets = SenderBudgets(
             2 * self.settings.max_members, self.settings.push_pull_interval_s, now
         )
@@ -276,6 +278,7 @@ class Membership:
             for bucket in buckets:
                 bucket.spend(budget - (self._budget or 0))
             replies, self._budget, self._replies = self._replies, None, None
+            self._refuted = False
             for peer, items in replies.items():
                 self._send(peer, MsgKind.GOSSIP, b"", list(items))
 
@@ -699,12 +702,18 @@ class Membership:
             if accusation and sender is not None and not self._leaving:
                 self._reply(sender, self._record)  # it relays old news about us: update it
             return
+        if accusation and self._refuted:
+            # A chain in one message (accusations at i, i+1, ...: each "at our incarnation"
+            # once the one before is refuted) raised it by 255 and sent 510 messages.
+            self.counters["stale_items"] += count_stale
+            return
         if self._verified(item):
             self._refute(item.incarnation)
+            self._refuted = accusation and self._replies is not None
             # the accuser and the relay hear it first-hand: gossip may miss a few
             for peer in dict.fromkeys((item.accuser, sender)):
                 if peer is not None and peer != self.peer_id:
-                    self._send_record(peer)
+                    self._reply(peer, self._record)
 
     def _spread(self, subject: str, raw: bytes, kind: Status) -> None:
         """Queue news for piggy-backing. Deaths and leaves are sent twice as often:
@@ -713,9 +722,6 @@ class Membership:
         terminal = kind == Status.DEAD or kind == Status.LEFT
         extra = self.settings.retransmit_limit(self.cluster_size()) if terminal else 0
         self._gossip.push(subject, raw, extra=extra)
-
-    def _send_record(self, peer: str) -> None:
-        self._send(peer, MsgKind.GOSSIP, b"", [self._record])
 
     def _reply(self, peer: str, raw: bytes) -> None:
         """Send `peer` a correction: while handling its message, gathered into one reply

@@ -482,22 +482,25 @@ class Node:
         (placement.should_switch), after a random delay so peers do not herd."""
         rng = random.Random(self.peer_id)
         every = self.config.rebalance_every_s
+
+        def better(view: Snapshot) -> placement.SwitchDecision | None:
+            return joining.better_stage(
+                view,
+                self.manifest,
+                self.peer_id,
+                self.stage,
+                self.can_hold,
+                verified=self.liveness.answered,  # a record alone is one DHT store
+            )
+
         while not self.stop_event.is_set():
             await self._wait_stop(every * (0.5 + rng.random()))
             if self.stop_event.is_set() or self.state != NodeState.ACTIVE or self.limited:
                 continue  # a limited node is pinned in every election, its own included
-            if (
-                joining.better_stage(
-                    self.view, self.manifest, self.peer_id, self.stage, self.can_hold
-                )
-                is None
-            ):
+            if better(self.view) is None:
                 continue
             await self._wait_stop(placement.switch_delay(self.peer_id, rng, every / 2))
-            view = await self.directory.fetch()  # still true after the delay?
-            decision = joining.better_stage(
-                view, self.manifest, self.peer_id, self.stage, self.can_hold
-            )
+            decision = better(await self.directory.fetch())  # still true after the delay?
             if decision is not None and not self.stop_event.is_set():
                 await self.switch_stage(decision.stage, decision.reason)
 

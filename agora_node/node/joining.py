@@ -120,11 +120,15 @@ def better_stage(
     peer_id: str,
     stage: int,
     can_hold: list[int] | None = None,
+    verified: Callable[[str], bool] | None = None,
 ) -> placement.SwitchDecision | None:
     """A stage this running node should move to for a clear gain (and can hold), or None.
-    Nodes pinned by `--stage N` count for capacity but never move."""
+    Nodes pinned by `--stage N` count for capacity but never move; `verified`: the peers
+    whose hosts answered this node's probes (placement.should_switch)."""
     movable = {r.peer_id for rs in view.values() for r in rs if not r.pinned}
-    decision = placement.should_switch(view, manifest, peer_id, stage, movable=movable)
+    decision = placement.should_switch(
+        view, manifest, peer_id, stage, movable=movable, verified=verified
+    )
     if decision.stage is None or (can_hold is not None and decision.stage not in can_hold):
         return None
     return decision

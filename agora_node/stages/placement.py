@@ -29,7 +29,7 @@ import hashlib
 import math
 import random
 import statistics
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from agora_node.protocol.manifest import Manifest, ModelSpec
@@ -332,6 +332,7 @@ def should_switch(
     *,
     margin: float = 1.25,
     movable: Collection[str] | None = None,
+    verified: Callable[[str], bool] | None = None,
 ) -> SwitchDecision:
     """Whether the running node `peer_id` should leave `current_stage`, and for which stage.
 
@@ -340,6 +341,13 @@ def should_switch(
     only if the current stage keeps another active replica, and only if this node is the one
     elected (lowest peer hash) among all nodes for which such a move exists, so
     that peers seeing the same directory move one at a time.
+
+    `verified(peer)`: whether a host is known to run behind that record (a running
+    node's SWIM probes answered). Given it, only verified replicas keep a stage from
+    losing its last one and only verified nodes stand in the election: a record is one
+    signed DHT store, and a stranger's pinned record at a stage had every honest
+    replica there leave it, and a record under a key ground to the lowest rank (which
+    never moves) stopped every move. Capacity still counts every record.
     """
     if margin < 1:
         raise ValueError(f"margin must be >= 1, got {margin}")
@@ -355,7 +363,11 @@ def should_switch(
     fallback = _median_power(replicas)
     everyone = list(replicas.values())
     caps = _capacities(everyone, costs, fallback)
-    active = _counts([r for r in everyone if r.state == NodeState.ACTIVE], len(costs))
+
+    def real(r: _Replica) -> bool:
+        return verified is None or r.peer_id == peer_id or verified(r.peer_id)
+
+    active = _counts([r for r in everyone if r.state == NodeState.ACTIVE and real(r)], len(costs))
     now = min(caps)
 
     def stay(reason: str) -> SwitchDecision:
@@ -375,6 +387,7 @@ def should_switch(
         if r.peer_id == peer_id
         or (
             (movable is None or r.peer_id in movable)
+            and real(r)
             and _best_move(r, active, caps, costs, fallback, margin)
         )
     ]

@@ -101,7 +101,7 @@ async def test_a_limited_node_does_not_move_itself(monkeypatch) -> None:  # noqa
     from agora_node.node import joining
 
     asked: list[int] = []
-    monkeypatch.setattr(joining, "better_stage", lambda *a: asked.append(1))
+    monkeypatch.setattr(joining, "better_stage", lambda *a, **k: asked.append(1))
     stop = asyncio.Event()
     waits = [0]
 
@@ -124,6 +124,7 @@ async def test_a_limited_node_does_not_move_itself(monkeypatch) -> None:  # noqa
             manifest=None,
             stage=1,
             can_hold=[1, 2] if limited else None,
+            liveness=types.SimpleNamespace(answered=lambda peer: True),
             _wait_stop=wait_stop,
         )
         await Node._rebalance_loop(node)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agora_node.protocol.records import NodeState
-from agora_node.stages.placement import should_switch, switch_delay
+from agora_node.stages.placement import peer_rank, should_switch, switch_delay
 
 from .helpers import directory, record
 
@@ -44,6 +44,42 @@ def test_refuses_when_the_node_is_its_stages_only_active_replica() -> None:
     decision = should_switch(view, EQUAL3, "a", 0)
     assert decision.stage is None
     assert "only active replica of stage 0" in decision.reason
+
+
+def test_a_stranger_s_record_does_not_stand_in_for_a_stage_s_last_replica() -> None:
+    """A record is one signed DHT store: a stranger's (pinned, never elected) at stage 0
+    made the last honest replica there leave it. Given what this node's probes verified,
+    only replicas with a host behind them keep a stage from losing its last one."""
+    view = directory(
+        record("a", 0, throughput=100.0),
+        record("stranger", 0, throughput=1e6),
+        record("b", 1, throughput=100.0),
+        record("c", 1, throughput=100.0),
+        record("d", 2, throughput=100.0),
+    )
+    movable = {"a", "b", "c", "d"}
+    assert should_switch(view, EQUAL3, "a", 0, movable=movable).stage is not None  # the defect
+    real = {"a", "b", "c", "d"}.__contains__
+    decision = should_switch(view, EQUAL3, "a", 0, movable=movable, verified=real)
+    assert decision.stage is None and "only active replica of stage 0" in decision.reason
+
+
+def test_a_record_under_a_ground_key_does_not_win_the_election() -> None:
+    """The node to move is the lowest-ranked of those that could: a record under a key
+    ground to the lowest rank, that never moves, stopped every move of the swarm."""
+    ground = min((f"z{i}" for i in range(64)), key=lambda p: (peer_rank(p), p))
+    honest = sorted(f"h{i}" for i in range(3))
+    assert all(peer_rank(ground) < peer_rank(p) for p in honest)
+    view = directory(
+        *(record(p, 0, throughput=100.0) for p in honest),
+        record(ground, 0, throughput=100.0),
+        record("d", 1, throughput=100.0),
+    )
+    stay = [should_switch(view, EQUAL3, p, 0) for p in honest]
+    assert all(d.stage is None and ground[:12] in d.reason for d in stay)  # the defect
+    real = set(honest + ["d"]).__contains__
+    decisions = {p: should_switch(view, EQUAL3, p, 0, verified=real) for p in honest}
+    assert sum(d.stage == 2 for d in decisions.values()) == 1  # one honest node moves
 
 
 def test_non_active_nodes_do_not_switch() -> None:

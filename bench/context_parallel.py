@@ -25,7 +25,7 @@ waiting first, alternated; `--only-overlap` measures this alone.
 Quality (at the manifest's own seq_len): the model with dense K/V (exchanged in bf16)
 and with the manifest's mixture of subspaces, each trained as a cell of c = cp_degree
 members on the same data order for `--steps` steps, alternating a step of each; the
-validation loss is computed by the cell too. `tail_rel_drop` says whether the dense curve
+validation loss is computed by the cell too. `quality.tail_rel_drop_dense` says whether the dense curve
 had flattened (how much it still fell over the last quarter, relative to its final loss).
 """
 

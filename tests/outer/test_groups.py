@@ -230,6 +230,33 @@ async def test_an_entry_with_a_number_beyond_float_range_is_ignored_not_raised()
     assert view.peers == [me.peer_id] and maker.ignored >= 2
 
 
+async def test_a_replica_re_storing_a_later_joined_at_cannot_hold_the_round_open() -> None:
+    """Stage {me, crashed, liar}: the liar re-stored its entry every poll with joined_at =
+    now + 1.9 s (within max_skew), so the second expected entry was always the newest and
+    the close kept moving: the round was still open after 900 s. Now a peer's first
+    joined_at read stands, and a list closes by a last time in any case."""
+    board, me, liar = MemoryBoard(), Identity.generate(), Identity.generate()
+    config = dataclasses.replace(QUICK, patience=0.5, max_skew=2.0)
+    key = outer_round_key("r", 0, 6)
+    stop = asyncio.Event()
+
+    async def re_store() -> None:
+        while not stop.is_set():
+            entry = _signed_entry(liar, 6, time.time() + 1.9)
+            await board.publish(key, liar.peer_id, entry, 1e12)
+            await asyncio.sleep(0.01)
+
+    storing = asyncio.create_task(re_store())
+    try:
+        maker = Matchmaker(board, me, run_id="r", stage=0, config=config)
+        expect = {me.peer_id, liar.peer_id, "12D3KooWcrashed"}
+        view = await asyncio.wait_for(maker.gather(6, expect=expect), 10)
+        assert set(view.peers) == {me.peer_id, liar.peer_id}
+    finally:
+        stop.set()
+        await storing
+
+
 async def test_one_other_entry_ends_nobodys_round_in_a_stage_of_five() -> None:
     """A replica still doing inner steps joins once joining makes a majority, not on one
     stranger's (valid, fresh) entry; main ended every replica's round on any entry."""

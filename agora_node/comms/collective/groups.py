@@ -282,18 +282,30 @@ class Matchmaker:
         if not await self._publish(key, me):
             log.warning("could not publish round %d entry: mixing alone", round_no)
             return RoundView(self.run_id, self.stage, round_no, me.peer_id, (me,))
+        # A round's list closes by this at the latest: a peer re-storing its entry with a
+        # later joined_at (within max_skew) kept moving the close, round after round.
+        last_close = me.joined_at + cfg.waited() + 2 * (cfg.window + cfg.settle) + cfg.max_skew
+        entries = {me.peer_id: me}
         while True:
-            entries = {e.peer_id: e for e in await self._read(key, round_no)}
+            for entry in await self._read(key, round_no):
+                first = entries.get(entry.peer_id)
+                # a peer's joined_at is the first one read: only its done mark replaces it
+                if first is None or entry.joined_at == first.joined_at:
+                    entries[entry.peer_id] = entry
             entries[me.peer_id] = me
+            now = time.time()
             closed = close_view(
                 list(entries.values()),
                 window=cfg.window,
                 settle=cfg.settle,
-                now=time.time(),
+                now=now,
                 expect=expect,
                 since=me.joined_at,
                 patience=cfg.waited(),
             )
+            if closed is None and now >= last_close:
+                log.warning("round %d: no list closed in time: closing on whoever came", round_no)
+                closed = sorted(entries.values(), key=lambda e: e.peer_id)
             if closed is not None and finished_apart(closed, me.peer_id, expected_ids(expect)):
                 closed = [me]  # the others finished without this peer: alone
             if closed is not None:

@@ -183,6 +183,29 @@ async def test_a_dead_helper_fails_the_micro_batch_at_once_and_the_leader_redoes
         assert grad_in.shape == c_in.shape and bool(torch.isfinite(grad_in).all())
 
 
+@pytest.mark.parametrize("loss", [-9999.0, float("nan"), 1e5])
+def test_a_helpers_loss_must_be_a_cross_entropy_share(loss: float) -> None:
+    """A helper's loss of -9999 was taken (|loss| <= 1e4): the leader summed it into its
+    answer, and the stage below flagged the honest leader for a negative loss."""
+    from types import SimpleNamespace
+
+    from agora_node.stages.context_parallel import ChunkLayout
+
+    numel, width, batch = 10, 4, 2
+    leader = SimpleNamespace(
+        worker=SimpleNamespace(
+            stage=SimpleNamespace(is_first=False, boundary_width=width),
+            trainable_numel=lambda: numel,
+        )
+    )
+    layout = ChunkLayout(16, 2)
+    parse = CellLeader._parse_grads(leader, layout, batch, with_loss=True)
+    zeros = torch.zeros(batch * layout.length(1) * width + numel)
+    assert parse(1, cell_work.LOSS.pack(2.5) + cell_work.f32(zeros))[3] == 2.5
+    with pytest.raises(ValueError, match="plausible"):
+        parse(1, cell_work.LOSS.pack(loss) + cell_work.f32(zeros))
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("op", ["backward", "last"])
 async def test_a_helpers_huge_gradients_fail_the_micro_batch_not_the_leaders_step(op, monkeypatch):

@@ -83,12 +83,34 @@ def address_scope(text: str) -> str:
         ip = ipaddress.ip_address(parts[2])
     except ValueError:
         return "other"
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is loopback, not "private"
+    ip = _embedded_ipv4(ip)  # ::ffff:127.0.0.1 is loopback, not "private"
     for scope in ("unspecified", "loopback", "link_local", "multicast", "private"):
         if getattr(ip, f"is_{scope}"):
             return scope.replace("_", "-")
-    return "global"
+    # neither private nor global: shared address space (CGNAT, 100.64.0.0/10, where
+    # tailnets live), benchmarking nets, reserved ranges. Not dialed for strangers.
+    return "global" if ip.is_global else "private"
+
+
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def _embedded_ipv4(
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
+) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """The IPv4 address an IPv6 one carries (mapped, NAT64, 6to4, Teredo's client), which
+    is where a dial to it ends up: 64:ff9b::7f00:1 reaches 127.0.0.1 through a NAT64."""
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return ip
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip in _NAT64:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip.teredo is not None:
+        return ip.teredo[1]
+    return ip
 
 
 def check_addrs(addrs: object, asker: str) -> list[str]:

@@ -208,6 +208,7 @@ class OuterLoop:
             admit=rpc_admit,
             verify=signing.verify if signing is not None else None,
             sign=signing.sign if signing is not None else None,
+            known=known,
         )
         servicer = CollectiveServicer(responder, limit, guard=guard)
         await servicer.add_p2p_handlers(p2p, namespace=namespace)

@@ -137,6 +137,31 @@ async def test_fresh_keys_together_cannot_hold_more_than_max_waiting_handlers() 
         await asyncio.gather(*waits, return_exceptions=True)
 
 
+async def test_peers_without_a_record_neither_wait_for_a_round_nor_leave_promises() -> None:
+    """With the daemon's `known` (a record at this stage lately), four fresh keys can no
+    longer hold the 64 waits an honest member's early push needs, nor fill the promises."""
+    book = RoundBook("peer0")
+    book.register(_plan(peers(3), round_no=10))
+    responder = Responder(book, known={"peer1", "peer2"}.__contains__)
+    near = Header(11, "delta", b"x" * 16, 0, 0, wait=60.0)
+    refused = await asyncio.wait_for(responder.on_fetch("fresh-key", near), 1.0)
+    assert refused.code is Code.REJECTED and "no record" in refused.reason
+    query = Header(11, "delta", b"x" * 16, 0, 1, wait=0.0)
+    unpromised = await asyncio.wait_for(responder.on_query("fresh-key", query), 1.0)
+    assert unpromised.code is Code.REJECTED and not book.pending
+    honest = asyncio.create_task(responder.on_fetch("peer1", near))
+    try:
+        deadline = time.monotonic() + 5
+        while responder._waiting["peer1"] < 1:  # a replica with a record still waits
+            assert time.monotonic() < deadline, "the wait did not start"
+            await asyncio.sleep(0.01)
+        assert (await responder.on_query("peer2", query)).code is Code.NOTHING  # promised
+    finally:
+        honest.cancel()
+        await asyncio.gather(honest, return_exceptions=True)
+    assert book.unknown_rejections["no record"] == 2
+
+
 def test_a_member_s_current_round_is_near_though_it_registered_nothing_near_it() -> None:
     # it mixed alone, or caught up from round 5 to 9: peers' pushes for round 9 are
     # expected, not refused as distant

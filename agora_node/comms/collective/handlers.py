@@ -74,10 +74,15 @@ class Responder:
         admit: Callable[[str], bool] | None = None,
         verify: Verify | None = None,
         sign: Callable[[bytes], bytes] | None = None,
+        known: Callable[[str], bool] | None = None,
     ) -> None:
         self.book = book
         self.admit = admit
         """A private swarm's allow list (counts what it refuses); None: an open swarm."""
+        self.known = known
+        """Peers with a record at this stage lately (None: anyone, in tests): only they may
+        wait for a round this member has not registered, or leave a promise for it. Four
+        fresh keys held all 64 waits, and honest members' early pushes were refused."""
         self.verify = verify
         """Checks a part's signature by its sender (proofs.py); None: parts go unsigned
         (in-process tests and simulations)."""
@@ -91,6 +96,9 @@ class Responder:
             raise LookupError(NOT_LISTED)  # before any lookup: nothing is registered for it
         if (header.round, header.phase) in self.book.states:
             state = await self.book.lookup(header.round, header.phase, header.group_id, 0.0)
+        elif self.known is not None and not self.known(sender):
+            self.book.unknown_rejections["no record"] += 1
+            raise LookupError("no record at this stage, and the round is not registered")
         elif (
             self._waiting[sender] >= MAX_WAITING_PER_PEER
             or sum(self._waiting.values()) >= MAX_WAITING

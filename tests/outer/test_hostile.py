@@ -213,6 +213,48 @@ async def test_a_push_is_refused_on_its_header_before_its_payload_is_read() -> N
         assert reply is not None and reply.code is Code.REJECTED and reply.reason == reason
 
 
+async def test_a_members_copies_of_a_part_are_refused_before_they_are_buffered() -> None:
+    """One member's 32 streams of the same part were each buffered whole (96 MiB for a
+    3.7 MiB frame) and each decoded and checked: a copy of a part being read, or held, is
+    refused on its first chunk now, its rest read and dropped."""
+    from types import SimpleNamespace
+
+    from agora_node.comms.collective.p2p import CollectiveMessage, CollectiveServicer, _request
+
+    members = peers(3)
+    book = RoundBook("peer0")
+    plan = _plan(members)
+    book.register(plan)
+    servicer = CollectiveServicer(Responder(book), max_frame_bytes=1 << 20)
+    frame = encode_result(torch.zeros(plan.span_numel(0)), plain_format())
+    header = Header(0, "delta", plan.group_id, 0, 0, weight=1.0)
+    context = SimpleNamespace(remote_id=SimpleNamespace(to_base58=lambda: "peer1"))
+    go = asyncio.Event()
+
+    async def stream(hold: bool):  # noqa: ANN202 - the part in two chunks
+        yield _request(Code.PART, header, frame[:100], total=len(frame))
+        if hold:
+            await go.wait()
+        yield CollectiveMessage(data=frame[100:])
+
+    first = asyncio.create_task(servicer.rpc_push(stream(hold=True), context))
+    try:
+        deadline = time.monotonic() + 5
+        while not servicer._reading:
+            assert time.monotonic() < deadline, "the first push was not read"
+            await asyncio.sleep(0.01)
+        again = await asyncio.wait_for(servicer.rpc_push(stream(hold=False), context), 5)
+        assert (Code(again.code), again.reason) == (Code.REJECTED, "duplicate")
+        go.set()
+        assert Code((await first).code) is Code.ACCEPTED
+    finally:
+        go.set()
+        await asyncio.gather(first, return_exceptions=True)
+    assert not servicer._reading
+    held = await Responder(book).admit_push("peer1", header, len(frame))
+    assert held is not None and held.reason == "duplicate"  # refused on its header
+
+
 class Forging(Responder):
     """A span owner that serves a forged result (its own reduction, sign-flipped and
     tripled), naming the members it aggregated or not."""

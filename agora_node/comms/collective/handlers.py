@@ -54,7 +54,7 @@ MAX_WAITING = 64
 """Requests of all peers waiting for unregistered rounds at once: the collective's guard
 admits 256 streams, so requests about registered rounds always keep most of them (fresh
 keys cost nothing: the per-peer cap alone would let 16 of them hold every slot)."""
-MEMBER_REFUSALS = ("not my span", "bad weight", "late")
+MEMBER_REFUSALS = ("not my span", "bad weight", "late", "duplicate")
 """Refusals of a push from a member of the group (anything else: the sender is not one)."""
 
 
@@ -133,7 +133,17 @@ class Responder:
             state = await self._state(sender, header)
         except LookupError as exc:
             return rejected(str(exc))
-        return self._push_refusal(state, sender, header, total)
+        return await self._refused(state, sender, header, total)
+
+    async def _refused(
+        self, state: RoundState, sender: str, header: Header, total: int
+    ) -> Reply | None:
+        """`_push_refusal`, with the witness's receipt when the span owner sends its own
+        copy again (it asks for one that way)."""
+        refusal = self._push_refusal(state, sender, header, total)
+        if refusal is not None and refusal.reason == "duplicate" and header.attempt == 1:
+            return await self._owners_copy_receipt(state, sender, header.span, refusal)
+        return refusal
 
     def _push_refusal(
         self, state: RoundState, sender: str, header: Header, total: int
@@ -159,6 +169,11 @@ class Responder:
         if total > max_frame_bytes(state.plan.span_numel(header.span)):
             state.refuse(sender, "oversized", refused_span)
             return rejected("oversized")
+        # before its frame is read: each copy of a held part cost a buffer, a hash, an
+        # Ed25519 check and a decode (transports refuse one being read already)
+        if sender in (span.witness_parts if witness else span.parts):
+            stats.reject("duplicate")
+            return rejected("duplicate")
         return None
 
     async def on_push(self, sender: str, header: Header, payload: bytes) -> Reply:
@@ -168,7 +183,7 @@ class Responder:
             return rejected(str(exc))
         stats = state.stats
         stats.bytes_received += len(payload) + len(header.signature)
-        refusal = self._push_refusal(state, sender, header, len(payload))
+        refusal = await self._refused(state, sender, header, len(payload))
         if refusal is not None:
             return refusal
         refused_span = header.span if header.attempt == 1 else None

@@ -193,6 +193,9 @@ class CollectiveServicer(GuardedServicer):
     ) -> None:
         self.responder, self.max_frame_bytes = responder, max_frame_bytes
         self.guard = guard or Guard("collective", LIMITS)
+        self._reading: set[tuple] = set()
+        """Pushes being read: (sender, round, phase, group, span, attempt). One sender's
+        32 streams of the same part held 32 buffers of it until their deadline."""
 
     async def rpc_push(
         self, requests: AsyncIterator[CollectiveMessage], context: P2PContext
@@ -210,12 +213,21 @@ class CollectiveServicer(GuardedServicer):
                 # the answer rather than a broken stream it would take for a failure
                 await _discard(requests, first.total - len(first.data))
             return _reply_chunks(refusal)[0]
-        buf = bytearray(first.data)
-        async for msg in requests:
-            buf += msg.data
-            if len(buf) > first.total:
-                return _reply_chunks(rejected("longer than announced"))[0]
-        reply = await self.responder.on_push(sender, _header(first), bytes(buf))
+        header = _header(first)
+        key = (sender, header.round, header.phase, header.group_id, header.span, header.attempt)
+        if key in self._reading:
+            await _discard(requests, first.total - len(first.data))
+            return _reply_chunks(rejected("duplicate"))[0]
+        self._reading.add(key)
+        try:
+            buf = bytearray(first.data)
+            async for msg in requests:
+                buf += msg.data
+                if len(buf) > first.total:
+                    return _reply_chunks(rejected("longer than announced"))[0]
+            reply = await self.responder.on_push(sender, header, bytes(buf))
+        finally:
+            self._reading.discard(key)
         return _reply_chunks(reply)[0]
 
     async def serve_streams(

@@ -46,9 +46,10 @@ def distance(a: Tensor, b: Tensor) -> float:
     return float((a - b).norm()) / scale
 
 
-def departing(outputs: dict[str, Tensor], tolerance: float) -> list[str]:
+def departing(outputs: dict[str, Tensor], tolerance: float, of: int | None = None) -> list[str]:
     """The answers' authors to flag: those farther than `tolerance` from every member of
-    some strict majority of the answers that agree among themselves.
+    some strict majority that agree among themselves: a strict majority of `of` (the
+    stage's replicas that were asked from) if given, else of the answers.
 
     Needs 3 answers or more (with two, neither outvotes the other). If no strict
     majority agrees (all far apart), nobody is flagged: there is nothing to depart from."""
@@ -60,7 +61,7 @@ def departing(outputs: dict[str, Tensor], tolerance: float) -> list[str]:
         p: {q for q in peers if q != p and distance(outputs[p], outputs[q]) <= tolerance}
         for p in peers
     }
-    need = n // 2 + 1  # a strict majority, counting the peer itself
+    need = max(n, of or 0) // 2 + 1  # a strict majority, counting the peer itself
     majority = {p for p in peers if len(close[p]) + 1 >= need}
     if not majority:
         return []
@@ -68,6 +69,10 @@ def departing(outputs: dict[str, Tensor], tolerance: float) -> list[str]:
 
 
 _COUNTS = ("sent", "compared", "flagged")
+
+MAX_ASKED = 9
+"""Replicas one probe asks at most: in a stage of more than 15 trusted replicas no probe
+can reach a strict majority of them, and nobody is flagged by canaries."""
 
 
 @dataclass(eq=False)
@@ -105,9 +110,14 @@ class Canaries:
     async def _canary(self, header: ForwardHeader, tokens: TokenBatch, encoded: bytes) -> None:
         """Probe several replicas of `header.stage` with one input; flag who departs."""
         trusted = [p for p in self.replicas(header.stage) if not self.suspects.is_banned(p)]
-        chosen = random.sample(trusted, min(len(trusted), self.config.canary_replicas))
-        if len(chosen) < 3:
+        # Who departs is judged against a strict majority of the stage's trusted replicas,
+        # not of the sample: two colluders of five, both in a sample of three, agreeing on
+        # a made-up answer, were its majority, and got each honest replica banned in turn.
+        # So a probe asks at least that majority and one more (at most MAX_ASKED).
+        size = max(self.config.canary_replicas, len(trusted) // 2 + 2)
+        if len(trusted) < 3 or min(size, len(trusted)) > MAX_ASKED:
             return
+        chosen = random.sample(trusted, min(size, len(trusted)))
         probe = ForwardHeader(
             **{
                 **header.__dict__,
@@ -123,7 +133,8 @@ class Canaries:
         if len(outputs) < 3:
             return
         self.counts["compared"] += 1
-        for peer in await asyncio.to_thread(departing, outputs, self.config.canary_tolerance):
+        tolerance = self.config.canary_tolerance
+        for peer in await asyncio.to_thread(departing, outputs, tolerance, len(trusted)):
             self.counts["flagged"] += 1
             evidence = f"stage {header.stage}: output departs from the majority of {len(outputs)}"
             self.suspects.flag(peer, Reason.CANARY, evidence)

@@ -101,8 +101,9 @@ class PipelineConfig:
     )
     canary_every: int = 64
     """Every n-th training micro-batch this node sends, the same input also goes, as a
-    forward-only probe, to `canary_replicas` replicas of the next stage; one whose output
-    departs from the strict majority is flagged (node/canary.py). 0: never."""
+    forward-only probe, to `canary_replicas` replicas of the next stage (or a strict
+    majority of them and one more, if that is more); one whose output departs from a
+    strict majority of the stage is flagged (node/canary.py). 0: never."""
     canary_replicas: int = 3
     canary_tolerance: float = 0.5
     """Relative distance (||a - b|| / max norm) within which two replicas' outputs agree;

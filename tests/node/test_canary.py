@@ -40,6 +40,11 @@ def test_the_replica_far_from_an_agreeing_majority_departs() -> None:
     assert departing({"a": x, "b": -x, "c": 3 * x}, 0.1) == []
     assert departing({"a": x, "b": -x}, 0.1) == []
     assert distance(x, x[:10]) == float("inf")
+    # of a stage of five, two agreeing answers and one other are no strict majority
+    colluders = {"x": x * 5, "y": x * 5.01, "h": x}
+    assert departing(colluders, 0.1) == ["h"]  # as a majority of the three answers
+    assert departing(colluders, 0.1, of=5) == []
+    assert departing({**colluders, "a": x, "b": x * 1.02}, 0.1, of=5) == ["x", "y"]
 
 
 def _stage_pipeline(stage: int, peers: list[str], **config) -> Pipeline:
@@ -108,5 +113,49 @@ def test_a_sender_flags_the_replica_whose_canary_output_departs(monkeypatch) -> 
         (row,) = p.suspects.status()["banned"]
         assert row["reason"] == Reason.CANARY.value
         assert p.canaries.counts == {"sent": 1, "compared": 1, "flagged": 1}
+    finally:
+        p.worker.close()
+
+
+def test_two_colluders_of_five_get_no_honest_replica_flagged(monkeypatch) -> None:
+    """Canaries asked 3 of a stage's replicas and judged by the majority of those 3: two
+    colluders of five, answering the same made-up output whenever both were asked, were
+    that majority and got each honest replica banned in turn (then carried the stream).
+    Now each probe asks a strict majority of the stage and one more, judged against it."""
+    honest, colluders = ["h1", "h2", "h3"], ["c1", "c2"]
+    p = _stage_pipeline(0, honest + colluders, canary_every=1)
+    try:
+        header, tokens, c = _inputs(p, 1)
+        truth = torch.randn(header.batch, header.seq, header.width)
+        asked: list[int] = []
+
+        async def request(p2p, peer, protocol, payload, *, timeout, **_kw):  # noqa: ANN001, ANN202
+            sent, *_ = decode_forward(payload)
+            if sent.probe:
+                asked.append(peer)
+                out = truth if peer in honest else torch.zeros_like(truth)
+                return encode_response(ResponseHeader(status=Status.OK.value), p.codec.encode(out))
+            grad = torch.zeros(header.batch, header.seq, header.width)
+            return encode_response(
+                ResponseHeader(status=Status.OK.value, loss=2.0), p.codec.encode(grad)
+            )
+
+        monkeypatch.setattr(streams, "request", request)
+        # the draw the colluders wait for (3 in 10 with samples of 3): both of them asked
+        from agora_node.node import canary
+
+        colluders_first = lambda peers, k: sorted(peers, key=lambda q: q not in colluders)[:k]  # noqa: E731
+        monkeypatch.setattr(canary.random, "sample", colluders_first)
+
+        async def go() -> None:
+            for _ in range(12):
+                await p.send(header, TokenBatch(tokens), c)
+                await asyncio.wait_for(asyncio.gather(*p.canaries.tasks), 30)
+
+        asyncio.run(go())
+        assert not p.suspects.banned() & set(honest)
+        assert p.canaries.counts["compared"] == 12
+        assert p.suspects.banned() <= set(colluders)
+        assert sorted(asked[:4]) == ["c1", "c2", "h1", "h2"]  # a strict majority and one
     finally:
         p.worker.close()

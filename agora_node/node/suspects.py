@@ -112,6 +112,11 @@ class Suspects:
         fresh = old is None or old.until <= now
         count = 1 if fresh else old.count + 1
         since = now if fresh else old.since
+        if not fresh and old.reason in ROUND_EVIDENCE and reason not in ROUND_EVIDENCE:
+            # outer-round evidence stands: a banned liar that sent one non-finite
+            # micro-batch had its flag become `nonfinite` and dropped out of the round
+            # entries that leave it out of rounds (or, as a `pipeline_outlier`, was pardoned)
+            reason, evidence = old.reason, old.evidence
         self._flags[peer] = Flag(
             peer, reason, evidence[:MAX_EVIDENCE], since, now + self.ban_s, count
         )

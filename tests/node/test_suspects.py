@@ -242,6 +242,19 @@ def test_a_norm_watch_that_accepted_nothing_for_max_age_starts_over() -> None:
     assert w.outlier(500.0 * 200, "new")  # judging again, on the new level
 
 
+@pytest.mark.parametrize("then", [Reason.NONFINITE, Reason.PIPELINE_OUTLIER, Reason.CANARY])
+def test_a_pipeline_flag_does_not_wash_out_round_evidence(then: Reason) -> None:
+    """A liar banned on round evidence sent one non-finite micro-batch: its flag became
+    `nonfinite`, round entries stopped naming it and the majority that left it out of
+    rounds dissolved (and a `pipeline_outlier` flag could then be pardoned away)."""
+    s = Suspects(ban_s=600)
+    s.flag("liar", Reason.MISMATCH, "span 2")
+    s.flag("liar", then, "one micro-batch")
+    assert s.newest_banned(8, ROUND_EVIDENCE) == ["liar"]
+    s.pardon(["liar"], Reason.PIPELINE_OUTLIER)
+    assert s.is_banned("liar") and s.status()["banned"][0]["reason"] == "mismatch"
+
+
 def test_a_pardon_lifts_only_bans_for_that_reason() -> None:
     s = Suspects(ban_s=600)
     s.flag("a", Reason.PIPELINE_OUTLIER, "norm")

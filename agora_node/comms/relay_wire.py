@@ -218,7 +218,13 @@ async def read_signed(
         elif kind == streams.KIND_END and signed:
             return frames
         elif kind == streams.KIND_REFUSED:
-            raise streams.RefusedError(streams.peer_text(data))
+            # unsigned: the relay's word, or the peer refusing the relay (a private swarm's
+            # NATed peer refuses an unlisted relay), not the peer refusing us. Taken as one,
+            # a relay made an admitted node stop with its text.
+            raise streams.StreamError(
+                f"{peer_id[-8:]} through relay {relay[-8:]}: refused "
+                f"(unsigned, not taken as its word): {streams.peer_text(data)}"
+            )
         elif kind == streams.KIND_ERROR:
             raise streams.StreamError(
                 f"{peer_id[-8:]} through relay {relay[-8:]} failed: {streams.peer_text(data)}"

@@ -252,6 +252,17 @@ async def test_the_caller_takes_only_an_answer_its_target_signed() -> None:
         await _read(appended, target.peer_id, nonce)
 
 
+async def test_a_refusal_through_a_relay_is_not_taken_as_the_targets_word() -> None:
+    """A refusal frame through a relay carries no signature: the relay's own, or the target
+    refusing the relay, was read as the target refusing this node, and an admitted node
+    stopped with the relay's text (admission.ask: Verdict.REFUSED)."""
+    target, nonce = Identity.generate(), os.urandom(16).hex()
+    forged = _frame(streams.KIND_REFUSED, b"this swarm admits only listed keys")
+    with pytest.raises(streams.StreamError, match="unsigned") as caught:
+        await _read(forged, target.peer_id, nonce)
+    assert not isinstance(caught.value, streams.RefusedError)
+
+
 async def test_an_answer_held_for_its_signature_is_bounded() -> None:
     """A relayed answer waits for the target's signature before any frame is used: a peer
     or relay sending frames without end is cut at the caller's total, not buffered."""

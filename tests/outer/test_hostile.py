@@ -255,6 +255,18 @@ async def test_a_members_copies_of_a_part_are_refused_before_they_are_buffered()
     assert held is not None and held.reason == "duplicate"  # refused on its header
 
 
+async def test_a_promise_for_an_attempt_beyond_the_group_is_refused() -> None:
+    """owner() takes attempts modulo the group's size: the backup's query at attempt
+    1 + 3000 replaced its attempt-1 deferral and forced the owner onto fall-back."""
+    book, members = RoundBook("peer0"), peers(3)
+    plan = _plan(members)
+    book.register(plan)
+    backup = plan.owner(0, 1)
+    far = await Responder(book).on_query(backup, Header(0, "delta", plan.group_id, 0, 1 + 3000))
+    assert far.code is Code.REJECTED and far.reason == "not the backup"
+    assert book.states[(0, "delta")].spans[0].deferred == 0
+
+
 class Forging(Responder):
     """A span owner that serves a forged result (its own reduction, sign-flipped and
     tripled), naming the members it aggregated or not."""

@@ -329,7 +329,10 @@ class Responder:
         except LookupError as exc:
             return rejected(str(exc))
         span = header.span
-        if header.attempt < 1 or sender != state.plan.owner(span, header.attempt):
+        # attempts run 1..size-1 (owner() takes them modulo the size: a huge one from the
+        # backup replaced its own attempt-1 deferral and forced the owner onto fall-back)
+        attempt_ok = 1 <= header.attempt < state.plan.size
+        if not attempt_ok or sender != state.plan.owner(span, header.attempt):
             state.stats.reject("not the backup")
             return rejected("not the backup")
 

@@ -223,7 +223,8 @@ class NormWatch:
     right). A sender's norm counted clears only its own, so a liar whose norms
     count cannot hold off a re-base. Senders never in the window, however many, and a
     minority of the active ones cannot move it. And recent means recent: when it took
-    nothing for `max_age_s`, the watch starts over."""
+    nothing for `max_age_s`, or no sender of the window's norms is active any more, the
+    watch starts over."""
 
     def __init__(
         self,
@@ -275,7 +276,7 @@ class NormWatch:
         if not math.isfinite(norm):
             return True
         now = self.clock()
-        if self._judging and now - self._accepted_at > self.max_age_s:
+        if self._judging and (now - self._accepted_at > self.max_age_s or self._deserted(now)):
             self._rebase({}, now)
             self._heard.clear()
             self._taken, self._judging = 0, False
@@ -331,6 +332,16 @@ class NormWatch:
         last, gap = self._heard.get(sender, (-math.inf, math.inf))
         lately = min(self.active_s, max(self.active_min_s, self.active_gaps * gap))
         return now - last <= lately
+
+    def _deserted(self, now: float) -> bool:
+        """No sender of the window's norms was heard from lately: the level is of traffic
+        that stopped. The only replica of the stage before left, and the node that moved
+        there from scratch was refused for `max_age_s` (its norms never joined the window,
+        so nothing could re-base on them), and flagged at every micro-batch meanwhile."""
+        senders = {s for s, _ in self._norms}
+        return (
+            bool(senders) and "" not in senders and not any(self._active(p, now) for p in senders)
+        )
 
     def _rebase(self, norms: dict[str, float], now: float) -> None:
         """Take `norms` (sender -> norm) instead of the window's; refusals are forgotten."""

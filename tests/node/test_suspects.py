@@ -234,10 +234,27 @@ def test_a_norm_watch_that_accepted_nothing_for_max_age_starts_over() -> None:
     now = [0.0]
     w = NormWatch(factor=100, window=64, min_samples=16, max_age_s=300, clock=lambda: now[0])
     for _ in range(16):
-        assert not w.outlier(1.0, "old")
+        assert not w.outlier(1.0)  # norms without a sender: never judged gone quiet
     now[0] = 299.0
-    assert w.outlier(500.0, "new")  # a sender it never accepted, within max_age: refused
-    now[0] = 301.0  # every sender it knew is gone, and 300 s passed since it accepted
+    assert w.outlier(500.0, "new")  # within max_age: refused
+    now[0] = 301.0  # 300 s passed since it accepted
+    assert all(not w.outlier(500.0, "new") for _ in range(16))
+    assert w.outlier(500.0 * 200, "new")  # judging again, on the new level
+
+
+def test_a_norm_watch_whose_senders_all_went_quiet_starts_over() -> None:
+    """The only replica of the stage before left; a node moved there and started from
+    scratch: its norms, far from the old ones, were refused (and it was flagged) for
+    max_age_s, the stage's training stopped meanwhile. While a sender of the window still
+    sends, a newcomer is judged as before."""
+    now = [0.0]
+    w = NormWatch(factor=100, window=64, min_samples=16, max_age_s=300, clock=lambda: now[0])
+    for _ in range(16):
+        now[0] += 0.5
+        assert not w.outlier(1.0, "old")
+    now[0] += 2.0
+    assert w.outlier(500.0, "new")  # "old" still counts: refused
+    now[0] += 30.0  # "old" quiet for 32 s, well past its usual gap
     assert all(not w.outlier(500.0, "new") for _ in range(16))
     assert w.outlier(500.0 * 200, "new")  # judging again, on the new level
 

@@ -135,6 +135,9 @@ class Pipeline:
         self.suspects = suspects if suspects is not None else Suspects(me=peer_id)
         """Peers caught sending non-finite or outlier values: routed around while banned."""
         self._activation_norms = NormWatch()
+        self.refused_by: tuple[float, int, str] | None = None
+        """The next stage's last refusal of a micro-batch (monotonic time, stage, its
+        words), until a micro-batch goes through: the status says what holds training."""
         self._gradient_norms = NormWatch()
         self.canaries = Canaries(
             config,
@@ -480,15 +483,15 @@ class Pipeline:
                     return None
                 if not await self._plausible(grad, self._gradient_norms, peer):
                     return self._refuse(peer, Reason.PIPELINE_OUTLIER, "gradient: norm outlier")
+            self.refused_by = None
             return (loss, grad)
         if reply.status == Status.REJECTED.value:
             self._hop_failed(peer, FailureKind.REJECTED)
+            said = reply.message[: streams.PEER_TEXT_CHARS]
             log.warning(  # the peer's own words: cut short, quoted
-                "stage %d replica %s rejected our micro-batch: %r",
-                header.stage,
-                peer[-8:],
-                reply.message[: streams.PEER_TEXT_CHARS],
+                "stage %d replica %s rejected our micro-batch: %r", header.stage, peer[-8:], said
             )
+            self.refused_by = (time.monotonic(), header.stage, said)
             return "rejected"
         kind = FailureKind.BUSY if reply.status == Status.BUSY.value else FailureKind.ERROR
         self._hop_failed(peer, kind)

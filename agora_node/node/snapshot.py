@@ -66,11 +66,21 @@ def waiting_on(stage: int, num_stages: int, live: Mapping[int, int]) -> str | No
     return ", ".join(missing) or None
 
 
+REFUSED_RECENTLY_S = 60.0
+"""A refusal by the next stage this recent, with nothing through since, is what the status
+says this node waits on."""
+
+
 def node_waiting_on(node: Node) -> str | None:
     if node.service is None or node.manifest is None:
         return None
     stage, n = node.service.index, node.manifest.num_stages
     live = {s: len(node._peers_of(s)) for s in (stage - 1, stage + 1) if 0 <= s < n}
+    refused = node.service.pipeline.refused_by
+    if refused is not None and time.monotonic() - refused[0] <= REFUSED_RECENTLY_S:
+        # a node refused by every replica downstream showed active, ready and waiting on
+        # nothing while its micro-batches were all dropped
+        return f"stage {refused[1]} (refuses our micro-batches: {refused[2]!r})"
     return waiting_on(stage, n, live)
 
 

@@ -8,7 +8,7 @@ from agora_node.comms.membership.messages import MemberMeta, Status
 from agora_node.node.liveness import MAX_LAST, RECENT_EVENTS, Liveness, membership_event
 from agora_node.node.round_report import round_summary
 from agora_node.node.rounds import anchor_agreement
-from agora_node.node.snapshot import flags_by_peer, waiting_on
+from agora_node.node.snapshot import flags_by_peer, node_waiting_on, waiting_on
 
 
 def view(status: Status, stage: int = 1, peer: str = "B") -> MemberView:
@@ -130,6 +130,26 @@ def test_waiting_on_names_the_empty_neighbour_stage():
         "stage 0 (no replica upstream), stage 2 (no replica downstream)"
     )
     assert waiting_on(0, 1, {}) is None  # a one-stage run needs nobody
+
+
+def test_waiting_on_names_a_next_stage_that_refuses_every_micro_batch():
+    """A node whose micro-batches the next stage refused one and all showed active, ready
+    and waiting on nothing (its only trace: dropped and hop failures going up)."""
+    import time
+
+    pipeline = SimpleNamespace(refused_by=None)
+    node = SimpleNamespace(
+        service=SimpleNamespace(index=0, pipeline=pipeline),
+        manifest=SimpleNamespace(num_stages=2),
+        _peers_of=lambda stage: ["someone"],
+    )
+    assert node_waiting_on(node) is None
+    pipeline.refused_by = (time.monotonic(), 1, "activation norm far from the recent ones")
+    assert node_waiting_on(node) == (
+        "stage 1 (refuses our micro-batches: 'activation norm far from the recent ones')"
+    )
+    pipeline.refused_by = (time.monotonic() - 120, 1, "old news")
+    assert node_waiting_on(node) is None
 
 
 def report(**fields) -> SimpleNamespace:

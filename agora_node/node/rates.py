@@ -20,14 +20,19 @@ from dataclasses import dataclass, field
 
 SPAN_S = 60.0
 """Seconds the windows of a node cover (about one rebalance interval)."""
+MIN_EVENTS = 8
+"""Events a window needs for `per_second` to measure anew."""
 
 
 class RateWindow:
     """Events (amount, seconds) of the last `span_s` seconds, and their sums.
 
     - `per_second()`: amount per second of the events' own `seconds` (e.g. tokens
-      per compute-second); the last value seen once the window has emptied, so an
-      idle node keeps its measured speed.
+      per compute-second); while the window holds fewer than `MIN_EVENTS` events (it
+      drains when the node goes idle), the last value measured over more, so an idle
+      node keeps its measured speed. (Measured over the last few micro-batches of a
+      draining window, an idle node's announced rate climbed from 12.5k to 22.7k
+      tokens per compute-second, and placement took it.)
     - `per_wall_second()`: amount per second of wall time (e.g. completed tokens/s,
       or busy seconds per second = utilization). The window counts from its
       creation, so a node that just started is not credited with a full span.
@@ -62,7 +67,8 @@ class RateWindow:
     def per_second(self) -> float:
         with self._lock:
             self._trim(self._clock())
-            if self._seconds > 0:
+            enough = len(self._events) >= MIN_EVENTS or not self._last_per_second
+            if self._seconds > 0 and enough:
                 self._last_per_second = self._amount / self._seconds
             return self._last_per_second
 

@@ -16,14 +16,21 @@ def test_per_second_divides_sums_not_averages_ratios():
     assert w.per_second() == pytest.approx(2000)
 
 
-def test_old_events_leave_the_window_and_the_last_rate_stays():
+def test_old_events_leave_the_window_and_a_draining_one_keeps_its_last_rate():
     clock = Clock()
     w = RateWindow(60, clock)
-    w.add(500, 1.0)
+    for _ in range(8):
+        w.add(500, 1.0)
     clock.now += 30
-    w.add(300, 1.0)
+    for _ in range(8):
+        w.add(300, 1.0)
     assert w.per_second() == pytest.approx(400)
-    clock.now += 40  # the first event is 70 s old
+    clock.now += 40  # the first eight are 70 s old
+    assert w.per_second() == pytest.approx(300)
+    clock.now += 10
+    for _ in range(3):  # the node goes idle: a few last micro-batches, on a quieter machine
+        w.add(900, 1.0)
+    clock.now += 25  # the eight at 300 left; three events are too few to measure anew
     assert w.per_second() == pytest.approx(300)
     clock.now += 100  # nothing left: an idle node keeps its measured speed
     assert w.per_second() == pytest.approx(300)

@@ -62,7 +62,10 @@ class NodeControl:
 
     async def leave(self) -> dict:
         self.node.stop_event.set()
-        return {"leaving": True, "peer_id": self.node.peer_id}
+        answer = {"leaving": True, "peer_id": self.node.peer_id}
+        if self.node.checkpoint_error is not None:  # `agora-node leave` warns and exits 1
+            answer["checkpoint_error"] = self.node.checkpoint_error
+        return answer
 
     def _serving(self) -> None:
         if self.node.service is None or self.node.manifest is None:  # the socket opens first

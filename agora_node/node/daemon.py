@@ -139,6 +139,9 @@ class Node:
         self.stage_changes: deque[dict] = deque(maxlen=RECENT_STAGE_CHANGES)
         """This node's stage choice and later switches: {at, from, to, reason}, oldest first."""
         self.last_checkpoint: str | None = None
+        self.checkpoint_error: str | None = None
+        """Why the last checkpoint failed (None once one succeeds): shown in the status, told
+        to `agora-node leave`, and a leave that could not write one exits 1."""
         self.states_served: list[dict] = []
         self.records_rejected: dict[str, int] = {}
         self.runs_seen: list[dict[str, str]] = []
@@ -473,7 +476,12 @@ class Node:
     async def checkpoint(self) -> str | None:
         """Checkpoint the stage served now (none while switching); the path."""
         if self.service is not None:
-            self.last_checkpoint = await self.service.checkpoint()
+            try:
+                self.last_checkpoint = await self.service.checkpoint()
+            except Exception as exc:
+                self.checkpoint_error = f"{type(exc).__name__}: {exc}"[:300]
+                raise
+            self.checkpoint_error = None
         return self.last_checkpoint
 
     # ---- moving between stages ------------------------------------------------------------

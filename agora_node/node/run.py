@@ -67,7 +67,9 @@ async def run_node(config: NodeConfig, compute: Compute | None = None) -> int:
         phase = "leaving"
         if signals < 2:  # else both came before the leave could begin
             await node.leave()
-            return _failed(node) if node.failure is not None else 0
+            if node.failure is not None:
+                return _failed(node)
+            return _unsaved(node) if node.checkpoint_error is not None else 0
         return _forced()
     except asyncio.CancelledError:
         if phase != "leaving" or signals < 2:
@@ -78,6 +80,15 @@ async def run_node(config: NodeConfig, compute: Compute | None = None) -> int:
     finally:
         phase = "closing"
         await node.close()
+
+
+def _unsaved(node: Node) -> int:
+    print(
+        f"agora-node: left without a checkpoint ({node.checkpoint_error}): what it trained"
+        f" since {node.last_checkpoint or 'it started'} is not on disk",
+        flush=True,
+    )
+    return EXIT_FAILED
 
 
 def _failed(node: Node) -> int:

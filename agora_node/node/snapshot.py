@@ -245,6 +245,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "dropped": stats.results["dropped"],
             "stage_choice": node.stage_choice_reason,
             "last_checkpoint": node.last_checkpoint,
+            "checkpoint_error": node.checkpoint_error,
             "addrs": node.addrs,
             "reachability": node.dialback.reach.status(),
             "relay": node.dialback.status(sent, received),

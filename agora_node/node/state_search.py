@@ -182,6 +182,17 @@ async def _from_replicas(
             split_reads += 1
             voters = [r for r in search.replicas if r.peer_id not in excluded]
             if not _split_past(plan, voters, checkpoint_round, split_reads):
+                ahead = plan.majority is not None and plan.majority.round > checkpoint_round
+                if ahead:  # said, so a restart that takes its older state is not a mystery
+                    log.info(
+                        "resuming the own checkpoint (outer round %d): %d replica(s) attest "
+                        "round %d, but one replica's word replaces a node's own state only if "
+                        "it was a partner of the node's and the node was away over %.0f s",
+                        checkpoint_round,
+                        plan.votes,
+                        plan.majority.round,
+                        attestation.AWAY_S,
+                    )
                 return None  # no majority attests a round newer than the own checkpoint's
             await asyncio.sleep(min(STATE_POLL_S, max(0.0, deadline - time.monotonic())))
             continue

@@ -211,6 +211,11 @@ def cmd_leave(args: argparse.Namespace) -> int:
         return _fail(
             f"the daemon began to leave ({details}) but still ran after {args.timeout:g} s"
         )
+    if "checkpoint_error" in result:  # its last checkpoint failed: so, likely, did this one
+        return _fail(
+            f"the daemon left, but its last checkpoint had failed ({result['checkpoint_error']}):"
+            " what it trained since its last good one may not be on disk (its log says)"
+        )
     print(f"the daemon left{': ' + details if details else ''}")
     return EXIT_OK
 

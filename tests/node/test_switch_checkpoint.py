@@ -129,3 +129,43 @@ async def test_a_limited_node_does_not_move_itself(monkeypatch) -> None:  # noqa
         )
         await Node._rebalance_loop(node)
         assert len(asked) == expected, limited
+
+
+async def test_a_failed_checkpoint_is_remembered_until_one_succeeds() -> None:
+    """A checkpoint that failed at every try (a file where its directory belongs) showed
+    nowhere but the log, and a leave that could not write one exited 0: `agora-node
+    leave` said the daemon left, as if nothing were lost."""
+    from agora_node.node.control import NodeControl
+
+    service = _Service(0)
+    node = types.SimpleNamespace(
+        service=service,
+        last_checkpoint=None,
+        checkpoint_error=None,
+        stop_event=types.SimpleNamespace(set=lambda: None),
+        peer_id="12D3KooWmine",
+    )
+    with pytest.raises(OSError):
+        await Node.checkpoint(node)
+    assert node.checkpoint_error == "OSError: [Errno 28] No space left on device"
+    assert (await NodeControl(node).leave())["checkpoint_error"] == node.checkpoint_error
+
+    async def written() -> str:
+        return "/data/checkpoints/run/stage-0/ckpt-000000001.pt"
+
+    service.checkpoint = written
+    assert await Node.checkpoint(node) == "/data/checkpoints/run/stage-0/ckpt-000000001.pt"
+    assert node.checkpoint_error is None
+    assert "checkpoint_error" not in await NodeControl(node).leave()
+
+
+def test_agora_node_leave_fails_when_the_daemons_checkpoint_had_failed(monkeypatch, capsys) -> None:  # noqa: ANN001
+    from agora_node.node import status_cli
+
+    answer = {"leaving": True, "peer_id": "12D3KooWmine", "checkpoint_error": "OSError: disk"}
+    monkeypatch.setattr(status_cli, "control_call_sync", lambda *a, **k: answer)
+    monkeypatch.setattr(status_cli, "_wait_gone", lambda *a: True)
+    args = types.SimpleNamespace(control_socket="/tmp/none.sock", data_dir=None, timeout=5.0)
+    monkeypatch.setattr(status_cli, "leave_target", lambda a, env: ("/tmp/none.sock", None))
+    assert status_cli.cmd_leave(args) != 0
+    assert "its last checkpoint had failed (OSError: disk)" in capsys.readouterr().err

@@ -52,7 +52,7 @@ class CheckpointInfo:
     """Its place in the directory's order of saves (the newest is the highest)."""
 
 
-_SAVING = threading.Lock()
+_SAVING = threading.RLock()
 """One save at a time in this process (the data dir's lock keeps other daemons out)."""
 _TMP_GLOB = ".ckpt-*.tmp"
 
@@ -162,7 +162,22 @@ def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
             )
         except (ValueError, KeyError, OSError) as exc:
             log.warning("ignoring unreadable checkpoint marker %s: %s", meta_path, exc)
+            with _SAVING:  # not while a save writes markers
+                _quarantine(meta_path.with_suffix(".pt"))
     return sorted(found, key=lambda c: c.seq, reverse=True)
+
+
+def _quarantine(pt: Path) -> None:
+    """Set a damaged checkpoint aside (`.corrupt` appended to both its files): it no longer
+    takes one of the `keep` places, so pruning does not delete a good one for it, and it
+    is not warned about at every save. Kept, not deleted, for whoever wants to look."""
+    for path in (pt, pt.with_suffix(".json")):
+        try:
+            path.rename(path.with_name(path.name + ".corrupt"))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not set the damaged checkpoint file %s aside: %s", path, exc)
 
 
 def load_latest_checkpoint(
@@ -190,7 +205,12 @@ def load_latest_checkpoint(
             log.warning("skipping checkpoint %s: %s", info.path, exc)
             continue
         if hashlib.sha256(payload).hexdigest() != info.sha256:
-            log.warning("skipping checkpoint %s: checksum mismatch (corrupt file)", info.path)
+            log.warning(
+                "skipping checkpoint %s: checksum mismatch (corrupt file; set aside as .corrupt)",
+                info.path,
+            )
+            with _SAVING:
+                _quarantine(info.path)
             continue
         return info, torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     return None

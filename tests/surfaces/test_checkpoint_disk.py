@@ -116,3 +116,26 @@ def test_checkpoints_named_by_step_before_seq_existed_still_order_before_new_one
     info = save_checkpoint(tmp_path, run_id="r", stage=0, step=2, state={"w": torch.zeros(4)})
     assert info.seq == 501
     assert [c.step for c in list_checkpoints(tmp_path)] == [2, 1]
+
+
+def test_damaged_checkpoints_are_set_aside_and_take_no_place_of_a_good_one(tmp_path):
+    """A damaged marker (ckpt-4.json) and a damaged file (ckpt-5.pt): the node resumed
+    from ckpt-3, and later saves deleted ckpt-3 and kept both damaged ones (4 .pt files on
+    disk, against the 3 kept), warning about the marker at every save."""
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, run_id="r", stage=0, step=step, state={"w": torch.ones(4)})
+    (tmp_path / "ckpt-000000004.json").write_text("{not json")
+    (tmp_path / "ckpt-000000005.pt").write_bytes(b"damaged")
+    info, _ = load_latest_checkpoint(tmp_path, run_id="r", stage=0)
+    assert info.step == 3
+    for step in range(6, 9):
+        save_checkpoint(tmp_path, run_id="r", stage=0, step=step, state={"w": torch.ones(4)})
+    kept = sorted(p.name for p in tmp_path.glob("ckpt-*.pt"))
+    assert len(kept) == 3 and [c.step for c in list_checkpoints(tmp_path)] == [8, 7, 6]
+    aside = sorted(p.name for p in tmp_path.glob("*.corrupt"))
+    assert aside == [
+        "ckpt-000000004.json.corrupt",
+        "ckpt-000000004.pt.corrupt",
+        "ckpt-000000005.json.corrupt",
+        "ckpt-000000005.pt.corrupt",
+    ]

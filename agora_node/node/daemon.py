@@ -536,6 +536,8 @@ class Node:
             log.error("checkpoint before the switch failed (%s); switching anyway", exc)
         old, self.service = self.service, None  # requests meanwhile: "not ready", retry elsewhere
         await old.close()
+        self.stats.losses.clear()  # the old stage's: shown as the new one's until it trained
+        self.stats.val_loss = None
         del old  # the new stage measures free memory: the old one must be gone by then
         await asyncio.to_thread(self.compute.release_memory)
         await self._open_service(stage)

@@ -48,6 +48,7 @@ async def test_a_failed_checkpoint_before_a_switch_does_not_stop_the_switch(monk
         stage_changes=[],
         can_hold=None,
         last_checkpoint=None,
+        stats=types.SimpleNamespace(losses=[1.65, 1.79], val_loss=1.8),  # stage 1's
         _publish=nothing,
     )
     node._note_stage_change = types.MethodType(Node._note_stage_change, node)
@@ -61,6 +62,8 @@ async def test_a_failed_checkpoint_before_a_switch_does_not_stop_the_switch(monk
     await Node.switch_stage(node, 2, "test")
     assert old.closed and opened == [2]
     assert node.state == NodeState.ACTIVE and node.service.index == 2
+    # the old stage's losses were shown as the new one's until it trained (for minutes)
+    assert node.stats.losses == [] and node.stats.val_loss is None
 
 
 async def test_a_stage_the_node_cannot_hold_is_refused_by_a_switch() -> None:

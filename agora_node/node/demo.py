@@ -224,6 +224,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--nodes {nodes} cannot cover {manifest.num_stages} stages: use at least that many"
         )
+    if args.base_port and not 1 <= args.base_port <= 65536 - nodes:
+        raise UsageError(  # else a node past 65535 failed ~12 s in, its reason in its log
+            f"--base-port {args.base_port}: the {nodes} nodes' status ports must lie in"
+            f" 1..65535 (at most {65536 - nodes}; 0: any free ports)"
+        )
     workdir = Path(args.data_dir or tempfile.mkdtemp(prefix="agora-demo-"))
     try:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -337,9 +342,13 @@ class FaultPlan:
         _signal_group(self.victim.proc, signal.SIGKILL)
         self.victim.proc.wait()
         self.killed_at = self.after_s + self.down_s
+        if len(victims) >= 2:
+            then = "micro-batches in flight there fail over to its stage's other replica"
+        else:  # said so: with one replica the stage is empty until the restart
+            then = f"it was stage {last}'s only replica: training waits for its restart"
         print(
-            f"demo: fault: SIGKILLed {self.victim.name} (stage {last}); micro-batches in flight "
-            f"there fail over to its stage's other replica; restart in {self.down_s:.0f}s",
+            f"demo: fault: SIGKILLed {self.victim.name} (stage {last}); {then}; "
+            f"restart in {self.down_s:.0f}s",
             flush=True,
         )
 

@@ -79,6 +79,14 @@ def test_demo_refuses_fewer_than_one_node(value, capsys):
     assert f"argument --nodes: must be at least 1, not {int(value)}" in err, err
 
 
+@pytest.mark.parametrize("port", ["65535", "-3"])
+def test_demo_refuses_status_ports_out_of_range_before_starting_anything(port, capsys):
+    """Node-1's status port 65536 failed 12 s in, with its reason only in its log."""
+    assert main(["demo", "--nodes", "2", "--base-port", port]) == 2
+    err = capsys.readouterr().err
+    assert f"--base-port {port}: the 2 nodes' status ports must lie in 1..65535" in err, err
+
+
 def test_demo_nodes_defaults_to_two_per_stage():
     from agora_node.node.cli import build_parser
 

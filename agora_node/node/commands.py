@@ -161,7 +161,9 @@ async def _dry_run(config, compute) -> int:  # noqa: ANN001
             stage, reason = choice.stage, choice.reason
         else:
             stage, reason = int(config.stage), "fixed by --stage"
-        print_stage_plan(manifest, stage, reason, view, compute)
+        print_stage_plan(
+            manifest, stage, reason, view, compute, max_in_flight=config.pipeline.max_in_flight
+        )
         if stage == 0 and no_data is not None:
             print(f"cannot serve it: {no_data}")
     finally:
@@ -169,7 +171,18 @@ async def _dry_run(config, compute) -> int:  # noqa: ANN001
     return EXIT_OK
 
 
-def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None) -> None:  # noqa: ANN001
+def print_stage_plan(
+    manifest,  # noqa: ANN001
+    stage: int,
+    reason: str | None,
+    view=None,  # noqa: ANN001
+    compute=None,  # noqa: ANN001
+    max_in_flight: int = 0,
+) -> None:
+    """What serving `stage` takes (`reason`: why this node would serve it; None: a bootstrap's
+    listing of every stage). `max_in_flight`: this node's --max-in-flight, which sets what a
+    head (stage 0) keeps in flight; graphs past the worker's MAX_GRAPHS are recomputed."""
+    from agora_node.node.worker import MAX_GRAPHS
     from agora_node.stages import memory
     from agora_node.stages.device import OptimizerMode
 
@@ -179,6 +192,8 @@ def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None)
         )
     mode = compute.optimizer_mode if compute is not None else OptimizerMode()
     in_flight = memory.default_in_flight(manifest, stage)
+    if stage == 0 and max_in_flight > 0 and stage < manifest.num_stages - 1:
+        in_flight = min(max_in_flight, MAX_GRAPHS)
     need = functools.partial(
         memory.stage_memory_bytes,
         manifest,
@@ -195,7 +210,7 @@ def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None)
             "directory: "
             + ", ".join(f"stage {s}: {len(r)} node(s)" for s, r in sorted(view.items()))
         )
-    print(f"would serve stage {stage}: {reason}")
+    print(f"would serve stage {stage}: {reason}" if reason else f"stage {stage}:")
     print(
         f"layers {list(manifest.stage_layers(stage))}, memory needed with {in_flight} "
         "micro-batch(es) in flight (device_bytes: on the stage's device at its peak; "
@@ -220,8 +235,6 @@ def print_stage_plan(manifest, stage: int, reason: str, view=None, compute=None)
         if reason is not None:
             print(f"does not fit: {reason}")
         elif free is not None:
-            from agora_node.node.worker import MAX_GRAPHS
-
             graphs = memory.graph_budget(manifest, stage, free, mode, most=MAX_GRAPHS)
             print(
                 f"keeps the graphs of {graphs} micro-batch(es) in flight on {compute.device}; "
@@ -237,7 +250,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         print(f"config: {config_json(config)}")
         print(f"run {manifest.run_id} ({manifest.run.name}); identity {config.identity_path}")
         for stage in range(manifest.num_stages):
-            print_stage_plan(manifest, stage, "per-stage requirements")
+            print_stage_plan(manifest, stage, None)  # a bootstrap serves none
         return EXIT_OK
     from agora_node.node.bootstrap import run_bootstrap
 

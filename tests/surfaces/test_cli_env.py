@@ -168,3 +168,18 @@ async def test_status_uses_agora_status_port(status_server, monkeypatch, capsys)
     # an explicit --url wins
     monkeypatch.setenv("AGORA_STATUS_PORT", "1")
     assert await run(["status", "--url", f"http://127.0.0.1:{status_server.port}"]) == 0
+
+
+def test_the_dry_runs_memory_follows_max_in_flight_on_a_head(capsys):
+    """`join --dry-run --max-in-flight N` sized stage 0 with the default in flight."""
+    from agora_node.node.commands import print_stage_plan
+    from agora_node.node.worker import MAX_GRAPHS
+
+    manifest = load_manifest("demo")
+    print_stage_plan(manifest, 0, "fixed by --stage", max_in_flight=5)
+    assert "memory needed with 5 micro-batch(es) in flight" in capsys.readouterr().out
+    print_stage_plan(manifest, 0, "fixed by --stage", max_in_flight=100000)
+    assert f"with {MAX_GRAPHS} micro-batch(es) in flight" in capsys.readouterr().out  # recomputed
+    print_stage_plan(manifest, 0, None)  # a bootstrap's listing: it serves no stage
+    out = capsys.readouterr().out
+    assert "stage 0:" in out and "would serve" not in out

@@ -49,11 +49,19 @@ def _check_peer_addrs(flag: str, addrs: list[str]) -> None:
     """Peer addresses as `agora-node bootstrap` prints them, checked before anything
     starts (libp2p would say it later, in its own words, and a missing /p2p/ part not at
     all clearly)."""
+    from hivemind.utils.multiaddr import Multiaddr
+
     for addr in addrs:
-        if not _PEER_ADDR.fullmatch(addr):
+        why = None if _PEER_ADDR.fullmatch(addr) else "expected /ip4/HOST/tcp/PORT/p2p/PEER_ID"
+        if why is None:
+            try:  # its parts too: /ip4/999.0.0.1/... or a short peer id failed after start-up
+                Multiaddr(addr)
+            except Exception as exc:  # noqa: BLE001 - the parser's own errors, any type
+                why = str(exc).rsplit(": ", 1)[-1]
+        if why is not None:
             raise UsageError(
-                f"{flag} {addr!r} is not a peer address: expected "
-                "/ip4/HOST/tcp/PORT/p2p/PEER_ID, as `agora-node bootstrap` prints it"
+                f"{flag} {addr!r} is not a peer address ({why}): as `agora-node bootstrap`"
+                " prints it, /ip4/HOST/tcp/PORT/p2p/PEER_ID"
             )
 
 

@@ -218,12 +218,21 @@ def test_toml_type_and_unknown_key_errors_are_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", ["join", "bootstrap"])
-@pytest.mark.parametrize("bad", ["notamultiaddr", "/ip4/127.0.0.1/tcp/9"])  # no /p2p/ part
-def test_an_initial_peer_that_is_no_peer_address_is_one_line(command, bad, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ("notamultiaddr", "expected /ip4/"),
+        ("/ip4/127.0.0.1/tcp/9", "expected /ip4/"),  # no /p2p/ part
+        # well-formed, with a part that is not: they failed after start-up, exit 1
+        ("/ip4/999.0.0.1/tcp/1/p2p/" + PEER.rsplit("/", 1)[-1], "is not IPv4"),
+        ("/ip4/127.0.0.1/tcp/1/p2p/" + "1" * 40, "multihash"),
+    ],
+)
+def test_an_initial_peer_that_is_no_peer_address_is_one_line(command, bad, why, tmp_path, capsys):
     """Checked before anything starts (it was libp2p's raw log line, after 3 s, exit 1)."""
     assert main([command, "--initial-peers", bad, "--data-dir", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "is not a peer address: expected /ip4/" in err, err
+    assert err.count("\n") == 1 and "is not a peer address" in err and why in err, err
     assert not (tmp_path / "d").exists()
 
 

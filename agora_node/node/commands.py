@@ -35,12 +35,12 @@ def add_daemon_options(p: argparse.ArgumentParser, cls: type) -> None:
 def resolve_config(
     args: argparse.Namespace, cls: type, env: Mapping[str, str] | None = None
 ) -> Any:
-    """CLI > AGORA_* environment > --config file > defaults, validated by the dataclass."""
-    path = getattr(args, "config", None)
+    """CLI > AGORA_* environment > --config file > defaults, validated by the dataclass.
+    The file itself may come from AGORA_CONFIG (as every option, the help says)."""
+    env = os.environ if env is None else env
+    path = getattr(args, "config", None) or env.get("AGORA_CONFIG") or None
     file_values = options.read_config_file(path, cls) if path else {}
-    return options.resolve(
-        cls, vars(args), os.environ if env is None else env, file_values, f"--config {path}"
-    )
+    return options.resolve(cls, vars(args), env, file_values, f"--config {path}")
 
 
 def config_json(config: Any) -> str:

@@ -19,6 +19,7 @@ import dataclasses
 import tomllib
 import types
 import typing
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass
 from pathlib import Path
@@ -125,6 +126,9 @@ def read_config_file(path: str, cls: type) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise UsageError(f"--config {path}: {' '.join(str(exc).split())}") from None
     values = {key.replace("-", "_"): value for key, value in raw.items()}
+    twice = sorted(k for k, n in Counter(k.replace("-", "_") for k in raw).items() if n > 1)
+    if twice:  # status-port and status_port both: the last one won, silently
+        raise UsageError(f"--config {path}: given twice (with - and _): {', '.join(twice)}")
     unknown = set(values) - {o.name for o in options_of(cls)}
     if unknown:
         raise UsageError(f"--config {path}: unknown option(s) {', '.join(sorted(unknown))}")

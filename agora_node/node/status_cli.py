@@ -181,8 +181,20 @@ def leave_target(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Path
     return data_dir / "control.sock", data_dir
 
 
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (a timeout of 0 or -1 failed as if no daemon ran)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     url = args.url or default_url(os.environ)
+    url = url.rstrip("/").removesuffix("/api/v1/status")  # the status URL itself, pasted
     try:
         status, peers = fetch_status(url, args.timeout)
     except StatusUnavailable as exc:
@@ -241,7 +253,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "AGORA_STATUS_HOST and AGORA_STATUS_PORT give, as for the daemon)",
     )
     p.add_argument("--json", action="store_true", help="print the raw JSON of status and peers")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+    p.add_argument("--timeout", type=_seconds, default=5.0, help="seconds to wait (default 5)")
     p.set_defaults(func=cmd_status)
 
     p = subparsers.add_parser("leave", help="ask a running daemon to drain, checkpoint and exit")
@@ -258,7 +270,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=120.0,
         help="seconds to wait for the daemon to drain, checkpoint and exit (default 120)",
     )

@@ -142,6 +142,19 @@ def test_precedence_cli_over_env_over_file_over_default(opt: Option, tmp_path: P
         assert resolved(join(keep, {}), opt) == resolved(NodeConfig(initial_peers=[PEER]), opt)
 
 
+def test_the_config_file_may_come_from_agora_config(tmp_path: Path):
+    """The help says every option can come from the environment: AGORA_CONFIG was ignored
+    without a word, and the node ran on defaults."""
+    toml = tmp_path / "node.toml"
+    toml.write_text('stage = "0"\nthreads = 1\n')
+    config = join(["--data-dir", str(tmp_path / "d")], {"AGORA_CONFIG": str(toml)})
+    assert (config.stage, config.threads) == ("0", 1)
+    other = write_toml(tmp_path / "other.toml", "threads", 3)  # --config wins over it
+    assert (
+        join(["--data-dir", str(tmp_path / "d")], {"AGORA_CONFIG": str(toml)}, other).threads == 3
+    )
+
+
 def test_derived_paths_and_lists_resolve():
     config = join(
         ["--data-dir", "/srv/a"], {"AGORA_HOST_MADDRS": "/ip4/1.2.3.4/tcp/1 /ip6/::1/tcp/2"}
@@ -208,6 +221,7 @@ def test_toml_type_and_unknown_key_errors_are_one_line(tmp_path, capsys):
         ("host-maddrs = 5\n", "is not a list of strings"),
         ("threads = 1.5\n", "is not an integer"),
         ("refresh_s = 3\n", "unknown option(s) refresh_s"),
+        ("status-port = 1\nstatus_port = 2\n", "given twice (with - and _): status_port"),
         ("refresh = \n", "--config"),
     ]:
         path = tmp_path / "c.toml"

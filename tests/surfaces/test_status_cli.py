@@ -56,6 +56,23 @@ async def test_status_json(status_server, capsys):
     assert body["status"]["stage"] == 1 and len(body["peers"]["stages"]) == 3
 
 
+async def test_status_takes_the_status_url_itself(status_server, capsys):
+    """`--url http://host:port/api/v1/status` (the address a browser shows) got the path
+    twice, a 404, and "is the daemon running?"."""
+    assert await run(["status", "--url", status_server.url + "/api/v1/status", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"]["stage"] == 1
+
+
+@pytest.mark.parametrize("command", ["status", "leave"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "x"])
+def test_a_timeout_must_be_a_positive_number_of_seconds(command, value, capsys):
+    """`leave --timeout -1` said the daemon did not finish within -1 s; `status --timeout 0`
+    that no daemon ran."""
+    with pytest.raises(SystemExit) as exit_:
+        parse([command, "--timeout", value])
+    assert exit_.value.code == 2 and "--timeout" in capsys.readouterr().err
+
+
 async def test_status_unreachable(status_server, capsys):
     url = status_server.url
     await status_server.stop()  # the port is now closed

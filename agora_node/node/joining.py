@@ -69,6 +69,12 @@ async def check_identity_unused(
         # read that timed out, the other switching stages) is no answer: go on to the end
         if first and all(r.issued_at < stale for r in mine):
             return
+        if first:  # else a restart right after a crash waited in silence
+            log.info(
+                "a fresh record of this peer id is in the directory (this node's before a "
+                "crash, or another daemon with this key): watching it for up to %.0f s",
+                deadline - time.monotonic(),
+            )
         first = False
         issued |= {r.issued_at for r in mine if r.issued_at > since}
         if len(issued) >= 2:

@@ -583,6 +583,15 @@ class Node:
             log.debug("status snapshot while leaving failed", exc_info=True)
 
     async def close(self) -> None:
+        if (
+            self.state != NodeState.LEAVING
+            and self.directory is not None
+            and self.stage is not None
+        ):
+            # stopped while joining (or refused): its joining record counted for placement
+            # until it expired, and the next joiner placed itself around a node not there
+            withdraw = self.directory.withdraw(node_record(self), ttl=self.config.record_ttl_s)
+            await bounded("withdrawing the record", withdraw, STEP_S)
         await bounded("stopping telemetry", self.telemetry.stop(), STEP_S)
         await bounded("stopping SWIM", self.liveness.stop(), STEP_S)
         if self.service is not None:

@@ -95,6 +95,19 @@ def test_a_signal_while_joining_stops_the_join(swarm):
     assert "stopped while joining" in log and "serving stage" not in log, log[-2000:]
 
 
+def test_a_node_stopped_while_joining_withdraws_its_joining_record(swarm):
+    """Stopped after it chose its stage and announced itself, before it served: its record
+    stood until it expired, and the next joiner placed itself around a node not there."""
+    swarm.bootstrap("demo")
+    node = swarm.join("node-0", "--stage", "auto", "--record-ttl", "120", "--refresh", "30")
+    wait_for_line(node, "chose stage", 90)
+    swarm.kill(node, signal.SIGTERM)
+    assert node.proc.wait(timeout=60) == 0, swarm.log(node)[-2000:]
+    later = swarm.join("node-1", "--stage", "auto")
+    line = wait_for_line(later, "chose stage", 90)
+    assert "0 (0 replicas), tied with stage(s)" in line, line  # both stages empty
+
+
 def _start_demo(workdir: Path) -> subprocess.Popen:
     argv = [sys.executable, "-m", "agora_node", "demo", "--nodes", "2", "--minutes", "0"]
     argv += ["--interval", "2", "--data-dir", str(workdir), "--base-port", "0"]

@@ -223,8 +223,8 @@ class NormWatch:
     right). A sender's norm counted clears only its own, so a liar whose norms
     count cannot hold off a re-base. Senders never in the window, however many, and a
     minority of the active ones cannot move it. And recent means recent: when it took
-    nothing for `max_age_s`, or no sender of the window's norms is active any more, the
-    watch starts over."""
+    nothing for `max_age_s`, the watch starts over; when no sender of the window's norms
+    was heard from for `active_s`, a new sender's norm becomes the level (judged on)."""
 
     def __init__(
         self,
@@ -276,11 +276,15 @@ class NormWatch:
         if not math.isfinite(norm):
             return True
         now = self.clock()
-        if self._judging and (now - self._accepted_at > self.max_age_s or self._deserted(now)):
+        if self._judging and now - self._accepted_at > self.max_age_s:
             self._rebase({}, now)
             self._heard.clear()
             self._taken, self._judging = 0, False
         known = bool(sender) and any(s == sender for s, _ in self._norms)
+        if self._judging and sender and not known and self._deserted(now):
+            self._rebase({sender: norm}, now)  # judged from the next norm on
+            self._hear(sender, now)
+            return False
         if known:  # once per norm (a second gap of 0 would halve its usual gap)
             self._hear(sender, now)
         counts = True
@@ -334,14 +338,17 @@ class NormWatch:
         return now - last <= lately
 
     def _deserted(self, now: float) -> bool:
-        """No sender of the window's norms was heard from lately: the level is of traffic
-        that stopped. The only replica of the stage before left, and the node that moved
-        there from scratch was refused for `max_age_s` (its norms never joined the window,
-        so nothing could re-base on them), and flagged at every micro-batch meanwhile."""
+        """No sender of the window's norms was heard from for `active_s`: the level is of
+        traffic that stopped, and a new sender's norm becomes it. The only replica of the
+        stage before left, and the node that moved there from scratch was refused for
+        `max_age_s` (its norms never joined the window, so nothing could re-base on them)
+        and flagged at every micro-batch: the stage's training stopped meanwhile. A full
+        `active_s` of silence, not a sender's usual gaps: a stranger's first norm after a
+        pause as short as a blocking round set the level, and honest norms were refused."""
         senders = {s for s, _ in self._norms}
-        return (
-            bool(senders) and "" not in senders and not any(self._active(p, now) for p in senders)
-        )
+        if not senders or "" in senders:
+            return False
+        return all(now - self._heard.get(p, (-math.inf, 0.0))[0] > self.active_s for p in senders)
 
     def _rebase(self, norms: dict[str, float], now: float) -> None:
         """Take `norms` (sender -> norm) instead of the window's; refusals are forgotten."""

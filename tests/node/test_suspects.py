@@ -234,29 +234,32 @@ def test_a_norm_watch_that_accepted_nothing_for_max_age_starts_over() -> None:
     now = [0.0]
     w = NormWatch(factor=100, window=64, min_samples=16, max_age_s=300, clock=lambda: now[0])
     for _ in range(16):
-        assert not w.outlier(1.0)  # norms without a sender: never judged gone quiet
+        assert not w.outlier(1.0, "old")
     now[0] = 299.0
-    assert w.outlier(500.0, "new")  # within max_age: refused
-    now[0] = 301.0  # 300 s passed since it accepted
-    assert all(not w.outlier(500.0, "new") for _ in range(16))
-    assert w.outlier(500.0 * 200, "new")  # judging again, on the new level
+    assert w.outlier(500.0, "old")  # within max_age: refused
+    now[0] = 301.0  # 300 s passed since it accepted anything
+    assert all(not w.outlier(500.0, "old") for _ in range(16))
+    assert w.outlier(500.0 * 200, "old")  # judging again, on the new level
 
 
-def test_a_norm_watch_whose_senders_all_went_quiet_starts_over() -> None:
+def test_a_new_sender_after_a_minute_of_silence_sets_the_level_and_is_judged_on() -> None:
     """The only replica of the stage before left; a node moved there and started from
     scratch: its norms, far from the old ones, were refused (and it was flagged) for
-    max_age_s, the stage's training stopped meanwhile. While a sender of the window still
-    sends, a newcomer is judged as before."""
+    max_age_s, the stage's training stopped meanwhile. A pause shorter than active_s (a
+    blocking round) lets nobody reset the level, and the new level is judged on at once."""
     now = [0.0]
-    w = NormWatch(factor=100, window=64, min_samples=16, max_age_s=300, clock=lambda: now[0])
+    w = NormWatch(factor=100, window=64, min_samples=16, active_s=60, clock=lambda: now[0])
     for _ in range(16):
         now[0] += 0.5
         assert not w.outlier(1.0, "old")
-    now[0] += 2.0
-    assert w.outlier(500.0, "new")  # "old" still counts: refused
-    now[0] += 30.0  # "old" quiet for 32 s, well past its usual gap
-    assert all(not w.outlier(500.0, "new") for _ in range(16))
-    assert w.outlier(500.0 * 200, "new")  # judging again, on the new level
+    now[0] += 11.0  # a pause of a blocking round: a stranger's huge norm is still refused
+    assert w.outlier(1e6, "stranger") and w.outlier(500.0, "new")
+    now[0] += 60.0  # "old" silent for over a minute: the stage before changed hands
+    assert not w.outlier(500.0, "new")
+    assert not w.outlier(600.0, "new") and w.outlier(500.0 * 200, "new")  # judged on
+    for _ in range(2):  # a sole sender with long gaps keeps being judged (4 in a row re-base)
+        now[0] += 70.0
+        assert w.outlier(500.0 * 200, "new")
 
 
 @pytest.mark.parametrize("then", [Reason.NONFINITE, Reason.PIPELINE_OUTLIER, Reason.CANARY])

@@ -255,6 +255,42 @@ async def test_a_members_copies_of_a_part_are_refused_before_they_are_buffered()
     assert held is not None and held.reason == "duplicate"  # refused on its header
 
 
+async def test_whole_requests_of_one_part_are_decoded_once(monkeypatch) -> None:
+    """The same on the stream protocol (requests read whole, then parsed): 32 concurrent
+    copies each passed the held-part check and were each hashed, checked and decoded."""
+    import threading
+
+    from agora_node.comms.collective import handlers
+    from agora_node.comms.collective.p2p import CollectiveServicer, _request
+
+    book = RoundBook("peer0")
+    plan = _plan(peers(3))
+    book.register(plan)
+    servicer = CollectiveServicer(Responder(book), max_frame_bytes=1 << 20)
+    frame = encode_result(torch.zeros(plan.span_numel(0)), plain_format())
+    header = Header(0, "delta", plan.group_id, 0, 0, weight=1.0)
+    whole = _request(Code.PART, header, frame, total=len(frame)).SerializeToString()
+    gate, decoded, real = threading.Event(), [], handlers._read_part
+
+    def held_open(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the first decode waits
+        decoded.append(1)
+        gate.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(handlers, "_read_part", held_open)
+    first = asyncio.create_task(servicer._answer_whole("peer1", whole))
+    try:
+        deadline = time.monotonic() + 5
+        while not decoded:
+            assert time.monotonic() < deadline, "the first copy was not decoded"
+            await asyncio.sleep(0.01)
+        copies = await asyncio.gather(*(servicer._answer_whole("peer1", whole) for _ in range(8)))
+        assert {(c.code, c.reason) for c in copies} == {(Code.REJECTED, "duplicate")}
+    finally:
+        gate.set()
+    assert (await first).code is Code.ACCEPTED and len(decoded) == 1
+
+
 async def test_a_promise_for_an_attempt_beyond_the_group_is_refused() -> None:
     """owner() takes attempts modulo the group's size: the backup's query at attempt
     1 + 3000 replaced its attempt-1 deferral and forced the owner onto fall-back."""

@@ -21,8 +21,10 @@ Run it beside a hivemind.DHT by sharing the DHT's daemon, in the caller's loop:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 # typing.AsyncIterator, not collections.abc: hivemind detects streaming RPCs by `hint._name`
-from collections.abc import Callable
 from typing import AsyncIterator  # noqa: UP035
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -214,21 +216,32 @@ class CollectiveServicer(GuardedServicer):
                 await _discard(requests, first.total - len(first.data))
             return _reply_chunks(refusal)[0]
         header = _header(first)
-        key = (sender, header.round, header.phase, header.group_id, header.span, header.attempt)
-        if key in self._reading:
-            await _discard(requests, first.total - len(first.data))
-            return _reply_chunks(rejected("duplicate"))[0]
-        self._reading.add(key)
-        try:
+        with self._reading_one(sender, header) as alone:
+            if not alone:
+                await _discard(requests, first.total - len(first.data))
+                return _reply_chunks(rejected("duplicate"))[0]
             buf = bytearray(first.data)
             async for msg in requests:
                 buf += msg.data
                 if len(buf) > first.total:
                     return _reply_chunks(rejected("longer than announced"))[0]
             reply = await self.responder.on_push(sender, header, bytes(buf))
+        return _reply_chunks(reply)[0]
+
+    @contextlib.contextmanager
+    def _reading_one(self, sender: str, header: Header) -> Iterator[bool]:
+        """Whether this is the only push of its part from `sender` being read (then held as
+        such until the block ends): one member's 32 streams of one part were each read,
+        hashed, checked and decoded."""
+        key = (sender, header.round, header.phase, header.group_id, header.span, header.attempt)
+        if key in self._reading:
+            yield False
+            return
+        self._reading.add(key)
+        try:
+            yield True
         finally:
             self._reading.discard(key)
-        return _reply_chunks(reply)[0]
 
     async def serve_streams(
         self, p2p: P2P, namespace: str, *, known: Callable[[str], bool] | None = None
@@ -276,8 +289,11 @@ class CollectiveServicer(GuardedServicer):
         if code == Code.PART:
             if msg.total != len(msg.data) or msg.total > self.max_frame_bytes:
                 return rejected("oversized" if msg.total > self.max_frame_bytes else "length")
-            refusal = await self.responder.admit_push(sender, header, msg.total)
-            return refusal or await self.responder.on_push(sender, header, bytes(msg.data))
+            with self._reading_one(sender, header) as alone:
+                if not alone:
+                    return rejected("duplicate")
+                refusal = await self.responder.admit_push(sender, header, msg.total)
+                return refusal or await self.responder.on_push(sender, header, bytes(msg.data))
         if code == Code.FETCH:
             return await self.responder.on_fetch(sender, header)
         if code == Code.QUERY:

@@ -28,11 +28,13 @@ class RateWindow:
     """Events (amount, seconds) of the last `span_s` seconds, and their sums.
 
     - `per_second()`: amount per second of the events' own `seconds` (e.g. tokens
-      per compute-second); while the window holds fewer than `MIN_EVENTS` events (it
-      drains when the node goes idle), the last value measured over more, so an idle
-      node keeps its measured speed. (Measured over the last few micro-batches of a
-      draining window, an idle node's announced rate climbed from 12.5k to 22.7k
-      tokens per compute-second, and placement took it.)
+      per compute-second); while the window holds fewer than `MIN_EVENTS` events (a
+      node lightly loaded, or idle: the window drains), over the last `MIN_EVENTS`
+      events however old, so an idle node keeps its measured speed. (Measured over the
+      last few micro-batches of a draining window, an idle node's announced rate
+      climbed from 12.5k to 22.7k tokens per compute-second, and placement took it;
+      frozen at the last rate of a full window, a node with fewer micro-batches a
+      minute never measured again.)
     - `per_wall_second()`: amount per second of wall time (e.g. completed tokens/s,
       or busy seconds per second = utilization). The window counts from its
       creation, so a node that just started is not credited with a full span.
@@ -45,13 +47,15 @@ class RateWindow:
         self._created = clock()
         self._events: deque[tuple[float, float, float]] = deque()  # (at, amount, seconds)
         self._amount = self._seconds = 0.0
-        self._last_per_second = 0.0
+        self._last: deque[tuple[float, float]] = deque(maxlen=MIN_EVENTS)
+        """The last MIN_EVENTS events (amount, seconds), whatever their age."""
         self._lock = threading.Lock()
 
     def add(self, amount: float, seconds: float = 0.0) -> None:
         with self._lock:
             now = self._clock()
             self._events.append((now, amount, seconds))
+            self._last.append((amount, seconds))
             self._amount += amount
             self._seconds += seconds
             self._trim(now)
@@ -67,10 +71,11 @@ class RateWindow:
     def per_second(self) -> float:
         with self._lock:
             self._trim(self._clock())
-            enough = len(self._events) >= MIN_EVENTS or not self._last_per_second
-            if self._seconds > 0 and enough:
-                self._last_per_second = self._amount / self._seconds
-            return self._last_per_second
+            if len(self._events) >= MIN_EVENTS:
+                amount, seconds = self._amount, self._seconds
+            else:
+                amount, seconds = sum(a for a, _ in self._last), sum(s for _, s in self._last)
+            return amount / seconds if seconds > 0 else 0.0
 
     def per_wall_second(self) -> float:
         with self._lock:

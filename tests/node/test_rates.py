@@ -30,11 +30,23 @@ def test_old_events_leave_the_window_and_a_draining_one_keeps_its_last_rate():
     clock.now += 10
     for _ in range(3):  # the node goes idle: a few last micro-batches, on a quieter machine
         w.add(900, 1.0)
-    clock.now += 25  # the eight at 300 left; three events are too few to measure anew
-    assert w.per_second() == pytest.approx(300)
+    clock.now += 25  # the eight at 300 left: the last eight events measure it
+    assert w.per_second() == pytest.approx((5 * 300 + 3 * 900) / 8)
     clock.now += 100  # nothing left: an idle node keeps its measured speed
-    assert w.per_second() == pytest.approx(300)
+    assert w.per_second() == pytest.approx((5 * 300 + 3 * 900) / 8)
     assert w.per_wall_second() == 0
+
+
+def test_a_lightly_loaded_node_keeps_measuring():
+    """One micro-batch every 9 s: a rate frozen at the first one (50) was announced for
+    good, the node never holding 8 events in a minute."""
+    clock = Clock()
+    w = RateWindow(60, clock)
+    w.add(50, 1.0)
+    for _ in range(60):
+        clock.now += 9
+        w.add(111, 1.0)
+    assert w.per_second() == pytest.approx(111)
 
 
 def test_per_wall_second_counts_from_creation_then_the_span():

@@ -86,14 +86,18 @@ MEET_CANDIDATES = 64
 table lacks are chosen from: most unlisted peers are in the table already."""
 
 
-async def bounded(what: str, step: Awaitable[object], seconds: float) -> None:
-    """Await one step of leaving; past its deadline or on failure, log it and go on."""
+async def bounded(what: str, step: Awaitable[object], seconds: float) -> bool:
+    """Await one step of leaving; past its deadline or on failure, log it and go on
+    (False)."""
     try:
         await asyncio.wait_for(step, seconds)
     except TimeoutError:
         log.warning("leaving: %s did not finish within %.0fs; going on", what, seconds)
     except Exception as exc:
         log.warning("leaving: %s failed (%s); going on", what, exc)
+    else:
+        return True
+    return False
 
 
 class Node:
@@ -571,7 +575,10 @@ class Node:
                 "draining", self.service.drain(cfg.drain_timeout_s), 2 * cfg.drain_timeout_s
             )
             self._show()
-            await bounded("the checkpoint", self.checkpoint(), CHECKPOINT_S)
+            if not await bounded("the checkpoint", self.checkpoint(), CHECKPOINT_S):
+                self.checkpoint_error = self.checkpoint_error or (
+                    f"the leave's checkpoint did not finish within {CHECKPOINT_S:.0f} s"
+                )
             self._show()  # with the checkpoint just written
         await bounded("the SWIM leave", self.liveness.leave(linger_s=1.0), STEP_S)
 

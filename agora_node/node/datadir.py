@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import logging
 import os
 import time
@@ -151,6 +152,30 @@ def lock_identity(path: str | os.PathLike) -> DataDirLock | None:
         return None
     _held[fd] = key
     return DataDirLock(key, fd)
+
+
+LEFT_NAME = "left.json"
+"""How the daemon's last leave ended, for `agora-node leave` (which is not its parent)."""
+
+
+def note_left(data_dir: str | os.PathLike, checkpoint_error: str | None) -> None:
+    """Record, as the daemon exits after a leave, whether its checkpoint was written."""
+    try:
+        body = {"at": time.time(), "checkpoint_error": checkpoint_error}
+        (Path(data_dir) / LEFT_NAME).write_text(json.dumps(body))
+    except OSError:  # the disk that refused the checkpoint may refuse this too: the exit
+        pass  # code and the log still say it
+
+
+def left_since(data_dir: str | os.PathLike, since: float) -> dict | None:
+    """What `note_left` recorded at or after `since` (wall time), or None."""
+    try:
+        body = json.loads((Path(data_dir) / LEFT_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(body, dict) or not isinstance(body.get("at"), int | float):
+        return None
+    return body if body["at"] >= since else None
 
 
 def holder_pid(data_dir: str | os.PathLike) -> int | None:

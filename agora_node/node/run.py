@@ -15,6 +15,7 @@ import signal
 from collections.abc import Awaitable
 from typing import Any
 
+from agora_node.node import datadir
 from agora_node.node.config import NodeConfig
 from agora_node.node.daemon import Node
 from agora_node.node.errors import JoinError
@@ -67,6 +68,7 @@ async def run_node(config: NodeConfig, compute: Compute | None = None) -> int:
         phase = "leaving"
         if signals < 2:  # else both came before the leave could begin
             await node.leave()
+            datadir.note_left(config.data_dir, node.checkpoint_error)  # for `agora-node leave`
             if node.failure is not None:
                 return _failed(node)
             return _unsaved(node) if node.checkpoint_error is not None else 0

@@ -209,7 +209,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_leave(args: argparse.Namespace) -> int:
     path, data_dir = leave_target(args, os.environ)
     print(f"asking the daemon on {path} to leave (drain, checkpoint, exit)...", flush=True)
-    started = time.monotonic()
+    started, asked_at = time.monotonic(), time.time()
     # its pid, from its data dir's lock file, when we know the data dir
     pid = None if data_dir is None else datadir.holder_pid(data_dir)
     try:
@@ -223,10 +223,16 @@ def cmd_leave(args: argparse.Namespace) -> int:
         return _fail(
             f"the daemon began to leave ({details}) but still ran after {args.timeout:g} s"
         )
-    if "checkpoint_error" in result:  # its last checkpoint failed: so, likely, did this one
+    outcome = None if data_dir is None else datadir.left_since(data_dir, asked_at)
+    if outcome is not None and outcome.get("checkpoint_error"):
         return _fail(
-            f"the daemon left, but its last checkpoint had failed ({result['checkpoint_error']}):"
-            " what it trained since its last good one may not be on disk (its log says)"
+            f"the daemon left without a checkpoint ({outcome['checkpoint_error']}): what it"
+            " trained since its last good one is not on disk"
+        )
+    if outcome is None and "checkpoint_error" in result:  # how the leave's own went: unknown
+        return _fail(
+            f"the daemon left; its last checkpoint before the leave had failed"
+            f" ({result['checkpoint_error']}): its log says whether the leave's was written"
         )
     print(f"the daemon left{': ' + details if details else ''}")
     return EXIT_OK

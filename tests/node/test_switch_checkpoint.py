@@ -162,13 +162,35 @@ async def test_a_failed_checkpoint_is_remembered_until_one_succeeds() -> None:
     assert "checkpoint_error" not in await NodeControl(node).leave()
 
 
-def test_agora_node_leave_fails_when_the_daemons_checkpoint_had_failed(monkeypatch, capsys) -> None:  # noqa: ANN001
-    from agora_node.node import status_cli
+def test_agora_node_leave_says_whether_the_leaves_own_checkpoint_was_written(
+    monkeypatch, capsys, tmp_path
+) -> None:  # noqa: ANN001
+    """The CLI is not the daemon's parent: the daemon notes in its data dir how its leave
+    ended. Read at the Leave request, the earlier failure said the opposite of the leave's
+    own checkpoint when the operator had freed space in between."""
+    import time
+
+    from agora_node.node import datadir, status_cli
 
     answer = {"leaving": True, "peer_id": "12D3KooWmine", "checkpoint_error": "OSError: disk"}
     monkeypatch.setattr(status_cli, "control_call_sync", lambda *a, **k: answer)
     monkeypatch.setattr(status_cli, "_wait_gone", lambda *a: True)
-    args = types.SimpleNamespace(control_socket="/tmp/none.sock", data_dir=None, timeout=5.0)
-    monkeypatch.setattr(status_cli, "leave_target", lambda a, env: ("/tmp/none.sock", None))
+    args = types.SimpleNamespace(control_socket=None, data_dir=str(tmp_path), timeout=5.0)
+
+    def leave_ending(error: str | None) -> int:
+        monkeypatch.setattr(
+            status_cli,
+            "control_call_sync",
+            lambda *a, **k: datadir.note_left(tmp_path, error) or answer,
+        )
+        return status_cli.cmd_leave(args)
+
+    assert leave_ending("OSError: still full") != 0
+    assert "left without a checkpoint (OSError: still full)" in capsys.readouterr().err
+    assert leave_ending(None) == 0  # space freed: the leave's own checkpoint was written
+    assert "the daemon left" in capsys.readouterr().out
+    # no note (a daemon of an older version, or a data dir it could not write to)
+    (tmp_path / datadir.LEFT_NAME).write_text('{"at": %f}' % (time.time() - 3600))
+    monkeypatch.setattr(status_cli, "control_call_sync", lambda *a, **k: answer)
     assert status_cli.cmd_leave(args) != 0
-    assert "its last checkpoint had failed (OSError: disk)" in capsys.readouterr().err
+    assert "before the leave had failed (OSError: disk)" in capsys.readouterr().err

@@ -88,8 +88,11 @@ def address_scope(text: str) -> str:
         if getattr(ip, f"is_{scope}"):
             return scope.replace("_", "-")
     # neither private nor global: shared address space (CGNAT, 100.64.0.0/10, where
-    # tailnets live), benchmarking nets, reserved ranges. Not dialed for strangers.
-    return "global" if ip.is_global else "private"
+    # tailnets live), benchmarking nets, reserved ranges (Python calls IPv6 site-local and
+    # reserved ones, local-use NAT64 64:ff9b:1::/48 among them, global). Not dialed for
+    # strangers.
+    v6_local = isinstance(ip, ipaddress.IPv6Address) and (ip.is_site_local or ip.is_reserved)
+    return "global" if ip.is_global and not v6_local else "private"
 
 
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
@@ -100,11 +103,11 @@ def _embedded_ipv4(
 ) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     """The IPv4 address an IPv6 one carries (mapped, NAT64, 6to4, Teredo's client), which
     is where a dial to it ends up: 64:ff9b::7f00:1 reaches 127.0.0.1 through a NAT64."""
-    if not isinstance(ip, ipaddress.IPv6Address):
-        return ip
+    if not isinstance(ip, ipaddress.IPv6Address) or ip.is_loopback or ip.is_unspecified:
+        return ip  # (::1 and :: are not IPv4-compatible addresses)
     if ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
-    if ip in _NAT64:
+    if ip in _NAT64 or int(ip) >> 32 in (0, 0xFFFF0000):  # NAT64; IPv4-compatible, SIIT
         return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     if ip.sixtofour is not None:
         return ip.sixtofour

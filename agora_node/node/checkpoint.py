@@ -160,7 +160,9 @@ def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
                     int(named.group(1)),  # the name holds seq (the step before seq existed)
                 )
             )
-        except (ValueError, KeyError, OSError) as exc:
+        except OSError as exc:  # perhaps passing (EMFILE, EIO), or pruned meanwhile: left as is
+            log.warning("could not read checkpoint marker %s: %s", meta_path, exc)
+        except (ValueError, KeyError) as exc:
             log.warning("ignoring unreadable checkpoint marker %s: %s", meta_path, exc)
             with _SAVING:  # not while a save writes markers
                 _quarantine(meta_path.with_suffix(".pt"))

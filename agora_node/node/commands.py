@@ -38,9 +38,11 @@ def resolve_config(
     """CLI > AGORA_* environment > --config file > defaults, validated by the dataclass.
     The file itself may come from AGORA_CONFIG (as every option, the help says)."""
     env = os.environ if env is None else env
-    path = getattr(args, "config", None) or env.get("AGORA_CONFIG") or None
-    file_values = options.read_config_file(path, cls) if path else {}
-    return options.resolve(cls, vars(args), env, file_values, f"--config {path}")
+    path, name = getattr(args, "config", None), "--config"
+    if not path and env.get("AGORA_CONFIG"):
+        path, name = env["AGORA_CONFIG"], "AGORA_CONFIG"
+    file_values = options.read_config_file(path, cls, name) if path else {}
+    return options.resolve(cls, vars(args), env, file_values, f"{name} {path}")
 
 
 def config_json(config: Any) -> str:

@@ -344,8 +344,10 @@ class FaultPlan:
         self.killed_at = self.after_s + self.down_s
         if len(victims) >= 2:
             then = "micro-batches in flight there fail over to its stage's other replica"
-        else:  # said so: with one replica the stage is empty until the restart
+        elif victims:  # said so: with one replica the stage is empty until the restart
             then = f"it was stage {last}'s only replica: training waits for its restart"
+        else:
+            then = "no node's status was read, so which stage it served is not known"
         print(
             f"demo: fault: SIGKILLed {self.victim.name} (stage {last}); {then}; "
             f"restart in {self.down_s:.0f}s",

@@ -119,19 +119,20 @@ def add_arguments(parser: Any, cls: type) -> None:
         parser.add_argument(opt.flag, dest=opt.name, nargs=nargs, default=None, help=text)
 
 
-def read_config_file(path: str, cls: type) -> dict[str, Any]:
-    """The option values in a TOML file (keys as the long flags, with `_` or `-`)."""
+def read_config_file(path: str, cls: type, name: str = "--config") -> dict[str, Any]:
+    """The option values in a TOML file (keys as the long flags, with `_` or `-`); `name`:
+    where the path came from, for the messages (`--config`, or `AGORA_CONFIG`)."""
     try:
         raw = tomllib.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise UsageError(f"--config {path}: {' '.join(str(exc).split())}") from None
+        raise UsageError(f"{name} {path}: {' '.join(str(exc).split())}") from None
     values = {key.replace("-", "_"): value for key, value in raw.items()}
     twice = sorted(k for k, n in Counter(k.replace("-", "_") for k in raw).items() if n > 1)
     if twice:  # status-port and status_port both: the last one won, silently
-        raise UsageError(f"--config {path}: given twice (with - and _): {', '.join(twice)}")
+        raise UsageError(f"{name} {path}: given twice (with - and _): {', '.join(twice)}")
     unknown = set(values) - {o.name for o in options_of(cls)}
     if unknown:
-        raise UsageError(f"--config {path}: unknown option(s) {', '.join(sorted(unknown))}")
+        raise UsageError(f"{name} {path}: unknown option(s) {', '.join(sorted(unknown))}")
     return values
 
 

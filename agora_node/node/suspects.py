@@ -113,10 +113,13 @@ class Suspects:
         count = 1 if fresh else old.count + 1
         since = now if fresh else old.since
         if not fresh and old.reason in ROUND_EVIDENCE and reason not in ROUND_EVIDENCE:
-            # outer-round evidence stands: a banned liar that sent one non-finite
-            # micro-batch had its flag become `nonfinite` and dropped out of the round
-            # entries that leave it out of rounds (or, as a `pipeline_outlier`, was pardoned)
-            reason, evidence = old.reason, old.evidence
+            # outer-round evidence stands, as it was: a banned liar that sent one
+            # non-finite micro-batch had its flag become `nonfinite` and dropped out of the
+            # round entries that leave it out of rounds (or, as a `pipeline_outlier`, was
+            # pardoned); and a pipeline flag, maybe this node's own mistake, does not
+            # lengthen a round-evidence ban either
+            old.count += 1
+            return False
         self._flags[peer] = Flag(
             peer, reason, evidence[:MAX_EVIDENCE], since, now + self.ban_s, count
         )

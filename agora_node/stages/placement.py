@@ -347,7 +347,10 @@ def should_switch(
     losing its last one and only verified nodes stand in the election: a record is one
     signed DHT store, and a stranger's pinned record at a stage had every honest
     replica there leave it, and a record under a key ground to the lowest rank (which
-    never moves) stopped every move. Capacity still counts every record.
+    never moves) stopped every move. Capacity still counts every record. The price:
+    nodes that have verified different peers (one that has not yet probed the elected
+    node) may both move in one round; the re-check after the random delay
+    (`switch_delay`) usually sees the first move, and the last replica rule holds.
     """
     if margin < 1:
         raise ValueError(f"margin must be >= 1, got {margin}")

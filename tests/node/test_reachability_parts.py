@@ -60,6 +60,12 @@ def test_the_prober_dials_no_address_of_its_own_networks_for_a_stranger_elsewher
         "/ip6/64:ff9b::7f00:1/tcp/22": "loopback",
         "/ip6/2002:a00:1::1/tcp/22": "private",
         "/ip6/2001:0:4136:e378:8000:63bf:f5ff:fffe/udp/1": "private",  # Teredo: 10.0.0.1
+        "/ip6/::7f00:1/tcp/22": "loopback",  # IPv4-compatible
+        "/ip6/::1/tcp/22": "loopback",
+        "/ip6/::/tcp/22": "unspecified",
+        "/ip6/::ffff:0:7f00:1/tcp/22": "loopback",  # SIIT
+        "/ip6/64:ff9b:1::a00:1/tcp/22": "private",  # local-use NAT64
+        "/ip6/fec0::1/tcp/22": "private",  # site-local
     }
     for addr, scope in near_only.items():
         assert r.address_scope(addr) == scope

@@ -267,12 +267,16 @@ def test_a_pipeline_flag_does_not_wash_out_round_evidence(then: Reason) -> None:
     """A liar banned on round evidence sent one non-finite micro-batch: its flag became
     `nonfinite`, round entries stopped naming it and the majority that left it out of
     rounds dissolved (and a `pipeline_outlier` flag could then be pardoned away)."""
-    s = Suspects(ban_s=600)
+    clock = Clock()
+    s = Suspects(ban_s=600, clock=clock)
     s.flag("liar", Reason.MISMATCH, "span 2")
+    clock.now += 100
     s.flag("liar", then, "one micro-batch")
     assert s.newest_banned(8, ROUND_EVIDENCE) == ["liar"]
     s.pardon(["liar"], Reason.PIPELINE_OUTLIER)
-    assert s.is_banned("liar") and s.status()["banned"][0]["reason"] == "mismatch"
+    (row,) = s.status()["banned"]
+    assert s.is_banned("liar") and row["reason"] == "mismatch"
+    assert row["ban_left_s"] == 500.0  # nor does a pipeline flag lengthen it
 
 
 def test_a_pardon_lifts_only_bans_for_that_reason() -> None:

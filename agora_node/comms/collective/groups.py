@@ -287,8 +287,12 @@ class Matchmaker:
         last_close = me.joined_at + cfg.waited() + 2 * (cfg.window + cfg.settle) + cfg.max_skew
         entries = {me.peer_id: me}
         while True:
+            ids = expected_ids(expect)
             for entry in await self._read(key, round_no):
                 first = entries.get(entry.peer_id)
+                expected = ids is not None and entry.peer_id in ids
+                if first is None and len(entries) > cfg.max_entries and not expected:
+                    continue  # bounded across polls too; an expected replica still gets in
                 # a peer's joined_at is the first one read: only its done mark replaces it
                 if first is None or entry.joined_at == first.joined_at:
                     entries[entry.peer_id] = entry

@@ -68,7 +68,7 @@ def departing(outputs: dict[str, Tensor], tolerance: float, of: int | None = Non
     return [p for p in peers if p not in majority and not close[p] & majority]
 
 
-_COUNTS = ("sent", "compared", "flagged")
+_COUNTS = ("sent", "compared", "flagged", "too_many_replicas")
 
 MAX_ASKED = 9
 """Replicas one probe asks at most: in a stage of more than 15 trusted replicas no probe
@@ -115,7 +115,10 @@ class Canaries:
         # a made-up answer, were its majority, and got each honest replica banned in turn.
         # So a probe asks at least that majority and one more (at most MAX_ASKED).
         size = max(self.config.canary_replicas, len(trusted) // 2 + 2)
-        if len(trusted) < 3 or min(size, len(trusted)) > MAX_ASKED:
+        if len(trusted) < 3:
+            return
+        if min(size, len(trusted)) > MAX_ASKED:  # counted: canaries are off for this stage
+            self.counts["too_many_replicas"] += 1
             return
         chosen = random.sample(trusted, min(size, len(trusted)))
         probe = ForwardHeader(

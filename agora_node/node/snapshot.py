@@ -233,6 +233,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "device": node.compute.device,
             "precision": node.compute.precision,
             "queue": p.active_requests if p else 0,
+            "canaries": dict(p.canaries.counts) if p else {},
             "in_flight": w.in_flight if w else 0,
             "memory": memory_status(node.compute, w),
             "gradient_lag": round(w.lag, 3) if w else 0.0,

@@ -120,7 +120,8 @@ class NodeStatus(TypedDict):
     # memory); on CUDA also "allocated", "reserved", "peak_allocated" bytes
     # Also, per node: compute_rate (tokens per compute-second), compute_s, utilization,
     # rss_bytes, device, precision, dropped, stage_choice (why this stage), last_checkpoint
-    # (path or None), checkpoint_error (why the last one failed; None once one succeeds), addrs, reachability, relay, state_origin (where its weights came from),
+    # (path or None), checkpoint_error (why the last one failed; None once one succeeds),
+    # canaries (probes sent, compared, replicas flagged, skipped for too_many_replicas), addrs, reachability, relay, state_origin (where its weights came from),
     # states_served, final_val_loss, injected_tokens, completed_tokens (a head's),
     # completed_tokens_per_s, rejected_codes ({wire code: count}), and from the server
     # uptime_s and snapshot_age_s; history ({series: [[unix time, value]]}).

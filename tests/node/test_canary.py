@@ -112,7 +112,7 @@ def test_a_sender_flags_the_replica_whose_canary_output_departs(monkeypatch) -> 
         assert p.suspects.banned() == {"bad"}
         (row,) = p.suspects.status()["banned"]
         assert row["reason"] == Reason.CANARY.value
-        assert p.canaries.counts == {"sent": 1, "compared": 1, "flagged": 1}
+        assert p.canaries.counts == {"sent": 1, "compared": 1, "flagged": 1, "too_many_replicas": 0}
     finally:
         p.worker.close()
 

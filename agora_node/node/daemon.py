@@ -310,6 +310,7 @@ class Node:
             seen_at=self.recent.seen,
             fetch_records=self.directory.fetch,
             rtt_of=self.liveness.rtt,
+            answered=self.liveness.answered,
             stats=self.stats,
             history=self.history,
             allow=self.admittance.allow,

@@ -44,7 +44,7 @@ from agora_node.node.outer import OuterLoop
 from agora_node.node.overlap import OverlappedWeights
 from agora_node.node.worker import StageWorker
 from agora_node.protocol import state_blob
-from agora_node.protocol.records import NodeRecord
+from agora_node.protocol.records import MAX_STEP, NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,13 @@ KEPT_DIGESTS = 10
 
 
 MAX_SOLE_JUMP = 1000
-"""Rounds one other replica's word moves this one at a time (at a round a minute, days of
-a swarm's progress; a stranger repeating it needs 10^9 rounds to reach the limit)."""
+"""Rounds the stage's replicas' word moves this one at a time, however many say it (at a
+round a minute, days of a swarm's progress; strangers repeating it need 10^9 rounds to
+reach the limit)."""
+
+MAX_ROUND = MAX_STEP - 1_000_000
+"""No jump goes past this: a round near the records' limit (MAX_STEP) left this replica's
+own records out of range, refused by every reader, and it dropped out of the stage."""
 
 
 def announced(replica_rounds: Iterable[int]) -> list[int]:
@@ -84,9 +89,10 @@ def target_round(own: int, replica_rounds: Iterable[int]) -> int:
     rounds = announced(replica_rounds)
     if not rounds:
         return own
-    if len(rounds) == 1:
-        return max(own, min(rounds[0], own + MAX_SOLE_JUMP))
-    return max(own, rounds[len(rounds) // 2])
+    said = rounds[0] if len(rounds) == 1 else rounds[len(rounds) // 2]
+    # two host-less records announcing 2**40 were the majority of a stage of two replicas
+    # and took both there (the records counted now are of peers that answered probes)
+    return max(own, min(said, own + MAX_SOLE_JUMP, MAX_ROUND))
 
 
 ASK_EVERY = 3
@@ -430,16 +436,17 @@ class OuterRounds:
 
     def _catch_up(self) -> bool:
         """Jump to the round the stage's replicas are in; whether the round changed. A jump
-        of more than SOLE_NEAR rounds on one other replica's word alone happens once per
-        round this one ended: the round loop asks again at once after a jump, so a stranger
-        announcing a far round took it there a million rounds a second, ending no round on
-        the way. A near one is never held back (a replica that lagged a round behind its
-        only partner, then another, re-joins it at once)."""
+        of more than SOLE_NEAR rounds happens once per round this one ended, whoever says
+        it (one replica, or a majority of records two strangers made up): the round loop
+        asks again at once after a jump, so a stranger announcing a far round took it there
+        a million rounds a second, ending no round on the way. A near one is never held
+        back (a replica that lagged a round behind its only partner, then another, re-joins
+        it at once)."""
         rounds = announced(self.replica_rounds())
         target = target_round(self.round, rounds)
         if target <= self.round:
             return False
-        if len(rounds) == 1 and target - self.round > SOLE_NEAR:  # a far jump on one word
+        if target - self.round > SOLE_NEAR:  # a far jump: one per round ended
             if self.round == self._sole_jump_to:
                 return False  # no round ended since the last one
             self._sole_jump_to = target

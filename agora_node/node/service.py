@@ -71,6 +71,9 @@ class ServiceContext:
     """Read the directory now (async): {stage: [NodeRecord]}."""
     rtt_of: Callable[[str], float | None] = lambda _peer: None
     """Measured round trip to a peer (SWIM's probes), None when unknown."""
+    answered: Callable[[str], bool] = lambda _peer: True
+    """Whether a host runs behind a peer id: it answered this node's SWIM probes (a record
+    alone is one DHT store). Tests without SWIM: everyone."""
     stats: PipelineStats
     history: History
     allow: AllowList | None = None
@@ -193,6 +196,7 @@ class StageService:
                 and r.state == NodeState.ACTIVE
                 and not ctx.suspects.is_banned(r.peer_id)  # a banned peer's round moves nobody
                 and r.peer_id not in helping
+                and ctx.answered(r.peer_id)  # host-less records' rounds move nobody either
             ]
 
         rounds = OuterRounds(

@@ -15,6 +15,7 @@ from agora_node.node.outer import OuterLoop
 from agora_node.node.outer_state import OuterConfig
 from agora_node.node.rounds import (
     ASK_EVERY,
+    MAX_ROUND,
     MAX_SOLE_JUMP,
     OuterRounds,
     outvoted,
@@ -46,6 +47,9 @@ def test_one_replica_lying_about_its_round_moves_nobody():
     assert target_round(3, [4, 4, 10**9]) == 4
     assert target_round(3, [10**9, 10**9, 4, 4, 4]) == 4  # two liars of five
     assert target_round(3, [3, -7, True, 2.5, 10**9, 3]) == 3  # junk values are ignored
+    # however many say it: at most MAX_SOLE_JUMP at a time, never to the records' limit
+    assert target_round(3, [MAX_STEP, MAX_STEP]) == 3 + MAX_SOLE_JUMP
+    assert target_round(MAX_ROUND - 5, [MAX_STEP, MAX_STEP, MAX_STEP]) == MAX_ROUND
 
 
 def test_the_only_other_replica_moves_this_one_a_bounded_step():
@@ -238,12 +242,16 @@ async def test_one_other_replicas_word_moves_this_one_once_per_round_ended():
         assert not rounds._catch_up() and rounds.round == MAX_SOLE_JUMP
         outer.state.round += 1  # a round ended
         assert rounds._catch_up() and rounds.round == 2 * MAX_SOLE_JUMP + 1
-        others[:] = [10**9, 10**9 + 1]  # two replicas agree: no such limit
-        assert rounds._catch_up() and rounds.round == 10**9
-        others[:] = [10**9 + 1]  # the only partner moved on: followed at once, again
-        assert rounds._catch_up() and rounds.round == 10**9 + 1
-        others[:] = [10**9 + 2]
-        assert rounds._catch_up() and rounds.round == 10**9 + 2
+        # two records agree (two strangers' made-up records were a stage of two's majority
+        # and took it to 2**40): the same limit, once per round ended
+        others[:] = [10**9, 10**9 + 1]
+        assert not rounds._catch_up()  # no round ended since the last far jump
+        outer.state.round += 1
+        assert rounds._catch_up() and rounds.round == 3 * MAX_SOLE_JUMP + 2
+        others[:] = [rounds.round + 1]  # the only partner moved on: followed at once, again
+        assert rounds._catch_up() and rounds.round == 3 * MAX_SOLE_JUMP + 3
+        others[:] = [rounds.round + 2]
+        assert rounds._catch_up() and rounds.round == 3 * MAX_SOLE_JUMP + 5
     finally:
         await outer.close()
         worker.close()

@@ -42,9 +42,17 @@ class SignedSubkeys(RecordValidatorBase):
         def key_of_run(run_id: str) -> bool:
             return DHTID.generate(source=manifest_key(run_id)).to_bytes() == record.key
 
+        def key_is(name: str) -> bool:
+            return bool(name) and DHTID.generate(source=name).to_bytes() == record.key
+
         try:
             why = refusal(
-                subkey, value, record.expiration_time, key_of_run=key_of_run, now=get_dht_time()
+                subkey,
+                value,
+                record.expiration_time,
+                key_of_run=key_of_run,
+                now=get_dht_time(),
+                key_is=key_is,
             )
         except Exception as exc:  # noqa: BLE001 - a value no check foresaw: refused, not raised
             why = f"{type(exc).__name__} while checking it"  # (into hivemind's batched answer)

@@ -10,6 +10,8 @@ stores and believes a value under a subkey that is an Ed25519 peer id only if:
 
 - it is a signed value `{"r": JSON bytes, "s": signature}` of at most
   MAX_SIGNED_BYTES, the signature made by that peer id's key;
+- it is stored under the key its body names (`named_key`), and signed no later than
+  now plus MAX_CLOCK_SKEW_S;
 - its DHT expiry lies at most its own lifetime past the time it was signed:
   `issued_at` + `ttl` for records (at most MAX_RECORD_TTL_S), `joined_at` +
   UNSTATED_LIFETIME_S for round entries (whose lifetime is not signed), plus
@@ -47,10 +49,12 @@ from collections.abc import Callable
 from typing import Any
 
 from agora_node.protocol.identity import IdentityError, public_key_from_peer_id, verify
+from agora_node.protocol.names import outer_round_key, run_pointer_key, stage_key
 from agora_node.protocol.records import MAX_CLOCK_SKEW_S, MAX_POINTER_TTL_S, MAX_RECORD_TTL_S
 
-MAX_SIGNED_BYTES = 8192
-"""Above every signed value we store (records 4096, round entries 1024)."""
+MAX_SIGNED_BYTES = 4096
+"""What readers take at most (records and pointers 4096, round entries 1024): junk of 8 KiB
+a value, stored only to be refused by every reader, filled keys twice as fast."""
 UNSTATED_LIFETIME_S = 900.0
 """The most a signed value that states no `ttl` may live past its time (round entries
 live 60 s; the matchmaker's retries stay within its window)."""
@@ -90,11 +94,14 @@ def refusal(
     *,
     key_of_run: Callable[[str], bool] | None = None,
     now: float | None = None,
+    key_is: Callable[[str], bool] | None = None,
 ) -> str | None:
     """Why a DHT node must not store `value` under `subkey` until `expiration_time`, or
     None if it may (see the module docstring). For a plain value (subkey None):
     `key_of_run(run_id)`, whether the value's key is that run's manifest key (the DHT
-    knows keys only by their hash); `now`, the DHT's time."""
+    knows keys only by their hash); `now`, the DHT's time. For a signed value:
+    `key_is(name)`, whether it is stored under the key `name` (its body names it: a
+    record its stage's, an entry its round's, a pointer the pointers')."""
     if subkey is None:
         return _plain_refusal(value, expiration_time, key_of_run, now)
     if is_peer_subkey(subkey):
@@ -122,9 +129,15 @@ def refusal(
         if body.get("run_id") != subkey or not is_peer_subkey(body.get("publisher")):
             return "not a run pointer for this run"
         signer = body["publisher"]
+    if key_is is not None and not key_is(named_key(body, pointer=is_run_subkey(subkey))):
+        # one signed value under a run's manifest key (a dictionary there, with a later
+        # expiry) had every later store of the manifest refused, and nobody could join
+        return "stored under a key its body does not name"
     signed_at = body.get("issued_at", body.get("joined_at"))
     if not finite_number(signed_at):
         return "no time of signing"
+    if signed_at > (time.time() if now is None else now) + MAX_CLOCK_SKEW_S:
+        return "signed in the future"  # and so stored for as long as it liked
     ttl = body.get("ttl")
     if ttl is None and max_ttl == MAX_RECORD_TTL_S:
         lifetime = UNSTATED_LIFETIME_S
@@ -139,6 +152,23 @@ def refusal(
             "not signed by the subkey's peer" if signer == subkey else "not signed by its publisher"
         )
     return None
+
+
+def named_key(body: dict[str, Any], *, pointer: bool) -> str:
+    """The DHT key a signed value's body names ("" when it names none): a run pointer's is
+    the pointers' key; a round entry's (it has a round) its round's; a record's its stage's."""
+    if pointer:
+        return run_pointer_key()
+    run, stage, round_no = body.get("run_id"), body.get("stage"), body.get("round")
+    if not isinstance(run, str) or not _integer(stage):
+        return ""
+    if "round" in body:
+        return outer_round_key(run, stage, round_no) if _integer(round_no) else ""
+    return stage_key(run, stage)
+
+
+def _integer(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _plain_refusal(

@@ -125,3 +125,49 @@ def test_a_plain_value_is_stored_only_as_a_manifest_under_its_own_key():
         assert refusal(None, junk, now + 60, key_of_run=lambda _: True, now=now) == (
             "a plain value that is not a manifest's bytes"
         )
+
+
+def test_a_signed_value_is_stored_only_under_the_key_its_body_names():
+    """One signed value under a run's manifest key became a dictionary there (later
+    expiry): every later store of the manifest was refused, and nobody could join."""
+    from agora_node.protocol.names import manifest_key, outer_round_key, stage_key
+
+    owner, run = Identity.generate(), "0123456789abcdef"
+    record = NodeRecord(run_id=run, peer_id=owner.peer_id, stage=2, state="active", ttl=6.0)
+    value = record.sign(owner)
+
+    def under(name: str):  # noqa: ANN202
+        return lambda named: named == name
+
+    later = record.issued_at + 5
+    assert refusal(owner.peer_id, value, later, key_is=under(stage_key(run, 2))) is None
+    for elsewhere in (manifest_key(run), stage_key(run, 1), outer_round_key(run, 2, 0)):
+        assert refusal(owner.peer_id, value, later, key_is=under(elsewhere)) == (
+            "stored under a key its body does not name"
+        )
+    entry = RoundEntry(peer_id=owner.peer_id, run_id=run, stage=2, round=7, joined_at=time.time())
+    key = under(outer_round_key(run, 2, 7))
+    assert refusal(owner.peer_id, entry.sign(owner), entry.joined_at + 60, key_is=key) is None
+
+
+def test_a_value_signed_in_the_future_or_larger_than_readers_take_is_refused():
+    """Signed 95 years ahead, a value lived as long (its expiry bounded only by its own
+    signing time); and 8 KiB values no reader takes filled a key twice as fast."""
+    owner = Identity.generate()
+    ahead = NodeRecord(
+        run_id="r" * 16, peer_id=owner.peer_id, stage=0, state="active", ttl=6.0,
+        issued_at=time.time() + 3e9,
+    )  # fmt: skip
+    assert refusal(owner.peer_id, ahead.sign(owner), ahead.issued_at + 6) == "signed in the future"
+    big = json.dumps({"issued_at": time.time(), "ttl": 6, "pad": "x" * 4200}).encode()
+    assert refusal(owner.peer_id, {"r": big, "s": owner.sign(big)}, time.time()) == "oversized"
+
+
+def test_a_run_pointer_is_stored_under_the_pointers_key_only():
+    from agora_node.protocol.names import manifest_key, run_pointer_key
+
+    publisher, run = Identity.generate(), "0123456789abcdef"
+    pointer = RunPointer(run_id=run, name="tiny", publisher=publisher.peer_id)
+    value, later = pointer.sign(publisher), pointer.issued_at + 60
+    assert refusal(run, value, later, key_is=lambda k: k == run_pointer_key()) is None
+    assert refusal(run, value, later, key_is=lambda k: k == manifest_key(run)) is not None

@@ -153,7 +153,8 @@ async def _dry_run(config, compute) -> int:  # noqa: ANN001
             manifest.num_stages,
             limits=RecordLimits.for_manifest(manifest),
         ).fetch()
-        no_data = head_data_missing(manifest)  # as the daemon decides (Node._choose_stage)
+        # as the daemon decides (Node._choose_stage)
+        no_data = head_data_missing(manifest, local=config.manifest is not None)
         if config.stage == "auto":
             can_hold = stages_fitting(manifest, compute)
             if no_data is not None:

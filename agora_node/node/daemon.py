@@ -261,7 +261,8 @@ class Node:
         # probes the device's free memory (a CUDA call): off the loop
         self.can_hold = await asyncio.to_thread(joining.stages_fitting, m, self.compute)
         # only stage 0 reads the run's data: a node without it serves (and moves to) others
-        no_data = await asyncio.to_thread(head_data_missing, m)  # the file system: off the loop
+        # the file system: off the loop
+        no_data = await asyncio.to_thread(head_data_missing, m, local=cfg.manifest is not None)
         if no_data is not None and cfg.stage == "auto":
             self.can_hold = joining.without_the_head(m, self.can_hold, no_data)
             log.info("not serving stage 0: %s", no_data)

@@ -55,12 +55,31 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids])
 
 
-def head_data_missing(manifest: Manifest) -> str | None:
+def head_data_missing(manifest: Manifest, *, local: bool = True) -> str | None:
     """Why this machine cannot serve stage 0 of `manifest`, in one line; None if it can.
 
     Only stage 0 reads the run's corpus (and tokenizes it): a node without the files the
     manifest names, or without the `tokenizers` package its tokenizer needs, can serve
-    the other stages. Looks at the file system: call it off the event loop."""
+    the other stages. `local`: the operator gave the manifest (`--manifest`); one read
+    from the swarm may name only the built-in corpus and tokenizers, not this machine's
+    files (a stranger's manifest with data.source = /proc/self/environ had a head send
+    that file's bytes, as token ids, to the next stages). Looks at the file system:
+    call it off the event loop."""
+    if not local:
+        named = [
+            f"{field} = {value!r}"
+            for field, value in (
+                ("data.source", manifest.data.source),
+                ("data.tokenizer", manifest.data.tokenizer),
+            )
+            if _names_a_file(field, value)
+        ]
+        if named:
+            return (
+                f"stage 0 would read this machine's file ({', '.join(named)}), named by the"
+                " swarm's manifest, not by this node's operator: give the run's manifest"
+                " with --manifest to serve it"
+            )
     try:
         check_data_available(manifest)
     except ManifestError as exc:
@@ -71,6 +90,12 @@ def head_data_missing(manifest: Manifest) -> str | None:
             return None
         reason = f"data.tokenizer = {tokenizer!r} needs the 'tokenizers' package"
     return f"stage 0 reads the run's data, which this machine lacks ({reason})"
+
+
+def _names_a_file(field: str, value: str) -> bool:
+    if field == "data.source":
+        return not value.startswith(BUILTIN_DATA_PREFIX)
+    return value != "bytes"  # every other tokenizer is a file (HFTokenizer)
 
 
 def load_tokenizer(spec: DataSpec) -> ByteTokenizer | HFTokenizer:

@@ -26,7 +26,8 @@ def test_two_replicas_form_a_cell_train_and_survive_the_leader_being_killed(swar
         documents=True,  # packed windows: every member keeps their documents apart
     )  # fmt: skip
     swarm.bootstrap(path)
-    heads = [swarm.join(f"head-{i}", "--stage", "0") for i in range(2)]
+    # --manifest: a head reads the corpus file only a local manifest names
+    heads = [swarm.join(f"head-{i}", "--stage", "0", "--manifest", path) for i in range(2)]
     last = [swarm.join(f"last-{i}", "--stage", "1") for i in range(2)]
     for node in (*heads, *last):
         swarm.serving(node)

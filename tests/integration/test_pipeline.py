@@ -35,9 +35,11 @@ def test_swarm_matches_reference_trainer_at_equal_token_budget(swarm, tmp_path):
     steps = 32
     budget = steps * m.inner.local_batch * m.model.seq_len
     swarm.bootstrap(path)
-    nodes = [
+    nodes = [  # --manifest: a head reads the corpus file only a local manifest names
         swarm.join(
-            f"node-{i}", "--stage", str(i), "--max-tokens", str(budget), "--max-in-flight", "1"
+            f"node-{i}",
+            *("--stage", str(i), "--max-tokens", str(budget), "--max-in-flight", "1"),
+            *("--manifest", path),
         )
         for i in range(2)
     ]

@@ -51,11 +51,17 @@ class FakeDirectory:
         return {}
 
 
-def joining_node(tmp_path, m, stage: str = "auto") -> tuple[Node, list[int]]:  # noqa: ANN001
-    """A Node as it is when it chooses its stage (the swarm: an empty directory)."""
+def joining_node(tmp_path, m, stage: str = "auto", local: bool = True) -> tuple[Node, list[int]]:  # noqa: ANN001
+    """A Node as it is when it chooses its stage (the swarm: an empty directory); `local`:
+    its operator gave the run's manifest (--manifest), else it came from the swarm."""
     node = Node.__new__(Node)
     node.config = NodeConfig(
-        initial_peers=[PEER], data_dir=str(tmp_path), stage=stage, settle_s=0.0, settle_rounds=1
+        manifest="tiny" if local else None,
+        initial_peers=[PEER],
+        data_dir=str(tmp_path),
+        stage=stage,
+        settle_s=0.0,
+        settle_rounds=1,
     )
     node.manifest, node.compute, node.directory = m, CPU, FakeDirectory()
     node.peer_id = peer_placed_at_stage_0(m)
@@ -139,3 +145,16 @@ async def test_the_head_builds_its_token_windows_off_the_event_loop(monkeypatch)
     with pytest.raises(RuntimeError, match="enough"):
         await asyncio.wait_for(StageService._head_loop(fake), 30)
     assert built_on and loop_thread not in built_on
+
+
+async def test_an_auto_node_whose_manifest_came_from_the_swarm_reads_no_local_file(tmp_path):
+    """A stranger's manifest naming a file on this machine as data.source (say
+    /proc/self/environ): the head tokenized it and sent it on as token ids."""
+    data = tmp_path / "corpus.txt"
+    data.write_text("some text " * 200)
+    node, announced = joining_node(tmp_path, manifest(str(data)), local=False)
+    stage = await node._choose_stage()
+    assert stage != 0 and 0 not in announced
+    node, _ = joining_node(tmp_path, manifest(str(data)), stage="0", local=False)
+    with pytest.raises(JoinError, match="named by the swarm's manifest"):
+        await node._choose_stage()

@@ -183,3 +183,20 @@ def test_the_dry_runs_memory_follows_max_in_flight_on_a_head(capsys):
     print_stage_plan(manifest, 0, None)  # a bootstrap's listing: it serves no stage
     out = capsys.readouterr().out
     assert "stage 0:" in out and "would serve" not in out
+
+
+def test_a_manifest_from_the_swarm_may_not_name_this_machines_files_for_the_head(tmp_path):
+    """A stranger's manifest with data.source = /proc/self/environ passed every check, and
+    the head sent that file's bytes, as token ids, to the next stages."""
+    import dataclasses
+
+    from agora_node.stages.data import head_data_missing
+
+    secret = tmp_path / "environ"
+    secret.write_text("TOKEN=hunter2\n")
+    demo = load_manifest("demo")
+    theirs = dataclasses.replace(demo, data=dataclasses.replace(demo.data, source=str(secret)))
+    assert head_data_missing(theirs, local=True) is None  # the operator's own manifest: fine
+    why = head_data_missing(theirs, local=False)
+    assert why is not None and "named by the swarm's manifest" in why and str(secret) in why
+    assert head_data_missing(demo, local=False) is None  # the built-in corpus is fine

@@ -330,7 +330,14 @@ class StageService:
         val = await asyncio.to_thread(TokenWindows, ctx.manifest, "val")
         # A cell of heads samples as one head, its leader (a helper injects nothing).
         cp = ctx.manifest.model.cp_degree
-        sampler = Sampler(train, ctx.peer_id, lambda: standing_replicas(ctx.peers_of(0), cp))
+
+        # Heads share the epoch among those with a host behind them: host-less records
+        # listed as heads shrank this head's share and made each claim cost ~1 s of hashing
+        def heads() -> list[str]:
+            standing = standing_replicas(ctx.peers_of(0), cp)  # cells as every node sees them
+            return [p for p in standing if p == ctx.peer_id or ctx.answered(p)]
+
+        sampler = Sampler(train, ctx.peer_id, heads)
         head = Head(self.pipeline)
         inject = asyncio.create_task(head.run(sampler, self._stop, cfg.max_tokens))
         stopped = asyncio.create_task(self._stop.wait())

@@ -41,7 +41,7 @@ LIMITS = Limits(
 )
 
 
-class StateTransferError(RuntimeError):
+class StateTransferError(streams.BadRequest, RuntimeError):
     pass
 
 

@@ -78,6 +78,12 @@ class StreamError(ConnectionError):
     """The remote side failed, answered with an error, or broke the framing."""
 
 
+class BadRequest(Exception):
+    """A handler's answer to a request it cannot serve as asked (not JSON, a stage it does
+    not serve): sent back as the error, logged in one line (a stranger's requests were
+    each logged at ERROR with a traceback)."""
+
+
 class RefusedError(StreamError):
     """The remote peer refused to serve us at all (we are not on its allow list)."""
 
@@ -263,7 +269,10 @@ async def answer(
     except (ConnectionError, asyncio.IncompleteReadError):
         log.debug("stream %s from %s broke", name, remote[-8:])
     except Exception as exc:
-        log.exception("handler %s failed for %s", name, remote[-8:])
+        if isinstance(exc, BadRequest):  # the asker's doing: one line, no traceback
+            log.info("stream %s from %s: %s", name, remote[-8:], exc)
+        else:
+            log.exception("handler %s failed for %s", name, remote[-8:])
         with contextlib.suppress(Exception):
             await asyncio.wait_for(
                 write_frame(writer, KIND_ERROR, f"{type(exc).__name__}: {exc}".encode()[:1000]),

@@ -131,11 +131,15 @@ class Liveness:
     def answered(self, peer_id: str) -> bool:
         """Alive (or suspected) and answered our own probes directly at least once: a host
         runs behind that peer id (an ack counts only from the peer probed, authenticated
-        by libp2p). A dead member keeps its round trips for a while: it does not count."""
-        if self.service is None or self.rtt(peer_id) is None:
+        by libp2p; a late one too: a peer farther than the probe timeout never had a round
+        trip, and never counted). A dead member keeps its round trips for a while: it does
+        not count."""
+        if self.service is None:
             return False
         member = self.service.get(peer_id)
-        return member is not None and member.status in LIVE
+        if member is None or member.status not in LIVE:
+            return False
+        return member.acked or self.rtt(peer_id) is not None
 
     def rtt_ms(self, peer_id: str) -> float | None:
         """`rtt` in milliseconds, rounded for the status page."""

@@ -52,9 +52,8 @@ KEPT_DIGESTS = 10
 
 
 MAX_SOLE_JUMP = 1000
-"""Rounds the stage's replicas' word moves this one at a time, however many say it (at a
-round a minute, days of a swarm's progress; strangers repeating it need 10^9 rounds to
-reach the limit)."""
+"""Rounds one other replica's word moves this one at a time (at a round a minute, days of
+a swarm's progress), one such jump per round this replica ended."""
 
 MAX_ROUND = MAX_STEP - 1_000_000
 """No jump goes past this: a round near the records' limit (MAX_STEP) left this replica's
@@ -89,10 +88,12 @@ def target_round(own: int, replica_rounds: Iterable[int]) -> int:
     rounds = announced(replica_rounds)
     if not rounds:
         return own
-    said = rounds[0] if len(rounds) == 1 else rounds[len(rounds) // 2]
+    if len(rounds) == 1:
+        return max(own, min(rounds[0], own + MAX_SOLE_JUMP, MAX_ROUND))
     # two host-less records announcing 2**40 were the majority of a stage of two replicas
-    # and took both there (the records counted now are of peers that answered probes)
-    return max(own, min(said, own + MAX_SOLE_JUMP, MAX_ROUND))
+    # and took both there: the records of peers that no probe answered count as behind
+    # (the caller's replica_rounds), and no round goes near the records' limit
+    return max(own, min(rounds[len(rounds) // 2], MAX_ROUND))
 
 
 ASK_EVERY = 3
@@ -199,7 +200,8 @@ class OuterRounds:
         (OuterState.anchor_round): the stage's replicas compare equal."""
         self.replica_anchors: dict[int, dict[str, str]] = {}
         """What the other replicas' records attested for those rounds: {round: {peer: digest}}."""
-        self._sole_jump_to: int | None = None
+        self._sole_jump_at: int | None = None
+        """Rounds ended (OuterLoop.totals) at the last far jump on one replica's word."""
         """The round the last catch-up on one other replica's word went to (`_catch_up`)."""
         self._lock = asyncio.Lock()
         self._epoch = 0
@@ -436,20 +438,23 @@ class OuterRounds:
 
     def _catch_up(self) -> bool:
         """Jump to the round the stage's replicas are in; whether the round changed. A jump
-        of more than SOLE_NEAR rounds happens once per round this one ended, whoever says
-        it (one replica, or a majority of records two strangers made up): the round loop
+        of more than SOLE_NEAR rounds on one other replica's word alone happens once per
+        round this one ended (counted, so near jumps in between open no way: a stranger
+        alternating near and far rounds went 10,000 rounds in 20 reads): the round loop
         asks again at once after a jump, so a stranger announcing a far round took it there
         a million rounds a second, ending no round on the way. A near one is never held
         back (a replica that lagged a round behind its only partner, then another, re-joins
-        it at once)."""
+        it at once). A majority's word moves it at once, however far (a joiner from init
+        meets its stage in one jump), never near the records' limit."""
         rounds = announced(self.replica_rounds())
         target = target_round(self.round, rounds)
         if target <= self.round:
             return False
-        if target - self.round > SOLE_NEAR:  # a far jump: one per round ended
-            if self.round == self._sole_jump_to:
-                return False  # no round ended since the last one
-            self._sole_jump_to = target
+        if len(rounds) == 1 and target - self.round > SOLE_NEAR:  # far, on one word
+            ended = self.outer.totals["rounds"]
+            if ended == self._sole_jump_at:
+                return False  # no round ended since the last one (near jumps between count not)
+            self._sole_jump_at = ended
         log.info("outer round %d -> %d to meet this stage's replicas", self.round, target)
         self.outer.state.round = target
         return True

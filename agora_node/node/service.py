@@ -189,14 +189,16 @@ class StageService:
 
         def replica_rounds() -> list[int]:
             helping = set(ctx.peers_of(stage)) - set(replicas())  # in a cell, not its leader
+            # a record no probe of ours answered counts as a replica at round 0: it cannot
+            # push anyone forward (two host-less records announcing 2**40 were a stage of
+            # two's majority), nor, left out, shrink the vote to one stranger's word
             return [
-                r.outer_step
+                r.outer_step if ctx.answered(r.peer_id) else 0
                 for r in ctx.records_of(stage)
                 if r.peer_id != ctx.peer_id
                 and r.state == NodeState.ACTIVE
                 and not ctx.suspects.is_banned(r.peer_id)  # a banned peer's round moves nobody
                 and r.peer_id not in helping
-                and ctx.answered(r.peer_id)  # host-less records' rounds move nobody either
             ]
 
         rounds = OuterRounds(

@@ -27,6 +27,8 @@ class MemberView:
     incarnation: int
     meta: MemberMeta
     since: float
+    acked: bool = False
+    """It answered one of this node's pings itself (a host runs behind its id)."""
 
 
 @dataclass(slots=True)
@@ -41,6 +43,8 @@ class Member:
     accusation: Item | None = None  # the signed SUSPECT/DEAD item behind its status
     rtts: list[float] = field(default_factory=list)
     """Round trips of our latest direct probes answered directly (seconds, newest last)."""
+    acked: bool = False
+    """It answered a ping of ours itself, in time for a round trip or not (a far peer)."""
 
     def add_rtt(self, seconds: float) -> None:
         self.rtts.append(seconds)
@@ -52,7 +56,9 @@ class Member:
         return min(self.rtts) if self.rtts else None
 
     def view(self) -> MemberView:
-        return MemberView(self.peer_id, self.status, self.incarnation, self.meta, self.since)
+        return MemberView(
+            self.peer_id, self.status, self.incarnation, self.meta, self.since, self.acked
+        )
 
 
 class MemberTable:

@@ -436,8 +436,10 @@ class Membership:
                     probe.timer.cancel()
                 self.awareness.apply(-1)
                 member = self._members.get(sender)
-                if member is not None and sender == probe.target and not probe.retried:
-                    member.add_rtt(now - probe.started)  # the first ping, answered directly
+                if member is not None and sender == probe.target:
+                    member.acked = True  # a host behind the id, however far (late acks too)
+                    if not probe.retried:
+                        member.add_rtt(now - probe.started)  # the first ping, answered directly
                 if probe.verifying is not None:
                     # alive after all: wait for its refutation, and check again if none comes
                     wait = self.awareness.scale(self.settings.probe_interval_s)

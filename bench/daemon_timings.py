@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             nodes = [
                 swarm.spawn(
                     f"n{i}",
-                    ["join", "--initial-peers", *initial, "--data-dir", f"{tmp}/n{i}", *fast],
+                    ["join", "--initial-peers", *initial, "--data-dir", f"{tmp}/n{i}", *fast]
+                    + ["--manifest", args.manifest],  # a head reads a corpus file only so
                 )
                 for i in range(args.nodes)
             ]

@@ -269,6 +269,7 @@ def run_swarm(args: argparse.Namespace, workdir: Path, lab: DaemonLab | None = N
             threads = max(1, args.threads // stages + (s < args.threads % stages))
             prefix, listen = place(f"n{s}")
             argv = ["join", "--initial-peers", *peers, "--stage", str(s), *listen]
+            argv += ["--manifest", args.manifest]  # a head reads a corpus file only so
             argv += ["--data-dir", str(workdir / f"n{s}"), "--threads", str(threads), *extra]
             nodes.append(swarm.spawn(f"node-{s}", argv, prefix=prefix))
         ports = [_port(n) for n in nodes]

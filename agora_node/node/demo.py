@@ -155,6 +155,7 @@ def start_swarm(
     for i in range(nodes):
         data_dir = workdir / f"node-{i}"
         argv = ["join", "--initial-peers", *swarm.initial_peers, "--data-dir", str(data_dir)]
+        argv += ["--manifest", manifest]  # the operator's: a head may read a corpus file it names
         port = base_port + i if base_port else 0  # 0: any free port, read from the log
         argv += ["--status-port", str(port), "--threads", "1", *extra]
         swarm.spawn(f"node-{i}", argv, status_port=port)

@@ -49,20 +49,16 @@ def _check_peer_addrs(flag: str, addrs: list[str]) -> None:
     """Peer addresses as `agora-node bootstrap` prints them, checked before anything
     starts (libp2p would say it later, in its own words, and a missing /p2p/ part not at
     all clearly)."""
-    from hivemind.utils.multiaddr import Multiaddr
-
     for addr in addrs:
-        why = None if _PEER_ADDR.fullmatch(addr) else "expected /ip4/HOST/tcp/PORT/p2p/PEER_ID"
-        if why is None:
-            try:  # its parts too: /ip4/999.0.0.1/... or a short peer id failed after start-up
-                Multiaddr(addr)
-            except Exception as exc:  # noqa: BLE001 - the parser's own errors, any type
-                why = str(exc).rsplit(": ", 1)[-1]
-        if why is not None:
-            raise UsageError(
-                f"{flag} {addr!r} is not a peer address ({why}): as `agora-node bootstrap`"
-                " prints it, /ip4/HOST/tcp/PORT/p2p/PEER_ID"
-            )
+        if not _PEER_ADDR.fullmatch(addr):
+            _not_a_peer_address(flag, addr, "expected /ip4/HOST/tcp/PORT/p2p/PEER_ID")
+
+
+def _not_a_peer_address(flag: str, addr: str, why: str) -> None:
+    raise UsageError(
+        f"{flag} {addr!r} is not a peer address ({why}): as `agora-node bootstrap`"
+        " prints it, /ip4/HOST/tcp/PORT/p2p/PEER_ID"
+    )
 
 
 def _check_codec(name: str) -> None:
@@ -395,6 +391,8 @@ def check_maddrs(config: NodeConfig | BootstrapConfig) -> None:
     Not in __post_init__: the parser imports hivemind and torch (over a second of CPU),
     and a daemon must fail on a held data dir before that work (tests/surfaces/
     test_datadir.py); `join` and `bootstrap` call it once they hold the lock."""
+    from hivemind.utils.multiaddr import Multiaddr
+
     from agora_node.comms.host_checks import HostError, check_maddr
 
     for name in ("host_maddrs", "announce_maddrs"):
@@ -403,6 +401,11 @@ def check_maddrs(config: NodeConfig | BootstrapConfig) -> None:
                 check_maddr(maddr)
             except HostError as exc:
                 raise UsageError(f"{flag_of(type(config), name)}: {exc}") from None
+    for addr in config.initial_peers:
+        try:  # its parts: /ip4/999.0.0.1/... or a cut peer id failed after start-up, exit 1
+            Multiaddr(addr)
+        except Exception as exc:  # noqa: BLE001 - the parser's own errors, any type
+            _not_a_peer_address("--initial-peers", addr, str(exc).rsplit(": ", 1)[-1])
 
 
 def _path_or(path: str | None, default: Path) -> str:

@@ -66,7 +66,7 @@ def test_checkpoint_keeps_last_and_skips_corrupt(tmp_path):
     assert load_latest_checkpoint(tmp_path, run_id="other", stage=1) is None
     # An uncommitted .pt (crash before its marker) is invisible.
     (tmp_path / "ckpt-000000009.pt").write_bytes(b"partial")
-    assert list_checkpoints(tmp_path)[0].step == 5
+    assert list_checkpoints(tmp_path)[0].step == 4  # the damaged 5 was set aside (.corrupt)
 
 
 def test_checkpoint_of_another_identity_is_not_loaded(tmp_path, caplog):

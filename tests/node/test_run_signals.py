@@ -45,6 +45,7 @@ class _Node:
         self.release = asyncio.Event()
         self.refused = None
         self.failure = None
+        self.checkpoint_error = None
         self.peer_id = "me"
         self.service = type("S", (), {"index": 0})()
         self._status = type("P", (), {"port": 1})()
@@ -67,6 +68,11 @@ class _Node:
 
 class _Config:
     status_host = "127.0.0.1"
+
+    def __init__(self) -> None:
+        import tempfile
+
+        self.data_dir = tempfile.mkdtemp(prefix="agora-run-signals-")  # where left.json goes
 
 
 async def _started(monkeypatch) -> tuple[asyncio.Task, _Node]:  # noqa: ANN001

@@ -243,11 +243,13 @@ def test_toml_type_and_unknown_key_errors_are_one_line(tmp_path, capsys):
     ],
 )
 def test_an_initial_peer_that_is_no_peer_address_is_one_line(command, bad, why, tmp_path, capsys):
-    """Checked before anything starts (it was libp2p's raw log line, after 3 s, exit 1)."""
+    """Checked before anything starts (it was libp2p's raw log line, after 3 s, exit 1); its
+    form before the data dir is taken, its parts (hivemind's parser) right after."""
     assert main([command, "--initial-peers", bad, "--data-dir", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a peer address" in err and why in err, err
-    assert not (tmp_path / "d").exists()
+    if why.startswith("expected"):
+        assert not (tmp_path / "d").exists()
 
 
 def test_join_without_initial_peers_is_one_line(capsys):

@@ -24,7 +24,7 @@ from agora_node.comms.host import Host, HostConfig
 from agora_node.node.dialback import DialBack
 from agora_node.node.peerbook import BOOTSTRAP_FILE_NAME, PeerBook
 from agora_node.protocol.identity import Identity
-from agora_node.protocol.manifest import BUILTIN_DATA_PREFIX, Manifest
+from agora_node.protocol.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +80,11 @@ async def run_bootstrap(
             "  agora-node join --initial-peers " + " ".join(shlex.quote(m) for m in maddrs),
             flush=True,
         )
-        data = manifest.data
-        if not data.source.startswith(BUILTIN_DATA_PREFIX) or data.tokenizer != "bytes":
+        if named := manifest.data.local_files():
             print(
-                "agora-node: its stage 0 reads files the manifest names (data.source "
-                f"{data.source!r}, data.tokenizer {data.tokenizer!r}): a node serves stage 0 "
-                "only when given the manifest itself, --manifest FILE, and has them",
+                f"agora-node: its stage 0 reads files the manifest names ({', '.join(named)}):"
+                " a node serves stage 0 only when given the manifest itself, --manifest FILE,"
+                " and has them",
                 flush=True,
             )
         if ready is not None:

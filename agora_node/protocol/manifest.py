@@ -170,6 +170,16 @@ class DataSpec:
             if name not in BUILTIN_CORPORA:
                 _fail("data.source", self.source, f"builtin corpora are {BUILTIN_CORPORA}")
 
+    def local_files(self) -> list[str]:
+        """The fields naming a file of the machine that reads them ("data.source = '...'"):
+        a source other than a built-in corpus, a tokenizer other than `bytes`."""
+        named = []
+        if not self.source.startswith(BUILTIN_DATA_PREFIX):
+            named.append(f"data.source = {self.source!r}")
+        if self.tokenizer != "bytes":  # every other tokenizer is a tokenizer.json path
+            named.append(f"data.tokenizer = {self.tokenizer!r}")
+        return named
+
 
 @dataclass(kw_only=True, frozen=True)
 class InnerSpec:

@@ -66,14 +66,7 @@ def head_data_missing(manifest: Manifest, *, local: bool = True) -> str | None:
     that file's bytes, as token ids, to the next stages). Looks at the file system:
     call it off the event loop."""
     if not local:
-        named = [
-            f"{field} = {value!r}"
-            for field, value in (
-                ("data.source", manifest.data.source),
-                ("data.tokenizer", manifest.data.tokenizer),
-            )
-            if _names_a_file(field, value)
-        ]
+        named = manifest.data.local_files()
         if named:
             return (
                 f"stage 0 would read this machine's file ({', '.join(named)}), named by the"
@@ -90,12 +83,6 @@ def head_data_missing(manifest: Manifest, *, local: bool = True) -> str | None:
             return None
         reason = f"data.tokenizer = {tokenizer!r} needs the 'tokenizers' package"
     return f"stage 0 reads the run's data, which this machine lacks ({reason})"
-
-
-def _names_a_file(field: str, value: str) -> bool:
-    if field == "data.source":
-        return not value.startswith(BUILTIN_DATA_PREFIX)
-    return value != "bytes"  # every other tokenizer is a file (HFTokenizer)
 
 
 def load_tokenizer(spec: DataSpec) -> ByteTokenizer | HFTokenizer:

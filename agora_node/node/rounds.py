@@ -208,6 +208,7 @@ class OuterRounds:
         """Bumped whenever the outer state changes (a round ended)."""
         self._attested: tuple[tuple[int, int], Attestation] | None = None
         self._blob: tuple[Attestation, bytes, str] | None = None
+        self.blobs_made = 0  # how many blobs transfer_blob has serialized (see blob_sendable)
 
     @property
     def round(self) -> int:
@@ -277,7 +278,15 @@ class OuterRounds:
                     state_blob.encode, attested.round, state.anchor, state.momentum
                 )
                 self._blob = (attested, blob, await asyncio.to_thread(_sha256, blob))
+                self.blobs_made += 1
             return self._blob
+
+    def blob_sendable(self, made: int) -> bool:
+        """Whether a transfer of the blob that was the `made`-th may go on: the newest and
+        the one before it may, older ones not (their transfer ends and the joiner asks again).
+        Slow joiners therefore hold at most two copies of the state between them, not one
+        from each round their transfers lasted."""
+        return self.blobs_made - made <= 1
 
     async def run(self, stop: asyncio.Event) -> None:
         start_step, start_tokens = self.worker.optimizer.steps, self.worker.stats.trained_tokens

@@ -310,16 +310,19 @@ class StageService:
         log.info("checkpoint saved: %s", info.path)
         return str(info.path)
 
-    async def state_snapshot(self) -> tuple[dict, bytes]:
+    async def state_snapshot(self) -> tuple[dict, bytes, Callable[[], bool]]:
         """This stage's attested state for a joiner: outer anchor and momentum
-        (protocol/state_blob.py), serialized once per round, off the worker thread."""
+        (protocol/state_blob.py), serialized once per round, off the worker thread; and
+        whether its transfer may go on (Rounds.blob_sendable)."""
         attested, blob, sha = await self.rounds.transfer_blob()
-        return {
+        made, rounds = self.rounds.blobs_made, self.rounds
+        header = {
             "stage": self.index,
             "round": attested.round,
             "anchor_digest": attested.anchor,
             "sha256": sha,
-        }, blob
+        }
+        return header, blob, lambda: rounds.blob_sendable(made)
 
     # ---- stage 0 ------------------------------------------------------------------------
     async def _head_loop(self) -> None:
@@ -428,11 +431,11 @@ async def serve_endpoints(
         async for chunk in service.pipeline.handle(remote, data):
             yield chunk
 
-    async def state(stage: int) -> tuple[dict, bytes]:
+    async def state(stage: int) -> tuple[dict, bytes, Callable[[], bool]]:
         service = offering_state()
         if service is None or service.index != stage:
             raise state_transfer.StateTransferError(f"this node does not serve stage {stage} now")
-        header, blob = await service.state_snapshot()
+        header, blob, sendable = await service.state_snapshot()
         served.append(
             {
                 "stage": stage,
@@ -442,7 +445,7 @@ async def serve_endpoints(
             }
         )
         del served[:-20]
-        return header, blob
+        return header, blob, sendable
 
     run_id = manifest.run_id
     refuse = admission.refuser(allow, me, "stream")

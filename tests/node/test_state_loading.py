@@ -606,7 +606,7 @@ async def test_state_handler_one_transfer_per_peer_and_a_send_deadline():
             handlers[name] = on_stream
 
     async def provider(stage: int):
-        return {"stage": stage}, b"x" * (3 * streams.CHUNK)
+        return {"stage": stage}, b"x" * (3 * streams.CHUNK), lambda: True
 
     await state_transfer.serve_state(_P2P(), "run", provider, deadline_s=0.5)
     (on_stream,) = handlers.values()
@@ -744,3 +744,52 @@ async def test_a_slow_honest_source_gets_the_time_its_state_takes_at_a_good_rate
     assert 1.8 < state_blob.max_bytes(worker.trainable_numel()) / state_search.GOOD_STATE_RATE < 3.0
     loaded = await state_search.load_state(ctx, worker)
     assert asked == ["p1"] and loaded.origin["source"] == "p1"
+
+
+async def test_a_transfer_of_a_copy_two_states_old_ends_and_rounds_say_which():
+    """Slow joiners across rounds: each transfer held its own copy of the state (four
+    joiners in four rounds held four). A copy two outer states old is no longer sent."""
+    import json
+
+    from agora_node.comms import streams
+
+    handlers, sendable = {}, [True]
+
+    class _P2P:
+        async def add_binary_stream_handler(self, name, on_stream):  # noqa: ANN001
+            handlers[name] = on_stream
+
+    async def provider(stage: int):
+        return {"stage": stage}, b"x" * (3 * streams.CHUNK), lambda: sendable[0]
+
+    await state_transfer.serve_state(_P2P(), "run", provider, deadline_s=30)
+    (on_stream,) = handlers.values()
+    peer = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "peer-A"))
+    hold = asyncio.Event()
+    slow = _FakeStream(json.dumps({"stage": 1}).encode(), hold)
+    task = asyncio.create_task(on_stream(peer, slow.reader, slow))
+    deadline = time.monotonic() + 5
+    while not slow.sent:  # the header is on its way: the transfer has begun
+        assert time.monotonic() < deadline, "the transfer never started"
+        await asyncio.sleep(0.01)
+    sendable[0] = False  # the server moved on twice meanwhile
+    hold.set()
+    await asyncio.wait_for(task, 5)
+    assert b"moved on" in slow.sent and streams.KIND_END not in slow.sent[-9:-8]
+    assert len(slow.sent) < 2 * streams.CHUNK  # not the whole state
+
+    from agora_node.node.rounds import OuterRounds
+
+    rounds = OuterRounds(
+        SimpleNamespace(state=None),
+        SimpleNamespace(),
+        inner_steps=1,
+        replica_rounds=list,
+        replica_count=lambda: 1,
+    )
+    rounds.blobs_made = 1
+    assert rounds.blob_sendable(1)
+    rounds.blobs_made = 2  # the next round's copy was made: the older may finish
+    assert rounds.blob_sendable(1) and rounds.blob_sendable(2)
+    rounds.blobs_made = 3
+    assert not rounds.blob_sendable(1) and rounds.blob_sendable(2)

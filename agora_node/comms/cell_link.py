@@ -57,6 +57,9 @@ class CellLink:
     """Peer ids of the cell in rank order (this node among them)."""
     me: str
     timeout_s: float = 30.0
+    max_frame: int = MAX_FRAME
+    """The largest frame a push may carry (the manifest's bound, stages/kv_frames.py): a
+    push is read whole before the inbox looks at it, 16 at a time from each member."""
     max_inbox: int = 256
     max_inbox_bytes: int = 1 << 30
     refused: Counter = field(default_factory=Counter)
@@ -117,7 +120,7 @@ class CellLink:
             self.p2p,
             cell_protocol(self.run_id),
             self._handle,
-            max_request=MAX_FRAME + _HEADER.size,
+            max_request=min(self.max_frame, MAX_FRAME) + _HEADER.size,
             guard=guard,
             refuse=self._refuse,
         )

@@ -57,6 +57,7 @@ from agora_node.node.cell_work import CellHelper
 from agora_node.node.worker import StageWorker
 from agora_node.protocol.names import cell_protocol, cell_work_protocol
 from agora_node.stages.data import TokenBatch
+from agora_node.stages.kv_frames import max_kv_frame_bytes
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,14 @@ class Cells:
         m = worker.manifest
         self.size, self.seq_len = m.model.cp_degree, m.model.seq_len
         self.worker, self.p2p, self.me, self.run_id = worker, p2p, me, run_id
-        self.link = CellLink(p2p, run_id, members=[me], me=me, timeout_s=timeout_s)
+        self.link = CellLink(
+            p2p,
+            run_id,
+            members=[me],
+            me=me,
+            timeout_s=timeout_s,
+            max_frame=max_kv_frame_bytes(m.model, m.inner.micro_batch),
+        )
         self.helper = CellHelper(worker, self.link, m.model.seq_len, m.inner.micro_batch)
         self.leader: CellLeader | None = None
         self.members = [me]

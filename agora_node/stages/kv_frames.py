@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from agora_node.protocol.manifest import ModelSpec
+
 
 class Posted(Protocol):
     def wait(self) -> list[Tensor]:
@@ -74,6 +76,15 @@ class KVExpect:
 
 
 _ID_TYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def max_kv_frame_bytes(model: ModelSpec, micro_batch: int) -> int:
+    """An upper bound on one K/V frame of `model`'s cells: every position of the sequences
+    of a micro-batch, keys and values dense (or a subspace code of twice kv_rank values,
+    whichever is wider) in fp32, a choice byte and a 4-byte token id each. What a cell
+    member reads of a push before it looks at the frame (comms/cell_link.py)."""
+    width = max(2 * model.n_kv_heads * model.head_dim, 2 * model.kv_rank)
+    return _HEADER.size + micro_batch * model.seq_len * (4 * width + 1 + 4)
 
 
 def token_id_bytes(vocab: int) -> int:

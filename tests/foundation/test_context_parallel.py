@@ -539,3 +539,29 @@ def test_manifest_fields_keep_existing_run_ids_and_reject_bad_values():
     assert b"kv_compress" in remote.canonical_bytes() and remote.run_id != compressed.run_id
     with pytest.raises(ManifestError, match="model.kv_compress"):
         dataclasses.replace(tiny.model, kv_compress="some")
+
+
+@pytest.mark.parametrize(("kv_rank", "kv_tokens"), [(0, False), (4, True)])
+def test_every_frame_a_cell_sends_fits_the_manifests_bound(monkeypatch, kv_rank, kv_tokens):
+    """A cell member reads a push whole before its inbox looks at it: the read is capped by
+    max_kv_frame_bytes (was 64 MiB whatever the model), which every real frame must fit."""
+    from agora_node.stages.kv_frames import max_kv_frame_bytes
+
+    torch.manual_seed(0)
+    m = cp_manifest(30, kv_rank, kv_tokens=kv_tokens)
+    stage = Stage(m, 0)
+    randomize_token_tables(stage)
+    batch = torch.randint(0, 256, (2, 31))
+    sizes: list[int] = []
+    post_frames = FramedExchange.post_frames
+
+    def recording(self, frames):  # noqa: ANN001, ANN202
+        sizes.extend(len(f) for f in frames)
+        return post_frames(self, frames)
+
+    monkeypatch.setattr(FramedExchange, "post_frames", recording)
+    run_cell(stage, batch[:, :-1], batch[:, 1:], None, 2)
+    bound = max_kv_frame_bytes(m.model, micro_batch=2)
+    assert sizes and max(sizes) <= bound < 64 << 20
+    if kv_rank == 0:  # dense K/V: the bound is this model's, not a generic ceiling
+        assert max(sizes) > bound // 4

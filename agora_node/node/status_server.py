@@ -44,6 +44,11 @@ log = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8421
 HISTORY_SERIES = ("loss", "val_loss", "throughput")
+IDLE_CLOSE_S = 15.0
+"""A connection that has not sent a whole request this long after it opened or after its
+last answer is closed (aiohttp's keep-alive timer, 3630 s by default, also covers a request
+whose headers never end): half-sent requests cannot hold sockets for an hour. The
+dashboard asks every 2 s, so its connection stays open."""
 
 
 class PeerView(TypedDict):
@@ -250,7 +255,8 @@ class StatusServer:
                 web.get("/metrics", self._metrics_text),
             ]
         )
-        runner = web.AppRunner(app, access_log=None)  # a 2 s poller would flood the log
+        # access_log: a 2 s poller would flood the log
+        runner = web.AppRunner(app, access_log=None, keepalive_timeout=IDLE_CLOSE_S)
         await runner.setup()
         try:
             await web.TCPSite(runner, self._host, self._requested_port).start()

@@ -111,3 +111,26 @@ async def test_a_rebound_name_gets_no_status(status_server):
         ]:
             async with session.get(url, headers={"Host": host}) as r:
                 assert r.status == code, host
+
+
+async def test_a_request_whose_headers_never_end_is_closed(daemon: FakeDaemon, monkeypatch):
+    """Half-sent requests were held for aiohttp's keep-alive default, 3630 s."""
+    import asyncio
+    import time
+
+    from agora_node.node import status_server
+
+    monkeypatch.setattr(status_server, "IDLE_CLOSE_S", 0.5)
+    server = StatusServer(daemon, Metrics(), port=0)
+    await server.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /api/v1/status HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        await writer.drain()
+        started = time.monotonic()
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the server
+        assert time.monotonic() - started < 5
+        writer.close()
+        assert (await get(server, "/healthz"))[0] == 200  # a whole request is answered
+    finally:
+        await server.stop()

@@ -56,6 +56,7 @@ its own result while the others adopt the backup's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -454,7 +455,11 @@ class AllReduce(Checking, Backup):
 
     async def _decode_final(self, reply: Reply, j: int) -> Final | None:
         try:
-            value = await asyncio.to_thread(decode_span, reply.payload, self.plan.span_numel(j))
+            value = await asyncio.to_thread(
+                functools.partial(decode_span, block=self.plan.block),
+                reply.payload,
+                self.plan.span_numel(j),
+            )
         except CodecError:
             self.stats.reject("malformed result")
             return None

@@ -20,6 +20,7 @@ from dataclasses import replace
 from torch import Tensor
 
 from agora_node.comms.collective.payload import decode_span, max_frame_bytes
+from agora_node.comms.collective.plan import GroupPlan
 from agora_node.comms.collective.proofs import (
     Proof,
     Verify,
@@ -190,7 +191,7 @@ class Responder:
         numel = state.plan.span_numel(header.span)
         try:
             proof, value = await asyncio.to_thread(
-                _read_part, self.verify, sender, state.plan.group_id, header, payload, numel
+                _read_part, self.verify, sender, state.plan, header, payload, numel
             )
         except _BadSignature:
             state.refuse(sender, "bad signature", refused_span)
@@ -393,17 +394,22 @@ class _BadSignature(Exception):
 
 
 def _read_part(
-    verify: Verify | None, sender: str, group_id: bytes, header: Header, frame: bytes, numel: int
+    verify: Verify | None,
+    sender: str,
+    plan: GroupPlan,
+    header: Header,
+    frame: bytes,
+    numel: int,
 ) -> tuple[Proof | None, Tensor]:
     """A pushed part's signature checked (`verify` None: unsigned), then its frame decoded:
     one trip to a worker thread for both."""
     proof = None
     if verify is not None:
         span, weight, sig = header.span, header.weight, header.signature
-        proof = check_part(verify, sender, group_id, span, weight, frame, sig)
+        proof = check_part(verify, sender, plan.group_id, span, weight, frame, sig)
         if proof is None:
             raise _BadSignature
-    return proof, decode_span(frame, numel)
+    return proof, decode_span(frame, numel, block=plan.block)
 
 
 def _final_reply(state: RoundState, final: Final) -> Reply:

@@ -133,14 +133,28 @@ def max_frame_bytes(numel: int) -> int:
     return 4 * numel + FRAME_OVERHEAD
 
 
-def decode_span(data: bytes | bytearray | memoryview, numel: int) -> Tensor:
-    """Strictly decode a frame that must hold exactly `numel` finite float32 values."""
+ROTATION_SEEDS = (0, None)
+"""The rotations a peer's quantized frame may use: the daemons' (OuterConfig.rotation_seed)
+or none (sparse codecs). Each other (seed, block) costs a sign vector of up to 4 MiB in
+compression/hadamard.py's cache (64 kept) and a slower decode."""
+
+
+def decode_span(
+    data: bytes | bytearray | memoryview, numel: int, *, block: int | None = None
+) -> Tensor:
+    """Strictly decode a frame that must hold exactly `numel` finite float32 values; with
+    `block` (a peer's frame: the plan's), a quantized one in blocks of that size and a
+    rotation of ROTATION_SEEDS. Before, a group member chose both: 64 frames of distinct
+    seeds in blocks of 2^20 pinned 256 MiB of sign vectors and decoded 2.4x slower."""
     limit = max_frame_bytes(numel)
     if len(data) > limit:
         raise CodecError(f"frame of {len(data)} bytes exceeds {limit} for {numel} values")
     q = decode_frame(data, max_bytes=limit, expected_shape=(numel,))
     if q.dtype != torch.float32:
         raise CodecError(f"frame dtype {q.dtype} is not float32")
+    foreign = q.block != block or q.seed not in ROTATION_SEEDS
+    if block is not None and q.codec.is_quantized and foreign:
+        raise CodecError(f"blocks of {q.block}, rotation {q.seed}: expected blocks of {block}")
     value = dequantize(q)
     if not bool(torch.isfinite(value).all()):
         raise CodecError("decoded values are not all finite")

@@ -10,14 +10,13 @@ would prove nothing.
 
 The asker sends the addresses it announces; the prober dials only those, after
 checking them (at most MAX_ADDRS, IP + TCP/UDP, no DNS names, no relay circuits,
-no other peer's id), so a stranger cannot aim it elsewhere: libp2p's handshake
-authenticates the asker's peer id, and a dial to anyone else fails at the
-handshake. Nor at this host's own networks: an address must be public, or in the
-scope (loopback, private) the asker is connected from, and never link-local,
-multicast or unspecified, so a stranger cannot use the prober to scan the
-volunteer's machine or home network (or a cloud's metadata address). A prober runs
-one dial at a time and answers each peer at most once per COOLDOWN_S; the rest are
-told "busy".
+no other peer's id), and of those only the ones at an IP address the asker holds a
+direct connection to this node from (`connected_ips`: libp2p's handshake vouches
+for it), never link-local, multicast or unspecified. So a stranger cannot aim the
+prober at anyone else, nor at this host's own machine or networks, and read back
+whether a port there is open (the dial's error says so): it can only learn about
+ports of its own IP. A prober runs one dial at a time and answers each peer at most
+once per COOLDOWN_S; the rest are told "busy".
 
 `Reachability` keeps the answers: REACHABLE as soon as any peer dialed us back,
 UNREACHABLE when peers answered and none could, UNKNOWN without answers (a lone
@@ -142,12 +141,28 @@ def check_addrs(addrs: object, asker: str) -> list[str]:
     return checked
 
 
-def in_reach(addrs: list[str], near: frozenset[str] = frozenset()) -> list[str]:
-    """Of checked addresses, those a prober dials: public ones, and those in a scope the
-    asker is connected from (`near`: "loopback", "private"); never link-local, multicast
-    or unspecified. A node announces its loopback and LAN addresses too: they are left
-    out, not refused."""
-    return [a for a in addrs if address_scope(a) == "global" or address_scope(a) in near]
+_NEVER_DIALED = {"link-local", "multicast", "unspecified", "other"}
+
+
+def ip_of(text: str) -> str | None:
+    """The IP address of an /ip4 or /ip6 multiaddr, written one way (None otherwise)."""
+    parts = text.split("/")
+    if len(parts) < 3 or parts[1] not in _IPS:
+        return None
+    try:
+        return str(ipaddress.ip_address(parts[2]))
+    except ValueError:
+        return None
+
+
+def in_reach(addrs: list[str], connected: frozenset[str] = frozenset()) -> list[str]:
+    """Of checked addresses, those a prober dials: at an IP the asker is connected from
+    (`connected`, as `ip_of` writes them), never link-local, multicast or unspecified.
+    A node announces its loopback and LAN addresses too: they are left out, not refused.
+    Before, any public address (and those of the asker's scope) was dialed, and the
+    dial's error told a stranger whether a port of a third party, or of this host's
+    network, was open, closed or filtered."""
+    return [a for a in addrs if ip_of(a) in connected and address_scope(a) not in _NEVER_DIALED]
 
 
 class Prober:
@@ -185,22 +200,22 @@ class Prober:
         self,
         asker: str,
         request: bytes,
-        scopes: Callable[[], Awaitable[frozenset[str]]] | None = None,
+        connected: Callable[[], Awaitable[frozenset[str]]] | None = None,
     ) -> bytes:
-        """`scopes()`: the non-global scopes the asker is connected from (`scopes_of`),
-        asked only when it sent addresses that are not public."""
+        """`connected()`: the IP addresses the asker is connected to this node from
+        (`connected_ips`); without it nothing is dialed."""
         try:
             addrs = check_addrs(json.loads(request.decode()).get("addrs"), asker)
         except (ValueError, UnicodeDecodeError, AttributeError, RecursionError) as exc:
             self.dials["refused"] += 1
             return FAILED + f"bad request: {exc}".encode()[:200]
-        if scopes is not None and any(address_scope(a) != "global" for a in addrs):
-            addrs = in_reach(addrs, await scopes())
-        else:
-            addrs = in_reach(addrs)
-        if not addrs:  # only addresses of networks the asker is not on: none can answer
+        ips = await connected() if connected is not None else frozenset()
+        addrs = in_reach(addrs, ips)
+        if not addrs:  # it connects from elsewhere: its addresses are not where it is seen
             self.dials["failed"] += 1
-            return FAILED + b"no public address (loopback and private ones are not dialed)"
+            seen = ", ".join(sorted(ips)[:4]) or "no direct connection"
+            why = f"none of its addresses is at the IP it connects from ({seen}); not dialed"
+            return FAILED + why.encode()[:200]
         if not self.admit(asker):
             self.dials["busy"] += 1
             return BUSY
@@ -255,23 +270,23 @@ class Prober:
             self._p2p = None
 
 
-async def scopes_of(p2p: P2P, peer: str) -> frozenset[str]:
-    """The loopback and private scopes `peer` is connected to us from."""
+async def connected_ips(p2p: P2P, peer: str) -> frozenset[str]:
+    """The IP addresses `peer` holds direct connections to us at (a circuit through a
+    relay is the relay's, not counted); libp2p's handshake vouches that it is there."""
     try:
         infos = await asyncio.wait_for(p2p.list_peers(), 5.0)
-    except Exception:  # noqa: BLE001 - p2pd's errors are generic: then public addresses only
+    except Exception:  # noqa: BLE001 - p2pd's errors are generic: then nothing is dialed
         return frozenset()
-    scopes = {
-        address_scope(str(a)) for i in infos if i.peer_id.to_base58() == peer for a in i.addrs
-    }
-    return frozenset(scopes & {"loopback", "private"})
+    addrs = [str(a) for i in infos if i.peer_id.to_base58() == peer for a in i.addrs]
+    ips = {ip_of(a) for a in addrs if "p2p-circuit" not in a}
+    return frozenset(ip for ip in ips if ip is not None)
 
 
 async def serve_reachability(
     p2p: P2P, run_id: str, prober: Prober, refuse: Callable[[str], str | None] | None
 ) -> None:
     async def handler(remote: str, request: bytes) -> AsyncIterator[bytes]:
-        yield await prober.answer(remote, request, lambda: scopes_of(p2p, remote))
+        yield await prober.answer(remote, request, lambda: connected_ips(p2p, remote))
 
     await streams.serve(
         p2p, reachability_protocol(run_id), handler, max_request=MAX_REQUEST, refuse=refuse
@@ -295,9 +310,10 @@ async def ask(p2p: P2P, run_id: str, peer: str, addrs: Sequence[str]) -> tuple[b
         return None, str(exc)
     if answer == OK:
         return True, ""
+    # a stranger's words go to the log: cut short, quoted unless printable (peer_text)
     if answer.startswith(FAILED) and not answer.startswith(FAILED + b"bad request"):
-        return False, answer[len(FAILED) :].decode(errors="replace")
-    return None, answer.decode(errors="replace")[:200]
+        return False, streams.peer_text(answer[len(FAILED) :])
+    return None, streams.peer_text(answer)
 
 
 @dataclass

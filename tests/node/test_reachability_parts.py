@@ -69,16 +69,43 @@ def test_the_prober_dials_no_address_of_its_own_networks_for_a_stranger_elsewher
     }
     for addr, scope in near_only.items():
         assert r.address_scope(addr) == scope
-    assert r.in_reach(public + list(near_only)) == public
-    # an asker connected from the same network is dialed there too (a LAN, a test)
-    lan = frozenset({"private", "loopback"})
-    assert r.in_reach(list(near_only), lan) == [a for a, s in near_only.items() if s in lan]
+    # an asker connected from nowhere in particular: nothing is dialed
+    assert r.in_reach(public + list(near_only)) == []
+    # an asker is dialed only at the IP it is connected from (a test on one host, a LAN)
+    assert r.in_reach(list(near_only), frozenset({"127.0.0.1"})) == ["/ip4/127.0.0.1/tcp/22"]
+    assert r.in_reach(list(near_only), frozenset({"::1", "10.0.0.2"})) == [
+        "/ip4/10.0.0.2/udp/4001/quic-v1",
+        "/ip6/::1/tcp/22",
+    ]
+    # never link-local, multicast or unspecified, even from there
+    never = frozenset({"169.254.169.254", "fe80::1", "0.0.0.0", "224.0.0.1"})
+    assert r.in_reach(list(near_only), never) == []
     # nothing left to dial: an answer that says so (unreachable), not "bad request"
     prober = r.Prober()
     answer = asyncio.run(
         prober.answer(ME, json.dumps({"addrs": ["/ip4/192.168.1.1/tcp/80"]}).encode())
     )
-    assert answer.startswith(r.FAILED + b"no public address") and prober._p2p is None
+    assert answer.startswith(r.FAILED + b"none of its addresses") and prober._p2p is None
+
+
+def test_a_stranger_cannot_have_a_third_partys_port_dialed_and_its_words_are_quoted():
+    """Any public address used to be dialed, and the dial's error (refused, a failed
+    handshake, a timeout) told the asker whether a port of someone else was open: a port
+    scan by proxy. Only addresses at the IP the asker is connected from are dialed now."""
+    third_party = ["/ip4/8.8.8.8/tcp/22", "/ip6/2001:4860::8888/tcp/80"]
+    asker_at = frozenset({"203.0.113.7"})
+    assert r.in_reach(third_party + ["/ip4/203.0.113.7/tcp/4001"], asker_at) == [
+        "/ip4/203.0.113.7/tcp/4001"
+    ]
+    prober = r.Prober()
+
+    async def connected() -> frozenset[str]:
+        return asker_at
+
+    answer = asyncio.run(prober.answer(ME, json.dumps({"addrs": third_party}).encode(), connected))
+    assert b"203.0.113.7" in answer and b"not dialed" in answer and prober._p2p is None
+    assert r.ip_of("/ip6/2001:4860:0::8888/tcp/80") == "2001:4860::8888"
+    assert r.ip_of("/dns4/example.com/tcp/1") is None
 
 
 def test_a_prober_dials_each_peer_at_most_once_per_cooldown_and_one_at_a_time():
@@ -137,3 +164,18 @@ def test_bootstrap_peers_are_asked_too_and_probes_listen_where_the_node_does():
     assert r.probe_listen(["/ip4/127.0.0.1/tcp/31337"]) == "/ip4/127.0.0.1/tcp/0"
     assert r.probe_listen(["/ip6/::/tcp/5"]) == "/ip6/::/tcp/0"
     assert r.probe_listen([]) == "/ip4/127.0.0.1/tcp/0"
+
+
+def test_a_dial_back_answer_is_quoted_before_it_reaches_the_log(monkeypatch):
+    """A stranger's "failed: ..." went into a WARNING line as sent: newlines (forged log
+    lines) and terminal escapes included."""
+
+    async def request(*_args, **_kwargs) -> bytes:
+        return r.FAILED + b"x\n2026-12-06 CRITICAL forged line \x1b]0;title\x07" + b"y" * 900
+
+    monkeypatch.setattr(r.streams, "request", request)
+    ok, why = asyncio.run(r.ask(None, "run", OTHER, ["/ip4/1.2.3.4/tcp/1"]))
+    assert ok is False and "\n" not in why and "\x1b" not in why and len(why) < 400
+    reach = r.Reachability()
+    reach.note({OTHER: (ok, why)}, now=1.0)
+    assert "\n" not in reach.line()

@@ -163,6 +163,12 @@ class NodeConfig:
     )
     status_host: str = option("127.0.0.1", help="status page address")
     status_port: int = option(8421, help="status page port (0: any free port)")
+    status_names: list[str] = option(
+        factory=list,
+        help="with --status-host beyond loopback: host names the status page answers to "
+        "besides localhost, IP addresses and this machine's own names (a Prometheus target's "
+        "or a reverse proxy's); others get 403 (DNS rebinding)",
+    )
     control_socket: str | None = option(
         None, help="control API Unix socket (default DATA_DIR/control.sock)"
     )

@@ -168,7 +168,9 @@ class Node:
     # ---- joining --------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
-        self._status = StatusServer(self, self.metrics, host=cfg.status_host, port=cfg.status_port)
+        self._status = StatusServer(
+            self, self.metrics, cfg.status_host, cfg.status_port, names=cfg.status_names
+        )
         await self._status.start()  # first: a port clash fails fast, before touching the swarm
         if cfg.control_socket:  # likewise another daemon's socket (`leave` while joining: stop)
             from agora_node.node.control import ControlServer, NodeControl

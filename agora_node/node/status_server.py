@@ -24,14 +24,17 @@ Snapshot schema (what `snapshot()` returns; see the TypedDicts below):
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import ipaddress
 import json
 import logging
 import math
 import secrets
+import socket
 import time
 from collections import deque
+from collections.abc import Iterable
 from importlib import resources
 from typing import Any, Protocol, TypedDict
 
@@ -213,6 +216,33 @@ def _is_loopback(name: str) -> bool:
         return False
 
 
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def own_names() -> frozenset[str]:
+    """This machine's own names (its host name, fully qualified, and mDNS's .local), which a
+    browser on the LAN may use for a status page bound to all interfaces. May ask DNS."""
+    short = socket.gethostname().lower()
+    return frozenset({short, socket.getfqdn().lower(), f"{short.split('.')[0]}.local"})
+
+
+def answers_to(name: str, bound: str, names: frozenset[str] = frozenset()) -> bool:
+    """Whether a request whose Host header names `name` is answered by a status server
+    bound to `bound`. A web page whose own name was re-pointed at this machine (DNS
+    rebinding) names that name: it gets a 403, not the node's peer id, addresses and
+    config. Loopback names always; bound elsewhere, also IP addresses and `names` (the
+    machine's own). Before, a server bound to 0.0.0.0 (the Docker image's) answered any
+    name, so a page could read it through a port published on 127.0.0.1."""
+    if _is_loopback(name):
+        return True
+    return not _is_loopback(bound) and (_is_ip(name) or name in names)
+
+
 class StatusServer:
     """Serves the daemon's snapshot over HTTP on `host:port` (port 0: any free port)."""
 
@@ -222,13 +252,16 @@ class StatusServer:
         metrics: Metrics,
         host: str = DEFAULT_HOST,
         port: int = DEFAULT_PORT,
+        names: Iterable[str] = (),
     ) -> None:
+        """`names`: host names answered besides those `answers_to` always answers."""
         self._provider = snapshot_provider
         self._metrics = metrics
         self._host = host
         self._requested_port = port
         self._runner: web.AppRunner | None = None
         self._html = _dashboard_html()
+        self._names = frozenset(n.lower() for n in names)
 
     @property
     def port(self) -> int:
@@ -243,7 +276,9 @@ class StatusServer:
         return f"http://{host}:{self.port}"
 
     async def start(self) -> None:
-        app = web.Application(middlewares=[self._loopback_names_only])
+        if not _is_loopback(self._host):  # (getfqdn may ask DNS: off the loop)
+            self._names |= await asyncio.to_thread(own_names)
+        app = web.Application(middlewares=[self._known_names_only])
         app.add_routes(
             [
                 web.get("/", self._index),
@@ -267,12 +302,14 @@ class StatusServer:
         log.info("status endpoint on %s", self.url)
 
     @web.middleware
-    async def _loopback_names_only(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """Bound to loopback, answer only requests that name a loopback host: a web page
-        whose own name was re-pointed at 127.0.0.1 (DNS rebinding) gets a 403, not the
-        node's peer id, addresses and config."""
-        if _is_loopback(self._host) and not _is_loopback(_host_name(request.host)):
-            return web.Response(status=403, text="this endpoint answers to localhost only\n")
+    async def _known_names_only(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Only requests that name this machine as `answers_to` says (DNS rebinding)."""
+        if not answers_to(_host_name(request.host), self._host, self._names):
+            return web.Response(
+                status=403,
+                text="this endpoint answers to localhost, IP addresses and this machine's "
+                "own names only\n",
+            )
         return await handler(request)
 
     def _bind_error(self, exc: OSError) -> StatusServerError:

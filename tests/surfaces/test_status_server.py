@@ -134,3 +134,39 @@ async def test_a_request_whose_headers_never_end_is_closed(daemon: FakeDaemon, m
         assert (await get(server, "/healthz"))[0] == 200  # a whole request is answered
     finally:
         await server.stop()
+
+
+def test_bound_to_all_interfaces_only_addresses_and_its_own_names_are_answered():
+    """Bound to 0.0.0.0 (the Docker image's), any name was answered: a page re-pointed at
+    a port published on 127.0.0.1, or at the machine on a LAN, read the node's status."""
+    from agora_node.node.status_server import answers_to
+
+    names = frozenset({"mybox", "mybox.lan", "mybox.local"})
+    for name, answered in [
+        ("evil.example", False),
+        ("127.0.0.1.evil.example", False),
+        ("localhost", True),
+        ("127.0.0.1", True),
+        ("192.168.1.20", True),
+        ("::1", True),
+        ("mybox", True),
+        ("mybox.local", True),
+        ("mybox.evil.example", False),
+    ]:
+        assert answers_to(name, "0.0.0.0", names) is answered, name
+    assert not answers_to("192.168.1.20", "127.0.0.1", names)  # bound to loopback
+    assert not answers_to("mybox", "127.0.0.1", names)
+    assert answers_to("localhost", "127.0.0.1")
+
+
+async def test_a_server_on_all_interfaces_answers_the_names_it_is_given(daemon: FakeDaemon):
+    server = StatusServer(daemon, Metrics(), host="0.0.0.0", port=0, names=["Prom-Target"])
+    await server.start()
+    try:
+        url = f"http://127.0.0.1:{server.port}/healthz"
+        async with aiohttp.ClientSession() as session:
+            for host, code in [("evil.example", 403), ("prom-target:9", 200), ("10.1.2.3", 200)]:
+                async with session.get(url, headers={"Host": host}) as r:
+                    assert r.status == code, host
+    finally:
+        await server.stop()

@@ -27,13 +27,14 @@ import json
 import logging
 import os
 import re
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from agora_node.node.datadir import fsync_dir, write_atomically
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"ckpt-(\d{9})\.json$")
@@ -57,29 +58,6 @@ _SAVING = threading.RLock()
 _TMP_GLOB = ".ckpt-*.tmp"
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    tmp = Path(name)
-    try:
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk must not also keep a partial copy
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def save_checkpoint(
     directory: str | os.PathLike,
     *,
@@ -94,7 +72,7 @@ def save_checkpoint(
     directory = Path(directory)
     if not directory.is_dir():
         directory.mkdir(parents=True, exist_ok=True)
-        _fsync_dir(directory.parent)  # else a power cut can take the new directory along
+        fsync_dir(directory.parent)  # else a power cut can take the new directory along
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getvalue()
@@ -112,8 +90,8 @@ def save_checkpoint(
         seq = newest.seq + 1 if newest is not None else 1
         meta["seq"] = seq
         pt = directory / f"ckpt-{seq:09d}.pt"
-        _atomic_write(pt, payload)
-        _atomic_write(pt.with_suffix(".json"), json.dumps(meta).encode())
+        write_atomically(pt, payload)
+        write_atomically(pt.with_suffix(".json"), json.dumps(meta).encode())
         for old in list_checkpoints(directory)[keep:]:
             for p in (old.path, old.path.with_suffix(".json")):
                 p.unlink(missing_ok=True)

@@ -25,6 +25,8 @@ import fcntl
 import json
 import logging
 import os
+import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -97,12 +99,58 @@ class DataDirLock:
         self.release()
 
 
+def write_atomically(path: Path, data: bytes) -> None:
+    """`path` holds `data` or what it held before, whatever stops the write. The copy is
+    made under a fresh random name (mkstemp: O_EXCL, mode 0600), so a file or symlink
+    planted at a fixed temporary name is neither followed nor written through."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(name)
+    try:
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not also keep a partial copy
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new entry in `directory` survive a power cut (where supported)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_private(directory: Path) -> None:
+    """Refuse a data dir that other users can write: whoever can plant a file there can
+    plant `identity.key` (this node then runs with a key they know) or a symlink where the
+    node writes. Writable by everyone (even with the sticky bit, as /tmp), or owned by a
+    user other than this one or root: DataDirError. Writable by its group: a warning."""
+    info = directory.stat()
+    owner_ok = info.st_uid in (os.geteuid(), 0)
+    if info.st_mode & stat.S_IWOTH or not owner_ok:
+        who = "every user can write it" if info.st_mode & stat.S_IWOTH else "another user owns it"
+        raise DataDirError(
+            f"data dir {directory} is not private ({who}): another user could plant its "
+            f"identity key; pass a --data-dir of this user's own (chmod 700)"
+        )
+    if info.st_mode & stat.S_IWGRP:
+        log.warning("data dir %s is writable by its group: chmod g-w %s", directory, directory)
+
+
 def lock_data_dir(data_dir: str | os.PathLike, name: str = LOCK_NAME) -> DataDirLock:
-    """Hold `data_dir/name` for this process, or raise DataDirInUse naming the holder's pid."""
+    """Hold `data_dir/name` for this process, or raise DataDirInUse naming the holder's pid.
+    A data dir other users can write is refused first (`check_private`)."""
     directory = Path(data_dir).expanduser()
     path = directory / name
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_private(directory)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # close-on-exec: not in exec'd children
     except OSError as exc:
         raise unusable(directory, exc) from None
@@ -162,7 +210,7 @@ def note_left(data_dir: str | os.PathLike, checkpoint_error: str | None) -> None
     """Record, as the daemon exits after a leave, whether its checkpoint was written."""
     try:
         body = {"at": time.time(), "checkpoint_error": checkpoint_error}
-        (Path(data_dir) / LEFT_NAME).write_text(json.dumps(body))
+        write_atomically(Path(data_dir) / LEFT_NAME, json.dumps(body).encode())
     except OSError:  # the disk that refused the checkpoint may refuse this too: the exit
         pass  # code and the log still say it
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from agora_node.comms.host import is_relayed, is_valid_maddr
 from agora_node.comms.reachability import address_scope, addrs_by_peer
+from agora_node.node.datadir import write_atomically
 from agora_node.protocol.records import NodeRecord, NodeState
 
 log = logging.getLogger(__name__)
@@ -131,10 +132,7 @@ def load(data_dir: str | os.PathLike, file_name: str = FILE_NAME) -> list[str]:
 
 
 def save(data_dir: str | os.PathLike, addrs: list[str], file_name: str = FILE_NAME) -> None:
-    path = Path(data_dir) / file_name
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(addrs[:MAX_ADDRS]))
-    os.replace(tmp, path)
+    write_atomically(Path(data_dir) / file_name, json.dumps(addrs[:MAX_ADDRS]).encode())
 
 
 class PeerBook:

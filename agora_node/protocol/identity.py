@@ -14,6 +14,7 @@ encoded by hand here instead of importing libp2p's generated classes.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,8 +139,9 @@ class Identity:
             return cls.from_libp2p_bytes(path.read_bytes())
         identity = cls.generate()
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # a fresh random name (O_EXCL, mode 0600): a file or symlink planted at a fixed
+        # temporary name would have received the private key
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             os.write(fd, identity.to_libp2p_bytes())
             os.fsync(fd)

@@ -7,6 +7,7 @@ same function, before anything else); the second daemon is the real CLI.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import selectors
@@ -162,3 +163,43 @@ def test_a_bootstrap_holds_its_identity_key_too(tmp_path):
         )
     assert second.returncode == 1, second.stdout + second.stderr
     assert "identity key" in second.stderr and "in use" in second.stderr
+
+
+def test_a_data_dir_other_users_can_write_is_refused(tmp_path, caplog):
+    """Whoever can write the data dir can plant its identity key (the node then runs with a
+    key they know) or a symlink where the node writes: /tmp itself was accepted."""
+    from agora_node.node.datadir import DataDirError
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # as /tmp
+    with pytest.raises(DataDirError, match="not private .every user can write it"):
+        lock_data_dir(shared)
+    assert not (shared / "lock").exists()
+    team = tmp_path / "team"
+    team.mkdir()
+    team.chmod(0o770)
+    with caplog.at_level("WARNING"), lock_data_dir(team):
+        assert "writable by its group" in caplog.text
+    with lock_data_dir(tmp_path / "fresh"):  # made by the node: 0700
+        assert (tmp_path / "fresh").stat().st_mode & 0o777 == 0o700
+
+
+def test_files_are_written_under_fresh_names_not_through_planted_symlinks(tmp_path):
+    """The identity key went through `identity.key.tmp` and the remembered peers through
+    `peers.tmp`, opened following symlinks: a link planted there received the private key
+    (a copy readable by its planter) or clobbered the file it named."""
+    from agora_node.node import peerbook
+    from agora_node.protocol.identity import Identity
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    for planted in ("identity.key.tmp", "peers.tmp"):
+        (tmp_path / planted).symlink_to(victim)
+    identity = Identity.load_or_create(tmp_path / "identity.key")
+    peerbook.save(tmp_path, ["/ip4/127.0.0.1/tcp/1"])
+    assert victim.read_text() == "keep me"
+    key = tmp_path / "identity.key"
+    assert not key.is_symlink() and key.stat().st_mode & 0o777 == 0o600
+    assert Identity.load_or_create(key).peer_id == identity.peer_id
+    assert json.loads((tmp_path / "peers.json").read_text()) == ["/ip4/127.0.0.1/tcp/1"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import random
@@ -158,7 +159,13 @@ class Node:
         self._status: StatusServer | None = None
         self._control = None
         self._snapshot: dict = {}
-        self.telemetry = Telemetry(config.mqtt_url, lambda: build_snapshot(self))
+        self.telemetry = Telemetry(
+            config.mqtt_url,
+            lambda: build_snapshot(self),
+            secret=hashlib.sha256(
+                b"agora mqtt client id" + self.identity.to_libp2p_bytes()
+            ).digest(),
+        )
 
     def _peer_gone(self, peer: str) -> None:
         """SWIM declared `peer` dead or gone: stop waiting on it (Pipeline.peer_gone)."""

@@ -246,6 +246,11 @@ class _Message:
     retain: bool
 
 
+def client_id(prefix: str, secret: bytes) -> str:
+    """The MQTT client id of the node publishing under `prefix`."""
+    return "agora" + hashlib.sha256(secret + prefix.encode()).hexdigest()[:16]
+
+
 class Telemetry:
     """Publishes the node's status and events; `start` after the node is active, `stop` last.
 
@@ -262,8 +267,12 @@ class Telemetry:
         max_queue: int = 256,
         keepalive_s: int = 15,
         timeout_s: float = 5.0,
+        secret: bytes = b"",
     ) -> None:
+        """`secret`: what makes the MQTT client id unguessable (the daemon derives it from
+        its private key, so it is also the same after a restart)."""
         self.broker = Broker.parse(url) if url else None
+        self._secret = secret
         self._snapshot = snapshot
         self.every_s, self.backoff, self.keepalive_s, self.timeout_s = (
             every_s,
@@ -387,8 +396,10 @@ class Telemetry:
             self.broker.port,
             # Stable, so a reconnect takes the old session over at once (its will, if any,
             # lands before our next status) instead of lingering until its keepalive ends;
+            # secret, since whoever connects with it takes the session over (the broker
+            # cut this node off and fired its "gone" will: it was the hash of public names);
             # 21 letters and digits, which every MQTT 3.1.1 broker must accept.
-            identifier="agora" + hashlib.sha256(self.prefix.encode()).hexdigest()[:16],
+            identifier=client_id(self.prefix, self._secret),
             logger=_client_log,
             will=aiomqtt.Will(self.prefix + "/status", encode(will), qos=1, retain=True),
             keepalive=self.keepalive_s,

@@ -255,3 +255,15 @@ async def test_a_broker_that_drops_the_line_after_connack_leaves_no_unread_error
         assert [ctx["message"] for ctx in reported] == []
     finally:
         loop.set_exception_handler(before)
+
+
+def test_the_client_id_cannot_be_computed_from_public_names():
+    """It was sha256 of "agora/<run>/<peer>": anyone reaching the broker could connect with
+    it, cutting the node off (its "gone" will fired) as often as they liked."""
+    from agora_node.node.telemetry import client_id
+
+    prefix = "agora/run/12D3KooWpeer"
+    mine = client_id(prefix, b"secret of this node")
+    assert mine == client_id(prefix, b"secret of this node")  # the same after a reconnect
+    assert mine != client_id(prefix, b"") and mine != client_id(prefix, b"another secret")
+    assert len(mine) <= 23 and mine.isalnum()  # what every MQTT 3.1.1 broker accepts

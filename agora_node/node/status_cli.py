@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from agora_node.node import datadir
+from agora_node.node import datadir, options
 from agora_node.node.control import ControlError, control_call_sync, someone_listens
 from agora_node.node.status_server import DEFAULT_HOST, DEFAULT_PORT
 
@@ -146,37 +146,60 @@ def format_table(status: dict[str, Any], peers: dict[str, Any]) -> str:
 # -- commands ------------------------------------------------------------------
 
 
-def default_url(env: Mapping[str, str]) -> str:
+def daemon_file(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
+    """The options in the config file the daemon was started with (`--config`, else
+    AGORA_CONFIG, as the daemon reads it; {} without one): where its status page, control
+    socket and data dir are, when the file says."""
+    from agora_node.node.config import NodeConfig
+
+    path, name = getattr(args, "config", None), "--config"
+    if not path and env.get("AGORA_CONFIG"):
+        path, name = env["AGORA_CONFIG"], "AGORA_CONFIG"
+    return options.read_config_file(path, NodeConfig, name) if path else {}
+
+
+def default_url(env: Mapping[str, str], file: Mapping[str, Any] | None = None) -> str:
     """The status endpoint of a daemon started in this environment: AGORA_STATUS_HOST and
-    AGORA_STATUS_PORT as the daemon reads them (an empty variable counts as unset), a
-    wildcard host reached on loopback."""
-    host = env.get("AGORA_STATUS_HOST") or DEFAULT_HOST
-    port = env.get("AGORA_STATUS_PORT") or str(DEFAULT_PORT)
+    AGORA_STATUS_PORT as the daemon reads them (an empty variable counts as unset), else
+    its config file's (`file`: daemon_file), a wildcard host reached on loopback."""
+    file = file or {}
+    host = env.get("AGORA_STATUS_HOST") or str(file.get("status_host") or DEFAULT_HOST)
+    port = env.get("AGORA_STATUS_PORT") or str(file.get("status_port") or DEFAULT_PORT)
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # noqa: S104 - a client
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"http://{host}:{port.strip()}"
 
 
-def leave_target(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Path, Path | None]:
+def leave_target(
+    args: argparse.Namespace, env: Mapping[str, str], file: Mapping[str, Any] | None = None
+) -> tuple[Path, Path | None]:
     """(the daemon's control socket, its data dir for its pid, or None when unknown), as
     the daemon derives them: flags first, then AGORA_CONTROL_SOCKET, AGORA_DATA_DIR (and
-    AGORA_IDENTITY_PATH, which names the default data dir), then ~/.agora-node."""
+    AGORA_IDENTITY_PATH, which names the default data dir), each else its config file's
+    (`file`: daemon_file), then ~/.agora-node."""
+    file = file or {}
 
     def path(text: str) -> Path:
         return Path(text).expanduser()
+
+    def setting(var: str, key: str) -> str | None:
+        return env.get(var) or (str(file[key]) if file.get(key) else None)
 
     if args.control_socket:
         return path(args.control_socket), path(args.data_dir) if args.data_dir else None
     if args.data_dir:
         return path(args.data_dir) / "control.sock", path(args.data_dir)
-    env_dir = env.get("AGORA_DATA_DIR")
-    if env.get("AGORA_CONTROL_SOCKET"):
-        return path(env["AGORA_CONTROL_SOCKET"]), path(env_dir) if env_dir else None
+    dir_text = setting("AGORA_DATA_DIR", "data_dir")
+    socket = setting("AGORA_CONTROL_SOCKET", "control_socket")
+    if socket:
+        return path(socket), path(dir_text) if dir_text else None
     data_dir = (
-        path(env_dir)
-        if env_dir
-        else datadir.default_data_dir(env.get("AGORA_IDENTITY_PATH"), "identity.key")
+        path(dir_text)
+        if dir_text
+        else datadir.default_data_dir(
+            setting("AGORA_IDENTITY_PATH", "identity_path"), "identity.key"
+        )
     )
     return data_dir / "control.sock", data_dir
 
@@ -193,7 +216,7 @@ def _seconds(text: str) -> float:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    url = args.url or default_url(os.environ)
+    url = args.url or default_url(os.environ, daemon_file(args, os.environ))
     url = url.rstrip("/").removesuffix("/api/v1/status")  # the status URL itself, pasted
     try:
         status, peers = fetch_status(url, args.timeout)
@@ -207,7 +230,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_leave(args: argparse.Namespace) -> int:
-    path, data_dir = leave_target(args, os.environ)
+    path, data_dir = leave_target(args, os.environ, daemon_file(args, os.environ))
     print(f"asking the daemon on {path} to leave (drain, checkpoint, exit)...", flush=True)
     started, asked_at = time.monotonic(), time.time()
     # its pid, from its data dir's lock file, when we know the data dir
@@ -250,6 +273,11 @@ def _wait_gone(control: Path, pid: int | None, deadline: float) -> bool:
         time.sleep(0.2)  # a CLI waiting on another process: nothing to wake it
 
 
+CONFIG_HELP = (
+    "the daemon's TOML config file (default AGORA_CONFIG), for where it is when the file says"
+)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `status` and `leave` to the `agora-node` subcommands."""
     p = subparsers.add_parser("status", help="show a running daemon's view of the swarm")
@@ -259,6 +287,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "AGORA_STATUS_HOST and AGORA_STATUS_PORT give, as for the daemon)",
     )
     p.add_argument("--json", action="store_true", help="print the raw JSON of status and peers")
+    p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--timeout", type=_seconds, default=5.0, help="seconds to wait (default 5)")
     p.set_defaults(func=cmd_status)
 
@@ -280,4 +309,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=120.0,
         help="seconds to wait for the daemon to drain, checkpoint and exit (default 120)",
     )
+    p.add_argument("--config", help=CONFIG_HELP)
     p.set_defaults(func=cmd_leave)

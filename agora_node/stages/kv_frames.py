@@ -1,7 +1,7 @@
 """K/V frames: what the members of a context-parallel cell send each other, and what a
 receiver accepts.
 
-A frame is a 20-byte header (magic, layer, sending member, kind, batch, length,
+A frame is a 19-byte header (magic, layer, sending member, kind, batch, length,
 width, dtype) and the values, plus one byte of subspace choice per token for a
 mixture frame and, when the mixture keeps a token table (`kv_tokens`), each token's
 id in the fewest bytes the vocabulary allows (`token_id_bytes`). The receiver knows

@@ -200,3 +200,27 @@ def test_a_manifest_from_the_swarm_may_not_name_this_machines_files_for_the_head
     why = head_data_missing(theirs, local=False)
     assert why is not None and "named by the swarm's manifest" in why and str(secret) in why
     assert head_data_missing(demo, local=False) is None  # the built-in corpus is fine
+
+
+def test_leave_and_status_find_a_daemon_configured_by_its_file(tmp_path: Path, monkeypatch):
+    """A daemon whose data dir, control socket or status port came from its --config file
+    was not found: `leave` read only flags and the environment."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = tmp_path / "node.toml"
+    cfg.write_text('data-dir = "/srv/n1"\nstatus_port = 9100\n')
+    file = {"data_dir": "/srv/n1", "status_port": 9100}
+    from agora_node.node.status_cli import daemon_file
+
+    assert daemon_file(leave_args("--config", str(cfg)), {}) == file
+    assert daemon_file(leave_args(), {"AGORA_CONFIG": str(cfg)}) == file
+    n1 = Path("/srv/n1")
+    assert leave_target(leave_args(), {}, file) == (n1 / "control.sock", n1)
+    # the environment wins over the file, as for the daemon
+    var = {"AGORA_DATA_DIR": "/var/lib/agora-node"}
+    assert leave_target(leave_args(), var, file)[1] == Path("/var/lib/agora-node")
+    sock = {"control_socket": "/run/a.sock", "identity_path": str(tmp_path / "gpu0.key")}
+    assert leave_target(leave_args(), {}, sock) == (Path("/run/a.sock"), None)
+    named = leave_target(leave_args(), {}, {"identity_path": str(tmp_path / "gpu0.key")})
+    assert named[1] == tmp_path / ".agora-node" / "nodes" / "gpu0"
+    assert default_url({}, file) == "http://127.0.0.1:9100"
+    assert default_url({"AGORA_STATUS_PORT": "9000"}, file) == "http://127.0.0.1:9000"

@@ -155,14 +155,32 @@ def ip_of(text: str) -> str | None:
         return None
 
 
+def _where(ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | ipaddress.IPv6Network:
+    """A global IPv6 address's /64, the asker's own network (a host connects out from a
+    temporary address, privacy extensions, and announces its stable one); any other
+    address itself (IPv4, loopback, and IPv6 forms that carry an IPv4 address)."""
+    parsed = ipaddress.ip_address(ip)
+    v6 = isinstance(parsed, ipaddress.IPv6Address)
+    if v6 and parsed.is_global and _embedded_ipv4(parsed) is parsed:
+        return ipaddress.IPv6Network(f"{parsed}/64", strict=False)
+    return parsed
+
+
 def in_reach(addrs: list[str], connected: frozenset[str] = frozenset()) -> list[str]:
     """Of checked addresses, those a prober dials: at an IP the asker is connected from
-    (`connected`, as `ip_of` writes them), never link-local, multicast or unspecified.
-    A node announces its loopback and LAN addresses too: they are left out, not refused.
-    Before, any public address (and those of the asker's scope) was dialed, and the
-    dial's error told a stranger whether a port of a third party, or of this host's
-    network, was open, closed or filtered."""
-    return [a for a in addrs if ip_of(a) in connected and address_scope(a) not in _NEVER_DIALED]
+    (`connected`, as `ip_of` writes them; for IPv6 in its /64), never link-local,
+    multicast or unspecified. A node announces its loopback and LAN addresses too: they
+    are left out, not refused. Before, any public address (and those of the asker's
+    scope) was dialed, and the dial's error told a stranger whether a port of a third
+    party, or of this host's network, was open, closed or filtered."""
+    near = {_where(ip) for ip in connected}
+    return [
+        a
+        for a in addrs
+        if (ip := ip_of(a)) is not None
+        and _where(ip) in near
+        and address_scope(a) not in _NEVER_DIALED
+    ]
 
 
 class Prober:

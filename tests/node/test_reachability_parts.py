@@ -105,6 +105,10 @@ def test_a_stranger_cannot_have_a_third_partys_port_dialed_and_its_words_are_quo
     answer = asyncio.run(prober.answer(ME, json.dumps({"addrs": third_party}).encode(), connected))
     assert b"203.0.113.7" in answer and b"not dialed" in answer and prober._p2p is None
     assert r.ip_of("/ip6/2001:4860:0::8888/tcp/80") == "2001:4860::8888"
+    # IPv6: a host connects out from a temporary address and announces its stable one
+    stable = "/ip6/2a01:4f8:1:2:abcd::1/tcp/4001"
+    assert r.in_reach([stable], frozenset({"2a01:4f8:1:2:9f3e:11:22:33"})) == [stable]
+    assert r.in_reach([stable], frozenset({"2a01:4f8:1:3::1"})) == []  # another /64
     assert r.ip_of("/dns4/example.com/tcp/1") is None
 
 

@@ -7,8 +7,8 @@ may hold one transfer at a time, a few at most run together, each has read,
 drain and overall deadlines (`LIMITS`, enforced by comms/guard.py). The client refuses a header announcing more than the bound
 the stage's parameter count gives (before it buffers anything) and checks the
 sha256 (integrity only: authenticity comes from the replicas' attestations,
-state_search.load_state), and reports progress as it goes. A transfer of a copy its server no longer keeps (two
-outer states newer exist) ends early: the joiner asks again.
+state_search.load_state), and reports progress as it goes. A server whose transfers still send two older copies
+of its state answers "busy" instead of making a third (node/rounds.py, lend_blob).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 
 from hivemind.p2p import P2P
 
@@ -46,12 +47,10 @@ class StateTransferError(streams.BadRequest, RuntimeError):
     pass
 
 
-# Returns (header fields, serialized state, sendable) for the requested stage, or raises. A
-# provider that caches its blob may put its "sha256" in the header (else it is computed per
-# send). sendable() is asked before every frame: once the provider has moved on far enough
-# that it no longer wants this copy sent, the transfer ends with an error and the joiner asks
-# again (it gets the newer state), so slow joiners cannot pin a copy from every round.
-SnapshotProvider = Callable[[int], Awaitable[tuple[dict, bytes, Callable[[], bool]]]]
+# Lends (header fields, serialized state) for the requested stage for as long as the
+# transfer lasts (an async context manager; raises to refuse, "busy" included). A provider
+# that caches its blob may put its "sha256" in the header (else it is computed per send).
+SnapshotProvider = Callable[[int], AbstractAsyncContextManager[tuple[dict, bytes]]]
 
 
 async def serve_state(
@@ -70,17 +69,16 @@ async def serve_state(
             stage = int(json.loads(request)["stage"])
         except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
             raise StateTransferError(f"bad state request: {exc}") from None
-        header, blob, sendable = await provider(stage)
-        if "sha256" not in header:  # providers cache it; hashing GBs must not hold the loop
-            header = {**header, "sha256": await asyncio.to_thread(_sha256, blob)}
-        header = {**header, "bytes": len(blob)}
-        log.info("sending stage %d state (%.1f MiB) to %s", stage, len(blob) / 2**20, remote[-8:])
-        yield json.dumps(header).encode()
-        view = memoryview(blob)
-        for offset in range(0, len(view), streams.CHUNK):
-            if not sendable():
-                raise StateTransferError("the state moved on during this transfer: ask again")
-            yield bytes(view[offset : offset + streams.CHUNK])
+        async with provider(stage) as (header, blob):
+            if "sha256" not in header:  # providers cache it; hashing GBs must not hold the loop
+                header = {**header, "sha256": await asyncio.to_thread(_sha256, blob)}
+            header = {**header, "bytes": len(blob)}
+            mib = len(blob) / 2**20
+            log.info("sending stage %d state (%.1f MiB) to %s", stage, mib, remote[-8:])
+            yield json.dumps(header).encode()
+            view = memoryview(blob)
+            for offset in range(0, len(view), streams.CHUNK):
+                yield bytes(view[offset : offset + streams.CHUNK])
 
     guard = Guard("state", limits, on_refuse=on_refuse)
     await streams.serve(

@@ -249,10 +249,17 @@ async def answer(
             return
         async with guard.serving(remote):
             request = await body()
-            async for chunk in served.handler(remote, request):
-                if signer is not None:
-                    signer.update(chunk)
-                await guard.drain(write_frame(writer, KIND_DATA, chunk), len(chunk), remote)
+            chunks = served.handler(remote, request)
+            try:
+                async for chunk in chunks:
+                    if signer is not None:
+                        signer.update(chunk)
+                    await guard.drain(write_frame(writer, KIND_DATA, chunk), len(chunk), remote)
+            finally:  # closed here, not when collected: what a handler holds (a lent copy
+                # of the state) is given back as soon as its stream ends, broken or not
+                close = getattr(chunks, "aclose", None)
+                if close is not None:
+                    await close()
             if signer is not None:
                 await guard.drain(write_frame(writer, KIND_SIGNED, signer.finish()), 0, remote)
             await guard.drain(write_frame(writer, KIND_END), 0, remote)

@@ -35,9 +35,11 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
+from agora_node.comms.state_transfer import StateTransferError
 from agora_node.node.attestation import Attestation
 from agora_node.node.loops import to_completion
 from agora_node.node.outer import OuterLoop
@@ -47,6 +49,9 @@ from agora_node.protocol import state_blob
 from agora_node.protocol.records import MAX_STEP, NodeRecord
 
 log = logging.getLogger(__name__)
+
+MAX_BLOBS_LENT = 2
+"""Copies of the state that transfers to joiners may hold at once (lend_blob)."""
 
 KEPT_DIGESTS = 10
 
@@ -208,7 +213,9 @@ class OuterRounds:
         """Bumped whenever the outer state changes (a round ended)."""
         self._attested: tuple[tuple[int, int], Attestation] | None = None
         self._blob: tuple[Attestation, bytes, str] | None = None
-        self.blobs_made = 0  # how many blobs transfer_blob has serialized (see blob_sendable)
+        self._blobs_made = 0
+        self._lent: Counter[int] = Counter()
+        """Transfers in progress, by the blob they send (its number in the order made)."""
 
     @property
     def round(self) -> int:
@@ -268,25 +275,40 @@ class OuterRounds:
     async def transfer_blob(self) -> tuple[Attestation, bytes, str]:
         """The anchor state for a joiner, serialized once per outer state (one at a time,
         cached until the next round): concurrent joiners cost one copy, not the worker.
-        Returns the attestation, the blob and its sha256."""
+        Returns the attestation, the blob and its sha256. A new copy is not made while
+        transfers still send two older ones (`lend_blob`): StateTransferError (busy)."""
         async with self._lock:
             attested = await self._attest_locked()
             if self._blob is None or self._blob[0] != attested:
                 self._blob = None  # free the old copy before making the new one
+                if len(self._lent) >= MAX_BLOBS_LENT:
+                    raise StateTransferError(
+                        f"busy: transfers still send {len(self._lent)} older copies of this "
+                        "stage's state; ask again later"
+                    )
                 state = self.outer.state
                 blob = await asyncio.to_thread(
                     state_blob.encode, attested.round, state.anchor, state.momentum
                 )
                 self._blob = (attested, blob, await asyncio.to_thread(_sha256, blob))
-                self.blobs_made += 1
+                self._blobs_made += 1
             return self._blob
 
-    def blob_sendable(self, made: int) -> bool:
-        """Whether a transfer of the blob that was the `made`-th may go on: the newest and
-        the one before it may, older ones not (their transfer ends and the joiner asks again).
-        Slow joiners therefore hold at most two copies of the state between them, not one
-        from each round their transfers lasted."""
-        return self.blobs_made - made <= 1
+    @contextlib.asynccontextmanager
+    async def lend_blob(self) -> AsyncIterator[tuple[Attestation, bytes, str]]:
+        """`transfer_blob`'s answer, counted as sent until the transfer ends: slow joiners
+        across rounds hold at most MAX_BLOBS_LENT copies of the state between them (four in
+        four rounds held four before), and a running transfer is never cut for a newer one
+        (a stranger asking once a round would have cut every slow joiner's)."""
+        attested, blob, sha = await self.transfer_blob()
+        made = self._blobs_made  # (no await since: the number of the blob just returned)
+        self._lent[made] += 1
+        try:
+            yield attested, blob, sha
+        finally:
+            self._lent[made] -= 1
+            if not self._lent[made]:
+                del self._lent[made]
 
     async def run(self, stop: asyncio.Event) -> None:
         start_step, start_tokens = self.worker.optimizer.steps, self.worker.stats.trained_tokens

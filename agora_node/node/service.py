@@ -19,7 +19,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -310,19 +310,19 @@ class StageService:
         log.info("checkpoint saved: %s", info.path)
         return str(info.path)
 
-    async def state_snapshot(self) -> tuple[dict, bytes, Callable[[], bool]]:
-        """This stage's attested state for a joiner: outer anchor and momentum
-        (protocol/state_blob.py), serialized once per round, off the worker thread; and
-        whether its transfer may go on (Rounds.blob_sendable)."""
-        attested, blob, sha = await self.rounds.transfer_blob()
-        made, rounds = self.rounds.blobs_made, self.rounds
-        header = {
-            "stage": self.index,
-            "round": attested.round,
-            "anchor_digest": attested.anchor,
-            "sha256": sha,
-        }
-        return header, blob, lambda: rounds.blob_sendable(made)
+    @contextlib.asynccontextmanager
+    async def state_snapshot(self) -> AsyncIterator[tuple[dict, bytes]]:
+        """This stage's attested state for a joiner, lent while its transfer lasts: outer
+        anchor and momentum (protocol/state_blob.py), serialized once per round, off the
+        worker thread (Rounds.lend_blob: a third copy is not made, "busy")."""
+        async with self.rounds.lend_blob() as (attested, blob, sha):
+            header = {
+                "stage": self.index,
+                "round": attested.round,
+                "anchor_digest": attested.anchor,
+                "sha256": sha,
+            }
+            yield header, blob
 
     # ---- stage 0 ------------------------------------------------------------------------
     async def _head_loop(self) -> None:
@@ -431,21 +431,22 @@ async def serve_endpoints(
         async for chunk in service.pipeline.handle(remote, data):
             yield chunk
 
-    async def state(stage: int) -> tuple[dict, bytes, Callable[[], bool]]:
+    @contextlib.asynccontextmanager
+    async def state(stage: int) -> AsyncIterator[tuple[dict, bytes]]:
         service = offering_state()
         if service is None or service.index != stage:
             raise state_transfer.StateTransferError(f"this node does not serve stage {stage} now")
-        header, blob, sendable = await service.state_snapshot()
-        served.append(
-            {
-                "stage": stage,
-                "round": header["round"],
-                "anchor_digest": header["anchor_digest"],
-                "at": time.time(),
-            }
-        )
-        del served[:-20]
-        return header, blob, sendable
+        async with service.state_snapshot() as (header, blob):
+            served.append(
+                {
+                    "stage": stage,
+                    "round": header["round"],
+                    "anchor_digest": header["anchor_digest"],
+                    "at": time.time(),
+                }
+            )
+            del served[:-20]
+            yield header, blob
 
     run_id = manifest.run_id
     refuse = admission.refuser(allow, me, "stream")

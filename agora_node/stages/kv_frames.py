@@ -80,10 +80,11 @@ _ID_TYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 def max_kv_frame_bytes(model: ModelSpec, micro_batch: int) -> int:
     """An upper bound on one K/V frame of `model`'s cells: every position of the sequences
-    of a micro-batch, keys and values dense (or a subspace code of twice kv_rank values,
-    whichever is wider) in fp32, a choice byte and a 4-byte token id each. What a cell
-    member reads of a push before it looks at the frame (comms/cell_link.py)."""
-    width = max(2 * model.n_kv_heads * model.head_dim, 2 * model.kv_rank)
+    of a micro-batch, each the widest a frame carries (a dense cell sends the normalized
+    block input, d_model wide, and its gradient back; keys and values, or a subspace code
+    of twice kv_rank values, where wider) in fp32, a choice byte and a 4-byte token id.
+    What a cell member reads of a push before it looks at the frame (comms/cell_link.py)."""
+    width = max(model.d_model, 2 * model.n_kv_heads * model.head_dim, 2 * model.kv_rank)
     return _HEADER.size + micro_batch * model.seq_len * (4 * width + 1 + 4)
 
 

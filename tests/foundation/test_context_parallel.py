@@ -541,14 +541,20 @@ def test_manifest_fields_keep_existing_run_ids_and_reject_bad_values():
         dataclasses.replace(tiny.model, kv_compress="some")
 
 
-@pytest.mark.parametrize(("kv_rank", "kv_tokens"), [(0, False), (4, True)])
-def test_every_frame_a_cell_sends_fits_the_manifests_bound(monkeypatch, kv_rank, kv_tokens):
+@pytest.mark.parametrize(
+    ("kv_rank", "kv_tokens", "heads"), [(0, False, (4, 2)), (0, False, (8, 1)), (4, True, (4, 2))]
+)
+def test_every_frame_a_cell_sends_fits_the_manifests_bound(monkeypatch, kv_rank, kv_tokens, heads):
     """A cell member reads a push whole before its inbox looks at it: the read is capped by
-    max_kv_frame_bytes (was 64 MiB whatever the model), which every real frame must fit."""
+    max_kv_frame_bytes (was 64 MiB whatever the model), which every real frame must fit,
+    with grouped-query attention too (a dense cell sends d_model-wide frames: a bound of
+    keys and values refused them with 4 query heads per K/V head)."""
     from agora_node.stages.kv_frames import max_kv_frame_bytes
 
     torch.manual_seed(0)
     m = cp_manifest(30, kv_rank, kv_tokens=kv_tokens)
+    model = dataclasses.replace(m.model, n_heads=heads[0], n_kv_heads=heads[1])
+    m = dataclasses.replace(m, model=model)
     stage = Stage(m, 0)
     randomize_token_tables(stage)
     batch = torch.randint(0, 256, (2, 31))

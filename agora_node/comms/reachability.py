@@ -64,6 +64,8 @@ _IPS = {"ip4", "ip6"}
 OK = b"ok"
 BUSY = b"busy"
 FAILED = b"failed: "
+UNJUDGED = b"cannot tell: "
+"""No address to dial where the asker is seen, and nothing to conclude from that."""
 
 
 class Reach(enum.Enum):
@@ -183,6 +185,18 @@ def in_reach(addrs: list[str], connected: frozenset[str] = frozenset()) -> list[
     ]
 
 
+def seen_in_public(addrs: list[str], connected: frozenset[str]) -> bool:
+    """Whether the asker connects from a public IP of a family (IPv4, IPv6) it announces an
+    address in: then none of its addresses being there says it cannot be dialed at them (a
+    NAT without a forwarded port). Connected only through a relay, over the other family,
+    or over a private network, its addresses may well be dialable elsewhere."""
+    families = {ipaddress.ip_address(ip).version for a in addrs if (ip := ip_of(a))}
+    return any(
+        ipaddress.ip_address(ip).is_global and ipaddress.ip_address(ip).version in families
+        for ip in connected
+    )
+
+
 class Prober:
     """Dials back the peers that ask, from its own libp2p daemon, one at a time."""
 
@@ -198,7 +212,7 @@ class Prober:
         self._p2p: P2P | None = None
         self._lock = asyncio.Lock()
         self._last: OrderedDict[str, float] = OrderedDict()
-        self.dials = {"ok": 0, "failed": 0, "busy": 0, "refused": 0}
+        self.dials = {"ok": 0, "failed": 0, "busy": 0, "refused": 0, "unjudged": 0}
 
     def admit(self, asker: str) -> bool:
         """Whether `asker` may be dialed now (not busy, not within its cooldown)."""
@@ -227,17 +241,21 @@ class Prober:
         except (ValueError, UnicodeDecodeError, AttributeError, RecursionError) as exc:
             self.dials["refused"] += 1
             return FAILED + f"bad request: {exc}".encode()[:200]
-        ips = await connected() if connected is not None else frozenset()
-        addrs = in_reach(addrs, ips)
-        if not addrs:  # it connects from elsewhere: its addresses are not where it is seen
-            self.dials["failed"] += 1
-            seen = ", ".join(sorted(ips)[:4]) or "no direct connection"
-            why = f"none of its addresses is at the IP it connects from ({seen}); not dialed"
-            return FAILED + why.encode()[:200]
-        if not self.admit(asker):
+        if not self.admit(asker):  # (before asking p2pd who is connected from where)
             self.dials["busy"] += 1
             return BUSY
-        reason = await self.dial(asker, addrs)
+        ips = await connected() if connected is not None else frozenset()
+        reach = in_reach(addrs, ips)
+        if not reach:
+            seen = ", ".join(sorted(ips)[:4]) or "no direct connection"
+            if seen_in_public(addrs, ips):  # behind a NAT without a forwarded port, say
+                self.dials["failed"] += 1
+                why = f"none of its addresses is at the IP it connects from ({seen}); not dialed"
+                return FAILED + why.encode()[:200]
+            # through a relay, over another IP family, over a private network: no verdict
+            self.dials["unjudged"] += 1
+            return UNJUDGED + f"it connects from {seen}, none of its addresses".encode()[:200]
+        reason = await self.dial(asker, reach)
         self.dials["ok" if reason is None else "failed"] += 1
         return OK if reason is None else FAILED + reason.encode()[:200]
 

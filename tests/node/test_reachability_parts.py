@@ -80,12 +80,21 @@ def test_the_prober_dials_no_address_of_its_own_networks_for_a_stranger_elsewher
     # never link-local, multicast or unspecified, even from there
     never = frozenset({"169.254.169.254", "fe80::1", "0.0.0.0", "224.0.0.1"})
     assert r.in_reach(list(near_only), never) == []
-    # nothing left to dial: an answer that says so (unreachable), not "bad request"
-    prober = r.Prober()
-    answer = asyncio.run(
-        prober.answer(ME, json.dumps({"addrs": ["/ip4/192.168.1.1/tcp/80"]}).encode())
-    )
-    assert answer.startswith(r.FAILED + b"none of its addresses") and prober._p2p is None
+    # nothing left to dial, seen at a public IPv4 while announcing IPv4 (a NAT without a
+    # forwarded port): an answer that says so (unreachable), not "bad request"
+    lan_only = json.dumps({"addrs": ["/ip4/192.168.1.1/tcp/80"]}).encode()
+
+    async def seen_at(*ips: str):  # noqa: ANN202
+        return frozenset(ips)
+
+    def ask(*ips: str) -> bytes:
+        return asyncio.run(r.Prober().answer(ME, lan_only, lambda: seen_at(*ips)))
+
+    assert ask("81.2.69.142").startswith(r.FAILED + b"none of its addresses")
+    # no verdict where nothing follows: no direct connection (a relay), only the other
+    # family (connected over IPv6, announcing IPv4), a private network (a cloud VPC)
+    for ips in [(), ("2a01:4f8:1:2::5",), ("10.0.0.9",)]:
+        assert ask(*ips).startswith(r.UNJUDGED), ips
 
 
 def test_a_stranger_cannot_have_a_third_partys_port_dialed_and_its_words_are_quoted():
@@ -93,9 +102,9 @@ def test_a_stranger_cannot_have_a_third_partys_port_dialed_and_its_words_are_quo
     handshake, a timeout) told the asker whether a port of someone else was open: a port
     scan by proxy. Only addresses at the IP the asker is connected from are dialed now."""
     third_party = ["/ip4/8.8.8.8/tcp/22", "/ip6/2001:4860::8888/tcp/80"]
-    asker_at = frozenset({"203.0.113.7"})
-    assert r.in_reach(third_party + ["/ip4/203.0.113.7/tcp/4001"], asker_at) == [
-        "/ip4/203.0.113.7/tcp/4001"
+    asker_at = frozenset({"81.2.69.142"})
+    assert r.in_reach(third_party + ["/ip4/81.2.69.142/tcp/4001"], asker_at) == [
+        "/ip4/81.2.69.142/tcp/4001"
     ]
     prober = r.Prober()
 
@@ -103,7 +112,7 @@ def test_a_stranger_cannot_have_a_third_partys_port_dialed_and_its_words_are_quo
         return asker_at
 
     answer = asyncio.run(prober.answer(ME, json.dumps({"addrs": third_party}).encode(), connected))
-    assert b"203.0.113.7" in answer and b"not dialed" in answer and prober._p2p is None
+    assert b"81.2.69.142" in answer and b"not dialed" in answer and prober._p2p is None
     assert r.ip_of("/ip6/2001:4860:0::8888/tcp/80") == "2001:4860::8888"
     # IPv6: a host connects out from a temporary address and announces its stable one
     stable = "/ip6/2a01:4f8:1:2:abcd::1/tcp/4001"
@@ -183,3 +192,12 @@ def test_a_dial_back_answer_is_quoted_before_it_reaches_the_log(monkeypatch):
     reach = r.Reachability()
     reach.note({OTHER: (ok, why)}, now=1.0)
     assert "\n" not in reach.line()
+
+
+def test_a_prober_that_cannot_tell_gives_no_verdict(monkeypatch):
+    async def request(*_args, **_kwargs) -> bytes:
+        return r.UNJUDGED + b"it connects from no direct connection, none of its addresses"
+
+    monkeypatch.setattr(r.streams, "request", request)
+    ok, _why = asyncio.run(r.ask(None, "run", OTHER, ["/ip4/1.2.3.4/tcp/1"]))
+    assert ok is None  # neither reachable nor not: the next peer's answer decides

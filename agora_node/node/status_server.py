@@ -204,7 +204,8 @@ def _host_name(host: str | None) -> str:
     host = (host or "").strip().lower()
     if host.startswith("["):
         return host[1 : host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    return name.removesuffix(".")  # "node1.lan." is "node1.lan"
 
 
 def _is_loopback(name: str) -> bool:
@@ -261,7 +262,10 @@ class StatusServer:
         self._requested_port = port
         self._runner: web.AppRunner | None = None
         self._html = _dashboard_html()
-        self._names = frozenset(n.lower() for n in names)
+        self._names = frozenset(n.lower().removesuffix(".") for n in names)
+        if not _is_ip(host.strip("[]")):  # bound to a name: that name is answered too
+            self._names |= {host.lower().removesuffix(".")}
+        self._refused_names: set[str] = set()
 
     @property
     def port(self) -> int:
@@ -304,7 +308,16 @@ class StatusServer:
     @web.middleware
     async def _known_names_only(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Only requests that name this machine as `answers_to` says (DNS rebinding)."""
-        if not answers_to(_host_name(request.host), self._host, self._names):
+        name = _host_name(request.host)
+        if not answers_to(name, self._host, self._names):
+            if len(self._refused_names) < 16 and name not in self._refused_names:
+                self._refused_names.add(name)  # once per name: a scraper asks every 15 s
+                log.warning(
+                    "status page: refused a request naming %r (DNS rebinding guard); if "
+                    "that is this machine's name, pass --status-names %s",
+                    name[:100],
+                    name[:100],
+                )
             return web.Response(
                 status=403,
                 text="this endpoint answers to localhost, IP addresses and this machine's "

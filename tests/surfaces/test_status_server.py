@@ -170,3 +170,24 @@ async def test_a_server_on_all_interfaces_answers_the_names_it_is_given(daemon: 
                     assert r.status == code, host
     finally:
         await server.stop()
+
+
+async def test_a_server_bound_to_a_name_answers_to_it_and_says_what_it_refused(
+    daemon: FakeDaemon, caplog
+):
+    """Bound to its own name (AGORA_STATUS_HOST=node1.lan), the daemon's own `agora-node
+    status` got 403; a refused name was refused in silence."""
+    server = StatusServer(daemon, Metrics(), host="localhost", port=0)
+    await server.start()
+    try:
+        url = f"http://127.0.0.1:{server.port}/healthz"
+        async with aiohttp.ClientSession() as session:
+            for host, code in [("localhost.", 200), ("evil.example", 403)]:
+                async with session.get(url, headers={"Host": host}) as r:
+                    assert r.status == code, host
+    finally:
+        await server.stop()
+    assert "refused a request naming 'evil.example'" in caplog.text
+    assert "--status-names evil.example" in caplog.text
+    bound = StatusServer(daemon, Metrics(), host="Node1.LAN.", port=0)
+    assert "node1.lan" in bound._names

@@ -25,6 +25,7 @@ from typing import Any
 
 from agora_node.node import datadir, options
 from agora_node.node.control import ControlError, control_call_sync, someone_listens
+from agora_node.node.errors import UsageError
 from agora_node.node.status_server import DEFAULT_HOST, DEFAULT_PORT
 
 EXIT_OK, EXIT_UNREACHABLE = 0, 1
@@ -149,13 +150,23 @@ def format_table(status: dict[str, Any], peers: dict[str, Any]) -> str:
 def daemon_file(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
     """The options in the config file the daemon was started with (`--config`, else
     AGORA_CONFIG, as the daemon reads it; {} without one): where its status page, control
-    socket and data dir are, when the file says."""
+    socket and data dir are, when the file says. A file that AGORA_CONFIG names and that
+    cannot be read is left out with a warning (it may be another command's); one given
+    with --config is an error."""
     from agora_node.node.config import NodeConfig
 
     path, name = getattr(args, "config", None), "--config"
     if not path and env.get("AGORA_CONFIG"):
         path, name = env["AGORA_CONFIG"], "AGORA_CONFIG"
-    return options.read_config_file(path, NodeConfig, name) if path else {}
+    if not path:
+        return {}
+    try:
+        return options.read_config_file(path, NodeConfig, name)
+    except UsageError as exc:
+        if name == "--config":
+            raise
+        print(f"agora-node: warning: {exc} (not used)", file=sys.stderr)
+        return {}
 
 
 def default_url(env: Mapping[str, str], file: Mapping[str, Any] | None = None) -> str:
@@ -216,7 +227,7 @@ def _seconds(text: str) -> float:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    url = args.url or default_url(os.environ, daemon_file(args, os.environ))
+    url = args.url or default_url(os.environ, daemon_file(args, os.environ))  # (lazy)
     url = url.rstrip("/").removesuffix("/api/v1/status")  # the status URL itself, pasted
     try:
         status, peers = fetch_status(url, args.timeout)
@@ -230,7 +241,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_leave(args: argparse.Namespace) -> int:
-    path, data_dir = leave_target(args, os.environ, daemon_file(args, os.environ))
+    settled = args.control_socket or args.data_dir  # the flags say where: no file read
+    file = {} if settled else daemon_file(args, os.environ)
+    path, data_dir = leave_target(args, os.environ, file)
     print(f"asking the daemon on {path} to leave (drain, checkpoint, exit)...", flush=True)
     started, asked_at = time.monotonic(), time.time()
     # its pid, from its data dir's lock file, when we know the data dir

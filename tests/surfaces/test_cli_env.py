@@ -224,3 +224,16 @@ def test_leave_and_status_find_a_daemon_configured_by_its_file(tmp_path: Path, m
     assert named[1] == tmp_path / ".agora-node" / "nodes" / "gpu0"
     assert default_url({}, file) == "http://127.0.0.1:9100"
     assert default_url({"AGORA_STATUS_PORT": "9000"}, file) == "http://127.0.0.1:9000"
+
+
+def test_a_broken_agora_config_does_not_stop_leave(tmp_path: Path, capsys):
+    """AGORA_CONFIG naming a file `leave` cannot use (another command's, broken) made it
+    exit 2 with the daemon still running, even with --data-dir given."""
+    from agora_node.node.status_cli import daemon_file
+
+    broken = tmp_path / "bootstrap.toml"
+    broken.write_text("no-such-option = 1\n")
+    assert daemon_file(leave_args(), {"AGORA_CONFIG": str(broken)}) == {}
+    assert "warning" in capsys.readouterr().err
+    with pytest.raises(UsageError):  # given on purpose: an error
+        daemon_file(leave_args("--config", str(broken)), {})

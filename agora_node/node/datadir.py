@@ -128,19 +128,25 @@ def fsync_dir(directory: Path) -> None:
 
 def check_private(directory: Path) -> None:
     """Refuse a data dir that other users can write: whoever can plant a file there can
-    plant `identity.key` (this node then runs with a key they know) or a symlink where the
-    node writes. Writable by everyone (even with the sticky bit, as /tmp), or owned by a
-    user other than this one or root: DataDirError. Writable by its group: a warning."""
+    plant `identity.key` (this node then runs with a key they know). Writable by everyone
+    (even with the sticky bit, as /tmp), or, for a user other than root, owned by another
+    user (root trusts the owner of the directory it was given, as a container's root does a
+    bind mount of its operator's): DataDirError naming the fix. Writable by its group: a
+    warning."""
     info = directory.stat()
-    owner_ok = info.st_uid in (os.geteuid(), 0)
-    if info.st_mode & stat.S_IWOTH or not owner_ok:
-        who = "every user can write it" if info.st_mode & stat.S_IWOTH else "another user owns it"
-        raise DataDirError(
-            f"data dir {directory} is not private ({who}): another user could plant its "
-            f"identity key; pass a --data-dir of this user's own (chmod 700)"
-        )
-    if info.st_mode & stat.S_IWGRP:
-        log.warning("data dir %s is writable by its group: chmod g-w %s", directory, directory)
+    me = os.geteuid()
+    if info.st_mode & stat.S_IWOTH:
+        who, fix = "every user can write it", f"chmod o-w {directory}"
+    elif me != 0 and info.st_uid not in (me, 0):
+        who, fix = f"user {info.st_uid} owns it", f"chown {me} {directory}"
+    else:
+        if info.st_mode & stat.S_IWGRP:
+            log.warning("data dir %s is writable by its group: chmod g-w %s", directory, directory)
+        return
+    raise DataDirError(
+        f"data dir {directory} is not private ({who}): another user could plant its identity "
+        f"key; {fix}, or pass a --data-dir of this user's own"
+    )
 
 
 def lock_data_dir(data_dir: str | os.PathLike, name: str = LOCK_NAME) -> DataDirLock:

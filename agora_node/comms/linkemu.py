@@ -16,6 +16,7 @@ longer.) Membership's messages pay the latency only (`control_message`). DHT tra
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 
@@ -34,8 +35,10 @@ class LinkSpec:
             raise ValueError(
                 f"link spec {text!r} must be 'MBIT_PER_S,LATENCY_MS', e.g. 100,50"
             ) from None
-        if bw <= 0 or lat < 0:
-            raise ValueError(f"link spec {text!r}: bandwidth must be > 0 and latency >= 0")
+        if not (math.isfinite(bw) and math.isfinite(lat)) or bw <= 0 or lat < 0:  # nan, inf
+            raise ValueError(
+                f"link spec {text!r}: bandwidth must be a finite number > 0 and latency a finite number >= 0"
+            )
         return cls(bw, lat)
 
 

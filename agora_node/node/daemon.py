@@ -223,7 +223,11 @@ class Node:
             me=self.peer_id,
             config=cfg.pipeline,
             on_refuse=self.metrics.count_refused,
-            joiner=lambda peer: self.recent.seen(self.stage, peer),
+            # a peer with a record at its stage, and not one this node banned (a liar
+            # re-syncing was sent the state again and again)
+            joiner=lambda peer: (
+                self.recent.seen(self.stage, peer) and not self.suspects.is_banned(peer)
+            ),
         )
         refuse = admission.refuser(self.admittance.allow, self.peer_id, "reachability")
         await self.dialback.serve(self.host, m.run_id, cfg.host_maddrs, refuse)

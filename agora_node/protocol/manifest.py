@@ -71,7 +71,14 @@ class RunSpec:
     name: str = "unnamed"
     """Human-readable name; part of the hash, so two runs never share keys by accident."""
     seed: int = 0
-    """Seeds the basis U, the fixed embedding table and every layer's initialization."""
+    """Seeds the basis U, the fixed embedding table and every layer's initialization
+    (0 <= seed < 2**63: torch.manual_seed's range)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            _fail("run.seed", self.seed, "must be an integer")
+        if not 0 <= self.seed < 2**63:
+            _fail("run.seed", self.seed, "must be between 0 and 2**63 - 1")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -62,6 +62,9 @@ INVALID = [
     ("grad_clip = 1.0", "grad_clip = nan", "inner.grad_clip"),
     ("weight_decay = 0.1", "weight_decay = -nan", "inner.weight_decay"),
     ("norm_eps = 1e-05", "norm_eps = inf", "model.norm_eps"),
+    # train-local seeded torch with it and crashed with a traceback (Overflow)
+    ("seed = 1234", "seed = 99999999999999999999", "run.seed"),
+    ("seed = 1234", "seed = -1", "run.seed"),
 ]
 
 

@@ -162,6 +162,9 @@ def test_link_emulation_serializes_and_delays():
     assert 0.22 <= elapsed < 1.0, elapsed
     with pytest.raises(ValueError):
         linkemu.LinkSpec.parse("fast")
+    for spec in ("nan,5", "10,nan", "10,inf", "inf,0"):  # every send then hung
+        with pytest.raises(ValueError, match="finite"):
+            linkemu.LinkSpec.parse(spec)
 
 
 def test_a_message_pays_the_link_latency_once(monkeypatch):

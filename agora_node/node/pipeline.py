@@ -423,6 +423,8 @@ class Pipeline:
                 continue
             result = await self._try_peer(peer, header, payload)
             if isinstance(result, tuple):
+                if header.train:  # the last stage's answers are checked now and then
+                    self.canaries.answered(header, tokens, encoded, peer, result)
                 return result
             if result == "rejected":
                 rejected_by.add(peer)

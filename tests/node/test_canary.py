@@ -16,7 +16,7 @@ from agora_node.comms.pipeline_wire import (
     encode_forward,
     encode_response,
 )
-from agora_node.node.canary import departing, distance
+from agora_node.node.canary import GRAD_TOLERANCE, departing, distance, grad_distance
 from agora_node.node.pipeline import Pipeline, PipelineConfig
 from agora_node.node.suspects import Reason
 from agora_node.node.worker import StageWorker
@@ -112,7 +112,9 @@ def test_a_sender_flags_the_replica_whose_canary_output_departs(monkeypatch) -> 
         assert p.suspects.banned() == {"bad"}
         (row,) = p.suspects.status()["banned"]
         assert row["reason"] == Reason.CANARY.value
-        assert p.canaries.counts == {"sent": 1, "compared": 1, "flagged": 1, "too_many_replicas": 0}
+        assert p.canaries.counts == {
+            "sent": 1, "compared": 1, "flagged": 1, "too_many_replicas": 0, "trained": 0
+        }  # fmt: skip
     finally:
         p.worker.close()
 
@@ -157,5 +159,67 @@ def test_two_colluders_of_five_get_no_honest_replica_flagged(monkeypatch) -> Non
         assert p.canaries.counts["compared"] == 12
         assert p.suspects.banned() <= set(colluders)
         assert sorted(asked[:4]) == ["c1", "c2", "h1", "h2"]  # a strict majority and one
+    finally:
+        p.worker.close()
+
+
+def test_gradients_are_compared_by_direction_and_size() -> None:
+    g = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+    drift = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(2))
+    assert grad_distance(g, g) == pytest.approx(0.0, abs=1e-6)
+    assert grad_distance(g, g + 0.5 * drift) < GRAD_TOLERANCE  # an honest replica's drift
+    assert grad_distance(g, -g) == pytest.approx(2.0)  # sign flipped: same norm
+    assert grad_distance(g, 20 * g) > GRAD_TOLERANCE  # 20x the size
+    assert grad_distance(g, torch.zeros_like(g)) == float("inf")
+    assert grad_distance(g, 9 * g) < GRAD_TOLERANCE < grad_distance(g, 11 * g)
+    assert grad_distance(g, torch.full_like(g, float("nan"))) == float("inf")
+    grads = {"a": g, "b": g + 0.5 * drift, "c": g - 0.4 * drift, "liar": -g}
+    assert departing(grads, GRAD_TOLERANCE, far=grad_distance) == ["liar"]
+
+
+@pytest.mark.parametrize("lie", ["flip", "loss", "none"])
+def test_the_last_stage_is_checked_with_training_micro_batches_a_liar_cannot_tell(
+    monkeypatch, lie
+) -> None:
+    """A replica of the last stage that negated the gradients it returned (their norm
+    unchanged) or reported a made-up loss was never caught: canaries were forward-only
+    probes marked as such, which a liar answered honestly. Now the last stage's checks are
+    training micro-batches like any other, compared on their loss and gradient."""
+    honest, liar = ["h1", "h2", "h3"], "liar"
+    p = _stage_pipeline(2, [*honest, liar], canary_every=1)
+    try:
+        header, tokens, c = _inputs(p, 3)
+        header = ForwardHeader(**{**header.__dict__, "mb_id": "0123456789abcdef"})
+        g = torch.Generator().manual_seed(3)
+        truth = torch.randn(header.batch, header.seq, header.width, generator=g) * 0.01
+        seen: list[ForwardHeader] = []
+
+        async def request(p2p, peer, protocol, payload, *, timeout, **_kw):  # noqa: ANN001, ANN202
+            sent, *_ = decode_forward(payload)
+            seen.append(sent)
+            grad = truth + 0.003 * torch.randn(truth.shape, generator=g)
+            loss = 2.0 + 0.01 * float(torch.rand(1, generator=g))
+            if peer == liar and lie == "flip":
+                grad = -grad
+            if peer == liar and lie == "loss":
+                loss = 0.01
+            return encode_response(
+                ResponseHeader(status=Status.OK.value, loss=loss), p.codec.encode(grad)
+            )
+
+        monkeypatch.setattr(streams, "request", request)
+
+        async def go() -> None:
+            for _ in range(6):
+                await p.send(header, TokenBatch(tokens), c)
+                await asyncio.wait_for(asyncio.gather(*p.canaries.tasks), 30)
+
+        asyncio.run(go())
+        assert p.suspects.banned() == ({liar} if lie != "none" else set())
+        assert p.canaries.counts["compared"] >= 1 and p.canaries.counts["trained"] >= 3
+        # every request looked like training: no probe flag, no marked id, ids of one length
+        assert all(s.train and not s.probe for s in seen)
+        assert {len(s.mb_id) for s in seen} == {16} and len({s.mb_id for s in seen}) > 1
+        assert not any("canary" in s.mb_id for s in seen)
     finally:
         p.worker.close()

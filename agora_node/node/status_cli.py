@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -118,20 +118,32 @@ def format_node(s: dict[str, Any]) -> str:
     return f"{first}\n{second}"
 
 
-def format_stage(entry: dict[str, Any]) -> list[str]:
+def _notes(peer: dict[str, Any], banned: Collection[str]) -> str:
+    """What this node knows against a peer beyond its record: SWIM's verdict when it is not
+    "alive" (its record lives on until it expires), and a ban of this node's."""
+    notes = []
+    if peer.get("swim") not in (None, "self", "alive"):
+        notes.append(f"swim {peer['swim']}")
+    if peer.get("peer_id") in banned:
+        notes.append("banned")
+    return ", ".join(notes)
+
+
+def format_stage(entry: dict[str, Any], banned: Collection[str] = ()) -> list[str]:
+    """One stage's table; `banned`: the peers this node banned (their rows say so)."""
     peers = entry.get("peers", [])
     lines = [f"stage {entry['stage']}  ({len(peers)} peer{'' if len(peers) == 1 else 's'})"]
     if not peers:
         return [*lines, "    (no peer serves this stage)"]
     lines.append(
-        f"    {'PEER':<21} {'STATE':<8} {'COMPUTE':>9} {'QUEUE':>5} {'OUTER':>5} {'AGE':>6}"
+        f"    {'PEER':<21} {'STATE':<8} {'COMPUTE':>9} {'QUEUE':>5} {'OUTER':>5} {'AGE':>6}  NOTE"
     )
     for p in peers:
         mark = "*" if p.get("is_self") else " "
         lines.append(
             f"  {mark} {_short(p.get('peer_id')):<21} {str(p.get('state', '?')):<8} "
             f"{_num(p.get('throughput')):>9} {p.get('queue', 0):>5} "
-            f"{p.get('outer_step', 0):>5} {_duration(p.get('age_s')):>6}"
+            f"{p.get('outer_step', 0):>5} {_duration(p.get('age_s')):>6}  {_notes(p, banned)}"
         )
     return lines
 
@@ -139,8 +151,10 @@ def format_stage(entry: dict[str, Any]) -> list[str]:
 def format_table(status: dict[str, Any], peers: dict[str, Any]) -> str:
     """The human-readable `agora-node status` output (`*` marks this node)."""
     lines = [format_node(status), ""]
+    suspects = status.get("suspects") or {}
+    banned = {b.get("peer") for b in suspects.get("banned", []) if isinstance(b, dict)}
     for entry in peers.get("stages", []):
-        lines.extend(format_stage(entry))
+        lines.extend(format_stage(entry, banned))
     return "\n".join(lines)
 
 

@@ -243,3 +243,27 @@ async def test_status_of_a_port_that_is_not_http_is_one_line(capsys):
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1, captured.err
     assert "did not return agora-node status" in captured.err
+
+
+def test_the_stage_table_says_what_swim_and_bans_know():
+    """A peer SIGKILLed showed as `active` until its record expired (SWIM had declared it
+    dead seconds before), and a banned liar as plain `active`."""
+    from agora_node.node.status_cli import format_table
+
+    peers = {
+        "stages": [
+            {
+                "stage": 1,
+                "peers": [
+                    {"peer_id": "12D3KooWdeadpeer0001", "state": "active", "swim": "dead"},
+                    {"peer_id": "12D3KooWliarpeer0002", "state": "active", "swim": "alive"},
+                    {"peer_id": "12D3KooWgoodpeer0003", "state": "active", "swim": "alive"},
+                ],
+            }
+        ]
+    }
+    status = {"suspects": {"banned": [{"peer": "12D3KooWliarpeer0002", "reason": "canary"}]}}
+    rows = format_table(status, peers).splitlines()
+    dead, liar, good = (next(r for r in rows if key in r) for key in ("0001", "0002", "0003"))
+    assert dead.rstrip().endswith("swim dead") and liar.rstrip().endswith("banned")
+    assert "swim" not in good and "banned" not in good

@@ -556,7 +556,7 @@ class Node:
         old, self.service = self.service, None  # requests meanwhile: "not ready", retry elsewhere
         await old.close()
         self.stats.losses.clear()  # the old stage's: shown as the new one's until it trained
-        self.stats.val_loss = None
+        self.stats.val_loss = self.stats.val_loss_at = None
         del old  # the new stage measures free memory: the old one must be gone by then
         await asyncio.to_thread(self.compute.release_memory)
         await self._open_service(stage)

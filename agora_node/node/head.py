@@ -210,7 +210,7 @@ class Head:
                 loss = reply[0]
             total += loss * len(batch)
             count += len(batch)
-        self.stats.val_loss = total / count
+        self.stats.val_loss, self.stats.val_loss_at = total / count, time.time()
         return self.stats.val_loss
 
 

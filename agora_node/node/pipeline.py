@@ -67,6 +67,8 @@ class PipelineStats:
         self.events = events if events is not None else Metrics()
         self.losses: deque[float] = deque(maxlen=50)
         self.val_loss: float | None = None
+        self.val_loss_at: float | None = None
+        """When this node last measured `val_loss` (unix time): heads take turns."""
 
     @property
     def results(self) -> Counter[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -366,7 +367,8 @@ class StageService:
                     )
                     await self._stop.wait()
                     break
-                if min(ctx.peers_of(0) + [ctx.peer_id]) == ctx.peer_id:  # one head evaluates
+                slot = int(time.time() // cfg.eval_every_s)
+                if evaluator(heads(), slot) == ctx.peer_id:  # one head evaluates, in turn
                     loss = await head.evaluate(val, val_ids)
                     if loss is not None:
                         ctx.history.add("val_loss", loss)
@@ -374,6 +376,16 @@ class StageService:
         finally:
             stopped.cancel()
             await inject
+
+
+def evaluator(heads: list[str], slot: int) -> str | None:
+    """The head that measures the validation loss in time slot `slot` (eval_every_s long):
+    the one whose hash with the slot is least, so each head in turn. Before, the head with
+    the least peer id among stage 0's records did, for good: a stranger whose key was made
+    for it (or whose record had no host behind it) silenced every honest head's."""
+    if not heads:
+        return None
+    return min(heads, key=lambda p: hashlib.sha256(f"{p}/{slot}".encode()).digest())
 
 
 def forward_limits(config: PipelineConfig) -> Limits:

@@ -243,6 +243,7 @@ def build_snapshot(node: Node) -> dict[str, Any]:
             "bytes_received": received,
             "last_losses": list(stats.losses)[-20:],
             "val_loss": stats.val_loss,
+            "val_loss_at": stats.val_loss_at,
             "dropped": stats.results["dropped"],
             "stage_choice": node.stage_choice_reason,
             "last_checkpoint": node.last_checkpoint,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import sys
 import time
@@ -75,6 +76,13 @@ def _short(peer_id: str | None) -> str:
     return f"{peer_id[:10]}...{peer_id[-6:]}" if len(peer_id) > 19 else peer_id
 
 
+def _age(at: float | None) -> str:
+    """ " (2m ago)" for a unix time, "" without one."""
+    if not isinstance(at, int | float) or not math.isfinite(at):
+        return ""
+    return f" ({_duration(max(0.0, time.time() - at))} ago)"
+
+
 def _num(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -110,6 +118,7 @@ def format_node(s: dict[str, Any]) -> str:
         f"in flight {s.get('in_flight', 0)}  dropped {mb.get('dropped', 0)}  "
         f"rejected {mb.get('rejected', 0)}  "
         f"loss {_num(losses[-1] if losses else None, 4)}  val {_num(s.get('val_loss'), 4)}"
+        + _age(s.get("val_loss_at"))
     )
     runs = s.get("runs_seen") or []
     if len(runs) > 1:  # more than ours: joiners without --manifest must choose (--run)

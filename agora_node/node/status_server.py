@@ -110,6 +110,7 @@ class NodeStatus(TypedDict):
     bytes_received: dict[str, int]
     last_losses: list[float]  # most recent last, a few at most
     val_loss: float | None
+    val_loss_at: float | None  # unix time this node measured it (heads take turns)
     outer: dict[str, Any]  # this stage's rounds: totals, "last_round", "recent_rounds"
     # ([{round, at, participants, group, anchor_mixed, consistent, bytes_sent,
     # bytes_received, seconds_blocked, failed_peers, outliers, direction_outliers,

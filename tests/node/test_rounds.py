@@ -4,6 +4,7 @@ import asyncio
 import dataclasses
 import threading
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -606,3 +607,17 @@ async def test_gossip_groups_never_resync():
     finally:
         await outer.close()
         worker.close()
+
+
+def test_heads_take_turns_measuring_the_validation_loss():
+    """The head with the least peer id among stage 0's records measured it for good: a
+    stranger whose key was made for it (or a record without a host) silenced the rest."""
+    from agora_node.node.service import evaluator
+
+    heads = [f"12D3KooWhead{i:04d}" for i in range(4)]
+    turns = Counter(evaluator(heads, slot) for slot in range(400))
+    assert set(turns) == set(heads) and min(turns.values()) > 60  # each about a quarter
+    assert evaluator(heads, 7) == evaluator(list(reversed(heads)), 7)  # all heads agree
+    assert evaluator([], 7) is None
+    least = "12D3KooW1111111111111"  # the least id is no longer everyone's evaluator
+    assert Counter(evaluator([*heads, least], slot) for slot in range(400))[least] < 120

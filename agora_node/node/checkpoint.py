@@ -127,17 +127,22 @@ def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
             continue
         try:
             meta = json.loads(meta_path.read_text())
-            found.append(
-                CheckpointInfo(
-                    meta_path.with_suffix(".pt"),
-                    str(meta["run_id"]),
-                    int(meta["stage"]),
-                    int(meta["step"]),
-                    str(meta["sha256"]),
-                    meta.get("peer_id"),
-                    int(named.group(1)),  # the name holds seq (the step before seq existed)
-                )
+            info = CheckpointInfo(
+                meta_path.with_suffix(".pt"),
+                str(meta["run_id"]),
+                int(meta["stage"]),
+                int(meta["step"]),
+                str(meta["sha256"]),
+                meta.get("peer_id"),
+                int(named.group(1)),  # the name holds seq (the step before seq existed)
             )
+            if not info.path.exists():  # its .pt is gone: it took one of the kept places
+                with _SAVING:  # (not while a save prunes: that deletes the .pt first)
+                    if meta_path.exists() and not info.path.exists():
+                        log.warning("checkpoint marker %s has no %s", meta_path, info.path.name)
+                        _quarantine(info.path)
+                continue
+            found.append(info)
         except OSError as exc:  # perhaps passing (EMFILE, EIO), or pruned meanwhile: left as is
             log.warning("could not read checkpoint marker %s: %s", meta_path, exc)
         except (ValueError, KeyError) as exc:

@@ -139,3 +139,17 @@ def test_damaged_checkpoints_are_set_aside_and_take_no_place_of_a_good_one(tmp_p
         "ckpt-000000005.json.corrupt",
         "ckpt-000000005.pt.corrupt",
     ]
+
+
+def test_a_marker_without_its_file_takes_no_place_of_a_good_one(tmp_path):
+    """A QA run: a marker whose .pt was deleted stayed, took one of the 3 kept places, and
+    two saves later the good checkpoint before it had been pruned (2 usable left)."""
+    for step in range(1, 4):
+        save_checkpoint(tmp_path, run_id="r", stage=0, step=step, state={"w": torch.ones(4)})
+    (tmp_path / "ckpt-000000003.pt").unlink()
+    info, _ = load_latest_checkpoint(tmp_path, run_id="r", stage=0)
+    assert info.step == 2
+    for step in range(4, 6):
+        save_checkpoint(tmp_path, run_id="r", stage=0, step=step, state={"w": torch.ones(4)})
+    assert [c.step for c in list_checkpoints(tmp_path)] == [5, 4, 2]
+    assert [p.name for p in tmp_path.glob("*.corrupt")] == ["ckpt-000000003.json.corrupt"]

@@ -1,5 +1,35 @@
-"""`python -m agora_node` is the `agora-node` command."""
+"""`python -m agora_node` is the `agora-node` command (the console script calls `run`).
 
-from agora_node.node.cli import entry
+The command's imports (torch among them) take seconds, and a SIGTERM, SIGHUP or SIGQUIT
+meanwhile met Python's default: the process died with no word (exit -15), where a stop
+once the daemon runs is a clean leave with exit 0. Nothing has started then that needs
+cleaning up, so such a signal ends the command at once, saying so, with exit 0; the
+defaults are back before the command runs (the daemon installs its own handlers).
+"""
 
-entry()
+import signal
+import sys
+
+_EARLY = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _stopped(signum: int, _frame: object) -> None:
+    print(f"agora-node: stopped while starting ({signal.Signals(signum).name})", file=sys.stderr)
+    raise SystemExit(0)
+
+
+def run() -> None:
+    for sig in _EARLY:
+        signal.signal(sig, _stopped)
+    try:
+        from agora_node.node.cli import entry
+    except KeyboardInterrupt:  # Ctrl-C during the imports: no traceback
+        print("agora-node: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    for sig in _EARLY:
+        signal.signal(sig, signal.SIG_DFL)
+    entry()
+
+
+if __name__ == "__main__":
+    run()

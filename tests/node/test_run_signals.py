@@ -127,3 +127,38 @@ async def test_a_node_that_left_because_a_loop_failed_exits_1(monkeypatch) -> No
     node.release.set()
     assert await asyncio.wait_for(task, 5) == run.EXIT_FAILED == 1
     assert node.left and node.closed
+
+
+_SLOW_IMPORT = """
+import sys, time
+class Slow:  # the command's imports, held long enough to signal the process during them
+    def find_spec(self, name, path=None, target=None):
+        if name == "agora_node.node.cli":
+            print("importing", flush=True)
+            time.sleep(30)
+        return None
+sys.meta_path.insert(0, Slow())
+from agora_node.__main__ import run
+run()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_during_the_commands_imports_is_a_clean_exit(sig):
+    """The first seconds (torch's import) met Python's default: killed, exit -15, silent."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_IMPORT], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout.readline() == b"importing\n"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 0, err
+        assert f"stopped while starting ({sig.name})".encode() in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

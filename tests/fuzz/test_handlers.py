@@ -10,6 +10,7 @@ test: tests/fuzz/mutations.py (AGORA_FUZZ_EXAMPLES).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -419,10 +420,11 @@ STATE_REQUESTS = [
 def test_the_state_server_answers_every_request(request: bytes) -> None:
     handlers = {}
 
-    async def provider(stage: int) -> tuple[dict, bytes]:
+    @contextlib.asynccontextmanager
+    async def provider(stage: int):  # noqa: ANN202 - lends (header, blob), as service.state
         if stage != 1:
             raise state_transfer.StateTransferError(f"this node does not serve stage {stage}")
-        return {"round": 2}, BLOB
+        yield {"round": 2}, BLOB
 
     async def scenario() -> bytes:
         p2p = SimpleNamespace()

@@ -14,6 +14,7 @@ joiners a state it altered:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -69,12 +70,13 @@ def _tamper(blob: bytes) -> bytes:
     return state_blob.encode(got.round, _alter(got.anchor), got.momentum)
 
 
-async def _tampered_snapshot(self):  # noqa: ANN001, ANN202
-    header, blob = await _honest_snapshot(self)
-    blob = _tamper(blob)
-    header = {**header, "sha256": hashlib.sha256(blob).hexdigest()}  # integrity holds
-    print(f"hostile: serving a {ATTACK} state", flush=True)
-    return header, blob
+@contextlib.asynccontextmanager
+async def _tampered_snapshot(self):  # noqa: ANN001, ANN202 - lends as state_snapshot does
+    async with _honest_snapshot(self) as (header, blob):
+        blob = _tamper(blob)
+        header = {**header, "sha256": hashlib.sha256(blob).hexdigest()}  # integrity holds
+        print(f"hostile: serving a {ATTACK} state", flush=True)
+        yield header, blob
 
 
 _honest_record = snapshot.node_record

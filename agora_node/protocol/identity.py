@@ -143,9 +143,13 @@ class Identity:
         # temporary name would have received the private key
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
-            os.write(fd, identity.to_libp2p_bytes())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            try:
+                os.write(fd, identity.to_libp2p_bytes())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:  # a full disk: no stray copy of a private key left behind
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return identity

@@ -42,3 +42,20 @@ def test_libp2p_daemon_uses_our_identity(tmp_path):
         assert dht.peer_id.to_base58() == ident.peer_id
     finally:
         dht.shutdown()
+
+
+def test_a_failed_key_write_leaves_no_copy_of_the_key(tmp_path, monkeypatch):
+    """Each failed write (a full disk) left a `.identity.key.*.tmp`, maybe holding the key."""
+    import os
+
+    import pytest
+
+    from agora_node.protocol import identity as identity_module
+
+    def full(fd, data):  # noqa: ANN001, ANN202
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(identity_module.os, "write", full)
+    with pytest.raises(OSError):
+        identity_module.Identity.load_or_create(tmp_path / "identity.key")
+    assert os.listdir(tmp_path) == []

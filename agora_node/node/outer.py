@@ -151,7 +151,12 @@ class OuterLoop:
         """Samples of other members' recent delta parts: a replayed delta is flagged."""
         self.anchor_encoder = PartEncoder(config.anchor_format())
         self.last_report: RoundReport | None = None
-        self.totals = {"rounds": 0, "bytes_sent": 0, "bytes_received": 0, "seconds_blocked": 0.0}
+        self.totals = {
+            "rounds": 0, "bytes_sent": 0, "bytes_received": 0, "seconds_blocked": 0.0,
+            "bounded": 0,
+        }  # fmt: skip
+        self.bounded: list[str] = []
+        """What the last outer step's own bounds cut (RoundReport.bounded)."""
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_ROUNDS)
         """Summaries of the last rounds (`round_summary`), oldest first."""
         self._prep: asyncio.Task[_Prep] | None = None
@@ -332,6 +337,7 @@ class OuterLoop:
     ) -> RoundReport:
         """Take the outer step (`step`: the `_outer_step` arguments), write its new anchor
         into the weights and make the round's report."""
+        self.bounded = []
         new, applied = await asyncio.to_thread(self._outer_step, *step)
         if self.config.unsent == "weights":
             new = await asyncio.to_thread(self._keep_unsent, new, applied, step[1])
@@ -341,6 +347,7 @@ class OuterLoop:
         # still count late parts into the outcomes' stats
         norms = await asyncio.to_thread(lambda: (float(delta.norm()), float(applied.norm())))
         report = self._report(round_no, prep, outcomes, norms, times)
+        report.bounded = self.bounded
         if blocked_s is not None:
             report.seconds_blocked = blocked_s()
         self._account(report)
@@ -390,6 +397,7 @@ class OuterLoop:
             log.warning(
                 "outer round %d: %s (this replica's own bounds)", round_no, "; ".join(notes)
             )
+        self.bounded = list(notes)  # for the round's report (_commit)
         return self.state.step(mixed, anchor, momentum, self.config.consensus), mixed
 
     def _keep_unsent(self, anchor: Tensor, applied: Tensor, delta: Tensor) -> Tensor:
@@ -591,6 +599,7 @@ class OuterLoop:
         self.totals["bytes_sent"] += report.bytes_sent
         self.totals["bytes_received"] += report.bytes_received
         self.totals["seconds_blocked"] += report.seconds_blocked
+        self.totals["bounded"] += bool(report.bounded)
         log.info(
             "outer round %d | group %d/%d | anchor %s | sent %.1f MB | blocked %.2fs%s",
             report.round,

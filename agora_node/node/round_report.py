@@ -58,6 +58,10 @@ class RoundReport:
     """Participants left out of the round: a majority of the entries named them banned."""
     ignored: list[str] = field(default_factory=list)
     """Members whose parts this replica, as a reducer, dropped: it had banned them."""
+    bounded: list[str] = field(default_factory=list)
+    """What this replica's own bounds cut of the group's results (outer_bounds.py): a mixed
+    delta refused for the own, an anchor pull shortened. A liar in its group, or a group
+    far from it."""
 
 
 def round_summary(report: RoundReport, at: float | None = None) -> dict[str, Any]:
@@ -79,6 +83,7 @@ def round_summary(report: RoundReport, at: float | None = None) -> dict[str, Any
         "replayed": list(report.replayed),
         "mismatched": list(report.mismatched),
         "equivocated": list(report.equivocated),
+        "bounded": list(report.bounded),
     }
 
 

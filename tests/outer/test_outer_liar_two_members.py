@@ -169,6 +169,8 @@ def test_a_mixed_anchor_pulls_at_most_a_few_own_steps() -> None:
     assert applied is delta
     assert float((new - stepped).double().norm()) == pytest.approx(reach, rel=1e-4)
     assert reach < 0.1 * float(alone.anchor.norm())
+    # what the bounds cut goes into the round's report (it reached only the log before)
+    assert loop.bounded and "anchor" in loop.bounded[0]
 
 
 def test_within_cuts_the_pull_to_the_radius_in_its_direction(monkeypatch) -> None:

@@ -137,6 +137,9 @@ class Pipeline:
         self.suspects = suspects if suspects is not None else Suspects(me=peer_id)
         """Peers caught sending non-finite or outlier values: routed around while banned."""
         self._activation_norms = NormWatch()
+        self.last_request_at = time.monotonic()
+        """When a request last came in (from the start: the status tells how long upstream
+        has been silent, snapshot.node_waiting_on)."""
         self.refused_by: tuple[float, int, str] | None = None
         """The next stage's last refusal of a micro-batch (monotonic time, stage, its
         words), until a micro-batch goes through: the status says what holds training."""
@@ -175,6 +178,7 @@ class Pipeline:
     # ---- serving ------------------------------------------------------------------------
     async def handle(self, remote: str, data: bytes):  # noqa: ANN202 - async generator
         self._count_bytes(remote, received=len(data))
+        self.last_request_at = time.monotonic()
         self.active_requests += 1
         self._idle.clear()
         try:

@@ -66,6 +66,10 @@ def waiting_on(stage: int, num_stages: int, live: Mapping[int, int]) -> str | No
     return ", ".join(missing) or None
 
 
+UPSTREAM_SILENT_S = 90.0
+"""A stage after the first that received no request this long, while the stage before it
+has live replicas, says so: it may be banned there (a QA run's honest replica, banned by
+the only head, showed active and waiting on nothing for 10 minutes)."""
 REFUSED_RECENTLY_S = 60.0
 """A refusal by the next stage this recent, with nothing through since, is what the status
 says this node waits on."""
@@ -81,6 +85,12 @@ def node_waiting_on(node: Node) -> str | None:
         # a node refused by every replica downstream showed active, ready and waiting on
         # nothing while its micro-batches were all dropped
         return f"stage {refused[1]} (refuses our micro-batches: {refused[2]!r})"
+    silent = time.monotonic() - node.service.pipeline.last_request_at
+    if stage > 0 and live.get(stage - 1) and silent > UPSTREAM_SILENT_S:
+        return (
+            f"stage {stage - 1} (sent this node nothing for {silent:.0f} s: its nodes route "
+            "elsewhere, or banned this node; their status says which)"
+        )
     return waiting_on(stage, n, live)
 
 

@@ -137,7 +137,7 @@ def test_waiting_on_names_a_next_stage_that_refuses_every_micro_batch():
     and waiting on nothing (its only trace: dropped and hop failures going up)."""
     import time
 
-    pipeline = SimpleNamespace(refused_by=None)
+    pipeline = SimpleNamespace(refused_by=None, last_request_at=time.monotonic())
     node = SimpleNamespace(
         service=SimpleNamespace(index=0, pipeline=pipeline),
         manifest=SimpleNamespace(num_stages=2),
@@ -149,6 +149,24 @@ def test_waiting_on_names_a_next_stage_that_refuses_every_micro_batch():
         "stage 1 (refuses our micro-batches: 'activation norm far from the recent ones')"
     )
     pipeline.refused_by = (time.monotonic() - 120, 1, "old news")
+    assert node_waiting_on(node) is None
+
+
+def test_waiting_on_says_when_upstream_sent_nothing_for_long():
+    """A QA run's honest replica, banned by the only head, showed active and waiting on
+    nothing while it sat idle for ten minutes."""
+    import time
+
+    pipeline = SimpleNamespace(refused_by=None, last_request_at=time.monotonic())
+    node = SimpleNamespace(
+        service=SimpleNamespace(index=1, pipeline=pipeline),
+        manifest=SimpleNamespace(num_stages=2),
+        _peers_of=lambda stage: ["a head"],
+    )
+    assert node_waiting_on(node) is None
+    pipeline.last_request_at -= 120
+    assert node_waiting_on(node).startswith("stage 0 (sent this node nothing for 12")
+    node.service.index = 0  # a head injects its own: nobody upstream to wait for
     assert node_waiting_on(node) is None
 
 
@@ -164,6 +182,7 @@ def report(**fields) -> SimpleNamespace:
         seconds_blocked=0.5,
         failed_peers=["C"],
         outliers=["B"],
+        bounded=[],
         direction_outliers=[],
         replayed=[],
         mismatched=[],
@@ -190,6 +209,7 @@ def test_round_summaries_and_the_peers_they_flag():
         "replayed": [],
         "mismatched": [],
         "equivocated": [],
+        "bounded": [],
     }
     second = round_summary(
         report(

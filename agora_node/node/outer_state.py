@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from agora_node.comms.collective import AggregationSpec, Deadlines, MatchmakingConfig, WireFormat
+from agora_node.comms.collective.payload import ROTATION_SEEDS
 from agora_node.protocol.codecs import CODEC_NAMES, DENSE_CODEC_NAMES, Codec, from_name
 from agora_node.protocol.manifest import UNSENT, Manifest
 from agora_node.stages.flat import host_flat, write_flat
@@ -71,6 +72,8 @@ class OuterConfig:
     def __post_init__(self) -> None:
         if self.rank < 0:
             raise ValueError(f"outer rank must be >= 0, not {self.rank}")
+        if self.rotation_seed not in ROTATION_SEEDS:  # peers refuse frames rotated otherwise
+            raise ValueError(f"rotation_seed must be one of {ROTATION_SEEDS} (payload.py)")
         if self.unsent not in UNSENT:
             raise ValueError(f"unsent must be one of {UNSENT}, not {self.unsent!r}")
         if self.unsent == "weights" and (self.rank or not from_name(self.codec).is_quantized):

@@ -1,0 +1,36 @@
+"""A real agora-node daemon that lies on the pipeline, for tests: `python -m
+tests.integration.lying_replica join ...` with AGORA_LIE set to one lie:
+
+- gradient: the gradients it returns upstream are negated (their norm unchanged, so no
+  norm check can see it);
+- loss: the loss it reports is 0.01.
+
+Everything else it does as an honest replica does: it trains, answers probes and takes
+part in outer rounds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from agora_node.node.pipeline import Pipeline
+
+LIE = os.environ.get("AGORA_LIE", "gradient")
+_honest_ok = Pipeline._ok
+
+
+async def _lying_ok(self, loss, grad):  # noqa: ANN001, ANN202
+    if LIE == "gradient" and grad is not None:
+        grad = -grad
+    if LIE == "loss":
+        loss = 0.01
+    return await _honest_ok(self, loss, grad)
+
+
+Pipeline._ok = _lying_ok
+
+if __name__ == "__main__":
+    from agora_node.node.cli import entry
+
+    sys.exit(entry())

@@ -128,17 +128,18 @@ def fsync_dir(directory: Path) -> None:
 
 def check_private(directory: Path) -> None:
     """Refuse a data dir that other users can write: whoever can plant a file there can
-    plant `identity.key` (this node then runs with a key they know). Writable by everyone
-    (even with the sticky bit, as /tmp), or, for a user other than root, owned by another
-    user (root trusts the owner of the directory it was given, as a container's root does a
-    bind mount of its operator's): DataDirError naming the fix. Writable by its group: a
-    warning."""
+    plant `identity.key` (this node then runs with a key they know), or a link where the
+    node writes (root writing through it clobbers any file). Writable by everyone (even
+    with the sticky bit, as /tmp), or owned by a user other than this one and root (root
+    too: a container's root given a bind mount of its operator's is told to chown it, or
+    to run as that user): DataDirError naming the fix. Writable by its group: a warning."""
     info = directory.stat()
     me = os.geteuid()
     if info.st_mode & stat.S_IWOTH:
         who, fix = "every user can write it", f"chmod o-w {directory}"
-    elif me != 0 and info.st_uid not in (me, 0):
-        who, fix = f"user {info.st_uid} owns it", f"chown {me} {directory}"
+    elif info.st_uid not in (me, 0):
+        who = f"user {info.st_uid} owns it"
+        fix = f"chown {me} {directory} (or run as user {info.st_uid})"
     else:
         if info.st_mode & stat.S_IWGRP:
             log.warning("data dir %s is writable by its group: chmod g-w %s", directory, directory)
@@ -157,7 +158,14 @@ def lock_data_dir(data_dir: str | os.PathLike, name: str = LOCK_NAME) -> DataDir
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         check_private(directory)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # close-on-exec: not in exec'd children
+        # close-on-exec (not in exec'd children); never through a link, never a file with
+        # another name too: it is truncated and written (a planted link made a root daemon
+        # overwrite the file it named with its pid)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            os.close(fd)
+            raise DataDirError(f"{path} is not a plain file of its own: move it away")
     except OSError as exc:
         raise unusable(directory, exc) from None
     try:

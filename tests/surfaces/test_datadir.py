@@ -203,3 +203,23 @@ def test_files_are_written_under_fresh_names_not_through_planted_symlinks(tmp_pa
     assert not key.is_symlink() and key.stat().st_mode & 0o777 == 0o600
     assert Identity.load_or_create(key).peer_id == identity.peer_id
     assert json.loads((tmp_path / "peers.json").read_text()) == ["/ip4/127.0.0.1/tcp/1"]
+
+
+def test_a_link_planted_as_the_lock_is_not_written_through(tmp_path):
+    """Whoever could write the data dir planted `lock` as a link: the daemon truncated the
+    file it named and wrote its pid there (as root, any file)."""
+    from agora_node.node.datadir import DataDirError
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    (data / "lock").symlink_to(victim)
+    with pytest.raises(DataDirError):
+        lock_data_dir(data)
+    assert victim.read_text() == "precious"
+    (data / "lock").unlink()
+    os.link(victim, data / "lock")  # a hard link: the same file under two names
+    with pytest.raises(DataDirError, match="not a plain file of its own"):
+        lock_data_dir(data)
+    assert victim.read_text() == "precious"

@@ -104,10 +104,11 @@ class PipelineConfig:
         + " (int8: half of bf16's bytes at no measured loss; docs/benchmarks.md)",
     )
     canary_every: int = 64
-    """Every n-th training micro-batch this node sends, the same input also goes, as a
-    forward-only probe, to `canary_replicas` replicas of the next stage (or a strict
-    majority of them and one more, if that is more); one whose output departs from a
-    strict majority of the stage is flagged (node/canary.py). 0: never."""
+    """One training micro-batch in n this node sends (drawn at random), the same input also
+    goes, as a forward-only probe (to the last stage: as training, once answered), to
+    `canary_replicas` replicas of the next stage (or a strict majority of them and one
+    more, if that is more); one whose answer departs from a strict majority of the stage
+    is flagged (node/canary.py). 0: never."""
     canary_replicas: int = 3
     canary_tolerance: float = 0.5
     """Relative distance (||a - b|| / max norm) within which two replicas' outputs agree;

@@ -19,15 +19,19 @@ def _stopped(signum: int, _frame: object) -> None:
 
 
 def run() -> None:
-    for sig in _EARLY:
-        signal.signal(sig, _stopped)
+    # a signal ignored by the caller (nohup's SIGHUP) stays ignored; each gets back what it
+    # had once the imports are done
+    inherited = {sig: signal.getsignal(sig) for sig in _EARLY}
+    for sig, handler in inherited.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, _stopped)
     try:
         from agora_node.node.cli import entry
     except KeyboardInterrupt:  # Ctrl-C during the imports: no traceback
         print("agora-node: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
-    for sig in _EARLY:
-        signal.signal(sig, signal.SIG_DFL)
+    for sig, handler in inherited.items():
+        signal.signal(sig, handler)
     entry()
 
 

@@ -350,9 +350,12 @@ class StageService:
         val_ids = val.fixed_subset(cfg.eval_samples)
         try:
             while not self._stop.is_set():
+                # wake just after each slot begins: every head asks in every slot, so the
+                # slot's evaluator is there to take it (a drifting wait skipped some)
+                until_next = cfg.eval_every_s - time.time() % cfg.eval_every_s
                 await asyncio.wait(
                     {inject, stopped},
-                    timeout=cfg.eval_every_s,
+                    timeout=until_next + min(1.0, cfg.eval_every_s / 10),
                     return_when="FIRST_COMPLETED",
                 )
                 if self._stop.is_set():
@@ -368,7 +371,8 @@ class StageService:
                     await self._stop.wait()
                     break
                 slot = int(time.time() // cfg.eval_every_s)
-                if evaluator(heads(), slot) == ctx.peer_id:  # one head evaluates, in turn
+                candidates = sorted({*heads(), ctx.peer_id})  # itself, its record stale or not
+                if evaluator(candidates, slot) == ctx.peer_id:  # one head evaluates, in turn
                     loss = await head.evaluate(val, val_ids)
                     if loss is not None:
                         ctx.history.add("val_loss", loss)

@@ -314,9 +314,8 @@ class StatusServer:
             if len(self._refused_names) < 16 and name not in self._refused_names:
                 self._refused_names.add(name)  # once per name: a scraper asks every 15 s
                 log.warning(
-                    "status page: refused a request naming %r (DNS rebinding guard); if "
-                    "that is this machine's name, pass --status-names %s",
-                    name[:100],
+                    "status page: refused a request naming %r (DNS rebinding guard); only "
+                    "if that name is this machine's own, pass it with --status-names",
                     name[:100],
                 )
             return web.Response(

@@ -162,3 +162,27 @@ def test_a_stop_during_the_commands_imports_is_a_clean_exit(sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_signal_ignored_by_the_caller_stays_ignored_while_starting():
+    """nohup's SIGHUP is ignored: it was made to stop the command, and then reset to the
+    default (a hangup killed a nohup'ed train-local)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_IMPORT],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+    )
+    try:
+        assert proc.stdout.readline() == b"importing\n"
+        proc.send_signal(signal.SIGHUP)  # ignored
+        proc.send_signal(signal.SIGTERM)  # stops it: a signal after the first is handled
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 0 and b"(SIGTERM)" in err and b"SIGHUP" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -28,15 +28,16 @@ def test_a_lying_replica_of_the_last_stage_is_banned_and_no_honest_one(swarm, tm
     )
     for node in [head, *honest, liar]:
         swarm.serving(node, timeout=180)
-    ids = {n: (swarm.status(n) or {}).get("peer_id") for n in [*honest, liar]}
-    assert all(ids.values())
+    liar_id = (swarm.status(liar) or {}).get("peer_id")
+    honest_ids = {(swarm.status(n) or {}).get("peer_id") for n in honest}
+    assert liar_id and all(honest_ids)
 
     def banned() -> dict[str, str]:
         suspects = (swarm.status(head) or {}).get("suspects") or {}
         return {b["peer"]: b.get("evidence", "") for b in suspects.get("banned", [])}
 
-    found = poll(lambda: banned().get(ids[liar]), 180, "the head to ban the liar")
+    found = poll(lambda: banned().get(liar_id), 180, "the head to ban the liar")
     assert ("gradient" if lie == "gradient" else "loss") in found
-    assert not set(banned()) & {ids[n] for n in honest}
+    assert not set(banned()) & honest_ids
     canaries = (swarm.status(head) or {}).get("canaries") or {}
     assert canaries.get("trained", 0) >= 2 and canaries.get("flagged", 0) >= 1

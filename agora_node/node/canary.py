@@ -38,6 +38,7 @@ from torch import Tensor
 from agora_node.comms import streams
 from agora_node.comms.pipeline_wire import (
     ForwardHeader,
+    ResponseHeader,
     Status,
     WireError,
     decode_response,
@@ -62,11 +63,11 @@ def distance(a: Tensor, b: Tensor) -> float:
 
 def grad_distance(a: Tensor, b: Tensor) -> float:
     """How far apart two replicas' gradients for one micro-batch are: 1 - their cosine, or
-    1.25 x log10 of their norms' ratio, whichever is larger (inf if either is not finite,
-    or one is zero and the other not). (0.82 x log10: GRAD_TOLERANCE at a ratio of 30.) Honest replicas of `demo` from one anchor on real
-    data measured cosines of 0.96-0.99 after 5 inner steps, 0.62-0.65 after 20 and 0.2-0.6
-    after 10-60 (one pair at 10 steps: 0.196): 0.01-0.8 here. A sign-flipped gradient is
-    about 1.6-2."""
+    0.82 x log10 of their norms' ratio (GRAD_TOLERANCE at a ratio of 30), whichever is
+    larger (inf if either is not finite, or one is zero and the other not). Honest replicas
+    of `demo` from one anchor on real data measured cosines of 0.96-0.99 after 5 inner
+    steps, 0.62-0.65 after 20 and 0.2-0.6 after 10-60 (one pair at 10 steps: 0.196):
+    0.01-0.8 here. A sign-flipped gradient is about 1.6-2."""
     a, b = a.float().reshape(-1), b.float().reshape(-1)
     if a.shape != b.shape or not (torch.isfinite(a).all() and torch.isfinite(b).all()):
         return math.inf
@@ -87,8 +88,8 @@ a run, may be 0.4 apart (5.5 against 3.3); a made-up loss of 0.01 is about 1."""
 GRAD_TOLERANCE = 1.2
 """`grad_distance` beyond which two replicas' gradients disagree: pointing against each
 other (a cosine under -0.2), or one norm 30x the other (replicas a round apart early in a
-run differ by a few times). A gradient of noise with a
-plausible norm (cosine near 0) is not caught: honest replicas come near 0.2 themselves."""
+run differ by a few times). A gradient of noise with a plausible norm (cosine near 0) is
+not caught: honest replicas come near 0.2 themselves."""
 
 
 def departing(
@@ -216,7 +217,7 @@ class Canaries:
         self.counts["trained"] += len(copies)
         replies = await asyncio.gather(*(self._trained(p, *copies[p]) for p in others))
         answers = {p: a for p, a in zip(others, replies, strict=True) if a is not None}
-        answers[replica] = (answer[0], answer[1])
+        answers[replica] = answer
         if len(answers) < 3:
             return
         self.counts["compared"] += 1
@@ -242,19 +243,31 @@ class Canaries:
         self, peer: str, header: ForwardHeader, payload: bytes
     ) -> tuple[float, Tensor] | None:
         """A replica's loss and gradient for a copy it trained on, or None if it gave none
-        (busy, gone); a gradient that cannot be decoded counts as far from everyone."""
+        (busy, gone)."""
+        answered = await self._ok_reply(peer, payload)
+        if answered is None:
+            return None
+        reply, out = answered
+        return reply.loss_value(), await self._decoded(out, header)
+
+    async def _ok_reply(
+        self, peer: str, payload: bytes
+    ) -> tuple[ResponseHeader, memoryview] | None:
+        """A replica's OK answer to one request, or None if it gave none (busy, old, gone)."""
         try:
             reply, out = decode_response(await self.ask(peer, payload))
         except (streams.StreamError, WireError):
             return None
-        if reply.status != Status.OK.value:
-            return None
-        loss = reply.loss_value()
+        return (reply, out) if reply.status == Status.OK.value else None
+
+    async def _decoded(self, out: memoryview, header: ForwardHeader) -> Tensor:
+        """A replica's frame of `header`'s shape; one that cannot be decoded, as NaN (far
+        from everyone)."""
+        shape = (header.batch, header.seq, header.width)
         try:
-            grad = await self.decode(out, (header.batch, header.seq, header.width))
+            return await self.decode(out, shape)
         except CodecError:
-            grad = torch.full((header.batch, header.seq, header.width), math.nan)
-        return loss, grad
+            return torch.full(shape, math.nan)
 
     def cancel(self) -> None:
         """A leave: checks under way stop, and no new one starts (micro-batches still in
@@ -297,18 +310,9 @@ class Canaries:
             log.warning("canary: replica %s %s", peer[-8:], evidence)
 
     async def _probe(self, peer: str, header: ForwardHeader, payload: bytes) -> Tensor | None:
-        """The replica's output for a canary, or None if it gave none (busy, old, gone)."""
-        try:
-            reply, out = decode_response(await self.ask(peer, payload))
-        except (streams.StreamError, WireError):
-            return None
-        if reply.status != Status.OK.value:
-            return None
-        if header.stage == self.last_stage:  # the last stage answers its loss
-            return torch.tensor([reply.loss_value()])
-        if not len(out):
-            return None  # a peer without probes answered a validation forward
-        try:
-            return await self.decode(out, (header.batch, header.seq, header.width))
-        except CodecError:
-            return torch.tensor([math.nan])  # garbage: far from everyone
+        """The replica's output for a canary, or None if it gave none (busy, old, gone).
+        (Only stages before the last are probed this way: `_training_canary`.)"""
+        answered = await self._ok_reply(peer, payload)
+        if answered is None or not len(answered[1]):
+            return None  # (empty: a peer without probes answered a validation forward)
+        return await self._decoded(answered[1], header)

@@ -74,17 +74,24 @@ class Reach(enum.Enum):
     UNKNOWN = "unknown"
 
 
+def ip_of(text: str) -> str | None:
+    """The IP address of an /ip4 or /ip6 multiaddr, written one way (None otherwise)."""
+    parts = text.split("/")
+    if len(parts) < 3 or parts[1] not in _IPS:
+        return None
+    try:
+        return str(ipaddress.ip_address(parts[2]))
+    except ValueError:
+        return None
+
+
 def address_scope(text: str) -> str:
     """Where an /ip4 or /ip6 multiaddr points: "global", "private", "loopback",
     "link-local", "multicast" or "unspecified" (and "other" for anything else)."""
-    parts = text.split("/")
-    if len(parts) < 3 or parts[1] not in _IPS:
+    written = ip_of(text)
+    if written is None:
         return "other"
-    try:
-        ip = ipaddress.ip_address(parts[2])
-    except ValueError:
-        return "other"
-    ip = _embedded_ipv4(ip)  # ::ffff:127.0.0.1 is loopback, not "private"
+    ip = _embedded_ipv4(ipaddress.ip_address(written))  # ::ffff:127.0.0.1 is loopback
     for scope in ("unspecified", "loopback", "link_local", "multicast", "private"):
         if getattr(ip, f"is_{scope}"):
             return scope.replace("_", "-")
@@ -146,17 +153,6 @@ def check_addrs(addrs: object, asker: str) -> list[str]:
 _NEVER_DIALED = {"link-local", "multicast", "unspecified", "other"}
 
 
-def ip_of(text: str) -> str | None:
-    """The IP address of an /ip4 or /ip6 multiaddr, written one way (None otherwise)."""
-    parts = text.split("/")
-    if len(parts) < 3 or parts[1] not in _IPS:
-        return None
-    try:
-        return str(ipaddress.ip_address(parts[2]))
-    except ValueError:
-        return None
-
-
 def _where(ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | ipaddress.IPv6Network:
     """A global IPv6 address's /64, the asker's own network (a host connects out from a
     temporary address, privacy extensions, and announces its stable one); any other
@@ -191,10 +187,8 @@ def seen_in_public(addrs: list[str], connected: frozenset[str]) -> bool:
     NAT without a forwarded port). Connected only through a relay, over the other family,
     or over a private network, its addresses may well be dialable elsewhere."""
     families = {ipaddress.ip_address(ip).version for a in addrs if (ip := ip_of(a))}
-    return any(
-        ipaddress.ip_address(ip).is_global and ipaddress.ip_address(ip).version in families
-        for ip in connected
-    )
+    seen = [ipaddress.ip_address(ip) for ip in connected]
+    return any(ip.is_global and ip.version in families for ip in seen)
 
 
 class Prober:

@@ -371,7 +371,7 @@ class StageService:
                     await self._stop.wait()
                     break
                 slot = int(time.time() // cfg.eval_every_s)
-                candidates = sorted({*heads(), ctx.peer_id})  # itself, its record stale or not
+                candidates = list({*heads(), ctx.peer_id})  # itself, its record stale or not
                 if evaluator(candidates, slot) == ctx.peer_id:  # one head evaluates, in turn
                     loss = await head.evaluate(val, val_ids)
                     if loss is not None:

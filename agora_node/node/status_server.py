@@ -263,9 +263,9 @@ class StatusServer:
         self._requested_port = port
         self._runner: web.AppRunner | None = None
         self._html = _dashboard_html()
-        self._names = frozenset(n.lower().removesuffix(".") for n in names)
+        self._names = frozenset(_host_name(n) for n in names)
         if not _is_ip(host.strip("[]")):  # bound to a name: that name is answered too
-            self._names |= {host.lower().removesuffix(".")}
+            self._names |= {_host_name(host)}
         self._refused_names: set[str] = set()
 
     @property

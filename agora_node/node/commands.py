@@ -38,9 +38,7 @@ def resolve_config(
     """CLI > AGORA_* environment > --config file > defaults, validated by the dataclass.
     The file itself may come from AGORA_CONFIG (as every option, the help says)."""
     env = os.environ if env is None else env
-    path, name = getattr(args, "config", None), "--config"
-    if not path and env.get("AGORA_CONFIG"):
-        path, name = env["AGORA_CONFIG"], "AGORA_CONFIG"
+    path, name = options.config_file(getattr(args, "config", None), env)
     file_values = options.read_config_file(path, cls, name) if path else {}
     return options.resolve(cls, vars(args), env, file_values, f"{name} {path}")
 

@@ -119,6 +119,14 @@ def add_arguments(parser: Any, cls: type) -> None:
         parser.add_argument(opt.flag, dest=opt.name, nargs=nargs, default=None, help=text)
 
 
+def config_file(given: str | None, env: Mapping[str, str]) -> tuple[str | None, str]:
+    """The config file a command reads, and where its path came from (for messages): the
+    `--config` flag's `given`, else AGORA_CONFIG (as every option, the help says)."""
+    if not given and env.get("AGORA_CONFIG"):
+        return env["AGORA_CONFIG"], "AGORA_CONFIG"
+    return given, "--config"
+
+
 def read_config_file(path: str, cls: type, name: str = "--config") -> dict[str, Any]:
     """The option values in a TOML file (keys as the long flags, with `_` or `-`); `name`:
     where the path came from, for the messages (`--config`, or `AGORA_CONFIG`)."""

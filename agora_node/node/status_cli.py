@@ -178,9 +178,7 @@ def daemon_file(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, A
     with --config is an error."""
     from agora_node.node.config import NodeConfig
 
-    path, name = getattr(args, "config", None), "--config"
-    if not path and env.get("AGORA_CONFIG"):
-        path, name = env["AGORA_CONFIG"], "AGORA_CONFIG"
+    path, name = options.config_file(getattr(args, "config", None), env)
     if not path:
         return {}
     try:

@@ -13,7 +13,8 @@ can tell them from training, and a liar can answer them honestly). Probes of the
 stage are training requests like any other (`answered`): the same micro-batch, once its
 replica answered, goes to more replicas under fresh ids, each trains on it and answers
 its loss and its gradient, and the answers are compared with the replica's that trained
-on it (`LOSS_TOLERANCE`, and `GRAD_TOLERANCE` by `grad_distance`). A replica that lies on
+on it (`LOSS_TOLERANCE`, and `GRAD_TOLERANCE` by `grad_distance`; gradients of noise,
+over several checks: `NoiseWatch`). A replica that lies on
 the gradients or the loss it returns cannot tell which of its micro-batches are checked:
 one in `canary_every` on average, drawn by a secret random choice (a fixed schedule let a
 liar that counted its answers lie on all the others). The price: each checked micro-batch
@@ -89,7 +90,60 @@ GRAD_TOLERANCE = 1.2
 """`grad_distance` beyond which two replicas' gradients disagree: pointing against each
 other (a cosine under -0.2), or one norm 30x the other (replicas a round apart early in a
 run differ by a few times). A gradient of noise with a plausible norm (cosine near 0) is
-not caught: honest replicas come near 0.2 themselves."""
+not caught by one check (honest replicas come near 0.2 themselves): `NoiseWatch`."""
+NOISE_COSINE = 0.05
+"""A replica whose gradients' best cosine with another replica's, averaged over its last
+`NOISE_CHECKS` checks, stays under this answers noise: a random direction has a cosine of
+about 1/sqrt(batch x seq x width) (0.008 for `demo`'s 8 x 128 x 16 coefficients), while
+the lowest honest pair measured 0.196 (`grad_distance`)."""
+NOISE_CHECKS = 4
+
+
+def best_cosines(grads: dict[str, Tensor]) -> dict[str, float]:
+    """Each answer's best cosine with another answer, for the answers whose others hold a
+    pair that agrees (cosine above 2 x NOISE_COSINE): without such a pair (two noisy liars
+    of three) there is nothing to be judged against."""
+    flat = {p: g.float().reshape(-1) for p, g in grads.items()}
+    unit = {}
+    for p, g in flat.items():
+        norm = float(g.norm())
+        if math.isfinite(norm) and norm > 1e-30:
+            unit[p] = g / norm
+    peers = sorted(unit)
+    cos = {(p, q): float(unit[p] @ unit[q]) for p in peers for q in peers if p < q}
+
+    def c(p: str, q: str) -> float:
+        return cos[(p, q) if p < q else (q, p)]
+
+    out = {}
+    for p in peers:
+        others = [q for q in peers if q != p]
+        if any(c(q, r) > 2 * NOISE_COSINE for q in others for r in others if q < r):
+            out[p] = max(c(p, q) for q in others)
+    return out
+
+
+@dataclass
+class NoiseWatch:
+    """Each replica's best cosines in its last NOISE_CHECKS checks (`best_cosines`); who
+    stays under NOISE_COSINE on average sends noise. Bounded: MAX_WATCHED replicas."""
+
+    seen: dict[str, list[float]] = field(default_factory=dict)
+
+    def noisy(self, cosines: dict[str, float]) -> list[str]:
+        found = []
+        for peer, cosine in cosines.items():
+            last = [*self.seen.pop(peer, []), cosine][-NOISE_CHECKS:]
+            self.seen[peer] = last  # (re-inserted: the dict keeps the most recent last)
+            if len(last) == NOISE_CHECKS and sum(last) / NOISE_CHECKS < NOISE_COSINE:
+                found.append(peer)
+                del self.seen[peer]
+        while len(self.seen) > MAX_WATCHED:
+            del self.seen[next(iter(self.seen))]
+        return found
+
+
+MAX_WATCHED = 256
 
 
 def departing(
@@ -144,6 +198,7 @@ class Canaries:
     """A replica's output frame, decoded on the worker."""
     last_stage: int
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTS, 0))
+    noise: NoiseWatch = field(default_factory=NoiseWatch)
     tasks: set[asyncio.Task] = field(default_factory=set)
     closed: bool = False
     """Set by `cancel` (a leave): no check starts after it."""
@@ -224,17 +279,30 @@ class Canaries:
         losses = {p: torch.tensor([loss]) for p, (loss, _) in answers.items()}
         grads = {p: grad for p, (_, grad) in answers.items()}
 
-        def judge() -> dict[str, str]:
+        def judge() -> tuple[dict[str, str], dict[str, float]]:
             found = dict.fromkeys(departing(losses, LOSS_TOLERANCE, len(trusted)), "loss")
             for peer in departing(grads, GRAD_TOLERANCE, len(trusted), grad_distance):
                 found[peer] = "gradient" if peer not in found else "loss and gradient"
-            return found
+            return found, best_cosines(grads)
 
-        for peer, what in (await asyncio.to_thread(judge)).items():
+        found, cosines = await asyncio.to_thread(judge)
+        for peer, what in found.items():
             self.counts["flagged"] += 1
             evidence = (
                 f"stage {header.stage}: its {what} for a micro-batch departs from the majority "
                 f"of {len(answers)} replicas that trained on it"
+            )
+            self.suspects.flag(peer, Reason.CANARY, evidence)
+            log.warning("canary: replica %s %s", peer[-8:], evidence)
+        log.debug(
+            "canary: best gradient cosines %s", {p[-8:]: round(c, 3) for p, c in cosines.items()}
+        )
+        for peer in self.noise.noisy({p: c for p, c in cosines.items() if p not in found}):
+            self.counts["flagged"] += 1
+            evidence = (
+                f"stage {header.stage}: its gradients for its last {NOISE_CHECKS} checked "
+                f"micro-batches were noise (best cosine with another replica's under "
+                f"{NOISE_COSINE} on average)"
             )
             self.suspects.flag(peer, Reason.CANARY, evidence)
             log.warning("canary: replica %s %s", peer[-8:], evidence)

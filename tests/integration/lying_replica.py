@@ -3,7 +3,8 @@ tests.integration.lying_replica join ...` with AGORA_LIE set to one lie:
 
 - gradient: the gradients it returns upstream are negated (their norm unchanged, so no
   norm check can see it);
-- loss: the loss it reports is 0.01.
+- loss: the loss it reports is 0.01;
+- noise: the gradients it returns are noise of the same spread (no direction).
 
 Everything else it does as an honest replica does: it trains, answers probes and takes
 part in outer rounds.
@@ -14,6 +15,8 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
+
 from agora_node.node.pipeline import Pipeline
 
 LIE = os.environ.get("AGORA_LIE", "gradient")
@@ -23,6 +26,8 @@ _honest_ok = Pipeline._ok
 async def _lying_ok(self, loss, grad):  # noqa: ANN001, ANN202
     if LIE == "gradient" and grad is not None:
         grad = -grad
+    if LIE == "noise" and grad is not None:
+        grad = torch.randn_like(grad) * grad.float().std()
     if LIE == "loss":
         loss = 0.01
     return await _honest_ok(self, loss, grad)

@@ -16,7 +16,15 @@ from agora_node.comms.pipeline_wire import (
     encode_forward,
     encode_response,
 )
-from agora_node.node.canary import GRAD_TOLERANCE, departing, distance, grad_distance
+from agora_node.node.canary import (
+    GRAD_TOLERANCE,
+    NOISE_CHECKS,
+    NoiseWatch,
+    best_cosines,
+    departing,
+    distance,
+    grad_distance,
+)
 from agora_node.node.pipeline import Pipeline, PipelineConfig
 from agora_node.node.suspects import Reason
 from agora_node.node.worker import StageWorker
@@ -177,7 +185,48 @@ def test_gradients_are_compared_by_direction_and_size() -> None:
     assert departing(grads, GRAD_TOLERANCE, far=grad_distance) == ["liar"]
 
 
-@pytest.mark.parametrize("lie", ["flip", "loss", "none"])
+def _with_cosine(g: torch.Tensor, cosine: float, seed: int) -> torch.Tensor:
+    """A vector of g's norm at `cosine` from g."""
+    r = torch.randn(g.shape, generator=torch.Generator().manual_seed(seed))
+    r = r - (r.flatten() @ g.flatten()) / g.norm() ** 2 * g  # orthogonal to g
+    return g * cosine + r / r.norm() * g.norm() * (1 - cosine**2) ** 0.5
+
+
+def test_a_replica_answering_noise_is_caught_over_several_checks_the_honest_are_not() -> None:
+    """A gradient of noise with a plausible norm (cosine near 0 with everyone's) passes one
+    check (honest replicas after many inner steps come near 0.2); over NOISE_CHECKS checks
+    its best cosine stays near 0, the lowest honest replica's does not."""
+    watch = NoiseWatch()
+    flagged = []
+    for k in range(3 * NOISE_CHECKS):
+        g = torch.randn(8, 128, 16, generator=torch.Generator().manual_seed(k))
+        grads = {
+            "h1": g,
+            "h2": _with_cosine(g, 0.9, 100 + k),
+            "low": _with_cosine(g, 0.2, 200 + k),  # the lowest honest pair measured
+            "noise": torch.randn(g.shape, generator=torch.Generator().manual_seed(300 + k)),
+        }
+        cosines = best_cosines(grads)
+        assert cosines["noise"] < 0.05 < 0.15 < cosines["low"]
+        flagged += watch.noisy(cosines)
+    assert flagged == ["noise"] * 3  # every NOISE_CHECKS checks, then its record starts over
+    # two of three answering noise leave no agreeing pair to judge the third against
+    g = torch.randn(8, 128, 16)
+    two_noisy = {"h": g, "n1": torch.randn(g.shape), "n2": torch.randn(g.shape)}
+    assert best_cosines(two_noisy) == {}
+    # a zero or non-finite gradient is left to `departing` (far from everyone)
+    with_zero = {"h": g, "h2": g, "h3": g, "z": torch.zeros_like(g)}
+    assert best_cosines(with_zero) == pytest.approx({"h": 1.0, "h2": 1.0, "h3": 1.0})
+
+
+def test_the_noise_watch_keeps_a_bounded_record() -> None:
+    watch = NoiseWatch()
+    for k in range(1000):
+        watch.noisy({f"p{k}": 0.0})
+    assert len(watch.seen) == 256 and "p999" in watch.seen
+
+
+@pytest.mark.parametrize("lie", ["flip", "loss", "noise", "none"])
 def test_the_last_stage_is_checked_with_training_micro_batches_a_liar_cannot_tell(
     monkeypatch, lie
 ) -> None:
@@ -203,6 +252,8 @@ def test_the_last_stage_is_checked_with_training_micro_batches_a_liar_cannot_tel
                 grad = -grad
             if peer == liar and lie == "loss":
                 loss = 0.01
+            if peer == liar and lie == "noise":  # a plausible norm, no direction
+                grad = torch.randn(truth.shape, generator=g) * float(truth.std())
             return encode_response(
                 ResponseHeader(status=Status.OK.value, loss=loss), p.codec.encode(grad)
             )

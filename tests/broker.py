@@ -8,6 +8,7 @@ stopped by pid. Tests that need it skip with a reason where mosquitto is missing
 from __future__ import annotations
 
 import asyncio
+import getpass
 import json
 import shutil
 import socket
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 MOSQUITTO = shutil.which("mosquitto") or shutil.which("mosquitto", path="/usr/sbin:/sbin")
+MOSQUITTO_PASSWD = shutil.which("mosquitto_passwd")
 
 
 def free_port() -> int:
@@ -27,17 +29,27 @@ def free_port() -> int:
 
 
 class Mosquitto:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, login: tuple[str, str] | None = None) -> None:
+        """`login`: only this user and password may connect (a password file), else anyone."""
         self.port = free_port()
         self.url = f"mqtt://127.0.0.1:{self.port}"
         self.log_path = workdir / "mosquitto.log"
         self.proc: subprocess.Popen | None = None
+        self.args = ["-p", str(self.port)]
+        if login is not None:
+            passwords, conf = workdir / "mosquitto.passwd", workdir / "mosquitto.conf"
+            subprocess.run([MOSQUITTO_PASSWD, "-b", "-c", passwords, *login], check=True)
+            conf.write_text(
+                f"listener {self.port} 127.0.0.1\nallow_anonymous false\n"
+                f"password_file {passwords}\nuser {getpass.getuser()}\n"  # root stays root
+            )
+            self.args = ["-c", str(conf)]
 
     def start(self, timeout: float = 15) -> None:
         """Start on self.port (again, after a stop) and wait until it accepts connections."""
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [MOSQUITTO, "-p", str(self.port)], stdout=log, stderr=subprocess.STDOUT
+                [MOSQUITTO, *self.args], stdout=log, stderr=subprocess.STDOUT
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -67,17 +79,22 @@ async def receive(
     match: Callable[[str, dict[str, Any]], bool],
     timeout: float,
     then: Callable[[], None] | None = None,
+    login: tuple[str, str] = (None, None),
 ) -> tuple[str, dict[str, Any]]:
     """Subscribe to `topic` from a fresh client; the first (topic, JSON) that `match`es.
 
-    `then` runs once the subscription is in place (to cause what is awaited).
+    `then` runs once the subscription is in place (to cause what is awaited); `login`: the
+    subscriber's user and password.
     """
     import aiomqtt
 
     seen: list[str] = []
     try:
         async with asyncio.timeout(timeout):
-            async with aiomqtt.Client("127.0.0.1", port, timeout=timeout) as client:
+            user, password = login
+            async with aiomqtt.Client(
+                "127.0.0.1", port, timeout=timeout, username=user, password=password
+            ) as client:
                 await client.subscribe(topic, qos=1)
                 if then is not None:
                     then()

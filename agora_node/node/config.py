@@ -20,7 +20,7 @@ from agora_node.comms.linkemu import LinkSpec
 from agora_node.node import datadir
 from agora_node.node.errors import UsageError
 from agora_node.node.options import flag_of, option
-from agora_node.node.telemetry import check_url
+from agora_node.node.telemetry import check_login, check_url
 from agora_node.protocol.allowlist import AllowListError, read_allow_keys
 from agora_node.protocol.codecs import DENSE_CODEC_NAMES, UnknownCodecError, from_name
 from agora_node.protocol.manifest import Manifest
@@ -245,6 +245,11 @@ class NodeConfig:
         help="publish status and events to this MQTT broker, e.g. mqtt://127.0.0.1:1883 "
         "(needs the mqtt extra)",
     )
+    mqtt_login: str = option(
+        "",
+        help="a file whose first line is USER:PASSWORD, the MQTT broker's login (readable "
+        "by this user only; never shown on the status page or in the log)",
+    )
     allow_keys: str = option(
         "",
         help="private swarm: a file of the peer ids (or hex Ed25519 public keys) allowed in, "
@@ -300,6 +305,11 @@ class NodeConfig:
                 raise UsageError(f"--emulate-link: {exc}") from None
         if self.mqtt_url:
             check_url(self.mqtt_url)
+        if self.mqtt_login:
+            if not self.mqtt_url:
+                raise UsageError("--mqtt-login needs --mqtt-url (the broker it logs in to)")
+            self.mqtt_login = str(Path(self.mqtt_login).expanduser())
+            check_login(self.mqtt_login)
         if self.allow_keys:
             self.allow_keys = str(Path(self.allow_keys).expanduser())
             try:

@@ -165,6 +165,7 @@ class Node:
             secret=hashlib.sha256(
                 b"agora mqtt client id" + self.identity.to_libp2p_bytes()
             ).digest(),
+            login=config.mqtt_login,
         )
 
     def _peer_gone(self, peer: str) -> None:

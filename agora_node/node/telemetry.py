@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
 import ssl
 import time
@@ -139,6 +140,35 @@ def check_url(url: str) -> None:
         raise UsageError(f"--mqtt-url: {exc}") from None
     if not _have_aiomqtt():
         raise UsageError(INSTALL_HINT)
+
+
+def read_login(path: str) -> tuple[str, str]:
+    """The broker login in `path`: its first line, USER:PASSWORD (the password may hold
+    colons). ValueError says what is wrong, never what the file holds. The file must be
+    readable by its owner only (as an ssh key): the password is a shared secret."""
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            first = f.read(MAX_LOGIN_BYTES + 1).split(b"\n", 1)[0].rstrip(b"\r")
+    except OSError as exc:
+        raise ValueError(f"{path}: {exc.strerror or exc}") from None
+    if mode & 0o077:
+        raise ValueError(f"{path} is readable by others: chmod 600 {path}")
+    user, colon, password = first.decode("utf-8", "replace").partition(":")
+    if len(first) > MAX_LOGIN_BYTES or not colon or not user:
+        raise ValueError(f"{path}: the first line must be USER:PASSWORD (at most 512 bytes)")
+    return user, password
+
+
+MAX_LOGIN_BYTES = 512
+
+
+def check_login(path: str) -> None:
+    """Validate `--mqtt-login` at configuration time."""
+    try:
+        read_login(path)
+    except ValueError as exc:
+        raise UsageError(f"--mqtt-login {exc}") from None
 
 
 def _have_aiomqtt() -> bool:
@@ -268,11 +298,14 @@ class Telemetry:
         keepalive_s: int = 15,
         timeout_s: float = 5.0,
         secret: bytes = b"",
+        login: str = "",
     ) -> None:
         """`secret`: what makes the MQTT client id unguessable (the daemon derives it from
-        its private key, so it is also the same after a restart)."""
+        its private key, so it is also the same after a restart). `login`: a file holding
+        the broker's USER:PASSWORD (`read_login`), read at each connection."""
         self.broker = Broker.parse(url) if url else None
         self._secret = secret
+        self._login = login
         self._snapshot = snapshot
         self.every_s, self.backoff, self.keepalive_s, self.timeout_s = (
             every_s,
@@ -391,9 +424,12 @@ class Telemetry:
 
     def _client(self, aiomqtt: Any) -> Any:
         will = {"state": "gone", "peer_id": self._node.get("peer_id")}
+        user, password = read_login(self._login) if self._login else (None, None)
         return aiomqtt.Client(
             self.broker.host,
             self.broker.port,
+            username=user,
+            password=password,
             # Stable, so a reconnect takes the old session over at once (its will, if any,
             # lands before our next status) instead of lingering until its keepalive ends;
             # secret, since whoever connects with it takes the session over (the broker

@@ -24,9 +24,11 @@ from agora_node.node.telemetry import (
     backoff_s,
     encode,
     events_between,
+    read_login,
     status_payload,
 )
 from tests.broker import receive
+from tests.conftest import BROKER_LOGIN
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -119,7 +121,55 @@ def test_missing_extra_is_one_line_naming_the_install(monkeypatch, tmp_path, cap
     assert err.count("\n") == 1 and "pip install 'agora-node[mqtt]'" in err, err
 
 
+def test_the_broker_login_file(tmp_path, capsys):
+    login = tmp_path / "login"
+    login.write_text("agora:pass:word\nignored\n")
+    login.chmod(0o600)
+    assert read_login(str(login)) == ("agora", "pass:word")
+    login.chmod(0o640)  # a password others can read is refused, as ssh refuses such a key
+    with pytest.raises(ValueError, match="chmod 600"):
+        read_login(str(login))
+    for bad in ["no colon\n", ":nobody\n", "x" * 600 + ":p"]:
+        login.write_text(bad)
+        login.chmod(0o600)
+        with pytest.raises(ValueError, match="USER:PASSWORD") as exc:
+            read_login(str(login))
+        assert "nobody" not in str(exc.value)  # what the file holds is never repeated
+    with pytest.raises(ValueError, match="No such file"):
+        read_login(str(tmp_path / "missing"))
+    argv = ["join", "--initial-peers", f"/ip4/127.0.0.1/tcp/9/p2p/{PEER}"]
+    argv += ["--data-dir", str(tmp_path / "d"), "--mqtt-login", str(login)]
+    assert main(argv) == 2  # a login with no broker to log in to
+    assert "--mqtt-login needs --mqtt-url" in capsys.readouterr().err
+    login.chmod(0o644)
+    assert main([*argv, "--mqtt-url", "mqtt://127.0.0.1:1883"]) == 2
+    assert "readable by others" in capsys.readouterr().err
+
+
 # ---- against a real broker ------------------------------------------------------------------
+async def test_a_broker_with_a_login_hears_only_a_node_that_has_it(mosquitto_login, tmp_path):
+    """There was no way to give a broker's login: a broker that refuses anonymous clients
+    (any shared one should) could not be used."""
+    login = tmp_path / "login"
+    login.write_text(":".join(BROKER_LOGIN) + "\n")
+    login.chmod(0o600)
+    stranger = Telemetry(mosquitto_login.url, FakeNode().snapshot, backoff=(0.05, 0.1))
+    telemetry = Telemetry(mosquitto_login.url, FakeNode().snapshot, every_s=0.2, login=str(login))
+    try:
+        stranger.start()
+        await until(lambda: stranger.failures >= 2, 20, "the broker to refuse a node without it")
+        assert not stranger.connected and stranger.connects == 0
+        active = lambda _t, d: d.get("state") == "active"  # noqa: E731
+        port = mosquitto_login.port
+        _, status = await receive(
+            port, STATUS, active, 20, then=telemetry.start, login=BROKER_LOGIN
+        )
+        assert status["peer_id"] == PEER and telemetry.connects >= 1
+    finally:
+        await telemetry.stop()
+        await stranger.stop()
+
+
 async def test_retained_status_and_events_reach_a_fresh_subscriber(mosquitto):
     fake = FakeNode()
     telemetry = Telemetry(mosquitto.url, fake.snapshot, every_s=0.2)

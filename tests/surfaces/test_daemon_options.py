@@ -62,6 +62,22 @@ def _allow_files() -> list[str]:
 SAMPLES["allow_keys"] = _allow_files()
 
 
+def _login_files() -> list[str]:
+    """Four valid --mqtt-login files (owner-only USER:PASSWORD)."""
+    folder = Path(tempfile.mkdtemp(prefix="agora-mqtt-login-"))
+    atexit.register(shutil.rmtree, folder, True)
+    paths = []
+    for i in range(4):
+        path = folder / f"login-{i}"
+        path.write_text(f"user{i}:password{i}\n")
+        path.chmod(0o600)
+        paths.append(str(path))
+    return paths
+
+
+SAMPLES["mqtt_login"] = _login_files()
+
+
 def samples(opt: Option) -> list[Any]:
     """Four distinct valid values, as a TOML file would hold them."""
     if opt.name in SAMPLES:
@@ -133,6 +149,8 @@ def test_precedence_cli_over_env_over_file_over_default(opt: Option, tmp_path: P
     env = {opt.env: as_text(in_env)}
     other = tmp_path / "dir"  # keeps path options from depending on $HOME
     keep = [] if opt.name == "data_dir" else ["--data-dir", str(other)]
+    if opt.name == "mqtt_login":  # a login needs a broker
+        keep += ["--mqtt-url", "mqtt://127.0.0.1:1883"]
     peers = opt.name != "initial_peers"
 
     assert resolved(join([*keep, *cli], env, toml, peers), opt) == expected(opt, on_cli)

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from agora_node import signals
 from agora_node.node import datadir, options
 from agora_node.node.config import BootstrapConfig, NodeConfig, check_maddrs, config_dict
 from agora_node.node.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, UsageError
@@ -73,6 +74,7 @@ def _hold_identity(stack: contextlib.ExitStack, path: str) -> None:
 def cmd_join(args: argparse.Namespace) -> int:
     config = resolve_config(args, NodeConfig)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(signals.while_starting())  # until the daemon's loop handles them
         stack.enter_context(datadir.lock_data_dir(config.data_dir))  # a second daemon fails at once
         check_maddrs(config)  # imports hivemind: after the lock, before anything starts
         # Probing the device imports torch (about a second): after the lock, before the key.
@@ -257,6 +259,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
     # Its own lock name: a bootstrap and the default node may share ~/.agora-node.
     with contextlib.ExitStack() as stack:
+        stack.enter_context(signals.while_starting())  # until the bootstrap's loop does
         stack.enter_context(datadir.lock_data_dir(config.data_dir, "bootstrap.lock"))
         check_maddrs(config)
         prepare_identity(config.identity_path)

@@ -186,3 +186,84 @@ def test_a_signal_ignored_by_the_caller_stays_ignored_while_starting():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+_SLOW_DAEMON_IMPORT = """
+import sys, time
+class Slow:  # `join`'s own imports after its checks (the daemon's code), held
+    def find_spec(self, name, path=None, target=None):
+        if name == "agora_node.node.run":
+            print("importing", flush=True)
+            time.sleep(30)
+        return None
+sys.meta_path.insert(0, Slow())
+sys.argv = ["agora-node", "join", "--initial-peers", sys.argv[1], "--data-dir", sys.argv[2],
+            "--stage", "0", "--manifest", "demo", "--threads", "1"]
+from agora_node.__main__ import run
+run()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGQUIT])
+def test_a_stop_before_the_daemons_loop_handles_signals_is_a_clean_exit(tmp_path, sig):
+    """The command's imports were covered, but `join` spends seconds more importing
+    hivemind and torch for its checks and the daemon's code: a signal then killed it,
+    exit -15 (SIGQUIT -3), silent."""
+    import subprocess
+    import sys
+
+    peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJTjvve5CHTecvRiyBZSEgRN7cHWUDhThRpcBxcUEb3xX"
+    data_dir = tmp_path / "node"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_DAEMON_IMPORT, peer, str(data_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout.readline() == b"importing\n"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert f"stopped while starting ({sig.name})".encode() in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    from agora_node.node import datadir
+
+    with datadir.lock_data_dir(str(data_dir)):  # released: the next daemon may start
+        pass
+
+
+_SLOW_EXIT = """
+import atexit, sys, time
+def slow_exit():  # the interpreter's shutdown, which took 1.5-8 s after a daemon left
+    print("exiting", flush=True)
+    time.sleep(3)
+atexit.register(slow_exit)
+sys.argv = ["agora-node", "--version"]
+from agora_node.__main__ import run
+run()
+"""
+
+
+def test_a_stop_signal_while_the_process_exits_is_ignored():
+    """After a daemon left, Python's own shutdown took seconds: a second Ctrl-C or SIGTERM
+    then killed the process (exit -2 or -15), though the node had left cleanly."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_EXIT], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout.readline().startswith(b"agora-node ")  # --version: the command ran
+        assert proc.stdout.readline() == b"exiting\n"
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            proc.send_signal(sig)
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 0, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

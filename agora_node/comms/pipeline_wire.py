@@ -64,6 +64,8 @@ class Code(StrEnum):
     UNKNOWN_SENDER = "unknown_sender"
     """The sender has no record at the stage before the receiver's (yet: a fresh one is
     read within the receiver's refresh interval)."""
+    BANNED = "banned"
+    """The sender is banned at the receiver, caught lying by its checks (node/canary.py)."""
     DOWNSTREAM = "downstream"
     INTERNAL = "internal"
 

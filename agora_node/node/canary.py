@@ -9,7 +9,11 @@ all of them. `departing` is the pure decision; `Canaries` sends a pipeline's pro
 answers' authors in the suspects ledger.
 
 Probes of a stage before the last are forward-only requests (marked as probes: a replica
-can tell them from training, and a liar can answer them honestly). Probes of the last
+can tell them from training, and a liar can answer them honestly). A head's activations are
+checked where they arrive: a replica of stage 1 has other heads recompute stage 0's output
+for one micro-batch's tokens it trains on (`received`, probes of stage 0: the tokens, no
+activations) and compares the head's activations with theirs; it refuses a head caught
+departing (`Code.BANNED`). Probes of the last
 stage are training requests like any other (`answered`): the same micro-batch, once its
 replica answered, goes to more replicas under fresh ids, each trains on it and answers
 its loss and its gradient, and the answers are compared with the replica's that trained
@@ -91,6 +95,13 @@ GRAD_TOLERANCE = 1.2
 other (a cosine under -0.2), or one norm 30x the other (replicas a round apart early in a
 run differ by a few times). A gradient of noise with a plausible norm (cosine near 0) is
 not caught by one check (honest replicas come near 0.2 themselves): `NoiseWatch`."""
+HEAD_TOLERANCE = 0.85
+"""`grad_distance` beyond which a head's activations depart from other heads' for the same
+tokens: a cosine under 0.15, or norms 11x apart. Honest heads of `demo` in the first
+minutes of a run (each trains on its own batches between outer rounds, fast early on)
+measured up to 0.57 by this measure (cosines down to 0.43) and relative distances
+(`distance`) up to 0.84, too far for `canary_tolerance`'s 0.5; after the first outer
+rounds, 0.04-0.06. Noise of a plausible norm is 1 from everyone (a cosine of 0)."""
 NOISE_COSINE = 0.05
 """A replica whose gradients' best cosine with another replica's, averaged over its last
 `NOISE_CHECKS` checks, stays under this answers noise: a random direction has a cosine of
@@ -182,11 +193,28 @@ MAX_ASKED = 9
 can reach a strict majority of them, and nobody is flagged by canaries."""
 
 
+def _probe_header(header: ForwardHeader, *, stage: int) -> ForwardHeader:
+    """A forward-only probe of `stage` with `header`'s input (marked: answered with the
+    stage's output and nothing downstream)."""
+    return ForwardHeader(
+        **{
+            **header.__dict__,
+            "stage": stage,
+            "mb_id": f"{header.mb_id[:64]}/canary",
+            "train": False,
+            "probe": True,
+        }
+    )
+
+
 @dataclass(eq=False)
 class Canaries:
-    """Every `config.canary_every`-th training micro-batch a pipeline sends, the same input
-    also goes, as a forward-only probe, to `config.canary_replicas` trusted replicas of
-    the next stage; who departs from the strict majority is flagged (`departing`)."""
+    """One training micro-batch in `config.canary_every` a pipeline sends (`sent`: a
+    forward-only probe of the next stage's replicas), has answered by the last stage
+    (`answered`: copies trained by other replicas) or, at stage 1, receives from a head
+    (`received`: other heads recompute its activations) is checked against trusted
+    replicas, at least `config.canary_replicas`; who departs from a strict majority of the
+    stage is flagged (`departing`)."""
 
     config: PipelineConfig
     suspects: Suspects
@@ -197,6 +225,9 @@ class Canaries:
     decode: Callable[[memoryview, tuple[int, int, int]], Awaitable[Tensor]]
     """A replica's output frame, decoded on the worker."""
     last_stage: int
+    check_heads: bool = True
+    """Whether this node, at stage 1, has heads' activations recomputed (`received`; not
+    in context-parallel cells, whose heads split each sequence)."""
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTS, 0))
     noise: NoiseWatch = field(default_factory=NoiseWatch)
     tasks: set[asyncio.Task] = field(default_factory=set)
@@ -344,9 +375,42 @@ class Canaries:
         for task in list(self.tasks):
             task.cancel()
 
+    def received(
+        self, sender: str, header: ForwardHeader, tokens: TokenBatch, c_in: Tensor
+    ) -> None:
+        """`sender`, a head, sent this node (stage 1) a training micro-batch and its
+        activations `c_in`: when a check is due, other heads compute stage 0's output for
+        its tokens, and whether the sender's departs from theirs is judged (in a task).
+        Nobody else could tell a head's activations from noise of a plausible norm."""
+        if header.stage == 1 and self.check_heads and self._due():
+            self._spawn(self._head_check(sender, header, tokens, c_in))
+
+    async def _head_check(
+        self, sender: str, header: ForwardHeader, tokens: TokenBatch, c_in: Tensor
+    ) -> None:
+        # Heads banned here for anything but a canary are checked, and asked, too: this node
+        # bans heads only for their micro-batches, and a norm outlier's ban (early in a
+        # run its norms grow fast: QA runs had two of three heads banned so) still takes
+        # their other micro-batches, while a canary ban refuses them all.
+        others = [
+            p
+            for p in self.replicas(0)
+            if p != sender and self.suspects.reason_of(p) != Reason.CANARY
+        ]
+        size = self._asked(len(others) + 1)
+        if sender not in self.replicas(0) or size is None:
+            log.debug("canary: no check of head %s (%d other heads)", sender[-8:], len(others))
+            return
+        chosen = random.sample(others, size - 1)
+        probe = _probe_header(header, stage=0)
+        payload = encode_forward(probe, tokens.ids, b"", tokens.docs)
+        await self._judge_probes(
+            probe, payload, chosen, len(others) + 1, {sender: c_in}, grad_distance, HEAD_TOLERANCE
+        )
+
     async def _canary(self, header: ForwardHeader, tokens: TokenBatch, encoded: bytes) -> None:
         """Probe several replicas of `header.stage` with one input; flag who departs."""
-        trusted = [p for p in self.replicas(header.stage) if not self.suspects.is_banned(p)]
+        trusted = self._trusted(header.stage)
         # Who departs is judged against a strict majority of the stage's trusted replicas,
         # not of the sample: two colluders of five, both in a sample of three, agreeing on
         # a made-up answer, were its majority, and got each honest replica banned in turn.
@@ -355,25 +419,50 @@ class Canaries:
         if size is None:
             return
         chosen = random.sample(trusted, size)
-        probe = ForwardHeader(
-            **{
-                **header.__dict__,
-                "mb_id": f"{header.mb_id[:64]}/canary",
-                "train": False,
-                "probe": True,
-            }
-        )
+        probe = _probe_header(header, stage=header.stage)
         payload = encode_forward(probe, tokens.ids, encoded, tokens.docs)
+        await self._judge_probes(probe, payload, chosen, len(trusted))
+
+    def _trusted(self, stage: int) -> list[str]:
+        return [p for p in self.replicas(stage) if not self.suspects.is_banned(p)]
+
+    async def _judge_probes(
+        self,
+        probe: ForwardHeader,
+        payload: bytes,
+        chosen: list[str],
+        trusted: int,
+        given: dict[str, Tensor] | None = None,
+        far: Callable[[Tensor, Tensor], float] = distance,
+        tolerance: float | None = None,
+    ) -> None:
+        """Ask `chosen` for their output on `probe`; with the outputs `given` (a head's
+        activations as sent), flag who departs from a strict majority of `trusted` (by
+        `far`, beyond `tolerance`: by default `config.canary_tolerance`)."""
         self.counts["sent"] += 1
         answers = await asyncio.gather(*(self._probe(p, probe, payload) for p in chosen))
         outputs = {p: a for p, a in zip(chosen, answers, strict=True) if a is not None}
+        outputs |= given or {}
         if len(outputs) < 3:
             return
         self.counts["compared"] += 1
-        tolerance = self.config.canary_tolerance
-        for peer in await asyncio.to_thread(departing, outputs, tolerance, len(trusted)):
+        tolerance = self.config.canary_tolerance if tolerance is None else tolerance
+        if log.isEnabledFor(logging.DEBUG):
+            peers = sorted(outputs)
+            pairs = {
+                f"{p[-4:]}-{q[-4:]}": (
+                    round(distance(outputs[p], outputs[q]), 3),
+                    round(grad_distance(outputs[p], outputs[q]), 3),
+                )
+                for i, p in enumerate(peers)
+                for q in peers[i + 1 :]
+            }
+            log.debug("canary: stage %d outputs' distances %s", probe.stage, pairs)
+        for peer in await asyncio.to_thread(departing, outputs, tolerance, trusted, far):
             self.counts["flagged"] += 1
-            evidence = f"stage {header.stage}: output departs from the majority of {len(outputs)}"
+            evidence = f"stage {probe.stage}: output departs from the majority of {len(outputs)}"
+            if peer in (given or {}):
+                evidence += " (the activations it sent, recomputed by other replicas)"
             self.suspects.flag(peer, Reason.CANARY, evidence)
             log.warning("canary: replica %s %s", peer[-8:], evidence)
 

@@ -51,7 +51,7 @@ from agora_node.node.config import PipelineConfig
 from agora_node.node.gone import GoneWatch
 from agora_node.node.metrics import Metrics
 from agora_node.node.suspects import NormWatch, Reason, Suspects
-from agora_node.node.worker import MicroBatchIdError, StageWorker
+from agora_node.node.worker import MicroBatchIdError, StageWorker, WorkerClosed
 from agora_node.protocol.manifest import Manifest
 from agora_node.protocol.names import forward_protocol
 from agora_node.stages.data import TokenBatch
@@ -110,13 +110,14 @@ class Pipeline:
         stats: PipelineStats | None = None,
         suspects: Suspects | None = None,
         rtt_of: Callable[[str], float | None] | None = None,
-        may_send: Callable[[str], bool] | None = None,
+        may_send: Callable[[str, int], bool] | None = None,
     ) -> None:
         self.manifest, self.worker, self.p2p, self.peer_id = manifest, worker, p2p, peer_id
         self.peers_of, self.config = peers_of, config
         self.may_send = may_send
         """Whether a peer may send this stage requests: it has a record at the stage
-        before it (the daemon's RecentPeers); None, anyone (unit tests of the handler)."""
+        given (the one before this node's; the next one for a head's probes: the daemon's
+        RecentPeers); None, anyone (unit tests of the handler)."""
         self.codec = ActivationCodec(mode=config.activation_codec)
         self.stats = stats if stats is not None else PipelineStats()
         """Shared by the node's successive pipelines, so totals survive a stage switch."""
@@ -151,6 +152,7 @@ class Pipeline:
             ask=self._ask,
             decode=lambda out, shape: worker.call(self.codec.decode, out, shape),
             last_stage=m.num_stages - 1,
+            check_heads=m.model.cp_degree == 1,
         )
         """Forward-only probes of the next stage's replicas (canary.py)."""
         self.waits = GoneWatch()
@@ -183,6 +185,8 @@ class Pipeline:
         self._idle.clear()
         try:
             answer = await self._answer(remote, data)
+        except WorkerClosed:  # a second stop signal closed the node under a request
+            answer = error_response(Status.BUSY, Code.LEAVING, "this node is closing")
         finally:
             self.active_requests -= 1
             if self.active_requests == 0:
@@ -197,14 +201,18 @@ class Pipeline:
             if header.train and not await self._plausible(c_in, self._activation_norms, remote):
                 self.suspects.flag(remote, Reason.PIPELINE_OUTLIER, "activations: norm outlier")
                 raise WireError(Code.BAD_PAYLOAD, "activation norm far from the recent ones")
+            if header.train and self.stage == 1:  # a head's activations are checked now and then
+                self.canaries.received(remote, header, tokens, c_in)
         except WireError as exc:
             if exc.code == Code.NON_FINITE:
                 self.suspects.flag(remote, Reason.NONFINITE, "sent non-finite activations")
             busy = exc.code in _BUSY
             if exc.code not in _UNCOUNTED:
                 self.events.count_microbatch("rejected", code=exc.code.value)
-                # strangers cause unknown_sender by the thousand: counted, logged at debug
-                level = logging.DEBUG if exc.code == Code.UNKNOWN_SENDER else logging.INFO
+                # strangers cause unknown_sender by the thousand, a banned liar banned by
+                # the thousand: counted, logged at debug
+                quiet = exc.code in (Code.UNKNOWN_SENDER, Code.BANNED)
+                level = logging.DEBUG if quiet else logging.INFO
                 log.log(level, "rejected micro-batch from %s: %s (%s)", remote[-8:], exc.code, exc)
             return error_response(Status.BUSY if busy else Status.REJECTED, exc.code, str(exc))
         try:
@@ -298,21 +306,26 @@ class Pipeline:
 
     async def _admit(
         self, remote: str, data: bytes
-    ) -> tuple[ForwardHeader, TokenBatch, torch.Tensor]:
+    ) -> tuple[ForwardHeader, TokenBatch, torch.Tensor | None]:
         header, raw_tokens, raw_docs, payload = decode_forward(data)
         m = self.manifest
         if header.run_id != m.run_id:
             raise WireError(
                 Code.UNKNOWN_RUN, f"this node serves run {m.run_id}, not {header.run_id!r}"
             )
-        if header.stage != self.stage or self.is_head:  # nobody sends stage 0 micro-batches
+        # nobody sends stage 0 micro-batches: only probes, from stage 1 (Canaries.received)
+        head_probe = self.is_head and header.probe and header.stage == 0
+        if header.stage != self.stage or (self.is_head and not head_probe):
             raise WireError(
                 Code.WRONG_STAGE, f"this node serves stage {self.stage}, not {header.stage}"
             )
-        if self.may_send is not None and not self.may_send(remote):
+        sender_stage = self.stage + 1 if head_probe else self.stage - 1
+        if self.may_send is not None and not self.may_send(remote, sender_stage):
             raise WireError(
-                Code.UNKNOWN_SENDER, f"{remote[-8:]} has no record at stage {self.stage - 1}"
+                Code.UNKNOWN_SENDER, f"{remote[-8:]} has no record at stage {sender_stage}"
             )
+        if self.suspects.reason_of(remote) == Reason.CANARY:  # caught lying by this node
+            raise WireError(Code.BANNED, f"{remote[-8:]} is banned here (canary)")
         if not self.accepting:
             raise WireError(Code.LEAVING, "this node is leaving")
         if self.worker.in_flight + self.active_requests > self.config.max_queue:
@@ -339,6 +352,10 @@ class Pipeline:
             )
         ids = decode_tokens(raw_tokens, header.batch, header.seq, m.model.vocab_size)
         tokens = TokenBatch(ids, decode_documents(raw_docs, header.batch, header.seq))
+        if head_probe:  # its input is the tokens
+            if len(payload):
+                raise WireError(Code.BAD_PAYLOAD, "a probe of stage 0 carries no activations")
+            return header, tokens, None
         shape = (header.batch, header.seq, width)
         try:
             c_in = await self.worker.call(self._decode, payload, shape)
@@ -365,8 +382,9 @@ class Pipeline:
             )
         return encode_response(ResponseHeader(status=Status.OK.value, loss=reply[0]))
 
-    async def _answer_probe(self, tokens: TokenBatch, c_in: torch.Tensor) -> bytes:
-        """A canary: this stage's output for the input, nothing downstream (canary.py)."""
+    async def _answer_probe(self, tokens: TokenBatch, c_in: torch.Tensor | None) -> bytes:
+        """A canary: this stage's output for the input (at stage 0, the tokens), nothing
+        downstream (canary.py)."""
         out = await self.worker.call(self.worker.forward_eval, c_in, tokens)
         if self.worker.stage.is_last:
             return encode_response(ResponseHeader(status=Status.OK.value, loss=out))

@@ -116,7 +116,7 @@ class StageService:
             stats=ctx.stats,
             suspects=ctx.suspects,
             rtt_of=ctx.rtt_of,
-            may_send=lambda peer: ctx.seen_at(worker.index - 1, peer),
+            may_send=lambda peer, stage: ctx.seen_at(stage, peer),
         )
         self.final_val_loss: float | None = None
         self._stop = asyncio.Event()

@@ -135,8 +135,12 @@ class Suspects:
                 del self._flags[peer]
 
     def is_banned(self, peer: str) -> bool:
+        return self.reason_of(peer) is not None
+
+    def reason_of(self, peer: str) -> Reason | None:
+        """Why `peer` is banned now (its last flag's reason), or None if it is not."""
         f = self._flags.get(peer)
-        return f is not None and f.until > self.clock()
+        return f.reason if f is not None and f.until > self.clock() else None
 
     def banned(self) -> frozenset[str]:
         now = self.clock()

@@ -63,6 +63,10 @@ forgotten after the stages below had stepped on it, and its upstream's retry tra
 them on it twice."""
 
 
+class WorkerClosed(RuntimeError):
+    """A call on a worker that was closed (the node is closing): nothing more runs on it."""
+
+
 class MicroBatchIdError(Exception):
     """A micro-batch id this worker cannot take: answered as that request's failure (the
     pipeline's FAILED), never a traceback."""
@@ -133,6 +137,8 @@ class StageWorker:
         self._lock = threading.Lock()  # guards state snapshots taken from the worker thread
         self._thread: threading.Thread | None = None
         self._threaded = False
+        self.closed = False
+        """Set by `close`: calls from then on raise WorkerClosed."""
         self._executor.submit(self._remember_thread).result()
         self.versions = WeightVersions(
             self.stage,
@@ -143,15 +149,27 @@ class StageWorker:
 
     # ---- plumbing ------------------------------------------------------------------
     async def call(self, fn, *args: Any) -> Any:  # noqa: ANN001
-        """Run fn(*args) on the worker thread."""
+        """Run fn(*args) on the worker thread (WorkerClosed once `close` began)."""
+        if self.closed:
+            raise WorkerClosed("the stage worker is closed: the node is closing")
         self._threaded = True
         self.calls_open += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        except RuntimeError:  # the executor shut down between the check and the submit
+            if self.closed:
+                raise WorkerClosed("the stage worker is closed: the node is closing") from None
+            raise
+        except asyncio.CancelledError:  # `close` cancelled the queued call, not its caller
+            task = asyncio.current_task()
+            if self.closed and task is not None and not task.cancelling():
+                raise WorkerClosed("the stage worker is closed: the node is closing") from None
+            raise
         finally:
             self.calls_open -= 1
 
     def close(self) -> None:
+        self.closed = True
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     @property

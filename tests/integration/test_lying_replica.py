@@ -42,3 +42,41 @@ def test_a_lying_replica_of_the_last_stage_is_banned_and_no_honest_one(swarm, tm
     assert not set(banned()) & honest_ids
     canaries = (swarm.status(head) or {}).get("canaries") or {}
     assert canaries.get("trained", 0) >= 2 and canaries.get("flagged", 0) >= 1
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.slow  # about 2 minutes; the default suite has the check with a fake network
+# (tests/node/test_canary.py, a head sending noise as activations)
+def test_a_head_sending_noise_as_activations_is_refused_by_the_next_stage(swarm, tmp_path):
+    """Nobody could recompute a head's activations but other heads, and nobody asked: a
+    head sending noise of a plausible spread poisoned the next stage's training. Now the
+    replicas of stage 1 have other heads recompute one micro-batch in 64 and refuse the
+    liar's from then on; no honest head is banned."""
+    manifest = small_manifest(tmp_path / "two.toml", stages=2, layers=2)
+    swarm.bootstrap(manifest)
+    heads = [swarm.join(f"head-{i}", "--stage", "0") for i in range(2)]
+    liar = swarm.join(
+        "liar", "--stage", "0", module="tests.integration.lying_replica",
+        env={"AGORA_LIE": "activations"},
+    )  # fmt: skip
+    replicas = [swarm.join(f"replica-{i}", "--stage", "1") for i in range(2)]
+    for node in [*heads, liar, *replicas]:
+        swarm.serving(node, timeout=180)
+    liar_id = (swarm.status(liar) or {}).get("peer_id")
+    honest_ids = {(swarm.status(n) or {}).get("peer_id") for n in heads}
+    assert liar_id and all(honest_ids)
+
+    def canary_bans(node) -> dict[str, str]:  # noqa: ANN001
+        suspects = (swarm.status(node) or {}).get("suspects") or {}
+        return {
+            b["peer"]: b["evidence"] for b in suspects.get("banned", []) if b["reason"] == "canary"
+        }
+
+    found = poll(
+        lambda: canary_bans(replicas[0]).get(liar_id) or canary_bans(replicas[1]).get(liar_id),
+        240,
+        "a replica of stage 1 to ban the lying head",
+    )
+    assert "recomputed by other replicas" in found
+    for node in replicas:
+        assert not set(canary_bans(node)) & honest_ids

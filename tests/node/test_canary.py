@@ -2,6 +2,7 @@
 answer of a stage, and a sender flagging a replica whose output departs (no network)."""
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -287,5 +288,110 @@ def test_checks_are_drawn_at_random_and_none_starts_after_a_leave(monkeypatch) -
         assert draws[3::4] != [True] * 1000  # not every 4th
         p.canaries.cancel()
         assert not any(p.canaries._due() for _ in range(100))
+    finally:
+        p.worker.close()
+
+
+@pytest.mark.parametrize("flagged_before", [False, True])
+def test_a_head_sending_noise_as_activations_is_caught_by_the_next_stage(
+    monkeypatch, caplog, flagged_before
+) -> None:
+    """A head that sent noise of a plausible norm instead of its activations poisoned the
+    next stage's training, caught by nothing (a QA run: the honest head's loss rose 1.45
+    -> 2.2-2.7): nobody but stage 0's replicas can recompute them, and nobody asked. Now a
+    replica of stage 1 has other heads recompute one micro-batch in `canary_every` it
+    trains on, and refuses a head caught departing from them. A head already banned for a
+    norm outlier (whose other micro-batches are still taken) is checked as well: it was
+    skipped as untrusted, and its noise trained on."""
+    caplog.set_level(logging.DEBUG, "agora_node.node.canary")  # its distances logged too
+    m = load_manifest("demo")  # two stages: stage 1 trains without a downstream
+    head = StageWorker(m, 0)
+    p = Pipeline(
+        m, StageWorker(m, 1), None, "me", lambda s: ["h1", "h2", "h3", "liar"] if s == 0 else [],
+        PipelineConfig(canary_every=1),
+    )  # fmt: skip
+    try:
+        b, s, w = m.inner.micro_batch, m.model.seq_len, p.worker.stage.boundary_width
+        tokens = torch.randint(0, m.model.vocab_size, (b, s + 1), generator=torch.Generator())
+        truth = head.forward_eval(None, tokens)
+        probed: list[ForwardHeader] = []
+
+        async def request(p2p, peer, protocol, payload, *, timeout, **_kw):  # noqa: ANN001, ANN202
+            sent, _, _, activations = decode_forward(payload)
+            assert sent.probe and sent.stage == 0 and not len(activations)
+            probed.append(sent)
+            return encode_response(ResponseHeader(status=Status.OK.value), p.codec.encode(truth))
+
+        monkeypatch.setattr(streams, "request", request)
+
+        def train(c: torch.Tensor, n: int) -> bytes:
+            header = ForwardHeader(
+                run_id=m.run_id, mb_id=f"mb{n:014d}", stage=1, batch=b, seq=s, width=w,
+                loss_scale=m.inner.micro_batch / m.inner.local_batch,
+            )  # fmt: skip
+            return encode_forward(header, tokens, p.codec.encode(c))
+
+        async def answer(sender: str, data: bytes) -> ResponseHeader:
+            reply = b"".join([chunk async for chunk in p.handle(sender, data)])
+            await asyncio.wait_for(asyncio.gather(*p.canaries.tasks), 30)
+            return decode_response(reply)[0]
+
+        async def go() -> None:
+            noise = torch.randn(truth.shape) * truth.std()
+            if flagged_before:
+                p.suspects.flag("liar", Reason.PIPELINE_OUTLIER, "activations: norm outlier")
+            assert (await answer("h1", train(truth, 1))).status == Status.OK.value
+            assert (await answer("liar", train(noise, 2))).status == Status.OK.value
+            refused = await answer("liar", train(noise, 3))  # caught: refused from now on
+            assert refused.status == Status.REJECTED.value and "banned" in refused.message
+            assert (await answer("h2", train(truth, 4))).status == Status.OK.value
+
+        asyncio.run(go())
+        assert p.suspects.banned() == {"liar"}
+        (row,) = p.suspects.status()["banned"]
+        assert row["reason"] == Reason.CANARY.value and "recomputed" in row["evidence"]
+        assert p.canaries.counts["compared"] == 3 and p.canaries.counts["flagged"] == 1
+        # each check asks a strict majority of the heads and one more, the sender among
+        # them: 3 others of 4, then 2 of 3 once the liar is banned as a canary (a norm
+        # outlier's ban leaves it checked and asked)
+        assert len(probed) == 3 + 3 + 2
+    finally:
+        head.close()
+        p.worker.close()
+
+
+def test_a_head_answers_probes_of_stage_0_from_stage_1_only() -> None:
+    """Heads took no requests at all; now a probe of stage 0 (its tokens, no activations)
+    from a peer with a record at stage 1, answered with the head's output."""
+    m = load_manifest("demo")
+    p = Pipeline(
+        m, StageWorker(m, 0), None, "me", lambda s: [], PipelineConfig(),
+        may_send=lambda peer, stage: (peer, stage) == ("stage-1", 1),
+    )  # fmt: skip
+    try:
+        b, s, w = m.inner.micro_batch, m.model.seq_len, p.worker.stage.boundary_width
+        tokens = torch.randint(0, m.model.vocab_size, (b, s + 1), generator=torch.Generator())
+        header = ForwardHeader(run_id=m.run_id, mb_id="x/canary", stage=0, batch=b, seq=s, width=w)
+        probe = ForwardHeader(**{**header.__dict__, "train": False, "probe": True})
+
+        async def ask(sender: str, data: bytes) -> tuple[ResponseHeader, memoryview]:
+            return decode_response(b"".join([chunk async for chunk in p.handle(sender, data)]))
+
+        async def go() -> None:
+            reply, out = await ask("stage-1", encode_forward(probe, tokens, b""))
+            assert reply.status == Status.OK.value
+            decoded = p.codec.decode(out, (b, s, w))
+            assert torch.allclose(decoded, p.worker.forward_eval(None, tokens), atol=0.05)
+            busy, rejected = Status.BUSY.value, Status.REJECTED.value
+            for sender, data, status, words in [
+                ("stranger", encode_forward(probe, tokens, b""), busy, "no record at stage 1"),
+                ("stage-1", encode_forward(header, tokens, b""), busy, "serves stage 0"),  # train
+                ("stage-1", encode_forward(probe, tokens, b"\0" * 8), rejected, "no activations"),
+            ]:
+                refused, _ = await ask(sender, data)
+                assert (refused.status, words in refused.message) == (status, True), refused
+
+        asyncio.run(go())
+        assert p.worker.in_flight == 0
     finally:
         p.worker.close()

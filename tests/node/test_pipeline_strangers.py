@@ -23,7 +23,7 @@ from agora_node.comms.pipeline_wire import (
 from agora_node.compression import ActivationCodec
 from agora_node.node.pipeline import MAX_REJECTIONS, Pipeline, PipelineConfig
 from agora_node.node.suspects import Reason
-from agora_node.node.worker import StageWorker
+from agora_node.node.worker import StageWorker, WorkerClosed
 from agora_node.stages.data import TokenBatch
 from agora_node.stages.manifest_files import load_manifest
 
@@ -55,7 +55,7 @@ def last_stage():
     worker = StageWorker(M, M.num_stages - 1)
     heads = {"upstream"}
     p = Pipeline(
-        M, worker, None, "me", lambda s: [], PipelineConfig(), may_send=lambda p: p in heads
+        M, worker, None, "me", lambda s: [], PipelineConfig(), may_send=lambda p, _stage: p in heads
     )
     try:
         yield p
@@ -73,6 +73,18 @@ def test_a_stage_serves_only_peers_with_a_record_at_the_stage_before(last_stage)
     served = _serve(last_stage, "upstream", data)
     assert served.status == Status.OK.value
     assert last_stage.worker.stats.microbatches == 1
+
+
+def test_a_request_that_finds_the_worker_closed_is_answered_leaving(last_stage):
+    """A second stop signal closes the node under its requests: its worker's executor shut
+    down, a handler's next call raised `RuntimeError: cannot schedule new futures after
+    shutdown`, logged as an ERROR traceback, and its text went to the sender as a failure."""
+    width = last_stage.worker.stage.boundary_width
+    last_stage.worker.close()
+    with pytest.raises(WorkerClosed):
+        asyncio.run(last_stage.worker.call(lambda: None))
+    reply = _serve(last_stage, "upstream", _request(M.num_stages - 1, width))
+    assert (reply.status, reply.code) == (Status.BUSY.value, Code.LEAVING.value)
 
 
 def test_a_training_request_weighs_no_more_than_a_heads_micro_batch(last_stage):

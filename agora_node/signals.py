@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 
 STOP = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -47,7 +48,12 @@ def restore(inherited: dict) -> None:
 @contextlib.contextmanager
 def while_starting() -> Iterator[None]:
     """Around a daemon command: `stop_while_starting` until its event loop installs its
-    own handlers (and while it runs none, as a dry run); what was there before, after."""
+    own handlers (and while it runs none, as a dry run); what was there before, after.
+    Nothing off the main thread (only it may set handlers: a caller running the command
+    in a thread of its own keeps its signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     inherited = stop_while_starting()
     try:
         yield

@@ -102,6 +102,9 @@ minutes of a run (each trains on its own batches between outer rounds, fast earl
 measured up to 0.57 by this measure (cosines down to 0.43) and relative distances
 (`distance`) up to 0.84, too far for `canary_tolerance`'s 0.5; after the first outer
 rounds, 0.04-0.06. Noise of a plausible norm is 1 from everyone (a cosine of 0)."""
+HEAD_STRIKES = 2
+"""Departures in a row that flag a head (one could be a head's own fast early steps, or
+weights this node's threshold was not measured with)."""
 NOISE_COSINE = 0.05
 """A replica whose gradients' best cosine with another replica's, averaged over its last
 `NOISE_CHECKS` checks, stays under this answers noise: a random direction has a cosine of
@@ -110,10 +113,13 @@ the lowest honest pair measured 0.196 (`grad_distance`)."""
 NOISE_CHECKS = 4
 
 
-def best_cosines(grads: dict[str, Tensor]) -> dict[str, float]:
-    """Each answer's best cosine with another answer, for the answers whose others hold a
-    pair that agrees (cosine above 2 x NOISE_COSINE): without such a pair (two noisy liars
-    of three) there is nothing to be judged against."""
+def best_cosines(grads: dict[str, Tensor], need: int = 2) -> dict[str, float]:
+    """Each answer's best cosine with another answer, for the answers whose others hold
+    `need` that agree among themselves (each with a cosine above 2 x NOISE_COSINE with
+    `need` - 1 of the others): a strict majority of the stage's trusted replicas, as
+    `departing` asks. Without it (two noisy liars of three; two colluders answering one
+    made-up vector while the honest replicas asked were busy) there is nothing to judge
+    against."""
     flat = {p: g.float().reshape(-1) for p, g in grads.items()}
     unit = {}
     for p, g in flat.items():
@@ -129,7 +135,12 @@ def best_cosines(grads: dict[str, Tensor]) -> dict[str, float]:
     out = {}
     for p in peers:
         others = [q for q in peers if q != p]
-        if any(c(q, r) > 2 * NOISE_COSINE for q in others for r in others if q < r):
+        agreeing = [
+            q
+            for q in others
+            if sum(c(q, r) > 2 * NOISE_COSINE for r in others if r != q) >= need - 1
+        ]
+        if others and len(agreeing) >= need:
             out[p] = max(c(p, q) for q in others)
     return out
 
@@ -230,6 +241,8 @@ class Canaries:
     in context-parallel cells, whose heads split each sequence)."""
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTS, 0))
     noise: NoiseWatch = field(default_factory=NoiseWatch)
+    strikes: dict[str, int] = field(default_factory=dict)
+    """Heads whose activations departed in their last checks, how many in a row."""
     tasks: set[asyncio.Task] = field(default_factory=set)
     closed: bool = False
     """Set by `cancel` (a leave): no check starts after it."""
@@ -314,7 +327,7 @@ class Canaries:
             found = dict.fromkeys(departing(losses, LOSS_TOLERANCE, len(trusted)), "loss")
             for peer in departing(grads, GRAD_TOLERANCE, len(trusted), grad_distance):
                 found[peer] = "gradient" if peer not in found else "loss and gradient"
-            return found, best_cosines(grads)
+            return found, best_cosines(grads, len(trusted) // 2 + 1)
 
         found, cosines = await asyncio.to_thread(judge)
         for peer, what in found.items():
@@ -392,13 +405,12 @@ class Canaries:
         # bans heads only for their micro-batches, and a norm outlier's ban (early in a
         # run its norms grow fast: QA runs had two of three heads banned so) still takes
         # their other micro-batches, while a canary ban refuses them all.
-        others = [
-            p
-            for p in self.replicas(0)
-            if p != sender and self.suspects.reason_of(p) != Reason.CANARY
-        ]
+        heads = self.replicas(0)
+        if sender not in heads:
+            return
+        others = [p for p in heads if p != sender and self.suspects.reason_of(p) != Reason.CANARY]
         size = self._asked(len(others) + 1)
-        if sender not in self.replicas(0) or size is None:
+        if size is None:
             log.debug("canary: no check of head %s (%d other heads)", sender[-8:], len(others))
             return
         chosen = random.sample(others, size - 1)
@@ -458,13 +470,31 @@ class Canaries:
                 for q in peers[i + 1 :]
             }
             log.debug("canary: stage %d outputs' distances %s", probe.stage, pairs)
-        for peer in await asyncio.to_thread(departing, outputs, tolerance, trusted, far):
+        departed = await asyncio.to_thread(departing, outputs, tolerance, trusted, far)
+        if given:  # a head's activations: only the sender is judged, on a second departure
+            departed = [p for p in given if self._strike(p, p in departed)]
+        for peer in departed:
             self.counts["flagged"] += 1
             evidence = f"stage {probe.stage}: output departs from the majority of {len(outputs)}"
-            if peer in (given or {}):
-                evidence += " (the activations it sent, recomputed by other replicas)"
+            if given:
+                evidence = (
+                    f"stage {probe.stage}: the activations it sent departed twice in a row from "
+                    f"those a majority of {len(outputs)} heads recomputed"
+                )
             self.suspects.flag(peer, Reason.CANARY, evidence)
             log.warning("canary: replica %s %s", peer[-8:], evidence)
+
+    def _strike(self, head: str, departed: bool) -> bool:
+        """Whether `head` departed in its last HEAD_STRIKES checks in a row (then its count
+        starts over); bounded: MAX_WATCHED heads."""
+        count = self.strikes.pop(head, 0) + 1 if departed else 0
+        if count >= HEAD_STRIKES:
+            return True
+        if count:
+            self.strikes[head] = count
+            while len(self.strikes) > MAX_WATCHED:
+                del self.strikes[next(iter(self.strikes))]
+        return False
 
     async def _probe(self, peer: str, header: ForwardHeader, payload: bytes) -> Tensor | None:
         """The replica's output for a canary, or None if it gave none (busy, old, gone).

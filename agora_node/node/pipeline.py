@@ -90,6 +90,26 @@ _BUSY = _UNCOUNTED | {Code.UNKNOWN_SENDER}
 this node has not read yet is refused by it for one refresh interval at most."""
 
 
+class ProbeBudget:
+    """Probes of stage 0 each sender may make a head answer: `burst` at once, then one
+    every `every_s` (a token bucket per sender; `max_senders` remembered, the oldest
+    forgotten first). Honest replicas of stage 1 probe one micro-batch in 64 they train
+    on, a few heads each: one every few seconds at most on a CPU swarm."""
+
+    def __init__(self, burst: int = 4, every_s: float = 1.0, max_senders: int = 1024) -> None:
+        self.burst, self.every_s, self.max_senders = burst, every_s, max_senders
+        self._left: dict[str, tuple[float, float]] = {}  # sender -> (tokens, when)
+
+    def take(self, sender: str, now: float) -> bool:
+        tokens, when = self._left.pop(sender, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - when) / self.every_s)
+        ok = tokens >= 1.0
+        self._left[sender] = (tokens - 1.0 if ok else tokens, now)
+        while len(self._left) > self.max_senders:
+            del self._left[next(iter(self._left))]
+        return ok
+
+
 class Pipeline:
     """Serves `worker`'s stage (the node routes its forward protocol to `handle`) and sends
     over `p2p`; `peers_of(stage)` names live replicas of a stage.
@@ -145,6 +165,8 @@ class Pipeline:
         """The next stage's last refusal of a micro-batch (monotonic time, stage, its
         words), until a micro-batch goes through: the status says what holds training."""
         self._gradient_norms = NormWatch()
+        self._probe_budget = ProbeBudget()
+        """A head's: what each peer of stage 1 may have it compute for canaries."""
         self.canaries = Canaries(
             config,
             self.suspects,
@@ -314,7 +336,7 @@ class Pipeline:
                 Code.UNKNOWN_RUN, f"this node serves run {m.run_id}, not {header.run_id!r}"
             )
         # nobody sends stage 0 micro-batches: only probes, from stage 1 (Canaries.received)
-        head_probe = self.is_head and header.probe and header.stage == 0
+        head_probe = self.is_head and header.probe and not header.train and header.stage == 0
         if header.stage != self.stage or (self.is_head and not head_probe):
             raise WireError(
                 Code.WRONG_STAGE, f"this node serves stage {self.stage}, not {header.stage}"
@@ -326,6 +348,8 @@ class Pipeline:
             )
         if self.suspects.reason_of(remote) == Reason.CANARY:  # caught lying by this node
             raise WireError(Code.BANNED, f"{remote[-8:]} is banned here (canary)")
+        if head_probe and not self._probe_budget.take(remote, time.monotonic()):
+            raise WireError(Code.OVERLOADED, "over this sender's budget of probes of stage 0")
         if not self.accepting:
             raise WireError(Code.LEAVING, "this node is leaving")
         if self.worker.in_flight + self.active_requests > self.config.max_queue:

@@ -268,6 +268,10 @@ class StageService:
 
     async def close(self) -> None:
         self._stop.set()
+        # no new micro-batch or check starts (a drain cut short by a second signal did not
+        # stop them), and the checks under way end before the worker closes
+        self.pipeline.accepting = False
+        self.pipeline.canaries.cancel()
         await self._loops.cancel_and_wait()
         await self.rounds.close()
         if self.pipeline.cells is not None:

@@ -24,6 +24,7 @@ import math
 import os
 import random
 import ssl
+import stat
 import time
 from collections import deque
 from collections.abc import Callable
@@ -146,9 +147,11 @@ def read_login(path: str) -> tuple[str, str]:
     """The broker login in `path`: its first line, USER:PASSWORD (the password may hold
     colons). ValueError says what is wrong, never what the file holds. The file must be
     readable by its owner only (as an ssh key): the password is a shared secret."""
-    try:
-        with open(path, "rb") as f:
+    try:  # (non-blocking: opening a pipe would wait for a writer)
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
             mode = os.fstat(f.fileno()).st_mode
+            if not stat.S_ISREG(mode):  # a pipe (`<(pass show ...)`) reads once, then never
+                raise ValueError(f"{path} is not a plain file (it is read at each connection)")
             first = f.read(MAX_LOGIN_BYTES + 1).split(b"\n", 1)[0].rstrip(b"\r")
     except OSError as exc:
         raise ValueError(f"{path}: {exc.strerror or exc}") from None
@@ -306,6 +309,13 @@ class Telemetry:
         self.broker = Broker.parse(url) if url else None
         self._secret = secret
         self._login = login
+        clear = self.broker is not None and not self.broker.tls
+        if login and clear and self.broker.host not in ("127.0.0.1", "::1", "localhost"):
+            log.warning(
+                "telemetry: the MQTT login goes to %s in the clear (mqtt://); "
+                "use mqtts:// beyond this machine",
+                self.broker.host,
+            )
         self._snapshot = snapshot
         self.every_s, self.backoff, self.keepalive_s, self.timeout_s = (
             every_s,

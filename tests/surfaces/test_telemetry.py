@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import math
+import os
 import signal
 import socket
 import struct
@@ -137,6 +138,10 @@ def test_the_broker_login_file(tmp_path, capsys):
         assert "nobody" not in str(exc.value)  # what the file holds is never repeated
     with pytest.raises(ValueError, match="No such file"):
         read_login(str(tmp_path / "missing"))
+    pipe = tmp_path / "pipe"  # `--mqtt-login <(pass show mqtt)` read once, then never again
+    os.mkfifo(pipe, 0o600)
+    with pytest.raises(ValueError, match="not a plain file"):
+        read_login(str(pipe))
     argv = ["join", "--initial-peers", f"/ip4/127.0.0.1/tcp/9/p2p/{PEER}"]
     argv += ["--data-dir", str(tmp_path / "d"), "--mqtt-login", str(login)]
     assert main(argv) == 2  # a login with no broker to log in to

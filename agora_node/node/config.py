@@ -108,7 +108,8 @@ class PipelineConfig:
     goes, as a forward-only probe (to the last stage: as training, once answered), to
     `canary_replicas` replicas of the next stage (or a strict majority of them and one
     more, if that is more); one whose answer departs from a strict majority of the stage
-    is flagged (node/canary.py). 0: never."""
+    is flagged (node/canary.py). At stage 1, also one micro-batch in n a head sends this
+    node: other heads recompute its activations. 0: never."""
     canary_replicas: int = 3
     canary_tolerance: float = 0.5
     """Relative distance (||a - b|| / max norm) within which two replicas' outputs agree;

@@ -4,8 +4,12 @@ one's signals are tests/integration/test_signals.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import subprocess
+import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -146,18 +150,30 @@ run()
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_stop_during_the_commands_imports_is_a_clean_exit(sig):
     """The first seconds (torch's import) met Python's default: killed, exit -15, silent."""
-    import subprocess
-    import sys
+    _stop_while_importing(sig, _SLOW_IMPORT)
 
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_IMPORT], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    try:
+
+def _stop_while_importing(sig: signal.Signals, script: str, *args: str) -> None:
+    """Run `script` until it says it is importing, send `sig`: a clean exit, saying so."""
+    with _python(script, *args) as proc:
         assert proc.stdout.readline() == b"importing\n"
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=20)
+        _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
         assert f"stopped while starting ({sig.name})".encode() in err
+
+
+@contextlib.contextmanager
+def _python(script: str, *args: str, **popen) -> Iterator[subprocess.Popen]:
+    """`python -c script args`, its output piped, killed by its pid if still running."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **popen,
+    )
+    try:
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -167,25 +183,13 @@ def test_a_stop_during_the_commands_imports_is_a_clean_exit(sig):
 def test_a_signal_ignored_by_the_caller_stays_ignored_while_starting():
     """nohup's SIGHUP is ignored: it was made to stop the command, and then reset to the
     default (a hangup killed a nohup'ed train-local)."""
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_IMPORT],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
-    )
-    try:
+    ignore_hup = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)  # noqa: E731
+    with _python(_SLOW_IMPORT, preexec_fn=ignore_hup) as proc:
         assert proc.stdout.readline() == b"importing\n"
         proc.send_signal(signal.SIGHUP)  # ignored
         proc.send_signal(signal.SIGTERM)  # stops it: a signal after the first is handled
         _, err = proc.communicate(timeout=20)
         assert proc.returncode == 0 and b"(SIGTERM)" in err and b"SIGHUP" not in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 _SLOW_DAEMON_IMPORT = """
@@ -209,26 +213,9 @@ def test_a_stop_before_the_daemons_loop_handles_signals_is_a_clean_exit(tmp_path
     """The command's imports were covered, but `join` spends seconds more importing
     hivemind and torch for its checks and the daemon's code: a signal then killed it,
     exit -15 (SIGQUIT -3), silent."""
-    import subprocess
-    import sys
-
     peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJTjvve5CHTecvRiyBZSEgRN7cHWUDhThRpcBxcUEb3xX"
     data_dir = tmp_path / "node"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_DAEMON_IMPORT, peer, str(data_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        assert proc.stdout.readline() == b"importing\n"
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=30)
-        assert proc.returncode == 0, err
-        assert f"stopped while starting ({sig.name})".encode() in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    _stop_while_importing(sig, _SLOW_DAEMON_IMPORT, peer, str(data_dir))
     from agora_node.node import datadir
 
     with datadir.lock_data_dir(str(data_dir)):  # released: the next daemon may start
@@ -250,20 +237,10 @@ run()
 def test_a_stop_signal_while_the_process_exits_is_ignored():
     """After a daemon left, Python's own shutdown took seconds: a second Ctrl-C or SIGTERM
     then killed the process (exit -2 or -15), though the node had left cleanly."""
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_EXIT], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    try:
+    with _python(_SLOW_EXIT) as proc:
         assert proc.stdout.readline().startswith(b"agora-node ")  # --version: the command ran
         assert proc.stdout.readline() == b"exiting\n"
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             proc.send_signal(sig)
         _, err = proc.communicate(timeout=20)
         assert proc.returncode == 0, err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

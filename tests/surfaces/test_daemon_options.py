@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,37 +46,28 @@ SAMPLES = {
 JOIN_OPTIONS = options_of(NodeConfig)
 
 
-def _allow_files() -> list[str]:
-    """Four valid --allow-keys files (the option checks its file when it is resolved)."""
-    from agora_node.protocol.identity import Identity
-
-    folder = Path(tempfile.mkdtemp(prefix="agora-allow-keys-"))
+def _sample_files(prefix: str, text: Callable[[int], str]) -> list[str]:
+    """Four valid files for an option that checks its file when it is resolved (owner-only,
+    as a login file must be), removed at exit."""
+    folder = Path(tempfile.mkdtemp(prefix=f"agora-{prefix}-"))
     atexit.register(shutil.rmtree, folder, True)
     paths = []
     for i in range(4):
-        path = folder / f"keys-{i}.txt"
-        path.write_text(Identity.generate().peer_id + "\n")
-        paths.append(str(path))
-    return paths
-
-
-SAMPLES["allow_keys"] = _allow_files()
-
-
-def _login_files() -> list[str]:
-    """Four valid --mqtt-login files (owner-only USER:PASSWORD)."""
-    folder = Path(tempfile.mkdtemp(prefix="agora-mqtt-login-"))
-    atexit.register(shutil.rmtree, folder, True)
-    paths = []
-    for i in range(4):
-        path = folder / f"login-{i}"
-        path.write_text(f"user{i}:password{i}\n")
+        path = folder / f"{prefix}-{i}"
+        path.write_text(text(i))
         path.chmod(0o600)
         paths.append(str(path))
     return paths
 
 
-SAMPLES["mqtt_login"] = _login_files()
+def _peer_id(_i: int) -> str:
+    from agora_node.protocol.identity import Identity
+
+    return Identity.generate().peer_id + "\n"
+
+
+SAMPLES["allow_keys"] = _sample_files("allow-keys", _peer_id)
+SAMPLES["mqtt_login"] = _sample_files("mqtt-login", lambda i: f"user{i}:password{i}\n")
 
 
 def samples(opt: Option) -> list[Any]:

@@ -67,6 +67,8 @@ class PeerStats:
     state: str = NodeState.ACTIVE.value
     latency_ema: float | None = None
     """Seconds per micro-batch we observed, smoothed; None until the first success."""
+    measured_at: float = 0.0
+    """When `latency_ema` last took a sample (the sender's monotonic clock)."""
     in_flight: int = 0
     """Micro-batches we sent that have neither succeeded nor failed."""
     consecutive_failures: int = 0
@@ -89,6 +91,12 @@ class RouterConfig:
     probe_factor: float = 0.5
     """A peer with no data and nothing in flight is estimated at this fraction of the
     best known time, so that it is probed."""
+    remeasure_s: float = 20.0
+    """A peer whose last sample is older than this, with nothing in flight, is probed
+    again as if unknown, and its next sample replaces the old ones: a replica whose first
+    micro-batch was slow (a cold start beside a busy machine) was never chosen again, so
+    never measured again (a QA run: one of three replicas of a stage trained 1 micro-batch
+    in 4 minutes)."""
     max_peers: int = 1024
     """Peers the router keeps statistics for; beyond, the least recently announced ones
     with nothing in flight are forgotten."""
@@ -168,9 +176,13 @@ class Router:
         stats.in_flight = max(0, stats.in_flight - 1)
         a = self.config.ema_alpha
         latency_s = max(0.0, latency_s) if math.isfinite(latency_s) else self.config.max_ban_s
+        stale = self._stale(stats, now)
         stats.latency_ema = (
-            latency_s if stats.latency_ema is None else a * latency_s + (1 - a) * stats.latency_ema
+            latency_s
+            if stats.latency_ema is None or stale
+            else a * latency_s + (1 - a) * stats.latency_ema
         )
+        stats.measured_at = now
         stats.successes += 1
         stats.consecutive_failures = 0
         stats.banned_until = 0.0
@@ -208,15 +220,28 @@ class Router:
             return self.config.tokens_per_item / stats.announced_throughput
         return None
 
-    def expected_time(self, peer: PeerId, *, default: float = 1.0) -> float:
+    def _stale(self, stats: PeerStats, now: float | None) -> bool:
+        """Whether the peer's measured latency is too old to go by (`remeasure_s`)."""
+        return (
+            now is not None
+            and stats.latency_ema is not None
+            and now - stats.measured_at > self.config.remeasure_s
+        )
+
+    def expected_time(
+        self, peer: PeerId, *, default: float = 1.0, now: float | None = None
+    ) -> float:
         """Expected completion time of one more micro-batch sent to `peer` now: its round
         trip once, plus the micro-batches ahead of it there and itself at `item_time` each.
 
         `default` is the per-item time assumed for a peer we know nothing about
-        (choose() passes the best known one).
+        (choose() passes the best known one), or whose measurement is stale at `now`
+        (`remeasure_s`) with nothing in flight.
         """
         stats = self._peers.get(peer) or PeerStats()
         per_item = self.item_time(peer)
+        if stats.in_flight == 0 and self._stale(stats, now):
+            per_item = None  # probed again, as a peer we know nothing about
         if per_item is None:
             # Optimistic until one probe is out: it gets tried soon, but not flooded
             # before we learn whether it answers at all.
@@ -243,7 +268,7 @@ class Router:
             return None
         known = [t for p in usable if (t := self.item_time(p)) is not None]
         default = min(known, default=1.0)  # with nothing known, all peers look alike
-        times = {p: self.expected_time(p, default=default) for p in usable}
+        times = {p: self.expected_time(p, default=default, now=now) for p in usable}
         best = min(times.values())
         tied = [p for p, t in times.items() if t <= best * (1 + _TIE)]
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)

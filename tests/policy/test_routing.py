@@ -55,6 +55,27 @@ def test_latency_is_an_ema() -> None:
     assert r.item_time("a") == pytest.approx(2.0)
 
 
+def test_a_peer_slow_once_is_measured_again_after_a_while() -> None:
+    """A replica whose first micro-batch was slow (a cold start) was never chosen again,
+    so never measured again: one of three replicas of a stage trained 1 micro-batch in 4
+    minutes while the others took every one."""
+    r = router()
+    r.on_sent("cold", 0.0)
+    r.on_success("cold", 10.0, now=10.0)  # its first micro-batch: 10 s
+    now, chosen = 10.0, []
+    while now < 10.0 + 3 * r.config.remeasure_s:  # one sender, one micro-batch at a time
+        peer = r.choose(["cold", "warm"], now)
+        chosen.append(peer)
+        r.on_sent(peer, now)
+        now += 0.3
+        r.on_success(peer, 0.3, now)  # both answer in 0.3 s now
+    assert chosen[0] == "warm"
+    first = chosen.index("cold")  # probed again once its sample went stale
+    assert 0.3 * first >= r.config.remeasure_s - 0.3
+    assert r.item_time("cold") == pytest.approx(0.3)  # the new sample replaced the old
+    assert chosen[first + 1 :].count("cold") >= len(chosen[first + 1 :]) // 4  # used again
+
+
 def test_spreads_load_by_in_flight_counts() -> None:
     r = router()
     announce(r, a=2000.0, b=2000.0, c=1000.0)

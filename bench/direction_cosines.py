@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attack", default=None, choices=byzantine.ATTACKS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ban-s", type=float, default=600.0)
+    # byzantine.run reads it (since f81e2ab): without it this command failed at once
+    p.add_argument("--memory", action="store_true", help="memory after each round (stderr)")
     args = p.parse_args(argv)
     manifest = load_manifest(args.manifest)
     manifest = dataclasses.replace(

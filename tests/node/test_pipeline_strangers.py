@@ -5,6 +5,7 @@ one replica's REJECTED does not drop a micro-batch, and a reply's loss must be a
 network: streams.request is replaced by in-memory replicas."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -159,9 +160,10 @@ def _send(p: Pipeline, *, train: bool = True):  # noqa: ANN202
 
 
 def _liar_first(p: Pipeline) -> None:
-    p._router.on_success("liar", 0.001, 0.0)
-    p._router.on_success("honest", 0.5, 0.0)
-    p._router.on_success("other", 1.0, 0.0)
+    now = time.monotonic()  # the router's clock: measurements older than 20 s are stale
+    p._router.on_success("liar", 0.001, now)
+    p._router.on_success("honest", 0.5, now)
+    p._router.on_success("other", 1.0, now)
 
 
 def test_one_replica_that_rejects_does_not_drop_the_micro_batch(head, monkeypatch):

@@ -223,8 +223,8 @@ def test_choice_is_usable_and_has_the_least_expected_time(events, now, exclude) 
         return
     assert chosen in usable
     default = min((x for p in usable if (x := r.item_time(p)) is not None), default=1.0)
-    best = min(r.expected_time(p, default=default) for p in usable)
-    assert r.expected_time(chosen, default=default) <= best * (1 + 1e-9)
+    best = min(r.expected_time(p, default=default, now=t + now) for p in usable)
+    assert r.expected_time(chosen, default=default, now=t + now) <= best * (1 + 1e-9)
     assert all(v["in_flight"] >= 0 for v in r.snapshot().values())
 
 

@@ -21,12 +21,13 @@ import logging
 import math
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 
 import torch
 
 from agora_node.comms import streams
+from agora_node.comms.guard import TokenBucket
 from agora_node.comms.pipeline_wire import (
     MAX_HEADER,
     Code,
@@ -92,22 +93,20 @@ this node has not read yet is refused by it for one refresh interval at most."""
 
 class ProbeBudget:
     """Probes of stage 0 each sender may make a head answer: `burst` at once, then one
-    every `every_s` (a token bucket per sender; `max_senders` remembered, the oldest
-    forgotten first). Honest replicas of stage 1 probe one micro-batch in 64 they train
-    on, a few heads each: one every few seconds at most on a CPU swarm."""
+    every `every_s` (a `TokenBucket` per sender; `max_senders` remembered, the least
+    recently seen forgotten first). Honest replicas of stage 1 probe one micro-batch in 64
+    they train on, a few heads each: one every few seconds at most on a CPU swarm."""
 
     def __init__(self, burst: int = 4, every_s: float = 1.0, max_senders: int = 1024) -> None:
         self.burst, self.every_s, self.max_senders = burst, every_s, max_senders
-        self._left: dict[str, tuple[float, float]] = {}  # sender -> (tokens, when)
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
 
     def take(self, sender: str, now: float) -> bool:
-        tokens, when = self._left.pop(sender, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + (now - when) / self.every_s)
-        ok = tokens >= 1.0
-        self._left[sender] = (tokens - 1.0 if ok else tokens, now)
-        while len(self._left) > self.max_senders:
-            del self._left[next(iter(self._left))]
-        return ok
+        bucket = self._buckets.pop(sender, None) or TokenBucket(1 / self.every_s, self.burst, now)
+        self._buckets[sender] = bucket
+        while len(self._buckets) > self.max_senders:
+            self._buckets.popitem(last=False)
+        return bucket.take(now)
 
 
 class Pipeline:

@@ -406,7 +406,8 @@ class Telemetry:
         rng = random.Random()
         while True:
             try:
-                client = self._client(aiomqtt)
+                login = await asyncio.to_thread(read_login, self._login) if self._login else None
+                client = self._client(aiomqtt, login)
                 first = _read_ending(client)
                 async with client:
                     _read_ending(client, seen=first)
@@ -432,9 +433,9 @@ class Telemetry:
             delay = backoff_s(self.failures, *self.backoff)
             await asyncio.sleep(delay * (0.5 + rng.random() / 2))
 
-    def _client(self, aiomqtt: Any) -> Any:
+    def _client(self, aiomqtt: Any, login: tuple[str, str] | None = None) -> Any:
         will = {"state": "gone", "peer_id": self._node.get("peer_id")}
-        user, password = read_login(self._login) if self._login else (None, None)
+        user, password = login or (None, None)
         return aiomqtt.Client(
             self.broker.host,
             self.broker.port,

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agora_node.node.canary import distance  # noqa: E402
+from agora_node.node.canary_rules import distance  # noqa: E402
 from agora_node.node.train_local import LocalTrainConfig, LocalTrainer  # noqa: E402
 from agora_node.stages.manifest_files import load_manifest  # noqa: E402
 

@@ -18,7 +18,7 @@ from agora_node.comms.pipeline_wire import (
     encode_forward,
     encode_response,
 )
-from agora_node.node.canary import (
+from agora_node.node.canary_rules import (
     GRAD_TOLERANCE,
     NOISE_CHECKS,
     NoiseWatch,
